@@ -1,0 +1,355 @@
+"""Every collective noloco_jax uses, and what each one costs.
+
+This is the only module that calls ``lax.ppermute``, ``lax.pmean`` or
+``lax.psum``. It works the same whether ``axis_name`` is bound by
+``jax.vmap(..., axis_name=...)`` (N simulated replicas on one device) or by
+``jax.shard_map`` over a mesh axis (one replica per device).
+
+Random groups with static permutations
+--------------------------------------
+``lax.ppermute`` needs its permutation at trace time, yet NoLoCo re-draws its
+groups every outer round. We therefore precompute a *pool* of partitions of
+the N replicas into groups of n and select one per round with ``lax.switch``,
+the branch index being drawn from ``fold_in(key(seed), round)``: the same on
+every replica and host, with no communication.
+
+* n = 2: the pool is the N - 1 perfect matchings of the round-robin
+  ("circle method") 1-factorisation of K_N. Every pair of replicas sits in
+  exactly one matching, so a replica's partner is uniform over the other
+  N - 1 replicas each round, and the compiled program has N - 1 branches.
+* n > 2: the pool holds ``pool_size`` (default N - 1) partitions drawn once
+  from ``numpy.random.default_rng(seed)``; each groups a random permutation
+  by striding, as the reference code does (element k joins group k mod N/n).
+* n = N: the single partition {all replicas} (NoLoCo degenerates to DiLoCo).
+
+``groups_for_round`` returns exactly the partition used in a round.
+
+Exchanges inside a group
+------------------------
+For n a power of two the group sum is a butterfly (recursive doubling):
+log2(n) ``ppermute`` calls, each moving one buffer. Otherwise it is n - 1
+cyclic shifts inside the groups. Each replica therefore sends
+``exchange_steps(n)`` buffers per exchanged tensor, and receives as many;
+nothing is ever reduced over all N replicas.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+PyTree = Any
+
+__all__ = [
+    "UnboundAxisError",
+    "axis_size",
+    "check_group_size",
+    "partition_pool",
+    "pool_index",
+    "groups_for_round",
+    "group_mean",
+    "all_replica_mean",
+    "exchange_steps",
+    "noloco_bytes_per_sync",
+    "allreduce_bytes_per_replica",
+    "tree_num_elements",
+]
+
+
+class UnboundAxisError(ValueError):
+    """Raised when a replica axis name is used where no transformation binds it."""
+
+
+def axis_size(axis_name: str) -> int:
+    """Number of replicas along ``axis_name``, with a helpful error if unbound.
+
+    Args:
+      axis_name: the replica axis name.
+
+    Returns:
+      The static size of the axis.
+
+    Raises:
+      UnboundAxisError: if no enclosing ``jax.vmap`` or ``jax.shard_map`` binds
+        ``axis_name``.
+    """
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as err:
+        raise UnboundAxisError(
+            f"axis_name={axis_name!r} is not bound where this update runs. Run the "
+            f"update inside jax.vmap(fn, axis_name={axis_name!r}) (replicas simulated "
+            f"on one device) or inside jax.shard_map over a mesh with an axis named "
+            f"{axis_name!r} (one replica per device); for a single replica pass "
+            f"axis_name=None."
+        ) from err
+
+
+def check_group_size(num_replicas: int, group_size: int) -> None:
+    """Raises ``ValueError`` unless ``2 <= group_size`` and it divides N."""
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2, got {group_size}.")
+    if num_replicas < group_size or num_replicas % group_size:
+        raise ValueError(
+            f"group_size={group_size} must divide the number of replicas "
+            f"num_replicas={num_replicas} (and not exceed it)."
+        )
+
+
+def _round_robin_matchings(n: int) -> np.ndarray:
+    """The n - 1 perfect matchings of K_n (n even), shape [n - 1, n // 2, 2]."""
+    m = n - 1
+    out = np.empty((m, n // 2, 2), dtype=np.int32)
+    for k in range(m):
+        out[k, 0] = (k, m)
+        for i in range(1, n // 2):
+            out[k, i] = ((k + i) % m, (k - i) % m)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def partition_pool(
+    num_replicas: int, group_size: int, seed: int, pool_size: int | None = None
+) -> np.ndarray:
+    """The static pool of partitions the outer step chooses from.
+
+    Args:
+      num_replicas: N, the number of replicas on the axis.
+      group_size: n, the size of each group; must divide N.
+      seed: seed of the pool (n > 2) and of the subset of matchings (n = 2 with
+        ``pool_size < N - 1``).
+      pool_size: number of partitions; default N - 1 (all matchings for n = 2).
+
+    Returns:
+      Read-only int32 array of shape [pool_size, N // n, n] of replica ids.
+    """
+    check_group_size(num_replicas, group_size)
+    if group_size == num_replicas:
+        pool = np.arange(num_replicas, dtype=np.int32)[None, None, :]
+    else:
+        size = num_replicas - 1 if pool_size is None else pool_size
+        if size < 1:
+            raise ValueError(f"pool_size must be >= 1, got {pool_size}.")
+        rng = np.random.default_rng(seed)
+        if group_size == 2:
+            pool = _round_robin_matchings(num_replicas)
+            if size < len(pool):
+                pool = pool[np.sort(rng.choice(len(pool), size, replace=False))]
+            elif size > len(pool):
+                raise ValueError(
+                    f"pool_size={size} exceeds the {len(pool)} distinct matchings of "
+                    f"{num_replicas} replicas."
+                )
+        else:
+            g = num_replicas // group_size
+            perms = np.stack([rng.permutation(num_replicas) for _ in range(size)])
+            # Element k of a permutation joins group k mod g (reference grouping).
+            pool = perms.reshape(size, group_size, g).transpose(0, 2, 1)
+        pool = np.ascontiguousarray(pool, dtype=np.int32)
+    pool.setflags(write=False)
+    return pool
+
+
+def pool_index(round_index: jax.typing.ArrayLike, pool_size: int, seed: int) -> jax.Array:
+    """Which pool entry outer round ``round_index`` uses (traced, replica-uniform)."""
+    if pool_size == 1:
+        return jnp.zeros([], jnp.int32)
+    key = jax.random.fold_in(jax.random.key(seed), jnp.asarray(round_index, jnp.uint32))
+    return jax.random.randint(key, (), 0, pool_size, dtype=jnp.int32)
+
+
+def groups_for_round(
+    round_index: int,
+    num_replicas: int,
+    group_size: int,
+    seed: int,
+    *,
+    pool_size: int | None = None,
+) -> np.ndarray:
+    """The groups NoLoCo uses in outer round ``round_index``.
+
+    Computed identically on every replica and host from its arguments alone.
+
+    Args:
+      round_index: 0-based index of the outer round (the number of outer steps
+        taken before it).
+      num_replicas: N.
+      group_size: n.
+      seed: the ``seed`` given to ``noloco_outer``.
+      pool_size: the ``pool_size`` given to ``noloco_outer``.
+
+    Returns:
+      int array [N // n, n]; row g lists the replica ids of group g.
+
+    Example:
+      >>> groups_for_round(0, num_replicas=4, group_size=2, seed=0).shape
+      (2, 2)
+    """
+    pool = partition_pool(num_replicas, group_size, seed, pool_size)
+    idx = int(pool_index(round_index, len(pool), seed))
+    return np.array(pool[idx])
+
+
+def exchange_steps(group_size: int) -> int:
+    """Buffers each replica sends (and receives) per exchanged tensor."""
+    if group_size & (group_size - 1) == 0:
+        return int(math.log2(group_size))
+    return group_size - 1
+
+
+def _exchange_perms(partition: np.ndarray) -> list[list[tuple[int, int]]]:
+    """Static (source, destination) lists realising the group sum."""
+    n = partition.shape[1]
+    perms = []
+    if n & (n - 1) == 0:  # butterfly: partner differs in one bit of the member index
+        for b in range(int(math.log2(n))):
+            perms.append(
+                [(int(g[j]), int(g[j ^ (1 << b)])) for g in partition for j in range(n)]
+            )
+        return perms
+    for k in range(1, n):  # cyclic shift by k inside every group
+        perms.append([(int(g[j]), int(g[(j + k) % n])) for g in partition for j in range(n)])
+    return perms
+
+
+def _uint_of(dtype: Any) -> Any:
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize]
+
+
+def _accum_dtype(dtype: Any) -> Any:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _group_mean_static(
+    tree: PyTree, axis_name: str, partition: np.ndarray, exchange_dtype: Any
+) -> PyTree:
+    n = partition.shape[1]
+    butterfly = n & (n - 1) == 0
+    perms = _exchange_perms(partition)
+
+    def send(x_acc: jax.Array, wire: Any, perm: Sequence[tuple[int, int]]) -> jax.Array:
+        payload = x_acc.astype(wire)
+        if jnp.dtype(wire) != x_acc.dtype:
+            # Ship the narrow type's raw bits: XLA may otherwise move the
+            # convert across the collective and send the wide type after all.
+            bits = lax.bitcast_convert_type(payload, _uint_of(wire))
+            payload = lax.bitcast_convert_type(lax.ppermute(bits, axis_name, perm), wire)
+        else:
+            payload = lax.ppermute(payload, axis_name, perm)
+        return payload.astype(x_acc.dtype)
+
+    def leaf_mean(x: jax.Array) -> jax.Array:
+        wire = exchange_dtype or x.dtype
+        acc = x.astype(_accum_dtype(x.dtype))
+        if butterfly:
+            for perm in perms:
+                acc = acc + send(acc, wire, perm)
+        else:
+            total = acc
+            for perm in perms:
+                total = total + send(acc, wire, perm)
+            acc = total
+        return acc / n
+
+    return jax.tree.map(leaf_mean, tree)
+
+
+def group_mean(
+    tree: PyTree,
+    axis_name: str,
+    pool: np.ndarray,
+    index: jax.typing.ArrayLike,
+    exchange_dtype: Any = None,
+) -> PyTree:
+    """Mean of ``tree`` over this replica's group in partition ``pool[index]``.
+
+    Args:
+      tree: this replica's values (the replica axis is implicit).
+      axis_name: the bound replica axis.
+      pool: static partitions, [K, N // n, n] (see ``partition_pool``).
+      index: traced, replica-uniform int selecting the partition.
+      exchange_dtype: dtype of what travels; ``None`` keeps each leaf's dtype.
+        The local contribution and the accumulation stay in at least float32.
+
+    Returns:
+      A tree like ``tree`` (leaves promoted to at least float32) holding the
+      group means.
+    """
+    branches = [
+        functools.partial(
+            _group_mean_static, axis_name=axis_name, partition=p, exchange_dtype=exchange_dtype
+        )
+        for p in pool
+    ]
+    if len(branches) == 1:
+        return branches[0](tree)
+    return lax.switch(index, branches, tree)
+
+
+def all_replica_mean(tree: PyTree, axis_name: str) -> PyTree:
+    """All-reduce mean over every replica (DiLoCo and data-parallel)."""
+    return lax.pmean(tree, axis_name)
+
+
+def tree_num_elements(tree: PyTree) -> int:
+    """Total number of elements in a pytree of arrays (or ShapeDtypeStructs)."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def _tree_bytes(tree: PyTree, dtype: Any) -> int:
+    return sum(
+        int(np.prod(x.shape)) * jnp.dtype(dtype or x.dtype).itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def noloco_bytes_per_sync(
+    params: PyTree,
+    *,
+    group_size: int = 2,
+    gamma_equals_beta: bool = True,
+    exchange_dtype: Any = None,
+) -> int:
+    """Bytes one replica sends in one NoLoCo outer step.
+
+    With gamma = beta only the fast weights travel (one tensor per leaf);
+    otherwise the slow weights travel too (two). Each tensor takes
+    ``exchange_steps(group_size)`` messages.
+
+    Args:
+      params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
+      group_size: n.
+      gamma_equals_beta: whether ``gamma`` is ``None`` (or equal to beta).
+      exchange_dtype: dtype on the wire; ``None`` means the leaves' dtypes.
+
+    Returns:
+      Bytes sent per replica per sync (received bytes are equal).
+    """
+    tensors = 1 if gamma_equals_beta else 2
+    return tensors * exchange_steps(group_size) * _tree_bytes(params, exchange_dtype)
+
+
+def allreduce_bytes_per_replica(params: PyTree, num_replicas: int, *, dtype: Any = None) -> float:
+    """Bytes one replica sends in a bandwidth-optimal (ring) all-reduce of ``params``.
+
+    A ring all-reduce is a reduce-scatter followed by an all-gather; each
+    replica sends 2 (N - 1) / N buffers. This is the lower bound for any
+    all-reduce algorithm, so it flatters DiLoCo and data parallel.
+
+    Args:
+      params: the tree being reduced (arrays or ``jax.ShapeDtypeStruct``).
+      num_replicas: N.
+      dtype: dtype on the wire; ``None`` means the leaves' dtypes.
+
+    Returns:
+      Bytes sent per replica.
+    """
+    if num_replicas <= 1:
+        return 0.0
+    return 2.0 * (num_replicas - 1) / num_replicas * _tree_bytes(params, dtype)
+

@@ -1,0 +1,83 @@
+"""Reading communication volume off compiled HLO text.
+
+Used by tests and benchmarks to prove which collectives a compiled step
+contains and how many bytes they move, instead of trusting arithmetic.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+import numpy as np
+
+__all__ = ["CollectiveOp", "collective_ops", "bytes_by_computation", "compiled_text"]
+
+_KINDS = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(_KINDS) + r")(-start)?\(")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction: its kind, enclosing computation and bytes."""
+
+    kind: str
+    computation: str
+    bytes: int
+    in_entry: bool
+
+
+def _shape_bytes(shape_text: str, is_start: bool) -> int:
+    arrays = _ARRAY.findall(shape_text)
+    if is_start:  # async start: (operand, output, contexts...) -> count the operand once
+        arrays = arrays[:1]
+    total = 0
+    for dtype, dims in arrays:
+        if dtype not in _DTYPE_BYTES:
+            continue
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        total += n * _DTYPE_BYTES[dtype]
+    return total
+
+
+def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+    """Every collective instruction in an HLO module's text."""
+    ops = []
+    computation, in_entry = "", False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():
+            m = _HEADER.match(line)
+            if m:
+                computation, in_entry = m.group(1), line.startswith("ENTRY")
+            continue
+        m = _INSTR.match(line)
+        if m:
+            shape_text, kind, start = m.groups()
+            nbytes = _shape_bytes(shape_text, bool(start))
+            ops.append(CollectiveOp(kind, computation, nbytes, in_entry))
+    return ops
+
+
+def bytes_by_computation(hlo_text: str, kind: str) -> dict[str, int]:
+    """Bytes moved by collectives of ``kind``, summed per HLO computation.
+
+    For a step whose exchange sits in ``lax.switch`` branches, each branch is
+    its own computation, so each value is the bytes of one branch.
+    """
+    out: dict[str, int] = collections.defaultdict(int)
+    for op in collective_ops(hlo_text):
+        if op.kind == kind:
+            out[op.computation] += op.bytes
+    return dict(out)
+
+
+def compiled_text(jitted, *args, **kwargs) -> str:
+    """Optimized HLO text of ``jitted`` (a ``jax.jit`` function) for these args."""
+    return jitted.lower(*args, **kwargs).compile().as_text()

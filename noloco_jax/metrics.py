@@ -1,0 +1,44 @@
+"""Cross-replica diagnostics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from noloco_jax import comm
+
+__all__ = ["replica_spread"]
+
+
+def replica_spread(params: Any, axis_name: str) -> jax.Array:
+    """The paper's pooled cross-replica weight standard deviation.
+
+    sqrt( sum over leaves and elements of mean_replicas (p - mean_replicas p)^2
+          / total number of elements ),
+
+    a population std pooled over every parameter, as logged by the reference
+    code (``Model/std``). Computed in float32. This is a diagnostic: it uses an
+    all-replica mean, so call it at evaluation time, not in the training step.
+
+    Args:
+      params: this replica's parameter tree.
+      axis_name: the replica axis bound by ``jax.vmap`` or ``jax.shard_map``.
+
+    Returns:
+      A float32 scalar, identical on every replica.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> p = jnp.array([[0.0], [2.0]])  # 2 replicas, 1 parameter
+      >>> jax.vmap(lambda x: replica_spread(x, "r"), axis_name="r")(p).tolist()
+      [1.0, 1.0]
+    """
+    comm.axis_size(axis_name)
+    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(params)]
+    means = comm.all_replica_mean(leaves, axis_name)
+    sq = sum(jnp.sum(jnp.square(x - m)) for x, m in zip(leaves, means))
+    total = comm.tree_num_elements(leaves)
+    return jnp.sqrt(lax.pmean(sq, axis_name) / total)

@@ -1,0 +1,15 @@
+"""Optax transformations: NoLoCo and DiLoCo outer steps, local steps, data parallel."""
+
+from noloco_jax.optim.diloco import DiLoCoOuterState, diloco_outer
+from noloco_jax.optim.local_steps import LocalStepsState, data_parallel, local_steps
+from noloco_jax.optim.noloco import NoLoCoOuterState, noloco_outer
+
+__all__ = [
+    "DiLoCoOuterState",
+    "LocalStepsState",
+    "NoLoCoOuterState",
+    "data_parallel",
+    "diloco_outer",
+    "local_steps",
+    "noloco_outer",
+]

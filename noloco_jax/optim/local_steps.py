@@ -1,0 +1,174 @@
+"""Inner/outer wrapper (``local_steps``) and the per-step all-reduce baseline.
+
+How the two nested loops of DiLoCo-family methods become one jittable update
+----------------------------------------------------------------------------
+The papers write an outer loop over rounds t and an inner loop of H optimizer
+steps from phi_t to theta_{t+1}. We keep phi (``slow_params``), the step
+counter and the outer state inside the transformation's state, so the model
+parameters seen by the user are always the fast weights theta. Every call
+applies the inner optimizer. On every H-th call (after its inner step, as in
+the reference code) it also forms the pseudo-gradient phi - theta, applies the
+outer transformation to get phi_new, and returns the update phi_new - theta_old
+so that ``optax.apply_updates`` lands theta on phi_new (theta <- phi). The
+inner state is never averaged or reset. The outer branch, and with it every
+collective, sits under ``lax.cond`` and so runs only on sync steps.
+
+As with ``optax.lookahead``, updates returned on a sync step must be applied
+unmodified: do not chain scaling transformations *after* ``local_steps``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from noloco_jax import comm
+
+__all__ = ["LocalStepsState", "local_steps", "data_parallel"]
+
+
+class LocalStepsState(NamedTuple):
+    """State of the transformation returned by ``local_steps``.
+
+    Attributes:
+      count: int32 scalar, inner steps taken so far.
+      slow_params: phi, the weights at the last outer step (same tree and
+        dtypes as the params).
+      inner_state: the inner optimizer's state (kept local).
+      outer_state: the outer optimizer's state.
+    """
+
+    count: jax.Array
+    slow_params: optax.Params
+    inner_state: optax.OptState
+    outer_state: optax.OptState
+
+
+def local_steps(
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    sync_every: int,
+) -> optax.GradientTransformationExtraArgs:
+    """Runs ``inner`` every step and ``outer`` every ``sync_every`` steps.
+
+    Args:
+      inner: any optax transformation or chain (e.g. clipped Adam), applied to
+        the gradients each step; its state stays local to the replica.
+      outer: an outer transformation with the ``noloco_outer`` contract
+        (``update(phi - theta, state, phi)`` returns delta), e.g.
+        ``noloco_outer()`` or ``diloco_outer()``.
+      sync_every: H, inner steps per outer step (paper: 50 NoLoCo, 100 DiLoCo).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` acting on the model params
+      (the fast weights). Extra keyword arguments go to ``inner``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from noloco_jax import noloco_outer
+      >>> tx = local_steps(optax.adam(1e-3), noloco_outer(), sync_every=50)
+      >>> params = jnp.zeros((8, 4))                    # 8 replicas, 4 params
+      >>> state = jax.vmap(tx.init)(params)
+      >>> step = jax.vmap(tx.update, axis_name="replica")
+      >>> updates, state = step(jnp.ones((8, 4)), state, params)
+      >>> params = optax.apply_updates(params, updates)
+
+    References:
+      Kolehmainen et al., 2025, https://arxiv.org/abs/2506.10911;
+      Douillard et al., 2023, https://arxiv.org/abs/2311.08105.
+    """
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}.")
+    inner = optax.with_extra_args_support(inner)
+    outer = optax.with_extra_args_support(outer)
+
+    def init_fn(params: optax.Params) -> LocalStepsState:
+        return LocalStepsState(
+            count=jnp.zeros([], jnp.int32),
+            slow_params=jax.tree.map(lambda p: jnp.array(p, copy=True), params),
+            inner_state=inner.init(params),
+            outer_state=outer.init(params),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: LocalStepsState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, LocalStepsState]:
+        if params is None:
+            raise ValueError("local_steps.update needs params= the current (fast) weights.")
+        inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        count = optax.safe_int32_increment(state.count)
+
+        def sync(operands):
+            inner_updates, slow, outer_state = operands
+            theta = optax.apply_updates(params, inner_updates)
+            outer_grad = jax.tree.map(lambda s, t: s - t, slow, theta)
+            delta, outer_state = outer.update(outer_grad, outer_state, slow)
+            new_slow = optax.apply_updates(slow, delta)
+            jump = jax.tree.map(lambda s, p: (s - p).astype(p.dtype), new_slow, params)
+            return jump, new_slow, outer_state
+
+        def no_sync(operands):
+            return operands
+
+        # Both branches return updates in the params' dtypes (apply_updates casts
+        # to them anyway), so a bf16 inner update cannot round the jump to phi.
+        inner_updates = jax.tree.map(lambda u, p: u.astype(p.dtype), inner_updates, params)
+        new_updates, slow, outer_state = lax.cond(
+            count % sync_every == 0,
+            sync,
+            no_sync,
+            (inner_updates, state.slow_params, state.outer_state),
+        )
+        return new_updates, LocalStepsState(count, slow, inner_state, outer_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def data_parallel(
+    inner: optax.GradientTransformation, axis_name: str | None = "replica"
+) -> optax.GradientTransformationExtraArgs:
+    """Averages gradients over all replicas every step, then applies ``inner``.
+
+    The paper's "FSDP" baseline (really DDP: an all-reduce every step, no
+    parameter sharding). To clip each replica's gradient before the mean, as
+    the reference code does, chain the clipping before this transformation;
+    to clip the mean, put it inside ``inner``.
+
+    Args:
+      inner: any optax transformation or chain.
+      axis_name: replica axis bound by ``jax.vmap``/``jax.shard_map``; ``None``
+        for a single replica (then this is just ``inner``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> tx = data_parallel(optax.sgd(0.1))
+      >>> params, grads = jnp.zeros((4, 2)), jnp.arange(8.0).reshape(4, 2)
+      >>> state = jax.vmap(tx.init)(params)
+      >>> updates, _ = jax.vmap(tx.update, axis_name="replica")(grads, state, params)
+      >>> updates[0].tolist()  # -0.1 * mean over replicas
+      [-0.30000001192092896, -0.4000000059604645]
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.OptState]:
+        if axis_name is not None:
+            comm.axis_size(axis_name)
+            updates = comm.all_replica_mean(updates, axis_name)
+        return inner.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update_fn)

@@ -1,0 +1,195 @@
+"""The NoLoCo outer optimizer: heavy-ball momentum over random small groups.
+
+Notation (paper -> code): alpha = ``momentum``, beta = ``learning_rate``,
+gamma = ``gamma``, n = ``group_size``, phi = slow weights (``params``),
+theta = fast weights after the inner steps.
+
+Derivation of what is computed
+------------------------------
+For replica i in its group G of this round, the paper (Eq. 1-3, with the sign
+of the beta term as in its Appendix A.2 and the reference code) updates
+
+    delta_i <- alpha delta_i + beta mean_G(theta - phi) - gamma (phi_i - mean_G phi)
+    phi_i   <- phi_i + delta_i.
+
+Writing mean_G(theta - phi) = mean_G theta - mean_G phi and regrouping,
+
+    delta_i <- alpha delta_i - beta g_i,
+    g_i      = (phi_i - mean_G theta) + (gamma / beta - 1) (phi_i - mean_G phi),
+
+which is ``optax.sgd(beta, momentum=alpha)`` (heavy ball, not Nesterov) applied
+to the group pseudo-gradient g_i. With gamma = beta (the reference code, and
+our default ``gamma=None``) the second term vanishes, so only theta has to
+travel: half the bytes of the reference, which sends phi and theta - phi.
+
+The input is the local pseudo-gradient ``outer_grad = phi_i - theta_i`` (DiLoCo
+convention: positive means "descend"), so theta_i = phi_i - outer_grad.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from noloco_jax import comm
+
+__all__ = ["NoLoCoOuterState", "noloco_outer", "check_nonnegative"]
+
+
+class NoLoCoOuterState(NamedTuple):
+    """State of the transformation returned by ``noloco_outer``.
+
+    Attributes:
+      round: int32 scalar, outer rounds taken so far; selects this round's
+        groups, identically on every replica.
+      sgd_state: state of ``optax.sgd(learning_rate, momentum)``; its trace is
+        the heavy-ball buffer (delta = -learning_rate * trace).
+    """
+
+    round: jax.Array
+    sgd_state: optax.OptState
+
+
+def check_nonnegative(name: str, value: Any) -> float:
+    """Returns ``float(value)`` or raises ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a non-negative real number, got {value!r}.")
+    if not value >= 0:  # also rejects NaN
+        raise ValueError(f"{name} must be >= 0, got {value}.")
+    return float(value)
+
+
+def _pseudo_gradient(
+    outer_grad: optax.Updates,
+    phi: optax.Params,
+    round_index: jax.Array,
+    *,
+    axis_name: str,
+    group_size: int,
+    gamma_over_beta: float | None,
+    seed: int,
+    pool_size: int | None,
+    exchange_dtype: Any,
+) -> optax.Updates:
+    """g_i = phi_i - mean_G theta + (gamma / beta - 1)(phi_i - mean_G phi)."""
+    num_replicas = comm.axis_size(axis_name)
+    if num_replicas == 1:  # a group of one: mean_G theta = theta, mean_G phi = phi
+        return outer_grad
+    pool = comm.partition_pool(num_replicas, group_size, seed, pool_size)
+    index = comm.pool_index(round_index, len(pool), seed)
+    theta = jax.tree.map(lambda p, g: p - g, phi, outer_grad)
+    if gamma_over_beta is None:
+        theta_bar = comm.group_mean(theta, axis_name, pool, index, exchange_dtype)
+        return jax.tree.map(lambda p, tb: (p - tb).astype(p.dtype), phi, theta_bar)
+    theta_bar, phi_bar = comm.group_mean((theta, phi), axis_name, pool, index, exchange_dtype)
+    coef = gamma_over_beta - 1.0
+    return jax.tree.map(
+        lambda p, tb, pb: (p - tb + coef * (p - pb)).astype(p.dtype), phi, theta_bar, phi_bar
+    )
+
+
+def noloco_outer(
+    learning_rate: float = 0.7,
+    momentum: float = 0.5,
+    gamma: float | None = None,
+    group_size: int = 2,
+    axis_name: str | None = "replica",
+    seed: int = 0,
+    exchange_dtype: Any = None,
+    *,
+    pool_size: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """NoLoCo's outer step: momentum on the pseudo-gradient of a random group.
+
+    Each call is one outer round. The replicas along ``axis_name`` are split
+    into groups of ``group_size`` drawn afresh each round (see
+    ``groups_for_round``); every replica averages only with its own group,
+    through ``ppermute``, so no collective ever spans all replicas. Use it as
+    the ``outer`` of ``local_steps``.
+
+    Args:
+      learning_rate: beta, the outer learning rate (paper: 0.7).
+      momentum: alpha, heavy-ball momentum (paper: 0.5 for NoLoCo).
+      gamma: pull towards the group's mean slow weights; ``None`` means
+        gamma = beta (the reference code), which lets only the fast weights
+        travel. The theory's sufficient condition for bounded spread is
+        alpha sqrt(n / (2 (n - 1))) < gamma < sqrt(n (2 + alpha^2) / (2 (n - 1))).
+      group_size: n, replicas per group (paper: 2); must divide the number of
+        replicas on the axis (a lone replica, N = 1, needs no group).
+      axis_name: the replica axis bound by ``jax.vmap`` or ``jax.shard_map``;
+        ``None`` runs one replica alone (momentum on its own pseudo-gradient).
+      seed: seeds the group draws; identical on all replicas.
+      exchange_dtype: dtype of the tensors sent to the group (e.g.
+        ``jnp.bfloat16`` halves the bytes of float32 params); local state keeps
+        its dtype and sums run in at least float32.
+      pool_size: number of precompiled partitions to draw from (default N - 1;
+        see ``noloco_jax.comm``). Lower it to bound compile time at large N.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``. ``update(outer_grad, state,
+      params)`` takes ``outer_grad = phi - theta`` and ``params = phi`` and
+      returns delta, so that ``optax.apply_updates(phi, delta)`` is the new phi.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> tx = noloco_outer(axis_name="replica")
+      >>> phi = jnp.zeros((4, 3))                       # 4 replicas
+      >>> theta = jnp.arange(12.0).reshape(4, 3)
+      >>> state = jax.vmap(tx.init)(phi)
+      >>> delta, state = jax.vmap(tx.update, axis_name="replica")(phi - theta, state, phi)
+      >>> delta.shape
+      (4, 3)
+
+    References:
+      Kolehmainen et al., "NoLoCo: No-all-reduce Low Communication Training
+      Method for Large Models", 2025. https://arxiv.org/abs/2506.10911
+    """
+    beta = check_nonnegative("learning_rate", learning_rate)
+    alpha = check_nonnegative("momentum", momentum)
+    gamma_over_beta = None
+    if gamma is not None:
+        gamma_f = check_nonnegative("gamma", gamma)
+        if gamma_f != beta:
+            if beta == 0:
+                raise ValueError("gamma must be None or 0 when learning_rate is 0.")
+            gamma_over_beta = gamma_f / beta
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+        raise ValueError(f"group_size must be an integer >= 2, got {group_size!r}.")
+    if pool_size is not None and pool_size < 1:
+        raise ValueError(f"pool_size must be None or >= 1, got {pool_size}.")
+    sgd = optax.sgd(beta, momentum=alpha)
+
+    def init_fn(params: optax.Params) -> NoLoCoOuterState:
+        return NoLoCoOuterState(round=jnp.zeros([], jnp.int32), sgd_state=sgd.init(params))
+
+    def update_fn(
+        outer_grad: optax.Updates,
+        state: NoLoCoOuterState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, NoLoCoOuterState]:
+        del extra_args
+        if params is None:
+            raise ValueError("noloco_outer.update needs params= the slow weights phi.")
+        if axis_name is None:
+            g = outer_grad  # a group of one: mean_G theta = theta
+        else:
+            g = _pseudo_gradient(
+                outer_grad,
+                params,
+                state.round,
+                axis_name=axis_name,
+                group_size=group_size,
+                gamma_over_beta=gamma_over_beta,
+                seed=seed,
+                pool_size=pool_size,
+                exchange_dtype=exchange_dtype,
+            )
+        delta, sgd_state = sgd.update(g, state.sgd_state, params)
+        return delta, NoLoCoOuterState(optax.safe_int32_increment(state.round), sgd_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

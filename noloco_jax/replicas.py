@@ -1,0 +1,243 @@
+"""How N replicas run: simulated on one device (``vmap``) or one per device (``shard_map``).
+
+Everything above this module sees trees in the *replicated layout*:
+
+* per-replica leaves carry a leading axis of size N (params, Adam moments,
+  slow weights, outer momentum, per-replica RNG keys, ...);
+* shared leaves - integer scalars such as step and round counters, which are
+  identical on all replicas - carry no replica axis.
+
+Keeping counters shared is what lets ``lax.cond``/``lax.switch`` on them stay
+real branches under ``vmap`` (a batched predicate would turn both branches
+into a ``select`` and run the outer step, and every group draw, on every
+step). Under ``shard_map`` shared leaves are replicated (``P()``) and
+per-replica leaves are split over the mesh axis, one replica per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+PyTree = Any
+
+__all__ = [
+    "Replicas",
+    "is_shared_leaf",
+    "replica_axes",
+    "replicate",
+    "unreplicate",
+    "select_replica",
+    "make_replicas",
+]
+
+
+def is_shared_leaf(x: Any) -> bool:
+    """Whether a leaf of a single-replica tree is shared by all replicas.
+
+    Integer (and boolean) scalars are counters and flags that every replica
+    holds identically; everything else is per-replica.
+    """
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or getattr(x, "ndim", 1) != 0:
+        return False
+    return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_))
+
+
+def replica_axes(tree: PyTree) -> PyTree:
+    """``vmap`` axes for a single-replica tree: ``None`` if shared, else 0."""
+    return jax.tree.map(lambda x: None if is_shared_leaf(x) else 0, tree)
+
+
+def replicate(tree: PyTree, num_replicas: int) -> PyTree:
+    """Copies a single-replica tree to every replica (identical init)."""
+
+    def rep(x: Any) -> Any:
+        x = jnp.asarray(x)
+        if is_shared_leaf(x):
+            return x
+        return jnp.broadcast_to(x[None], (num_replicas, *x.shape))
+
+    return jax.tree.map(rep, tree)
+
+
+def select_replica(tree: PyTree, index: int, single_replica_like: PyTree) -> PyTree:
+    """Replica ``index``'s view of a replicated tree."""
+    axes = replica_axes(single_replica_like)
+    return jax.tree.map(lambda x, a: x if a is None else x[index], tree, axes)
+
+
+def unreplicate(tree: PyTree, single_replica_like: PyTree) -> PyTree:
+    """Replica 0's view of a replicated tree."""
+    return select_replica(tree, 0, single_replica_like)
+
+
+def _stacked_axes(tree: PyTree, num_replicas: int) -> PyTree:
+    """Axes of a tree already in the replicated layout (shared = no leading N)."""
+
+    def axis(x: Any) -> Any:
+        if is_shared_leaf(x):
+            return None
+        if getattr(x, "ndim", 0) == 0 or x.shape[0] != num_replicas:
+            raise ValueError(
+                f"expected a leading replica axis of size {num_replicas}, got shape "
+                f"{getattr(x, 'shape', None)}."
+            )
+        return 0
+
+    return jax.tree.map(axis, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """Runs per-replica functions over N replicas.
+
+    Attributes:
+      num_replicas: N.
+      axis_name: the name collectives use (``noloco_outer(axis_name=...)``).
+      mesh: ``None`` for simulation with ``vmap`` on one device; otherwise a
+        1-D mesh whose single axis is ``axis_name`` with N devices.
+    """
+
+    num_replicas: int
+    axis_name: str = "replica"
+    mesh: jax.sharding.Mesh | None = None
+
+    @property
+    def backend(self) -> str:
+        return "vmap" if self.mesh is None else "shard_map"
+
+    def map(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Lifts ``fn`` (one replica's view) to trees in the replicated layout.
+
+        Args:
+          fn: a function of single-replica trees that may use collectives over
+            ``axis_name``. Outputs follow the same shared/per-replica rule.
+
+        Returns:
+          A function of replicated trees (wrap it in ``jax.jit`` yourself).
+        """
+        if self.mesh is None:
+            return self._vmap(fn)
+        return self._shard_map(fn)
+
+    def _out_axes(self, fn: Callable[..., Any], in_axes: Any, args: Any) -> Any:
+        # Shapes only, without shardings: a sharded operand would make the vmap
+        # trace's gathers ambiguous on an explicit mesh.
+        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+        batched = jax.eval_shape(
+            jax.vmap(fn, in_axes=in_axes, axis_name=self.axis_name, axis_size=self.num_replicas),
+            *args,
+        )
+        # Shared outputs come back with a leading N under out_axes=0; peel it.
+        return jax.tree.map(
+            lambda s: None if is_shared_leaf(jax.ShapeDtypeStruct(s.shape[1:], s.dtype)) else 0,
+            batched,
+        )
+
+    def _vmap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            in_axes = tuple(_stacked_axes(a, self.num_replicas) for a in args)
+            out_axes = self._out_axes(fn, in_axes, args)
+            return jax.vmap(
+                fn,
+                in_axes=in_axes,
+                out_axes=out_axes,
+                axis_name=self.axis_name,
+                axis_size=self.num_replicas,
+            )(*args)
+
+        return run
+
+    def _shard_map(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        axis = self.axis_name
+
+        def spec(a: Any) -> P:
+            return P() if a is None else P(axis)
+
+        def run(*args: Any) -> Any:
+            in_axes = tuple(_stacked_axes(a, self.num_replicas) for a in args)
+            out_axes = self._out_axes(fn, in_axes, args)
+
+            def body(*local: Any) -> Any:
+                squeezed = jax.tree.map(
+                    lambda x, a: x if a is None else x[0], local, in_axes, is_leaf=_is_none
+                )
+                out = fn(*squeezed)
+                return jax.tree.map(
+                    lambda x, a: x if a is None else x[None], out, out_axes, is_leaf=_is_none
+                )
+
+            in_specs = jax.tree.map(spec, in_axes, is_leaf=_is_none)
+            out_specs = jax.tree.map(spec, out_axes, is_leaf=_is_none)
+            return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(
+                *args
+            )
+
+        return run
+
+    def put(self, tree: PyTree) -> PyTree:
+        """Places a replicated tree: split over the mesh, or left as is for vmap."""
+        if self.mesh is None:
+            return tree
+
+        def place(x: Any) -> Any:
+            # Full-rank specs, as shard_map outputs carry them: P('r') and
+            # P('r', None) are different types on an explicit mesh and would
+            # make the first call compile twice.
+            s = P() if is_shared_leaf(x) else P(self.axis_name, *[None] * (x.ndim - 1))
+            return jax.device_put(x, NamedSharding(self.mesh, s))
+
+        return jax.tree.map(place, tree)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def make_replicas(
+    num_replicas: int,
+    *,
+    backend: str = "auto",
+    axis_name: str = "replica",
+    devices: Any = None,
+) -> Replicas:
+    """Chooses where N replicas run.
+
+    Args:
+      num_replicas: N.
+      backend: ``"vmap"`` (all replicas on one device), ``"shard_map"`` (one
+        replica per device; needs N devices) or ``"auto"`` (``shard_map`` when
+        at least N devices exist and N > 1, else ``vmap``).
+      axis_name: the replica axis name.
+      devices: devices to use for ``shard_map`` (default: the first N).
+
+    Returns:
+      A ``Replicas``.
+    """
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
+    if backend not in ("auto", "vmap", "shard_map"):
+        raise ValueError(f"backend must be 'auto', 'vmap' or 'shard_map', got {backend!r}.")
+    all_devices = list(jax.devices() if devices is None else devices)
+    if backend == "auto":
+        backend = "shard_map" if num_replicas > 1 and len(all_devices) >= num_replicas else "vmap"
+    if backend == "vmap":
+        return Replicas(num_replicas, axis_name)
+    if len(all_devices) < num_replicas:
+        raise ValueError(
+            f"backend='shard_map' needs one device per replica: num_replicas={num_replicas} "
+            f"but only {len(all_devices)} devices are visible. Use backend='vmap', fewer "
+            f"replicas, or (on CPU) XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{num_replicas}."
+        )
+    mesh = jax.make_mesh(
+        (num_replicas,), (axis_name,), devices=np.asarray(all_devices[:num_replicas])
+    )
+    return Replicas(num_replicas, axis_name, mesh)

@@ -1,0 +1,54 @@
+"""Small shared test utilities."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from noloco_jax import replicas
+
+
+def assert_trees_close(a: Any, b: Any, rtol: float = 1e-6, atol: float = 1e-6) -> None:
+    """Same structure, and every leaf close."""
+    assert jax.tree.structure(a) == jax.tree.structure(b), (
+        jax.tree.structure(a),
+        jax.tree.structure(b),
+    )
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def random_tree(key: jax.Array, num_replicas: int | None = None) -> dict:
+    """A small two-leaf pytree (optionally stacked over replicas)."""
+    lead = () if num_replicas is None else (num_replicas,)
+    k1, k2 = jax.random.split(key)
+    return {
+        "w": jax.random.normal(k1, lead + (3, 2)),
+        "b": jax.random.normal(k2, lead + (5,)),
+    }
+
+
+def step_fn(tx: optax.GradientTransformation):
+    """One optimizer step for one replica: (params, state, grads) -> (params, state)."""
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def run_steps(tx, params0, grads_seq, num_replicas, backend="vmap"):
+    """Runs ``tx`` over replicas from identical ``params0``; returns final params and state."""
+    reps = replicas.make_replicas(num_replicas, backend=backend)
+    params = reps.put(replicas.replicate(params0, num_replicas))
+    state = reps.put(replicas.replicate(tx.init(params0), num_replicas))
+    step = jax.jit(reps.map(step_fn(tx)))
+    history = []
+    for grads in grads_seq:
+        params, state = step(params, state, reps.put(grads))
+        history.append(params)
+    return params, state, history, step

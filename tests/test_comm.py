@@ -1,0 +1,129 @@
+"""Group draws, group means and byte counts (noloco_jax.comm)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from noloco_jax import comm, groups_for_round
+
+
+def _is_partition(groups, n_replicas, n):
+    return groups.shape == (n_replicas // n, n) and sorted(groups.ravel().tolist()) == list(
+        range(n_replicas)
+    )
+
+
+@pytest.mark.parametrize("n_replicas", [2, 4, 8, 16])
+def test_round_robin_pool_covers_every_pair_once(n_replicas):
+    pool = comm.partition_pool(n_replicas, 2, seed=0)
+    assert pool.shape == (n_replicas - 1, n_replicas // 2, 2)
+    pairs = [tuple(sorted(p)) for m in pool for p in m.tolist()]
+    assert all(_is_partition(m, n_replicas, 2) for m in pool)
+    assert sorted(pairs) == sorted(itertools.combinations(range(n_replicas), 2))
+
+
+@pytest.mark.parametrize("n_replicas,n", [(8, 4), (12, 3), (16, 8), (6, 6)])
+def test_pool_entries_are_partitions(n_replicas, n):
+    pool = comm.partition_pool(n_replicas, n, seed=3)
+    assert all(_is_partition(p, n_replicas, n) for p in pool)
+    assert not pool.flags.writeable
+
+
+def test_groups_for_round_is_deterministic_and_redrawn():
+    rounds = [groups_for_round(r, 8, 2, seed=5) for r in range(30)]
+    again = [groups_for_round(r, 8, 2, seed=5) for r in range(30)]
+    assert all(np.array_equal(a, b) for a, b in zip(rounds, again))
+    distinct = {tuple(map(tuple, g.tolist())) for g in rounds}
+    assert len(distinct) >= 5  # re-drawn, not fixed
+    other_seed = [groups_for_round(r, 8, 2, seed=6) for r in range(30)]
+    assert any(not np.array_equal(a, b) for a, b in zip(rounds, other_seed))
+
+
+def test_partner_is_uniform_over_the_other_replicas():
+    n_replicas, n_rounds = 8, 2800
+    counts = np.zeros(n_replicas)
+    for r in range(n_rounds):
+        groups = groups_for_round(r, n_replicas, 2, seed=0)
+        for g in groups:
+            if 0 in g:
+                counts[g[g != 0][0]] += 1
+    freq = counts[1:] / n_rounds
+    assert counts[0] == 0
+    # Each of the 7 partners has probability 1/7; 5 sigma of a binomial is ~0.033.
+    np.testing.assert_allclose(freq, 1 / 7, atol=0.035)
+
+
+def _numpy_group_mean(x, groups):
+    out = np.empty_like(x)
+    for g in groups:
+        out[g] = x[g].mean(axis=0)
+    return out
+
+
+@pytest.mark.parametrize("n_replicas,n", [(8, 2), (8, 4), (6, 3), (8, 8), (4, 2)])
+def test_group_mean_matches_numpy(n_replicas, n):
+    x = jax.random.normal(jax.random.key(0), (n_replicas, 5))
+    pool = comm.partition_pool(n_replicas, n, seed=1)
+    for idx in range(min(len(pool), 4)):
+        mean = jax.vmap(
+            lambda v, i=idx: comm.group_mean(v, "r", pool, jnp.int32(i)), axis_name="r"
+        )(x)
+        np.testing.assert_allclose(mean, _numpy_group_mean(np.asarray(x), pool[idx]), rtol=1e-6)
+
+
+def test_group_mean_bf16_exchange_rounds_only_what_travels():
+    x = jnp.linspace(1.0, 2.0, 4 * 3, dtype=jnp.float32).reshape(4, 3) + 1e-3
+    pool = comm.partition_pool(4, 2, seed=0)
+    mean = jax.vmap(
+        lambda v: comm.group_mean(v, "r", pool, jnp.int32(0), jnp.bfloat16), axis_name="r"
+    )(x)
+    exact = _numpy_group_mean(np.asarray(x), pool[0])
+    partner_bf16 = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32))
+    expected = np.empty_like(exact)
+    for g in pool[0]:
+        i, j = g
+        expected[i] = (np.asarray(x)[i] + partner_bf16[j]) / 2
+        expected[j] = (np.asarray(x)[j] + partner_bf16[i]) / 2
+    np.testing.assert_allclose(mean, expected, rtol=1e-6)
+    assert not np.allclose(mean, exact, rtol=1e-6, atol=0)  # the cast did happen
+    assert mean.dtype == jnp.float32
+
+
+def test_exchange_steps():
+    assert [comm.exchange_steps(n) for n in (2, 3, 4, 6, 8)] == [1, 2, 2, 5, 3]
+
+
+def test_byte_helpers():
+    params = {"a": jnp.zeros((10, 10)), "b": jnp.zeros(5, jnp.bfloat16)}
+    base = 100 * 4 + 5 * 2
+    assert comm.noloco_bytes_per_sync(params) == base
+    assert comm.noloco_bytes_per_sync(params, gamma_equals_beta=False) == 2 * base
+    assert comm.noloco_bytes_per_sync(params, exchange_dtype=jnp.bfloat16) == 105 * 2
+    assert comm.noloco_bytes_per_sync(params, group_size=4) == 2 * base
+    assert comm.allreduce_bytes_per_replica(params, 8) == pytest.approx(2 * 7 / 8 * base)
+    assert comm.allreduce_bytes_per_replica(params, 1) == 0.0
+
+
+@pytest.mark.parametrize(
+    "n_replicas,n,match",
+    [(8, 1, "group_size must be >= 2"), (8, 3, "must divide"), (4, 8, "must divide")],
+)
+def test_bad_group_sizes(n_replicas, n, match):
+    with pytest.raises(ValueError, match=match):
+        comm.partition_pool(n_replicas, n, seed=0)
+
+
+def test_pool_size_bounds():
+    assert comm.partition_pool(8, 2, 0, pool_size=3).shape[0] == 3
+    with pytest.raises(ValueError, match="pool_size"):
+        comm.partition_pool(8, 2, 0, pool_size=9)
+    with pytest.raises(ValueError, match="pool_size"):
+        comm.partition_pool(8, 2, 0, pool_size=0)
+
+
+def test_unbound_axis_error_names_axis_and_fix():
+    with pytest.raises(comm.UnboundAxisError, match=r"'nope'.*jax.vmap.*shard_map"):
+        comm.axis_size("nope")

@@ -1,0 +1,32 @@
+"""The project frame: README commands, CI script, top-level layout."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _readme_commands():
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return [b.strip() for b in blocks]
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    test_cmds = [c for c in _readme_commands() if "pytest" in c]
+    assert len(test_cmds) == 1, test_cmds
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_cmds[0] in ci
+
+
+def test_readme_main_job_command_exists_and_points_at_real_files():
+    main_cmds = [c for c in _readme_commands() if "pytest" not in c and "pip install" in c]
+    assert main_cmds, "README must give the main-job command"
+    for path in re.findall(r"python (\S+\.py)", main_cmds[0]):
+        assert (ROOT / path).is_file(), path
+
+
+def test_top_level_folders_exist():
+    for name in ["noloco_jax", "experiments", "configs", "tests", "colabs"]:
+        assert (ROOT / name).is_dir(), name
+        assert any((ROOT / name).iterdir()), f"{name}/ is empty"
+    assert (ROOT / "setup.cfg").is_file() and (ROOT / "pyproject.toml").is_file()

@@ -1,0 +1,60 @@
+"""NoLoCo on the paper's noisy quadratic: what Theorem 1 promises, and no more.
+
+Observations outside the sufficient range (gamma below the lower bound, or
+just above the upper one) are recorded by experiments/quadratic_theory.py, not
+asserted here: the bounds are sufficient conditions derived under
+approximations.
+"""
+
+import numpy as np
+import pytest
+
+from noloco_jax import noloco_outer
+from noloco_jax.quadratic import gamma_bounds, simulate_quadratic
+
+ROUNDS = 240
+
+
+def _run(gamma, inner_lr=0.05, group_size=2):
+    out = simulate_quadratic(
+        noloco_outer(0.7, 0.5, gamma=gamma, group_size=group_size),
+        num_replicas=16,
+        inner_lr=inner_lr,
+        num_rounds=ROUNDS,
+    )
+    return np.asarray(out.mean_norm), np.asarray(out.spread)
+
+
+def test_bounds_formula():
+    assert gamma_bounds(0.5, 2) == pytest.approx((0.5, 1.5))
+    lo, hi = gamma_bounds(0.5, 4)
+    assert lo == pytest.approx(0.5 * np.sqrt(4 / 6)) and hi == pytest.approx(np.sqrt(4 * 2.25 / 6))
+
+
+@pytest.mark.parametrize("gamma,group_size", [(0.7, 2), (1.2, 2), (0.7, 4)])
+def test_inside_range_mean_converges_and_spread_stays_bounded(gamma, group_size):
+    lo, hi = gamma_bounds(0.5, group_size)
+    assert lo < gamma < hi and 0.7 > 0.5  # beta > alpha, gamma inside the range
+    mean_norm, spread = _run(gamma, group_size=group_size)
+    assert np.all(np.isfinite(spread))
+    # E[phi] -> optimum: from ||mean|| = 14.1 to a noise floor far below it.
+    assert mean_norm[-ROUNDS // 3 :].mean() < 0.02 * mean_norm[0]
+    # Bounded: the last quarter is no larger than the second quarter (+50 %).
+    q2, q4 = spread[ROUNDS // 4 : ROUNDS // 2].mean(), spread[3 * ROUNDS // 4 :].mean()
+    assert q4 < 1.5 * q2
+
+
+def test_spread_shrinks_with_inner_learning_rate():
+    # Var ∝ omega^2: a 4x smaller omega must give a clearly smaller spread.
+    _, big = _run(0.7, inner_lr=0.05)
+    _, small = _run(0.7, inner_lr=0.0125)
+    assert small[ROUNDS // 2 :].mean() < 0.5 * big[ROUNDS // 2 :].mean()
+
+
+def test_far_above_upper_bound_spread_diverges():
+    _, stable = _run(0.7)
+    _, unstable = _run(2.2)  # alpha = 0.5, n = 2: upper bound 1.5
+    final = unstable[-1]
+    assert (not np.isfinite(final)) or final > 1e6 * stable[-1]
+    # and it grows round over round, not by a single jump
+    assert unstable[ROUNDS // 2] > 1e3 * unstable[ROUNDS // 4]
