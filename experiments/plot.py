@@ -1,0 +1,58 @@
+"""Draws loss, validation perplexity and replica spread of one or more runs to a PNG.
+
+    python experiments/plot.py runs/tiny_noloco runs/tiny_diloco --out curves.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from noloco_jax.trainer.writers import read_jsonl  # noqa: E402
+
+PANELS = [
+    ("train", "train_loss", "train loss"),
+    ("eval", "val_ppl", "validation perplexity (pooled)"),
+    ("eval", "replica_spread", "cross-replica weight std"),
+]
+
+
+def last_per_step(records: list[dict]) -> list[dict]:
+    """A resumed run logs steps again after its checkpoint: keep the last record per step."""
+    by_step = {r["step"]: r for r in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_runs(workdirs: list[pathlib.Path], out: pathlib.Path) -> pathlib.Path:
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
+    for workdir in workdirs:
+        path = workdir / "metrics.jsonl"
+        for ax, (kind, key, title) in zip(axes, PANELS):
+            recs = [r for r in last_per_step(read_jsonl(path, kind)) if key in r]
+            ax.plot([r["step"] for r in recs], [r[key] for r in recs], label=workdir.name)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+    axes[1].set_yscale("log")
+    axes[0].legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workdirs", nargs="+", type=pathlib.Path)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("curves.png"))
+    args = parser.parse_args()
+    print(plot_runs(args.workdirs, args.out))
+
+
+if __name__ == "__main__":
+    main()

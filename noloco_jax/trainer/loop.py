@@ -1,0 +1,264 @@
+"""``train_and_evaluate``: N replicas of a Llama trained with NoLoCo, DiLoCo or data parallel.
+
+The loop is a handful of short helpers: prepare data, prepare the model,
+build the optimizer, restore or initialise the replicated state, then run
+fused chunks of steps, evaluating and checkpointing at chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import pathlib
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from noloco_jax import data as data_lib
+from noloco_jax import models, replicas
+from noloco_jax.metrics import replica_spread
+from noloco_jax.trainer import optimizer as optim_lib
+from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
+from noloco_jax.trainer.settings import TrainSettings, check_resume_compatible
+from noloco_jax.trainer.step import TrainState, eval_window_losses, train_chunk
+from noloco_jax.trainer.writers import MetricWriter
+
+__all__ = ["DataBundle", "prepare_data", "prepare_model", "train_and_evaluate"]
+
+@dataclasses.dataclass(frozen=True)
+class DataBundle:
+    """What the loop needs from the data layer."""
+
+    tokenizer: Any
+    batcher: Any
+    eval_windows: np.ndarray  # [W, T + 1]
+    train_tokens: int
+
+
+def prepare_data(s: TrainSettings) -> DataBundle:
+    """Corpus -> tokenizer -> token streams -> per-replica batcher and eval windows."""
+    data_dir = pathlib.Path(s.data.data_dir) if s.data.data_dir else data_lib.default_data_dir()
+    corpus = data_lib.load_corpus(
+        s.data.source,
+        data_dir=data_dir,
+        path=s.data.path or None,
+        tfds_name=s.data.tfds_name or None,
+        validation_fraction=s.data.validation_fraction,
+        seed=s.seed,
+    )
+    tokenizer = data_lib.make_tokenizer(
+        s.data.tokenizer,
+        corpus=corpus,
+        vocab_size=s.data.tokenizer_vocab_size or None,
+        cache_dir=data_dir,
+    )
+    train = data_lib.load_token_stream(corpus, tokenizer, "train", data_dir)
+    val = data_lib.load_token_stream(corpus, tokenizer, "validation", data_dir)
+    batcher = data_lib.ReplicaBatcher(
+        train,
+        num_replicas=s.num_replicas,
+        batch_size=s.batch_per_replica,
+        seq_len=s.data.seq_len,
+        seed=s.seed,
+    )
+    windows = data_lib.eval_windows(val, seq_len=s.data.seq_len, max_windows=s.data.eval_windows)
+    if len(windows) == 0:
+        raise ValueError(
+            f"the validation split has fewer than seq_len + 1 = {s.data.seq_len + 1} tokens; "
+            f"use a larger corpus, more validation data or a shorter config.data.seq_len."
+        )
+    return DataBundle(tokenizer, batcher, windows, int(len(train)))
+
+
+def prepare_model(s: TrainSettings, vocab_size: int) -> tuple[models.LlamaConfig, Any, Any]:
+    """Model config, graphdef and the initial params (identical for every replica)."""
+    if s.model.vocab_size and s.model.vocab_size != vocab_size:
+        raise ValueError(
+            f"config.model.vocab_size={s.model.vocab_size} does not match the "
+            f"{s.data.tokenizer!r} tokenizer's vocabulary of {vocab_size}; set it to "
+            f"{vocab_size} or to 0 (take the tokenizer's)."
+        )
+    cfg = models.get_preset(
+        s.model.preset,
+        vocab_size=vocab_size,
+        dtype=s.model.dtype,
+        param_dtype=s.model.param_dtype,
+        max_seq_len=max(2048, s.data.seq_len),
+    )
+    graphdef, params = models.init_params(cfg, s.seed)
+    return cfg, graphdef, params
+
+
+@dataclasses.dataclass
+class _Run:
+    """Everything compiled and built for one run."""
+
+    settings: TrainSettings
+    data: DataBundle
+    reps: replicas.Replicas
+    params0: Any
+    chunk: Callable
+    evaluate: Callable
+    meta: dict
+
+
+def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
+    data = prepare_data(s)
+    _, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
+    tx = optim_lib.build_optimizer(
+        s.method, s.optim, s.outer, num_steps=s.num_steps, num_replicas=s.num_replicas
+    )
+    reps = replicas.make_replicas(s.num_replicas, backend=s.backend)
+    single = TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0))
+    state = reps.put(replicas.replicate(single, s.num_replicas))
+    chunk = jax.jit(reps.map(functools.partial(train_chunk, graphdef=graphdef, tx=tx)),
+                    donate_argnums=0)
+    evaluate = _make_evaluator(reps, graphdef, data.eval_windows)
+    meta = {
+        "settings": s.to_dict(),
+        "batcher": data.batcher.state(),
+        "vocab_size": int(data.tokenizer.vocab_size),
+    }
+    return _Run(s, data, reps, params0, chunk, evaluate, meta), state
+
+
+def _eval_batch_size(num_windows: int, limit: int = 16) -> int:
+    return max(d for d in range(1, min(limit, num_windows) + 1) if num_windows % d == 0)
+
+
+def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) -> Callable:
+    n = reps.num_replicas
+    losses = functools.partial(
+        eval_window_losses, graphdef=graphdef, batch_size=_eval_batch_size(len(windows))
+    )
+    per_replica = jax.jit(reps.map(losses))
+    spread = jax.jit(reps.map(lambda p: replica_spread(p, reps.axis_name)))
+    averaged = jax.jit(lambda p, w: losses(jax.tree.map(lambda x: x.mean(0), p), w))
+    stacked = reps.put(np.broadcast_to(windows, (n, *windows.shape)).copy())
+    single = jnp.asarray(windows)
+
+    def evaluate(params: Any) -> dict[str, float]:
+        per = np.asarray(per_replica(params, stacked))  # [N, W]
+        out = {
+            # The paper's metric: exp of the mean per-sequence CE pooled over replicas.
+            "val_ppl": math.exp(float(per.mean())),
+            "val_loss": float(per.mean()),
+            "val_ppl_best_replica": math.exp(float(per.mean(1).min())),
+            "val_ppl_avg_model": math.exp(float(np.asarray(averaged(params, single)).mean())),
+        }
+        out["replica_spread"] = float(np.asarray(spread(params)).reshape(-1)[0]) if n > 1 else 0.0
+        return out
+
+    return evaluate
+
+
+def _restore_or_init(
+    run: _Run, state: TrainState, ckpt: Checkpointer
+) -> tuple[TrainState, int]:
+    step = ckpt.latest_step()
+    if step is None:
+        return state, 0
+    meta = ckpt.read_meta(step)
+    check_resume_compatible(meta["settings"], run.meta["settings"])
+    run.data.batcher.check_compatible(meta["batcher"], run.meta["batcher"])
+    restored, _ = ckpt.restore(step, abstract_like(state))
+    return restored, step
+
+
+def _next_tokens(run: _Run, start: int, count: int) -> Any:
+    """Batches for steps [start, start + count): [N, count, B, T + 1], placed for the backend."""
+    tokens = np.stack([run.data.batcher.batch(t) for t in range(start, start + count)], axis=1)
+    return run.reps.put(tokens)
+
+
+def train_and_evaluate(
+    settings: TrainSettings,
+    workdir: str | pathlib.Path,
+    *,
+    stop_at: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Trains (or resumes) a run in ``workdir``; returns the last metrics.
+
+    Args:
+      settings: validated ``TrainSettings``.
+      workdir: where checkpoints, metrics.jsonl and TensorBoard files go; a
+        workdir that holds a checkpoint is resumed from its latest step.
+      stop_at: stop after this step, as if preempted (tests and experiments).
+      progress: show a console progress bar.
+
+    Returns:
+      Dict with the last train and eval metrics and ``"step"``.
+    """
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    run, state = _build(settings)
+    ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints)
+    state, step = _restore_or_init(run, state, ckpt)
+    writer = MetricWriter(workdir)
+    last: dict[str, Any] = {"step": step}
+    end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
+    bar = _progress(progress, settings.num_steps, step)
+    try:
+        while step < end:
+            state, step, train_metrics = _train_chunk(run, state, step, end)
+            writer.write(step, "train", train_metrics)
+            last.update(train_metrics, step=step)
+            if step % settings.eval_every == 0 or step == settings.num_steps:
+                eval_metrics = run.evaluate(state.params)
+                writer.write(step, "eval", eval_metrics)
+                last.update(eval_metrics)
+            if step % settings.checkpoint_every == 0 or step == settings.num_steps:
+                ckpt.save(step, state, run.meta)
+            _advance(bar, step, last)
+    finally:
+        ckpt.close()
+        writer.close()
+        if bar is not None:
+            bar.close()
+    return last
+
+
+def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
+    s = run.settings
+    k = min(s.log_every - step % s.log_every, end - step)
+    tokens = _next_tokens(run, step, k)
+    t0 = time.perf_counter()
+    state, losses = run.chunk(state, tokens)
+    losses = np.asarray(losses)  # [N, k]; waits for the device
+    seconds = time.perf_counter() - t0
+    step += k
+    n_tokens = k * s.global_batch_size * s.data.seq_len
+    metrics = {
+        "train_loss": float(losses.mean()),
+        "train_loss_last": float(losses[:, -1].mean()),
+        "learning_rate": float(optim_lib.learning_rate_schedule(s.optim, s.num_steps)(step - 1)),
+        "tokens_per_sec": n_tokens / seconds,
+        "tokens_seen": step * s.global_batch_size * s.data.seq_len,
+        "bytes_sent_per_replica": optim_lib.bytes_sent(
+            s.method, s.outer, run.params0, num_replicas=s.num_replicas, steps=step
+        ),
+    }
+    return state, step, metrics
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+
+def _advance(bar: Any, step: int, last: dict) -> None:
+    if bar is None:
+        return
+    bar.update(step - bar.n)
+    post = {"loss": f"{last.get('train_loss', float('nan')):.3f}"}
+    if "val_ppl" in last:
+        post["val_ppl"] = f"{last['val_ppl']:.2f}"
+    bar.set_postfix(post)

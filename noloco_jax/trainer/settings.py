@@ -1,0 +1,232 @@
+"""Typed run settings: the one place that turns an ``ml_collections.ConfigDict`` into values.
+
+Everything below the CLI takes these frozen dataclasses (or plain keyword
+arguments), never the ConfigDict. ``from_config`` validates every field and
+raises ``ValueError`` naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+METHODS = ("noloco", "diloco", "dp")
+BACKENDS = ("auto", "vmap", "shard_map")
+DTYPES = ("float32", "bfloat16")
+# Settings that may change when a run resumes; any other change is refused.
+RESUMABLE = frozenset(
+    {"backend", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+     "data.eval_windows", "data.data_dir"}
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    preset: str = "tiny"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    vocab_size: int = 0  # 0: take the tokenizer's
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    source: str = "shakespeare"
+    path: str = ""
+    tfds_name: str = ""
+    data_dir: str = ""
+    tokenizer: str = "byte"
+    tokenizer_vocab_size: int = 0
+    seq_len: int = 128
+    validation_fraction: float = 0.1
+    eval_windows: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSettings:
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterSettings:
+    sync_every: int = 50
+    learning_rate: float = 0.7
+    momentum: float = 0.5
+    gamma: float | None = None
+    group_size: int = 2
+    nesterov: bool = False
+    exchange_dtype: str = ""
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    seed: int = 0
+    method: str = "noloco"
+    num_replicas: int = 8
+    backend: str = "auto"
+    global_batch_size: int = 64
+    num_steps: int = 600
+    log_every: int = 25
+    eval_every: int = 100
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    model: ModelSettings = ModelSettings()
+    data: DataSettings = DataSettings()
+    optim: OptimSettings = OptimSettings()
+    outer: OuterSettings = OuterSettings()
+
+    @property
+    def batch_per_replica(self) -> int:
+        return self.global_batch_size // self.num_replicas
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _require(cond: bool, field: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"config.{field}: {message}")
+
+
+def _positive_int(value: Any, field: str, minimum: int = 1) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    _require(ok, field, f"must be an integer >= {minimum}, got {value!r}.")
+
+
+def _nonneg(value: Any, field: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    _require(ok, field, f"must be a number >= 0, got {value!r}.")
+
+
+def _choice(value: Any, field: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, field, f"must be one of {list(allowed)}, got {value!r}.")
+
+
+def _section(cls: type, values: Any, prefix: str) -> Any:
+    values = dict(values or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    _require(not unknown, f"{prefix}{unknown[0] if unknown else ''}", f"unknown field; "
+             f"valid fields of config.{prefix.rstrip('.') or 'root'} are {sorted(known)}.")
+    return cls(**values)
+
+
+def validate(s: TrainSettings) -> TrainSettings:
+    """Checks every field; returns ``s`` or raises ``ValueError`` naming the field."""
+    _choice(s.method, "method", METHODS)
+    _choice(s.backend, "backend", BACKENDS)
+    for name in ("num_replicas", "global_batch_size", "num_steps", "log_every", "eval_every",
+                 "checkpoint_every", "keep_checkpoints"):
+        _positive_int(getattr(s, name), name)
+    _positive_int(s.seed, "seed", minimum=0)
+    _require(
+        s.global_batch_size % s.num_replicas == 0,
+        "global_batch_size",
+        f"{s.global_batch_size} is not divisible by num_replicas={s.num_replicas}.",
+    )
+    for name in ("eval_every", "checkpoint_every"):
+        _require(
+            getattr(s, name) % s.log_every == 0,
+            name,
+            f"must be a multiple of log_every={s.log_every} (steps are fused in chunks of "
+            f"log_every), got {getattr(s, name)}.",
+        )
+    _choice(s.model.dtype, "model.dtype", DTYPES)
+    _choice(s.model.param_dtype, "model.param_dtype", DTYPES)
+    _positive_int(s.model.vocab_size, "model.vocab_size", minimum=0)
+    _choice(s.data.source, "data.source", ("shakespeare", "files", "tfds"))
+    _require(s.data.source != "files" or bool(s.data.path), "data.path",
+             "must name a file, directory or glob when data.source='files'.")
+    _require(s.data.source != "tfds" or bool(s.data.tfds_name), "data.tfds_name",
+             "must name a TFDS dataset when data.source='tfds'.")
+    _choice(s.data.tokenizer, "data.tokenizer", ("byte", "sentencepiece"))
+    _positive_int(s.data.seq_len, "data.seq_len")
+    _positive_int(s.data.eval_windows, "data.eval_windows")
+    _positive_int(s.data.tokenizer_vocab_size, "data.tokenizer_vocab_size", minimum=0)
+    _require(0 < s.data.validation_fraction < 1, "data.validation_fraction",
+             f"must be in (0, 1), got {s.data.validation_fraction!r}.")
+    _validate_optim(s.optim, s.num_steps)
+    _validate_outer(s.outer, s.method, s.num_replicas)
+    return s
+
+
+def _validate_optim(o: OptimSettings, num_steps: int) -> None:
+    _require(
+        isinstance(o.learning_rate, (int, float)) and o.learning_rate > 0,
+        "optim.learning_rate", f"must be > 0, got {o.learning_rate!r}.",
+    )
+    _positive_int(o.warmup_steps, "optim.warmup_steps", minimum=0)
+    _require(o.warmup_steps < num_steps, "optim.warmup_steps",
+             f"must be < num_steps={num_steps}, got {o.warmup_steps}.")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio",
+             f"must be in [0, 1], got {o.min_lr_ratio!r}.")
+    for name in ("b1", "b2"):
+        value = getattr(o, name)
+        _require(0 <= value < 1, f"optim.{name}", f"must be in [0, 1), got {value!r}.")
+    for name in ("eps", "weight_decay", "clip_norm"):
+        _nonneg(getattr(o, name), f"optim.{name}")
+
+
+def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
+    _positive_int(o.sync_every, "outer.sync_every")
+    _nonneg(o.learning_rate, "outer.learning_rate")
+    _nonneg(o.momentum, "outer.momentum")
+    if o.gamma is not None:
+        _nonneg(o.gamma, "outer.gamma")
+    _choice(o.exchange_dtype, "outer.exchange_dtype", ("", "bfloat16", "float32"))
+    _positive_int(o.seed, "outer.seed", minimum=0)
+    if method == "noloco" and num_replicas > 1:
+        _positive_int(o.group_size, "outer.group_size", minimum=2)
+        _require(
+            num_replicas % o.group_size == 0,
+            "outer.group_size",
+            f"{o.group_size} must divide num_replicas={num_replicas}.",
+        )
+
+
+def from_config(config: Any) -> TrainSettings:
+    """Builds and validates ``TrainSettings`` from a ConfigDict (or a nested dict)."""
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    sections = {
+        "model": ModelSettings,
+        "data": DataSettings,
+        "optim": OptimSettings,
+        "outer": OuterSettings,
+    }
+    kwargs = {k: v for k, v in d.items() if k not in sections}
+    known = {f.name for f in dataclasses.fields(TrainSettings)} - set(sections)
+    unknown = sorted(set(kwargs) - known)
+    _require(not unknown, unknown[0] if unknown else "", f"unknown field; valid top-level "
+             f"fields are {sorted(known | set(sections))}.")
+    for name, cls in sections.items():
+        kwargs[name] = _section(cls, d.get(name), f"{name}.")
+    return validate(TrainSettings(**kwargs))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resume_compatible(saved: dict, current: dict) -> None:
+    """Refuses to resume when settings that shape the run have changed."""
+    a, b = _flatten(saved), _flatten(current)
+    changed = sorted(k for k in set(a) | set(b) if k not in RESUMABLE and a.get(k) != b.get(k))
+    if changed:
+        detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed)
+        raise ValueError(
+            f"cannot resume: the checkpoint was written with different settings ({detail}). "
+            f"Resume with the original settings, or start a new run in another --workdir."
+        )

@@ -1,0 +1,84 @@
+"""Pure, module-level training and evaluation steps for one replica.
+
+They see one replica's view (no replica axis); ``noloco_jax.replicas`` maps
+them over N replicas with ``vmap`` or ``shard_map``. Collectives, if any, live
+inside the optimizer on the axis "replica".
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from noloco_jax.models import apply, cross_entropy
+
+__all__ = ["TrainState", "loss_fn", "train_step", "train_chunk", "eval_window_losses"]
+
+
+class TrainState(NamedTuple):
+    """One replica's training state.
+
+    Attributes:
+      step: int32 scalar, optimizer steps taken (shared by all replicas).
+      params: the model parameters (fast weights).
+      opt_state: the optimizer state (slow weights, moments, counters).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: optax.OptState
+
+
+def loss_fn(params: Any, tokens_BxT1: jax.Array, *, graphdef: Any) -> jax.Array:
+    """Mean next-token cross-entropy of a batch of windows [B, T + 1]."""
+    logits_BxTxV = apply(graphdef, params, tokens_BxT1[:, :-1])
+    return cross_entropy(logits_BxTxV, tokens_BxT1[:, 1:]).mean()
+
+
+def train_step(
+    state: TrainState,
+    tokens_BxT1: jax.Array,
+    *,
+    graphdef: Any,
+    tx: optax.GradientTransformation,
+) -> tuple[TrainState, jax.Array]:
+    """One optimizer step on one replica's batch; returns the new state and the loss."""
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens_BxT1, graphdef=graphdef)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    return TrainState(state.step + 1, params, opt_state), loss
+
+
+def train_chunk(
+    state: TrainState,
+    tokens_KxBxT1: jax.Array,
+    *,
+    graphdef: Any,
+    tx: optax.GradientTransformation,
+) -> tuple[TrainState, jax.Array]:
+    """K consecutive ``train_step``s fused with ``lax.scan``; returns the K losses."""
+
+    def body(s: TrainState, tokens: jax.Array) -> tuple[TrainState, jax.Array]:
+        return train_step(s, tokens, graphdef=graphdef, tx=tx)
+
+    return lax.scan(body, state, tokens_KxBxT1)
+
+
+def eval_window_losses(
+    params: Any, windows_WxT1: jax.Array, *, graphdef: Any, batch_size: int
+) -> jax.Array:
+    """Mean cross-entropy of each validation window, [W], evaluated ``batch_size`` at a time."""
+    num = windows_WxT1.shape[0]
+    if num % batch_size:
+        raise ValueError(f"{num} eval windows are not divisible by batch_size={batch_size}.")
+    batches = windows_WxT1.reshape(num // batch_size, batch_size, windows_WxT1.shape[-1])
+
+    def one(tokens_BxT1: jax.Array) -> jax.Array:
+        logits = apply(graphdef, params, tokens_BxT1[:, :-1])
+        return cross_entropy(logits, tokens_BxT1[:, 1:]).mean(axis=-1)
+
+    return lax.map(one, batches).reshape(num).astype(jnp.float32)
