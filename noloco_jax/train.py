@@ -34,7 +34,8 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 def main(argv: list[str]) -> None:
     del argv
-    from noloco_jax.trainer import from_config, train_and_evaluate  # noqa: PLC0415
+    from noloco_jax.trainer import from_config  # noqa: PLC0415
+    from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
 
     settings = from_config(_CONFIG.value)
     last = train_and_evaluate(settings, _WORKDIR.value, progress=_PROGRESS.value)

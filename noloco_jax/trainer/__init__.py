@@ -1,6 +1,9 @@
-"""Trainer pieces: settings, optimizer assembly, pure steps, checkpoints, metric writers, loop."""
+"""Trainer pieces: settings, optimizer assembly, pure steps, checkpoints, metric writers, loop.
 
-from noloco_jax.trainer.loop import train_and_evaluate  # noqa: F401  (needs models, data)
+The loop itself is ``noloco_jax.trainer.loop.train_and_evaluate`` (imported on
+demand: it pulls in the data layer).
+"""
+
 from noloco_jax.trainer.settings import TrainSettings, from_config
 from noloco_jax.trainer.step import TrainState, eval_window_losses, train_chunk, train_step
 
@@ -9,7 +12,6 @@ __all__ = [
     "TrainState",
     "eval_window_losses",
     "from_config",
-    "train_and_evaluate",
     "train_chunk",
     "train_step",
 ]

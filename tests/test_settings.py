@@ -1,0 +1,103 @@
+"""Config files load, and bad settings are refused with errors naming the field."""
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from noloco_jax.trainer import settings as settings_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_FILES = sorted(
+    p for p in (ROOT / "configs").glob("*.py") if p.stem not in ("__init__", "common", "paper")
+)
+
+
+def load_config(path: pathlib.Path, arg: str | None = None):
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location(f"_cfg_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg) if arg is not None else module.get_config()
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+def test_every_config_loads_and_validates(path):
+    settings = settings_lib.from_config(load_config(path))
+    assert settings.global_batch_size % settings.num_replicas == 0
+
+
+@pytest.mark.parametrize("method", ["noloco", "diloco", "dp"])
+def test_paper_configs_follow_the_paper(method):
+    s = settings_lib.from_config(load_config(ROOT / "configs" / "paper_small.py", method))
+    assert s.method == method and s.model.preset == "small"
+    assert (s.optim.learning_rate, s.optim.warmup_steps, s.num_steps) == (6e-4, 1000, 25_000)
+    assert s.global_batch_size * s.data.seq_len == 524_288 and s.optim.clip_norm == 1.0
+    assert s.outer.learning_rate == 0.7
+    if method == "diloco":
+        assert (s.outer.sync_every, s.outer.momentum) == (100, 0.3)
+    else:
+        assert (s.outer.sync_every, s.outer.momentum) == (50, 0.5)
+    medium = settings_lib.from_config(load_config(ROOT / "configs" / "paper_medium.py"))
+    large = settings_lib.from_config(load_config(ROOT / "configs" / "paper_large.py"))
+    assert medium.global_batch_size * 1024 == 1_048_576 and large.optim.learning_rate == 1.2e-4
+
+
+def _tiny(**overrides):
+    cfg = load_config(ROOT / "configs" / "tiny_noloco.py")
+    for dotted, value in overrides.items():
+        node = cfg
+        *path, leaf = dotted.split(".")
+        for p in path:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        ({"method": "sgd"}, "config.method"),
+        ({"backend": "pmap"}, "config.backend"),
+        ({"global_batch_size": 60}, "config.global_batch_size"),
+        ({"num_replicas": 0}, "config.num_replicas"),
+        ({"num_replicas": 6, "global_batch_size": 60, "outer.group_size": 4}, "config.outer.group_size"),
+        ({"outer.group_size": 1}, "config.outer.group_size"),
+        ({"eval_every": 30}, "config.eval_every"),
+        ({"model.dtype": "float16"}, "config.model.dtype"),
+        ({"data.source": "web"}, "config.data.source"),
+        ({"data.source": "files"}, "config.data.path"),
+        ({"data.source": "tfds"}, "config.data.tfds_name"),
+        ({"data.tokenizer": "tiktoken"}, "config.data.tokenizer"),
+        ({"data.validation_fraction": 1.5}, "config.data.validation_fraction"),
+        ({"optim.learning_rate": -1.0}, "config.optim.learning_rate"),
+        ({"optim.warmup_steps": 10_000}, "config.optim.warmup_steps"),
+        ({"optim.b2": 1.0}, "config.optim.b2"),
+        ({"outer.sync_every": 0}, "config.outer.sync_every"),
+        ({"outer.momentum": -0.1}, "config.outer.momentum"),
+        ({"outer.gamma": -0.5}, "config.outer.gamma"),
+        ({"outer.exchange_dtype": "int8"}, "config.outer.exchange_dtype"),
+    ],
+)
+def test_bad_settings_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        settings_lib.from_config(_tiny(**overrides))
+
+
+def test_unknown_fields_are_refused():
+    with pytest.raises(ValueError, match="unknown field"):
+        settings_lib.from_config({"num_replica": 8})
+    with pytest.raises(ValueError, match="unknown field"):
+        settings_lib.from_config({"model": {"presett": "tiny"}})
+
+
+def test_resume_compatibility():
+    base = settings_lib.TrainSettings().to_dict()
+    settings_lib.check_resume_compatible(base, {**base, "eval_every": 50})  # allowed
+    with pytest.raises(ValueError, match=r"num_replicas: 8 -> 4"):
+        settings_lib.check_resume_compatible(base, {**base, "num_replicas": 4})
+    changed = {**base, "outer": {**base["outer"], "group_size": 4}}
+    with pytest.raises(ValueError, match=r"outer\.group_size"):
+        settings_lib.check_resume_compatible(base, changed)

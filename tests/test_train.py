@@ -1,0 +1,169 @@
+"""End-to-end training: each method, resume exactness, vmap == shard_map, CLI, bad configs."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from pydoc_data.topics import topics
+
+from noloco_jax.trainer import settings as settings_lib
+from noloco_jax.trainer.checkpoint import Checkpointer
+from noloco_jax.trainer.loop import train_and_evaluate
+from noloco_jax.trainer.writers import read_jsonl
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    """A small local corpus the project makes itself: Python's bundled help topics."""
+    d = tmp_path_factory.mktemp("corpus")
+    for i, (name, text) in enumerate(sorted(topics.items())[:40]):
+        (d / f"{i:02d}_{name}.txt").write_text(text, encoding="utf-8")
+    return d
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data")
+
+
+def tiny_settings(corpus_dir, data_dir, **overrides):
+    base = {
+        "method": "noloco",
+        "num_replicas": 4,
+        "backend": "vmap",
+        "global_batch_size": 8,
+        "num_steps": 12,
+        "log_every": 2,
+        "eval_every": 4,
+        "checkpoint_every": 4,
+        "model": {"preset": "nano"},
+        "data": {
+            "source": "files",
+            "path": str(corpus_dir),
+            "data_dir": str(data_dir),
+            "seq_len": 32,
+            "eval_windows": 8,
+        },
+        "optim": {"learning_rate": 3e-3, "warmup_steps": 2},
+        "outer": {"sync_every": 3},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            base[key] = {**base.get(key, {}), **value}
+        else:
+            base[key] = value
+    return settings_lib.from_config(base)
+
+
+def _losses(workdir):
+    by_step = {r["step"]: r["train_loss"] for r in read_jsonl(workdir / "metrics.jsonl", "train")}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+@pytest.mark.parametrize("method,sync", [("noloco", 3), ("diloco", 4), ("dp", 1)])
+def test_tiny_run_each_method(tmp_path, corpus_dir, data_dir, method, sync):
+    s = tiny_settings(corpus_dir, data_dir, method=method, outer={"sync_every": sync})
+    last = train_and_evaluate(s, tmp_path, progress=False)
+    assert last["step"] == 12
+    evals = read_jsonl(tmp_path / "metrics.jsonl", "eval")
+    assert [r["step"] for r in evals] == [4, 8, 12]
+    for key in ("val_ppl", "val_ppl_avg_model", "replica_spread", "val_ppl_best_replica"):
+        assert np.isfinite(evals[-1][key]), key
+    assert evals[-1]["val_ppl"] < evals[0]["val_ppl"] < 300  # learning, from ~256 (bytes)
+    train = read_jsonl(tmp_path / "metrics.jsonl", "train")
+    assert train[-1]["tokens_per_sec"] > 0 and train[-1]["bytes_sent_per_replica"] > 0
+    if method == "dp":
+        assert evals[-1]["replica_spread"] < 1e-6  # replicas stay identical
+    else:
+        assert evals[-1]["replica_spread"] > 0
+    assert Checkpointer(tmp_path / "checkpoints").all_steps() == [8, 12]
+    assert list((tmp_path / "tensorboard").glob("events.*"))
+
+
+def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, corpus_dir, data_dir):
+    s = tiny_settings(corpus_dir, data_dir)
+    full = tmp_path / "full"
+    train_and_evaluate(s, full, progress=False)
+    parts = tmp_path / "parts"
+    train_and_evaluate(s, parts, stop_at=6, progress=False)  # checkpoint at 4, "crash" at 6
+    assert Checkpointer(parts / "checkpoints").latest_step() == 4
+    train_and_evaluate(s, parts, progress=False)  # resumes from 4
+    assert _losses(full) == _losses(parts)  # exact equality, not closeness
+    evals_full = read_jsonl(full / "metrics.jsonl", "eval")
+    evals_parts = {r["step"]: r for r in read_jsonl(parts / "metrics.jsonl", "eval")}
+    assert evals_full[-1]["val_ppl"] == evals_parts[12]["val_ppl"]
+
+
+def test_vmap_and_shard_map_train_the_same(tmp_path, corpus_dir, data_dir):
+    results = {}
+    for backend in ("vmap", "shard_map"):
+        s = tiny_settings(corpus_dir, data_dir, backend=backend, num_steps=8, checkpoint_every=8)
+        train_and_evaluate(s, tmp_path / backend, progress=False)
+        results[backend] = _losses(tmp_path / backend)
+    np.testing.assert_allclose(results["vmap"], results["shard_map"], rtol=2e-5)
+
+
+def test_resume_with_changed_topology_is_refused(tmp_path, corpus_dir, data_dir):
+    s = tiny_settings(corpus_dir, data_dir, num_steps=4)
+    train_and_evaluate(s, tmp_path, progress=False)
+    changed = tiny_settings(corpus_dir, data_dir, num_steps=4, num_replicas=2)
+    with pytest.raises(ValueError, match="cannot resume.*num_replicas: 4 -> 2"):
+        train_and_evaluate(changed, tmp_path, progress=False)
+
+
+def test_unknown_preset(tmp_path, corpus_dir, data_dir):
+    s = tiny_settings(corpus_dir, data_dir, model={"preset": "huge"})
+    with pytest.raises(ValueError, match="huge.*nano"):
+        train_and_evaluate(s, tmp_path, progress=False)
+
+
+def test_vocab_mismatch_with_tokenizer(tmp_path, corpus_dir, data_dir):
+    s = tiny_settings(corpus_dir, data_dir, model={"preset": "nano", "vocab_size": 512})
+    with pytest.raises(ValueError, match="vocab_size=512.*256"):
+        train_and_evaluate(s, tmp_path, progress=False)
+
+
+def test_missing_corpus_path(tmp_path, data_dir):
+    s = tiny_settings(tmp_path / "nowhere", data_dir)
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        train_and_evaluate(s, tmp_path / "run", progress=False)
+
+
+def test_empty_corpus(tmp_path, data_dir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    s = tiny_settings(empty, data_dir)
+    with pytest.raises(ValueError, match="empty"):
+        train_and_evaluate(s, tmp_path / "run", progress=False)
+
+
+def test_cli_and_plot(tmp_path, corpus_dir, data_dir):
+    workdir = tmp_path / "cli"
+    cmd = [
+        sys.executable, "-m", "noloco_jax.train",
+        f"--config={ROOT / 'configs' / 'tiny_noloco.py'}",
+        f"--workdir={workdir}",
+        "--noprogress",
+        "--config.model.preset=nano", "--config.num_replicas=2", "--config.backend=vmap",
+        "--config.global_batch_size=4", "--config.num_steps=4", "--config.log_every=2",
+        "--config.eval_every=2", "--config.checkpoint_every=4", "--config.optim.warmup_steps=1",
+        "--config.data.source=files", f"--config.data.path={corpus_dir}",
+        f"--config.data.data_dir={data_dir}", "--config.data.seq_len=32",
+        "--config.data.eval_windows=4", "--config.outer.sync_every=2",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = json.loads(out.stdout[out.stdout.index("{") :])
+    assert last["step"] == 4 and np.isfinite(last["val_ppl"])
+    bad = subprocess.run(cmd + ["--config.num_replica=3"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "num_replica" in bad.stderr
+    png = tmp_path / "curves.png"
+    plot = [sys.executable, str(ROOT / "experiments" / "plot.py"), str(workdir), "--out", str(png)]
+    assert subprocess.run(plot, capture_output=True, timeout=120).returncode == 0
+    assert png.stat().st_size > 1000
