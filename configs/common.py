@@ -19,9 +19,9 @@ def get_config() -> config_dict.ConfigDict:
     # Where replicas run: "auto" (one per device if enough devices, else vmap), "vmap", "shard_map".
     c.backend = "auto"
     # Sequences per optimizer step summed over replicas; must be divisible by num_replicas.
-    c.global_batch_size = 64
+    c.global_batch_size = 32
     # Inner (optimizer) steps in total.
-    c.num_steps = 600
+    c.num_steps = 500
     # Steps fused into one compiled call (lax.scan); train loss is logged at this cadence.
     c.log_every = 25
     # Validation cadence and checkpoint cadence (multiples of log_every).
@@ -51,7 +51,7 @@ def get_config() -> config_dict.ConfigDict:
     c.data.tokenizer = "byte"
     c.data.tokenizer_vocab_size = 0  # sentencepiece only
     # Tokens per training sequence.
-    c.data.seq_len = 128
+    c.data.seq_len = 64
     # Fraction of documents held out for validation (files source).
     c.data.validation_fraction = 0.1
     # Validation windows evaluated per replica at each evaluation.

@@ -17,7 +17,11 @@ _REPO = pathlib.Path(__file__).resolve().parents[1]
 if (_REPO / "configs").is_dir() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # config files import shared defaults as `configs.common`
 
-from absl import app, flags  # noqa: E402
+import os  # noqa: E402
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -34,6 +38,8 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 def main(argv: list[str]) -> None:
     del argv
+    if not flags.FLAGS["verbosity"].present:  # orbax/TFDS log every file at INFO
+        logging.set_verbosity(logging.WARNING)
     from noloco_jax.trainer import from_config  # noqa: PLC0415
     from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
 

@@ -21,7 +21,10 @@ def test_ci_runs_exactly_the_readme_test_command():
 def test_readme_main_job_command_exists_and_points_at_real_files():
     main_cmds = [c for c in _readme_commands() if "pytest" not in c and "pip install" in c]
     assert main_cmds, "README must give the main-job command"
-    for path in re.findall(r"python (\S+\.py)", main_cmds[0]):
+    paths = re.findall(r"python (\S+\.py)", main_cmds[0])
+    paths += re.findall(r"--config=(\S+\.py)", main_cmds[0])
+    assert paths
+    for path in paths:
         assert (ROOT / path).is_file(), path
 
 

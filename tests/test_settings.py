@@ -101,3 +101,20 @@ def test_resume_compatibility():
     changed = {**base, "outer": {**base["outer"], "group_size": 4}}
     with pytest.raises(ValueError, match=r"outer\.group_size"):
         settings_lib.check_resume_compatible(base, changed)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+def test_every_config_builds_model_and_optimizer_abstractly(path):
+    import jax
+
+    from noloco_jax import models
+    from noloco_jax.trainer.optimizer import build_optimizer
+
+    s = settings_lib.from_config(load_config(path))
+    cfg = models.get_preset(s.model.preset, vocab_size=256, dtype=s.model.dtype)
+    _, params = jax.eval_shape(lambda: models.init_params(cfg, 0))
+    tx = build_optimizer(s.method, s.optim, s.outer, num_steps=s.num_steps,
+                         num_replicas=s.num_replicas)
+    opt_state = jax.eval_shape(tx.init, params)
+    assert models.count_params(params) == models.param_count(cfg)
+    assert len(jax.tree.leaves(opt_state)) > len(jax.tree.leaves(params))

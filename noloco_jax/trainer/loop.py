@@ -204,14 +204,14 @@ def train_and_evaluate(
     end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
     bar = _progress(progress, settings.num_steps, step)
     try:
+        if step == 0:
+            _evaluate(run, state, step, writer, last, bar)
         while step < end:
             state, step, train_metrics = _train_chunk(run, state, step, end)
             writer.write(step, "train", train_metrics)
             last.update(train_metrics, step=step)
             if step % settings.eval_every == 0 or step == settings.num_steps:
-                eval_metrics = run.evaluate(state.params)
-                writer.write(step, "eval", eval_metrics)
-                last.update(eval_metrics)
+                _evaluate(run, state, step, writer, last, bar)
             if step % settings.checkpoint_every == 0 or step == settings.num_steps:
                 ckpt.save(step, state, run.meta)
             _advance(bar, step, last)
@@ -221,6 +221,23 @@ def train_and_evaluate(
         if bar is not None:
             bar.close()
     return last
+
+
+def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, last: dict,
+              bar: Any) -> None:
+    metrics = run.evaluate(state.params)
+    writer.write(step, "eval", metrics)
+    last.update(metrics)
+    line = (
+        f"step {step:6d}  val ppl {metrics['val_ppl']:8.3f} (pooled over replicas)  "
+        f"averaged model {metrics['val_ppl_avg_model']:8.3f}  spread {metrics['replica_spread']:.2e}"
+    )
+    if "train_loss" in last:
+        line += f"  train loss {last['train_loss']:.3f}  {last['tokens_per_sec']:.0f} tok/s"
+    if bar is not None:
+        bar.write(line)
+    else:
+        print(line, flush=True)
 
 
 def _train_chunk(run: _Run, state: TrainState, step: int, end: int):

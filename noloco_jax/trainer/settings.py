@@ -36,7 +36,7 @@ class DataSettings:
     data_dir: str = ""
     tokenizer: str = "byte"
     tokenizer_vocab_size: int = 0
-    seq_len: int = 128
+    seq_len: int = 64
     validation_fraction: float = 0.1
     eval_windows: int = 64
 
@@ -71,8 +71,8 @@ class TrainSettings:
     method: str = "noloco"
     num_replicas: int = 8
     backend: str = "auto"
-    global_batch_size: int = 64
-    num_steps: int = 600
+    global_batch_size: int = 32
+    num_steps: int = 500
     log_every: int = 25
     eval_every: int = 100
     checkpoint_every: int = 200
