@@ -3,14 +3,24 @@
 A batch is a pure function of the step, so the data position of a run is its
 step: resuming at step s yields exactly the batches an uninterrupted run
 would have seen.
+
+Windows: the stream is cut into windows of ``seq_len + 1`` tokens at stride
+``seq_len`` (window ``w`` is ``tokens[w * seq_len : (w + 1) * seq_len + 1]``).
+Their targets ``w[1:]`` never overlap, so every token of the stream is
+predicted at most once per epoch; neighbouring windows share only the one
+boundary token, as an input of the later window and a target of the earlier.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
 from typing import Any, Sequence
 
 import numpy as np
+
+from noloco_jax.data.sources import texts_digest
 
 __all__ = ["tokenize_documents", "load_token_stream", "ReplicaBatcher", "eval_windows"]
 
@@ -27,16 +37,24 @@ def tokenize_documents(docs: Sequence[str], tokenizer: Any) -> np.ndarray:
 def load_token_stream(
     corpus: Any, tokenizer: Any, split: str, cache_dir: str | pathlib.Path
 ) -> np.ndarray:
-    """The tokenized ``split`` of ``corpus``, cached as .npy (tokenized once)."""
+    """The tokenized ``split`` of ``corpus`` (``tokenize_documents``), cached as .npy.
+
+    The cache file, ``cache_dir/tokens/<corpus name>-<text hash>-<tokenizer
+    name>-<split>.npy``, is keyed by the corpus name, a hash of the split's
+    text and the tokenizer's identity (``"byte256"`` or the SentencePiece
+    model's hash), so a corpus is tokenized once and a changed one again.
+    """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}.")
-    path = pathlib.Path(cache_dir) / "tokens" / f"{corpus.name}-{tokenizer.name}-{split}.npy"
+    docs = getattr(corpus, split)
+    key = f"{corpus.name}-{texts_digest(docs)}-{tokenizer.name}-{split}.npy"
+    path = pathlib.Path(cache_dir) / "tokens" / key
     if path.exists():
         return np.load(path).astype(np.int32)
-    tokens = tokenize_documents(getattr(corpus, split), tokenizer)
+    tokens = tokenize_documents(docs, tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
-    tmp = path.with_suffix(".tmp.npy")
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
     np.save(tmp, tokens.astype(dtype))
     tmp.replace(path)
     return tokens
@@ -50,11 +68,17 @@ def _check_int(name: str, value: Any, minimum: int = 1) -> None:
 class ReplicaBatcher:
     """Per-replica training batches from one token stream.
 
-    The stream is cut into non-overlapping windows of ``seq_len + 1`` tokens
-    (inputs ``w[:-1]``, targets ``w[1:]``). A seeded permutation deals the
-    windows to replicas once, so each replica owns a disjoint shard for the
-    whole run (the reference code shards by sample index mod N). Each replica
-    walks its shard in a fresh seeded order every epoch.
+    The stream is cut into windows of ``seq_len + 1`` tokens at stride
+    ``seq_len`` (inputs ``w[:-1]``, targets ``w[1:]``; targets never overlap,
+    see the module doc). A seeded permutation deals the windows to the
+    replicas round-robin once, so each replica owns a disjoint shard for the
+    whole run (the NoLoCo reference code shards by sample index mod N). Every
+    shard holds the same number of windows, a multiple of ``batch_size``; the
+    few windows left over (fewer than ``num_replicas * batch_size`` plus the
+    remainder of the deal) are never used. Each replica walks its shard in a
+    fresh seeded order every epoch of its shard, visiting each of its windows
+    exactly once per epoch; the epoch and the position in it follow from the
+    step alone.
 
     Args:
       tokens: 1-D int token stream.
@@ -74,25 +98,32 @@ class ReplicaBatcher:
         self.tokens = np.asarray(tokens, np.int32)
         self.num_replicas, self.batch_size, self.seq_len, self.seed = (
             num_replicas, batch_size, seq_len, seed)  # fmt: skip
+        if self.tokens.ndim != 1:
+            raise ValueError(f"tokens must be a 1-D stream, got shape {self.tokens.shape}.")
         self.num_windows = max(len(self.tokens) - 1, 0) // seq_len
-        self.windows_per_replica = self.num_windows // num_replicas
-        if self.windows_per_replica < batch_size:
+        self.steps_per_epoch = self.num_windows // num_replicas // batch_size
+        self.windows_per_replica = self.steps_per_epoch * batch_size
+        if self.steps_per_epoch < 1:
             need = num_replicas * batch_size * seq_len + 1
             raise ValueError(
                 f"the training stream is too small: {len(self.tokens)} tokens give "
-                f"{self.windows_per_replica} windows of {seq_len + 1} per replica, but a batch "
-                f"needs {batch_size}; at least {need} tokens are needed for num_replicas="
-                f"{num_replicas}, batch_size={batch_size}, seq_len={seq_len}."
+                f"{self.num_windows // num_replicas} windows of {seq_len + 1} tokens per replica, "
+                f"but a batch needs {batch_size}; at least {need} tokens are needed for "
+                f"num_replicas={num_replicas}, batch_size={batch_size}, seq_len={seq_len}. Use a "
+                f"larger corpus or fewer replicas, a smaller batch or a shorter seq_len."
             )
         dealt = np.random.default_rng([seed, 0]).permutation(self.num_windows)
         used = dealt[: self.windows_per_replica * num_replicas]
         self._shards = used.reshape(self.windows_per_replica, num_replicas).T.copy()
-        self.steps_per_epoch = self.windows_per_replica // batch_size
+        self._digest: str | None = None
         self._order_cache: dict[tuple[int, int], np.ndarray] = {}
         self._offsets = np.arange(seq_len + 1)
 
     def shard(self, replica: int) -> np.ndarray:
         """Window ids owned by ``replica`` (sorted)."""
+        _check_int("replica", replica, minimum=0)
+        if replica >= self.num_replicas:
+            raise ValueError(f"replica must be < num_replicas={self.num_replicas}, got {replica}.")
         return np.sort(self._shards[replica])
 
     def _order(self, replica: int, epoch: int) -> np.ndarray:
@@ -101,7 +132,8 @@ class ReplicaBatcher:
             if len(self._order_cache) > 4 * self.num_replicas:
                 self._order_cache.clear()
             rng = np.random.default_rng([self.seed, 1, replica, epoch])
-            self._order_cache[key] = self._shards[replica][rng.permutation(self.windows_per_replica)]
+            order = rng.permutation(self.windows_per_replica)
+            self._order_cache[key] = self._shards[replica][order]
         return self._order_cache[key]
 
     def window_ids(self, step: int) -> np.ndarray:
@@ -117,13 +149,21 @@ class ReplicaBatcher:
         return self.tokens[ids[..., None] * self.seq_len + self._offsets]
 
     def state(self) -> dict:
-        """JSON-able description, stored in checkpoints."""
+        """JSON-able description of the data order, stored in checkpoints.
+
+        Two batchers with equal states yield identical batches at every step.
+        ``tokens_sha256`` is a hash of the stream (a changed corpus of the same
+        length is caught too).
+        """
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.tokens.tobytes()).hexdigest()[:16]
         return {
             "seed": self.seed,
             "num_replicas": self.num_replicas,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "num_windows": self.num_windows,
+            "tokens_sha256": self._digest,
         }
 
     @staticmethod
@@ -139,13 +179,18 @@ class ReplicaBatcher:
 
 
 def eval_windows(tokens: np.ndarray, *, seq_len: int, max_windows: int | None = None) -> np.ndarray:
-    """Validation windows [num, seq_len + 1]: non-overlapping, evenly spread over the stream.
+    """Validation windows, int32 [num, seq_len + 1], evenly spread over the stream.
 
-    With ``max_windows`` smaller than the number of windows, windows are taken
-    at evenly spaced positions, so every part of the validation split (e.g.
-    every held-out play) is represented. Deterministic.
+    The windows are those of ``ReplicaBatcher`` (stride ``seq_len``, targets
+    never overlapping). All of them by default; with ``max_windows`` smaller
+    than their number, ``max_windows`` of them at evenly spaced positions from
+    the first to the last, so every part of the validation split (e.g. every
+    held-out play) is represented. Deterministic; empty when the stream holds
+    fewer than ``seq_len + 1`` tokens.
     """
     _check_int("seq_len", seq_len)
+    if max_windows is not None:
+        _check_int("max_windows", max_windows)
     tokens = np.asarray(tokens, np.int32)
     total = max(len(tokens) - 1, 0) // seq_len
     ids = np.arange(total)

