@@ -72,8 +72,12 @@ def test_tiny_run_each_method(tmp_path, corpus_dir, data_dir, method, sync):
     assert last["step"] == 12
     evals = read_jsonl(tmp_path / "metrics.jsonl", "eval")
     assert [r["step"] for r in evals] == [0, 4, 8, 12]
-    for key in ("val_ppl", "val_ppl_avg_model", "replica_spread", "val_ppl_best_replica"):
+    for key in ("val_ppl", "val_ppl_avg_model", "replica_spread", "val_ppl_best_replica",
+                "val_ppl_ensemble"):
         assert np.isfinite(evals[-1][key]), key
+    e = evals[-1]  # a mixture's log-loss is at most the mean member log-loss (Jensen)
+    assert e["val_ppl_ensemble"] <= e["val_ppl"] * (1 + 1e-6)
+    assert e["val_ppl_best_replica"] <= e["val_ppl"] <= e["val_ppl_worst_replica"]
     assert evals[-1]["val_ppl"] < evals[1]["val_ppl"] < evals[0]["val_ppl"] < 300  # from ~256
     train = read_jsonl(tmp_path / "metrics.jsonl", "train")
     assert train[-1]["tokens_per_sec"] > 0 and train[-1]["bytes_sent_per_replica"] > 0

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from noloco_jax import data as data_lib
-from noloco_jax import models, replicas
+from noloco_jax import ensemble, models, replicas
 from noloco_jax.metrics import replica_spread
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
 from noloco_jax.trainer.settings import TrainSettings, check_resume_compatible
-from noloco_jax.trainer.step import TrainState, eval_window_losses, train_chunk
+from noloco_jax.trainer.step import TrainState, eval_token_losses, train_chunk
 from noloco_jax.trainer.writers import MetricWriter
 
 __all__ = ["DataBundle", "prepare_data", "prepare_model", "train_and_evaluate"]
@@ -132,23 +132,28 @@ def _eval_batch_size(num_windows: int, limit: int = 16) -> int:
 
 def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) -> Callable:
     n = reps.num_replicas
-    losses = functools.partial(
-        eval_window_losses, graphdef=graphdef, batch_size=_eval_batch_size(len(windows))
+    token_losses = functools.partial(
+        eval_token_losses, graphdef=graphdef, batch_size=_eval_batch_size(len(windows))
     )
-    per_replica = jax.jit(reps.map(losses))
+    per_replica = jax.jit(reps.map(token_losses))
     spread = jax.jit(reps.map(lambda p: replica_spread(p, reps.axis_name)))
-    averaged = jax.jit(lambda p, w: losses(jax.tree.map(lambda x: x.mean(0), p), w))
+    averaged = jax.jit(lambda p, w: token_losses(jax.tree.map(lambda x: x.mean(0), p), w))
     stacked = reps.put(np.broadcast_to(windows, (n, *windows.shape)).copy())
     single = jnp.asarray(windows)
 
     def evaluate(params: Any) -> dict[str, float]:
-        per = np.asarray(per_replica(params, stacked))  # [N, W]
+        per = np.asarray(per_replica(params, stacked))  # [N, W, T] token losses
+        seq = per.mean(-1)  # [N, W] per-sequence mean CE
+        mixture = -np.asarray(ensemble.uniform_mixture(-jnp.asarray(per)))  # [W, T]
         out = {
             # The paper's metric: exp of the mean per-sequence CE pooled over replicas.
-            "val_ppl": math.exp(float(per.mean())),
-            "val_loss": float(per.mean()),
-            "val_ppl_best_replica": math.exp(float(per.mean(1).min())),
+            "val_ppl": math.exp(float(seq.mean())),
+            "val_loss": float(seq.mean()),
+            "val_ppl_best_replica": math.exp(float(seq.mean(1).min())),
+            "val_ppl_worst_replica": math.exp(float(seq.mean(1).max())),
             "val_ppl_avg_model": math.exp(float(np.asarray(averaged(params, single)).mean())),
+            # All replicas as one model: the mean of their next-token distributions.
+            "val_ppl_ensemble": math.exp(float(mixture.mean())),
         }
         out["replica_spread"] = float(np.asarray(spread(params)).reshape(-1)[0]) if n > 1 else 0.0
         return out

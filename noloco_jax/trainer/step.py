@@ -16,7 +16,14 @@ from jax import lax
 
 from noloco_jax.models import apply, cross_entropy
 
-__all__ = ["TrainState", "loss_fn", "train_step", "train_chunk", "eval_window_losses"]
+__all__ = [
+    "TrainState",
+    "loss_fn",
+    "train_step",
+    "train_chunk",
+    "eval_token_losses",
+    "eval_window_losses",
+]
 
 
 class TrainState(NamedTuple):
@@ -68,10 +75,13 @@ def train_chunk(
     return lax.scan(body, state, tokens_KxBxT1)
 
 
-def eval_window_losses(
+def eval_token_losses(
     params: Any, windows_WxT1: jax.Array, *, graphdef: Any, batch_size: int
 ) -> jax.Array:
-    """Mean cross-entropy of each validation window, [W], evaluated ``batch_size`` at a time."""
+    """Next-token cross-entropy of every position of every window, [W, T] float32.
+
+    Windows are evaluated ``batch_size`` at a time (``lax.map``) to bound memory.
+    """
     num = windows_WxT1.shape[0]
     if num % batch_size:
         raise ValueError(f"{num} eval windows are not divisible by batch_size={batch_size}.")
@@ -79,6 +89,13 @@ def eval_window_losses(
 
     def one(tokens_BxT1: jax.Array) -> jax.Array:
         logits = apply(graphdef, params, tokens_BxT1[:, :-1])
-        return cross_entropy(logits, tokens_BxT1[:, 1:]).mean(axis=-1)
+        return cross_entropy(logits, tokens_BxT1[:, 1:]).astype(jnp.float32)
 
-    return lax.map(one, batches).reshape(num).astype(jnp.float32)
+    return lax.map(one, batches).reshape(num, -1)
+
+
+def eval_window_losses(
+    params: Any, windows_WxT1: jax.Array, *, graphdef: Any, batch_size: int
+) -> jax.Array:
+    """Mean cross-entropy of each validation window, [W]."""
+    return eval_token_losses(params, windows_WxT1, graphdef=graphdef, batch_size=batch_size).mean(-1)

@@ -1,0 +1,72 @@
+"""Ensembles of K language models scored token by token.
+
+All functions take ``logp_KxBxT``: each model's log-probability of the actual
+next token, ``log p_k(x_t | x_<t)``, for K models, B sequences, T positions,
+and return the ensemble's log-probability of the same tokens, [B, T]. They
+are vectorised over models and numerically stable (log-sum-exp throughout).
+
+* ``uniform_mixture``: p(x_t) = (1/K) sum_k p_k(x_t). A proper distribution
+  over the vocabulary because each p_k is.
+* ``posterior_mixture``: Bayesian model averaging over whole sequences,
+  weights w_k,t ∝ prior_k · prod_{s<t} p_k(x_s | x_<s) (Gururangan et al.'s
+  "branch-train-merge" inference and HDEE's posterior rule); still a convex
+  combination of distributions at each position, so normalised.
+* ``estimate_prior``: the prior as the average posterior on a separate dev
+  split, to use in ``posterior_mixture``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["uniform_mixture", "posterior_mixture", "estimate_prior", "perplexity"]
+
+
+def uniform_mixture(logp_KxBxT: jax.Array) -> jax.Array:
+    """log (1/K) sum_k p_k(x_t), [B, T]."""
+    k = logp_KxBxT.shape[0]
+    return jax.nn.logsumexp(logp_KxBxT.astype(jnp.float32), axis=0) - jnp.log(k)
+
+
+def _log_weights(logp_KxBxT: jax.Array, log_prior_K: jax.Array) -> jax.Array:
+    """Normalised log posterior weights before each position, [K, B, T]."""
+    logp = logp_KxBxT.astype(jnp.float32)
+    # Evidence of the tokens *before* t: exclusive cumulative sum along T.
+    before = jnp.cumsum(logp, axis=-1) - logp
+    logits = before + log_prior_K.astype(jnp.float32)[:, None, None]
+    return logits - jax.nn.logsumexp(logits, axis=0, keepdims=True)
+
+
+def posterior_mixture(logp_KxBxT: jax.Array, prior_K: jax.Array | None = None) -> jax.Array:
+    """log sum_k w_k,t p_k(x_t) with w_k,t ∝ prior_k prod_{s<t} p_k(x_s), [B, T].
+
+    Args:
+      logp_KxBxT: per-model log-probabilities of the observed tokens.
+      prior_K: prior weights of the models (non-negative, normalised here);
+        ``None`` means uniform.
+
+    Returns:
+      The mixture's log-probabilities of the observed tokens.
+    """
+    k = logp_KxBxT.shape[0]
+    if prior_K is None:
+        log_prior = jnp.full((k,), -jnp.log(k), jnp.float32)
+    else:
+        prior = jnp.asarray(prior_K, jnp.float32)
+        log_prior = jnp.log(prior) - jnp.log(prior.sum())
+    log_w = _log_weights(logp_KxBxT, log_prior)
+    return jax.nn.logsumexp(log_w + logp_KxBxT.astype(jnp.float32), axis=0)
+
+
+def estimate_prior(logp_KxBxT: jax.Array) -> jax.Array:
+    """Prior over models: their mean posterior weight after whole dev sequences, [K]."""
+    logp = logp_KxBxT.astype(jnp.float32)
+    total = logp.sum(axis=-1)  # [K, B] log-likelihood of each dev sequence
+    post = jax.nn.softmax(total, axis=0)
+    return post.mean(axis=1)
+
+
+def perplexity(logp_BxT: jax.Array) -> jax.Array:
+    """exp of the mean negative log-probability."""
+    return jnp.exp(-jnp.mean(logp_BxT.astype(jnp.float32)))

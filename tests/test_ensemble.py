@@ -1,0 +1,79 @@
+"""Ensemble mixtures: normalised, reduce to a single model, stable, prior estimation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from noloco_jax import ensemble
+
+K, B, T, V = 3, 2, 5, 7
+
+
+def _logprobs(seed=0):
+    logits = 3 * jax.random.normal(jax.random.key(seed), (K, B, T, V))
+    return jax.nn.log_softmax(logits, axis=-1)  # [K, B, T, V]
+
+
+def _observed(logp_KxBxTxV, tokens_BxT):
+    idx = jnp.broadcast_to(tokens_BxT[None, ..., None], (K, B, T, 1))
+    return jnp.take_along_axis(logp_KxBxTxV, idx, axis=-1)[..., 0]
+
+
+@pytest.mark.parametrize("rule", ["uniform", "posterior", "posterior_prior"])
+def test_mixtures_are_normalised_over_the_vocabulary(rule):
+    logp = _logprobs()
+    prefix = jax.random.randint(jax.random.key(1), (B, T), 0, V)
+    prior = jnp.array([0.2, 0.5, 0.3])
+    for t in range(T):
+        total = 0.0
+        for v in range(V):  # vary the token at position t, keep the prefix fixed
+            tokens = prefix.at[:, t].set(v)
+            obs = _observed(logp, tokens)
+            if rule == "uniform":
+                mix = ensemble.uniform_mixture(obs)
+            else:
+                mix = ensemble.posterior_mixture(obs, prior if rule == "posterior_prior" else None)
+            total = total + jnp.exp(mix[:, t])
+        np.testing.assert_allclose(total, np.ones(B), rtol=1e-5)
+
+
+def test_single_model_reduces_to_itself():
+    obs = _observed(_logprobs(), jax.random.randint(jax.random.key(2), (B, T), 0, V))[:1]
+    np.testing.assert_allclose(ensemble.uniform_mixture(obs), obs[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ensemble.posterior_mixture(obs), obs[0], rtol=1e-6, atol=1e-6)
+    assert float(ensemble.perplexity(obs[0])) == pytest.approx(float(jnp.exp(-obs[0].mean())))
+
+
+def test_identical_models_and_first_position():
+    obs = _observed(_logprobs(), jax.random.randint(jax.random.key(3), (B, T), 0, V))
+    same = jnp.broadcast_to(obs[:1], obs.shape)
+    np.testing.assert_allclose(ensemble.posterior_mixture(same), obs[0], rtol=1e-5, atol=1e-6)
+    # At t = 0 there is no evidence yet: the posterior mixture is the prior mixture.
+    np.testing.assert_allclose(
+        ensemble.posterior_mixture(obs)[:, 0], ensemble.uniform_mixture(obs)[:, 0], rtol=1e-6
+    )
+
+
+def test_posterior_moves_towards_the_better_model_and_beats_uniform():
+    good = jnp.full((1, B, 40), jnp.log(0.9))
+    bad = jnp.full((1, B, 40), jnp.log(0.1))
+    obs = jnp.concatenate([good, bad])
+    post, unif = ensemble.posterior_mixture(obs), ensemble.uniform_mixture(obs)
+    assert float(post.mean()) > float(unif.mean())
+    np.testing.assert_allclose(post[:, -1], jnp.log(0.9), atol=1e-6)
+
+
+def test_stable_for_very_unlikely_tokens():
+    obs = jnp.stack([jnp.full((B, T), -1e4), jnp.full((B, T), -2e4)])
+    for mix in (ensemble.uniform_mixture(obs), ensemble.posterior_mixture(obs)):
+        assert bool(jnp.all(jnp.isfinite(mix)))
+    np.testing.assert_allclose(ensemble.uniform_mixture(obs), -1e4 - np.log(2), rtol=1e-6)
+
+
+def test_estimated_prior():
+    good = jnp.full((1, 6, 10), jnp.log(0.6))
+    bad = jnp.full((1, 6, 10), jnp.log(0.3))
+    prior = ensemble.estimate_prior(jnp.concatenate([good, bad]))
+    np.testing.assert_allclose(prior.sum(), 1.0, rtol=1e-6)
+    assert float(prior[0]) > 0.99
