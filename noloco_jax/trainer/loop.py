@@ -126,6 +126,11 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     return _Run(s, data, reps, params0, chunk, evaluate, meta), state
 
 
+def _ppl(loss: float) -> float:
+    """exp(loss), inf for a diverged run instead of an OverflowError."""
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
 def _eval_batch_size(num_windows: int, limit: int = 16) -> int:
     return max(d for d in range(1, min(limit, num_windows) + 1) if num_windows % d == 0)
 
@@ -147,13 +152,13 @@ def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray)
         mixture = -np.asarray(ensemble.uniform_mixture(-jnp.asarray(per)))  # [W, T]
         out = {
             # The paper's metric: exp of the mean per-sequence CE pooled over replicas.
-            "val_ppl": math.exp(float(seq.mean())),
+            "val_ppl": _ppl(float(seq.mean())),
             "val_loss": float(seq.mean()),
-            "val_ppl_best_replica": math.exp(float(seq.mean(1).min())),
-            "val_ppl_worst_replica": math.exp(float(seq.mean(1).max())),
-            "val_ppl_avg_model": math.exp(float(np.asarray(averaged(params, single)).mean())),
+            "val_ppl_best_replica": _ppl(float(seq.mean(1).min())),
+            "val_ppl_worst_replica": _ppl(float(seq.mean(1).max())),
+            "val_ppl_avg_model": _ppl(float(np.asarray(averaged(params, single)).mean())),
             # All replicas as one model: the mean of their next-token distributions.
-            "val_ppl_ensemble": math.exp(float(mixture.mean())),
+            "val_ppl_ensemble": _ppl(float(mixture.mean())),
         }
         out["replica_spread"] = float(np.asarray(spread(params)).reshape(-1)[0]) if n > 1 else 0.0
         return out

@@ -1,0 +1,67 @@
+"""Each experiment script runs its --smoke version end to end and writes its outputs."""
+
+import importlib
+import json
+import pathlib
+import sys
+
+import pytest
+from pydoc_data.topics import topics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("exp")
+    corpus = base / "corpus"
+    corpus.mkdir()
+    for i, (_, text) in enumerate(sorted(topics.items())[:40]):
+        (corpus / f"{i:02d}.txt").write_text(text, encoding="utf-8")
+    return base, corpus
+
+
+def _run(script, dirs, monkeypatch, *extra):
+    base, corpus = dirs
+    argv = [f"{script}.py", "--smoke", "--jobs", "1", "--data-path", str(corpus),
+            "--data-dir", str(base / "data"), "--runs-dir", str(base / "runs"),
+            "--out-dir", str(base / "out"), *extra]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    importlib.import_module(script).main()
+    out = base / "out"
+    return json.loads((out / f"{script}.json").read_text()), (out / f"{script}.md").read_text()
+
+
+def test_table2_smoke(dirs, monkeypatch):
+    results, md = _run("table2", dirs, monkeypatch)
+    assert {"dp_n2_s0", "diloco_n2_s1", "noloco_n2_s0"} <= set(results)
+    assert "python experiments/table2.py --smoke" in md and "| N = 2 |" in md
+    assert "paired by seed" in md
+    assert (dirs[0] / "out" / "table2_fig3a.png").stat().st_size > 1000
+
+
+def test_spread_vs_lr_smoke_reuses_table2_runs(dirs, monkeypatch):
+    stats, md = _run("spread_vs_lr", dirs, monkeypatch)
+    assert all(-1.0 <= v["pearson"] <= 1.0 for v in stats.values())
+    assert "Pearson" in md
+
+
+def test_sweeps_smoke(dirs, monkeypatch):
+    results, md = _run("sweeps", dirs, monkeypatch)
+    assert any(k.startswith("sweep_gamma_2.2") for k in results)
+    assert "### gamma" in md and "outside" in md
+
+
+def test_quadratic_theory_smoke(dirs, monkeypatch):
+    results, md = _run("quadratic_theory", dirs, monkeypatch)
+    verdicts = {(r["gamma"], r["bounded"]) for r in results["records"] if r["gamma"] is not None}
+    assert (0.7, True) in verdicts and (2.2, False) in verdicts
+    assert "spread / omega" in md
+
+
+def test_plot_script_on_a_smoke_run(dirs, monkeypatch, tmp_path):
+    import plot
+
+    png = plot.plot_runs([dirs[0] / "runs" / "table2_smoke" / "noloco_n2_s0"], tmp_path / "c.png")
+    assert png.stat().st_size > 1000
