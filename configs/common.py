@@ -18,6 +18,13 @@ def get_config() -> config_dict.ConfigDict:
     c.num_replicas = 8
     # Where replicas run: "auto" (one per device if enough devices, else vmap), "vmap", "shard_map".
     c.backend = "auto"
+    # Pipeline stages S per replica (must divide the model's layers); 1 = no pipeline.
+    c.num_stages = 1
+    # With S > 1: "random" (a fresh bijection of replicas per micro-batch and stage boundary,
+    # as the paper) or "fixed" (replica k's stages always feed each other; evaluation always is).
+    c.routing = "random"
+    # Routing bijections are drawn from a seeded pool of this many (all N! when N! <= it).
+    c.routing_pool_size = 64
     # Sequences per optimizer step summed over replicas; must be divisible by num_replicas.
     c.global_batch_size = 32
     # Inner (optimizer) steps in total.

@@ -23,6 +23,7 @@ from noloco_jax import ensemble, models, replicas
 from noloco_jax.metrics import replica_spread
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
+from noloco_jax.trainer.pipelined import make_pipeline_runner
 from noloco_jax.trainer.settings import TrainSettings, check_resume_compatible
 from noloco_jax.trainer.step import TrainState, eval_token_losses, train_chunk
 from noloco_jax.trainer.writers import MetricWriter
@@ -108,22 +109,43 @@ class _Run:
 
 def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     data = prepare_data(s)
-    _, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
-    tx = optim_lib.build_optimizer(
-        s.method, s.optim, s.outer, num_steps=s.num_steps, num_replicas=s.num_replicas
-    )
-    reps = replicas.make_replicas(s.num_replicas, backend=s.backend)
+    cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
+    build_tx = functools.partial(
+        optim_lib.build_optimizer, s.method, s.optim, s.outer, num_steps=s.num_steps,
+        num_replicas=s.num_replicas, num_stages=s.num_stages,
+    )  # fmt: skip
+    tx = build_tx()
     single = TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0))
-    state = reps.put(replicas.replicate(single, s.num_replicas))
-    chunk = jax.jit(reps.map(functools.partial(train_chunk, graphdef=graphdef, tx=tx)),
-                    donate_argnums=0)
-    evaluate = _make_evaluator(reps, graphdef, data.eval_windows)
+    if s.num_stages > 1:
+        check_stages_or_explain(cfg.num_layers, s.num_stages)
+        runner = make_pipeline_runner(s, graphdef, build_tx)
+        reps = replicas.make_replicas(s.num_replicas, backend="vmap")
+        state = runner.put(replicas.replicate(single, s.num_replicas))
+        chunk = runner.chunk
+    else:
+        reps = replicas.make_replicas(s.num_replicas, backend=s.backend)
+        state = reps.put(replicas.replicate(single, s.num_replicas))
+        chunk = jax.jit(reps.map(functools.partial(train_chunk, graphdef=graphdef, tx=tx)),
+                        donate_argnums=0)  # fmt: skip
+    evaluate = _make_evaluator(reps, graphdef, data.eval_windows)  # fixed routing
+    if s.num_stages > 1 and runner.backend == "shard_map":
+        # Evaluate a host copy: the evaluator vmaps over replicas on one device.
+        # (Fine at CPU scale; a sharded evaluation would be needed for big models.)
+        evaluate = functools.partial(lambda f, p: f(jax.device_get(p)), evaluate)
     meta = {
         "settings": s.to_dict(),
         "batcher": data.batcher.state(),
         "vocab_size": int(data.tokenizer.vocab_size),
     }
     return _Run(s, data, reps, params0, chunk, evaluate, meta), state
+
+
+def check_stages_or_explain(num_layers: int, num_stages: int) -> None:
+    if num_layers % num_stages:
+        raise ValueError(
+            f"config.num_stages={num_stages} must divide the model's {num_layers} layers "
+            f"(choose a divisor of {num_layers} or another model.preset)."
+        )
 
 
 def _ppl(loss: float) -> float:

@@ -9,6 +9,7 @@ import optax
 
 from noloco_jax import comm
 from noloco_jax.optim import data_parallel, diloco_outer, local_steps, noloco_outer
+from noloco_jax.pipeline.stages import clip_by_stage_norm
 from noloco_jax.trainer.settings import OptimSettings, OuterSettings
 
 __all__ = ["learning_rate_schedule", "inner_optimizer", "build_optimizer", "bytes_sent"]
@@ -54,14 +55,24 @@ def build_optimizer(
     *,
     num_steps: int,
     num_replicas: int,
+    num_stages: int = 1,
+    stage: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The per-replica transformation for ``method``, collectives on axis "replica".
 
     Each replica's gradient is clipped before any averaging (the reference
-    code clips local gradients, also before data parallel's all-reduce).
+    code clips local gradients, also before data parallel's all-reduce); with
+    pipeline stages each stage is clipped on its own, as each reference rank
+    clips only its own parameters. ``stage`` is the local stage index on a
+    (replica, stage) device mesh.
     """
     inner = inner_optimizer(optim, num_steps)
-    clip = optax.clip_by_global_norm(optim.clip_norm) if optim.clip_norm > 0 else optax.identity()
+    if optim.clip_norm <= 0:
+        clip = optax.identity()
+    elif num_stages > 1:
+        clip = clip_by_stage_norm(optim.clip_norm, num_stages, stage=stage)
+    else:
+        clip = optax.clip_by_global_norm(optim.clip_norm)
     axis = AXIS if num_replicas > 1 else None
     if method == "dp":
         return optax.chain(clip, data_parallel(inner, axis_name=axis))

@@ -71,6 +71,9 @@ class TrainSettings:
     method: str = "noloco"
     num_replicas: int = 8
     backend: str = "auto"
+    num_stages: int = 1
+    routing: str = "random"
+    routing_pool_size: int = 64
     global_batch_size: int = 32
     num_steps: int = 500
     log_every: int = 25
@@ -122,8 +125,9 @@ def validate(s: TrainSettings) -> TrainSettings:
     """Checks every field; returns ``s`` or raises ``ValueError`` naming the field."""
     _choice(s.method, "method", METHODS)
     _choice(s.backend, "backend", BACKENDS)
+    _choice(s.routing, "routing", ("random", "fixed"))
     for name in ("num_replicas", "global_batch_size", "num_steps", "log_every", "eval_every",
-                 "checkpoint_every", "keep_checkpoints"):
+                 "checkpoint_every", "keep_checkpoints", "num_stages", "routing_pool_size"):
         _positive_int(getattr(s, name), name)
     _positive_int(s.seed, "seed", minimum=0)
     _require(

@@ -1,0 +1,129 @@
+"""Which parameters each pipeline stage owns, and per-stage gradient clipping.
+
+A model of L stacked blocks is split into S stages of L / S consecutive
+blocks. Stage 0 also owns the token embedding; the last stage owns the final
+norm and the output head (and computes the loss). Every replica holds all of
+its stages, so the replicated layout of the rest of the library is unchanged:
+stage s of replica r is a slice of replica r's params.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = ["check_stages", "stage_layer_ids", "leaf_owner", "clip_by_stage_norm"]
+
+FIRST_STAGE_LEAVES = ("embedding",)
+LAST_STAGE_LEAVES = ("final_norm", "lm_head")
+BLOCK_LEAVES = ("blocks",)
+
+
+def check_stages(num_layers: int, num_stages: int) -> None:
+    """Raises ``ValueError`` unless ``num_stages`` >= 1 divides ``num_layers``."""
+    if num_stages < 1 or num_layers % num_stages:
+        raise ValueError(
+            f"num_stages={num_stages} must be >= 1 and divide the model's num_layers={num_layers}."
+        )
+
+
+def stage_layer_ids(num_layers: int, num_stages: int) -> list[np.ndarray]:
+    """Block indices of each stage: ``[s * L/S, (s + 1) * L/S)``."""
+    check_stages(num_layers, num_stages)
+    per = num_layers // num_stages
+    return [np.arange(s * per, (s + 1) * per, dtype=np.int32) for s in range(num_stages)]
+
+
+def _top_name(path: tuple) -> str:
+    key = path[0]
+    return str(getattr(key, "key", getattr(key, "name", key)))
+
+
+def leaf_owner(path: tuple) -> str:
+    """"blocks" (split over stages by layer), "first" or "last" stage."""
+    name = _top_name(path)
+    if name in BLOCK_LEAVES:
+        return "blocks"
+    if name in FIRST_STAGE_LEAVES:
+        return "first"
+    if name in LAST_STAGE_LEAVES:
+        return "last"
+    raise ValueError(f"parameter {jax.tree_util.keystr(path)} belongs to no pipeline stage.")
+
+
+def _stage_sq_norms(
+    updates: Any, num_stages: int, stage: jax.Array | None, stage_axis: str
+) -> jax.Array:
+    """Squared gradient norm of each stage, [S].
+
+    On a (replica, stage) mesh every device adds only what its own stage owns,
+    and the S-vector is summed over the stage axis (S floats inside one
+    replica's pipeline), so every device knows every stage's norm.
+    """
+    total = jnp.zeros([num_stages], jnp.float32)
+    mine = None if stage is None else jax.nn.one_hot(stage, num_stages, dtype=jnp.float32)
+    for path, g in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        g = g.astype(jnp.float32)
+        owner = leaf_owner(path)
+        if owner == "blocks":
+            per_layer = jnp.sum(jnp.square(g).reshape(g.shape[0], -1), axis=1)
+            if stage is None:
+                total = total + per_layer.reshape(num_stages, -1).sum(1)
+            else:  # the local slice is this stage's blocks
+                total = total + mine * per_layer.sum()
+            continue
+        target = 0 if owner == "first" else num_stages - 1
+        sq = jax.nn.one_hot(target, num_stages, dtype=jnp.float32) * jnp.sum(jnp.square(g))
+        total = total + (sq if stage is None else mine * sq)
+    return total if stage is None else jax.lax.psum(total, stage_axis)
+
+
+class ClipByStageNormState(NamedTuple):
+    """No state (``optax.EmptyState`` equivalent, kept explicit for readability)."""
+
+
+def clip_by_stage_norm(
+    max_norm: float, num_stages: int, *, stage: jax.Array | None = None, stage_axis: str = "stage"
+) -> optax.GradientTransformation:
+    """Clips each pipeline stage's gradient to global norm ``max_norm`` on its own.
+
+    In the reference code every pipeline rank clips only its own parameters.
+    With ``stage=None`` the updates are a replica's whole model (all stages,
+    blocks stacked on their leading axis); with ``stage`` given they are one
+    device's local view on a (replica, stage) mesh: its block slice plus the
+    embedding / head replicated over ``stage_axis``, which get their owning
+    stage's factor on every device.
+
+    Args:
+      max_norm: the clipping threshold (> 0).
+      num_stages: S.
+      stage: the local stage index on a (replica, stage) mesh, or None.
+      stage_axis: the mesh axis of the stages (used with ``stage``).
+
+    Returns:
+      A stateless ``optax.GradientTransformation``.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}.")
+
+    def update_fn(updates, state, params=None):
+        del params
+        norms = jnp.sqrt(_stage_sq_norms(updates, num_stages, stage, stage_axis))
+        scale = jnp.minimum(1.0, max_norm / jnp.maximum(norms, 1e-30))
+
+        def clip(path, g):
+            owner = leaf_owner(path)
+            if owner == "blocks":
+                if stage is None:
+                    per_layer = jnp.repeat(scale, g.shape[0] // num_stages)
+                    return (g * per_layer.reshape((-1,) + (1,) * (g.ndim - 1))).astype(g.dtype)
+                return (g * scale[stage]).astype(g.dtype)
+            return (g * scale[0 if owner == "first" else num_stages - 1]).astype(g.dtype)
+
+        return jax.tree_util.tree_map_with_path(clip, updates), state
+
+    return optax.GradientTransformation(lambda params: ClipByStageNormState(), update_fn)

@@ -1,0 +1,95 @@
+"""Training steps for pipelined runs (num_stages > 1): simulated, or on a (replica, stage) mesh.
+
+Both keep the replicated layout (every replica's whole model on the leading
+axis) and the chunk signature of ``step.train_chunk`` mapped over replicas:
+``chunk(state, tokens [N, K, B, T + 1]) -> (state, losses [N, K])``, so the
+loop, checkpoints and evaluation are the same as without stages. Each
+sequence is one micro-batch; ``B`` micro-batches per replica per step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from noloco_jax import pipeline as pl
+from noloco_jax import replicas
+from noloco_jax.trainer.step import TrainState
+
+__all__ = ["PipelineRunner", "make_pipeline_runner"]
+
+
+def _route_idx(step: Any, s: Any, pool_size: int) -> jax.Array:
+    if s.routing == "fixed":  # pool row 0 is the identity
+        return jnp.zeros((s.num_stages - 1, s.batch_per_replica), jnp.int32)
+    return pl.route_indices(step, num_boundaries=s.num_stages - 1,
+                            num_microbatches=s.batch_per_replica, pool_size=pool_size,
+                            seed=s.seed)  # fmt: skip
+
+
+class PipelineRunner:
+    """A chunk function and state placement for a pipelined run."""
+
+    def __init__(self, chunk: Callable, put: Callable, backend: str):
+        self.chunk, self.put, self.backend = chunk, put, backend
+
+
+def _sim_runner(s: Any, graphdef: Any, tx: optax.GradientTransformation, pool) -> PipelineRunner:
+    update = replicas.Replicas(s.num_replicas).map(tx.update)
+
+    def step(state: TrainState, tokens_NxBxT1: jax.Array) -> tuple[TrainState, jax.Array]:
+        perms = pl.route_perms(pool, _route_idx(state.step, s, len(pool)))
+
+        def total(p):
+            losses = pl.routed_losses(p, tokens_NxBxT1, perms, graphdef=graphdef,
+                                      num_stages=s.num_stages)  # fmt: skip
+            return losses.sum(), losses
+
+        (_, losses), grads = jax.value_and_grad(total, has_aux=True)(state.params)
+        updates, opt_state = update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(state.step + 1, params, opt_state), losses
+
+    def chunk(state, tokens_NxKxBxT1):
+        state, losses_KxN = lax.scan(step, state, jnp.moveaxis(tokens_NxKxBxT1, 1, 0))
+        return state, losses_KxN.T
+
+    return PipelineRunner(jax.jit(chunk, donate_argnums=0), lambda t: t, "vmap")
+
+
+def _mesh_runner(s: Any, graphdef: Any, make_tx: Callable, pool) -> PipelineRunner:
+    mesh = pl.PipelineMesh(pl.make_pipeline_mesh(s.num_replicas, s.num_stages), graphdef, pool)
+    one_step = mesh.train_step(make_tx)
+    route = jax.jit(functools.partial(_route_idx, s=s, pool_size=len(pool)))
+
+    def chunk(state, tokens_NxKxBxT1):
+        params, opt_state, step, losses = state.params, state.opt_state, state.step, []
+        for k in range(tokens_NxKxBxT1.shape[1]):
+            tokens = mesh.put(tokens_NxKxBxT1[:, k])
+            params, opt_state, loss = one_step(params, opt_state, tokens, route(step))
+            step = step + 1
+            losses.append(loss)
+        return TrainState(step, params, opt_state), jnp.stack(losses, axis=1)
+
+    return PipelineRunner(chunk, mesh.put, "shard_map")
+
+
+def make_pipeline_runner(s: Any, graphdef: Any, build_tx: Callable[..., Any]) -> PipelineRunner:
+    """The runner for settings ``s`` (backend "auto" uses the mesh when N x S devices exist).
+
+    Args:
+      s: the run's ``TrainSettings`` (num_stages > 1).
+      graphdef: the model's graphdef.
+      build_tx: ``build_tx(stage=None | traced index)`` -> the per-replica optimizer.
+    """
+    pool = pl.permutation_pool(s.num_replicas, s.routing_pool_size, s.seed)
+    need = s.num_replicas * s.num_stages
+    use_mesh = s.backend == "shard_map" or (s.backend == "auto" and len(jax.devices()) >= need)
+    if use_mesh:
+        return _mesh_runner(s, graphdef, lambda stage: build_tx(stage=stage), pool)
+    return _sim_runner(s, graphdef, build_tx(stage=None), pool)

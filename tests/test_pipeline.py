@@ -1,0 +1,181 @@
+"""Pipeline stages with random routing: paths, locality, fixed eval routing, sim == mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from noloco_jax import models, noloco_outer, replicas
+from noloco_jax import pipeline as pl
+from noloco_jax.trainer.step import loss_fn
+from tests.helpers import assert_trees_close
+
+N, S, B, T = 4, 2, 3, 12
+CFG = models.get_preset("nano", vocab_size=64, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    graphdef, _ = models.init_params(CFG, 0)
+    keys = jax.random.split(jax.random.key(1), N)
+    params = jax.vmap(lambda k: models.init_params(CFG, k)[1])(keys)  # distinct replicas
+    tokens = jax.random.randint(jax.random.key(2), (N, B, T + 1), 1, 64)
+    pool = pl.permutation_pool(N)
+    idx = pl.route_indices(3, num_boundaries=S - 1, num_microbatches=B, pool_size=len(pool),
+                           seed=0)  # fmt: skip
+    return graphdef, params, tokens, pool, idx, pl.route_perms(pool, idx)
+
+
+def test_pool_and_draws_are_bijections_and_deterministic():
+    pool = pl.permutation_pool(4)
+    assert pool.shape == (24, 4) and len({tuple(r) for r in pool.tolist()}) == 24
+    big = pl.permutation_pool(8, pool_size=16, seed=3)
+    assert big.shape == (16, 8) and all(sorted(r) == list(range(8)) for r in big.tolist())
+    a = pl.route_indices(7, num_boundaries=3, num_microbatches=5, pool_size=24, seed=1)
+    b = pl.route_indices(7, num_boundaries=3, num_microbatches=5, pool_size=24, seed=1)
+    c = pl.route_indices(8, num_boundaries=3, num_microbatches=5, pool_size=24, seed=1)
+    assert a.shape == (3, 5) and np.array_equal(a, b) and not np.array_equal(a, c)
+    perms = np.asarray(pl.route_perms(pool, a))
+    assert all(sorted(p) == [0, 1, 2, 3] for p in perms.reshape(-1, 4).tolist())
+
+
+def test_route_boundary_moves_each_microbatch_to_its_destination():
+    x = jnp.arange(N * B).reshape(N, B)
+    perm = jnp.array([[1, 2, 3, 0], [0, 1, 2, 3], [3, 2, 1, 0]])  # [B, N]
+    y = pl.route_boundary(x, perm)
+    for b in range(B):
+        for k in range(N):
+            assert int(y[perm[b, k], b]) == int(x[k, b])
+
+
+def _sequence_loss(params, graphdef, tokens, path, r, b):
+    """One sequence through the replicas on its path, stage by stage."""
+    stages = pl.stage_layer_ids(CFG.num_layers, S)
+    pick = lambda k: jax.tree.map(lambda a: a[k], params)  # noqa: E731
+    from flax import nnx
+
+    x = nnx.merge(graphdef, pick(path[0])).embed(tokens[r, b][None, :-1])
+    for s, ids in enumerate(stages):
+        x = nnx.merge(graphdef, pick(path[s])).run_layers(x, ids)
+    logits = nnx.merge(graphdef, pick(path[-1])).head(x)
+    return models.cross_entropy(logits, tokens[r, b][None, 1:]).mean()
+
+
+def test_routed_forward_backward_equals_explicit_loop_over_paths(setup):
+    graphdef, params, tokens, _, _, perms = setup
+    paths = pl.sequence_paths(np.asarray(perms))
+
+    def looped(p):
+        return sum(_sequence_loss(p, graphdef, tokens, paths[r, b], r, b)
+                   for r in range(N) for b in range(B)) / B  # fmt: skip
+
+    def routed(p):
+        return pl.routed_losses(p, tokens, perms, graphdef=graphdef, num_stages=S).sum()
+
+    np.testing.assert_allclose(routed(params), looped(params), rtol=1e-5)
+    assert_trees_close(jax.grad(routed)(params), jax.grad(looped)(params), rtol=1e-4, atol=1e-7)
+
+
+def test_fixed_routing_is_independent_replicas(setup):
+    graphdef, params, tokens, *_ = setup
+    fixed = pl.identity_perms(S - 1, B, N)
+    got = pl.routed_losses(params, tokens, fixed, graphdef=graphdef, num_stages=S)
+    want = jax.vmap(lambda p, t: loss_fn(p, t, graphdef=graphdef))(params, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_stage_gradients_only_come_from_microbatches_routed_through_it(setup):
+    graphdef, params, tokens, _, _, perms = setup
+    paths = pl.sequence_paths(np.asarray(perms))
+    per = pl.stage_layer_ids(CFG.num_layers, S)
+    for j in range(N):  # the loss finished by last-stage replica j
+        grads = jax.grad(lambda p: pl.routed_losses(
+            p, tokens, perms, graphdef=graphdef, num_stages=S)[j])(params)  # fmt: skip
+        wq = np.asarray(grads["blocks"]["attn"]["wq"][...])  # [N, L, ...]
+        for k in range(N):
+            for s in range(S):
+                visited = any(paths[r, b, s] == k and paths[r, b, -1] == j
+                              for r in range(N) for b in range(B))  # fmt: skip
+                nonzero = np.abs(wq[k, per[s]]).max() > 0
+                assert nonzero == visited, (j, k, s)
+        emb = np.abs(np.asarray(grads["embedding"][...])).reshape(N, -1).max(1) > 0
+        starts = {int(paths[r, b, 0]) for r in range(N) for b in range(B) if paths[r, b, -1] == j}
+        assert {k for k in range(N) if emb[k]} == starts
+
+
+def test_device_mesh_equals_simulation(setup):
+    graphdef, params, tokens, pool, idx, perms = setup
+    sim = lambda p: pl.routed_losses(p, tokens, perms, graphdef=graphdef, num_stages=S)  # noqa
+    mesh = pl.PipelineMesh(pl.make_pipeline_mesh(N, S), graphdef, pool)
+    losses, grads = mesh.loss_and_grads()(mesh.put(params), mesh.put(tokens), idx)
+    np.testing.assert_allclose(losses, sim(params), rtol=1e-6)
+    assert_trees_close(grads, jax.grad(lambda p: sim(p).sum())(params), rtol=1e-5, atol=1e-7)
+
+
+def test_training_with_noloco_per_stage_matches_on_mesh_and_in_simulation(setup):
+    graphdef, params, tokens, pool, _, _ = setup
+    params = replicas.replicate(jax.tree.map(lambda x: x[0], params), N)  # identical init
+    # SGD: equal gradients must give equal trajectories. (Adam divides near-zero
+    # gradients by their own magnitude, so 1e-8 differences in summation order
+    # would show up as 1e-5 differences in the parameters.)
+    inner = optax.sgd(0.5, momentum=0.9)
+    outer = noloco_outer(seed=2)
+    from noloco_jax import local_steps
+
+    sim_tx = optax.chain(pl.clip_by_stage_norm(0.5, S), local_steps(inner, outer, 2))
+    reps = replicas.make_replicas(N, backend="vmap")
+    single = jax.tree.map(lambda x: x[0], params)
+    sim_state = replicas.replicate(sim_tx.init(single), N)
+    update = reps.map(sim_tx.update)
+
+    @jax.jit
+    def sim_step(p, s, tok, step):
+        idx = pl.route_indices(step, num_boundaries=S - 1, num_microbatches=B,
+                               pool_size=len(pool), seed=0)  # fmt: skip
+        perms = pl.route_perms(pool, idx)
+        grads = jax.grad(lambda q: pl.routed_losses(q, tok, perms, graphdef=graphdef,
+                                                    num_stages=S).sum())(p)  # fmt: skip
+        u, s = update(grads, s, p)
+        return optax.apply_updates(p, u), s
+
+    mesh = pl.PipelineMesh(pl.make_pipeline_mesh(N, S), graphdef, pool)
+    spmd_step = mesh.train_step(
+        lambda stage: optax.chain(pl.clip_by_stage_norm(0.5, S, stage=stage),
+                                  local_steps(inner, outer, 2)))  # fmt: skip
+    p_sim, s_sim = params, sim_state
+    p_mesh, s_mesh = mesh.put(params), mesh.put(sim_state)
+    for step in range(5):  # two NoLoCo syncs
+        tok = jax.random.randint(jax.random.key(10 + step), (N, B, T + 1), 1, 64)
+        idx = pl.route_indices(step, num_boundaries=S - 1, num_microbatches=B,
+                               pool_size=len(pool), seed=0)  # fmt: skip
+        p_sim, s_sim = sim_step(p_sim, s_sim, tok, step)
+        p_mesh, s_mesh, _ = spmd_step(p_mesh, s_mesh, mesh.put(tok), idx)
+    assert_trees_close(p_mesh, p_sim, rtol=1e-4, atol=1e-6)
+    assert not np.allclose(p_sim["lm_head"][...][0], p_sim["lm_head"][...][1])
+
+
+def test_clip_by_stage_norm_clips_each_stage_on_its_own(setup):
+    _, params, *_ = setup
+    single = jax.tree.map(lambda x: x[0] * 10.0, params)
+    tx = pl.clip_by_stage_norm(1.0, S)
+    clipped, _ = tx.update(single, tx.init(single))
+    per = pl.stage_layer_ids(CFG.num_layers, S)
+    sq = [0.0] * S
+    for path, g in jax.tree_util.tree_flatten_with_path(clipped)[0]:
+        owner = pl.leaf_owner(path)
+        if owner == "blocks":
+            for s in range(S):
+                sq[s] += float(jnp.sum(jnp.square(g[per[s]])))
+        else:
+            sq[0 if owner == "first" else S - 1] += float(jnp.sum(jnp.square(g)))
+    np.testing.assert_allclose(np.sqrt(sq), [1.0] * S, rtol=1e-5)
+    with pytest.raises(ValueError, match="max_norm"):
+        pl.clip_by_stage_norm(0.0, S)
+
+
+def test_bad_stage_counts_and_meshes():
+    with pytest.raises(ValueError, match="num_stages=3 .* num_layers=2"):
+        pl.stage_layer_ids(2, 3)
+    with pytest.raises(ValueError, match="needs 32 devices"):
+        pl.make_pipeline_mesh(8, 4)
