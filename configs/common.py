@@ -12,7 +12,8 @@ def get_config() -> config_dict.ConfigDict:
     c = config_dict.ConfigDict()
     # Seed of the model init (identical on all replicas) and of the data order.
     c.seed = 0
-    # "noloco" | "diloco" | "dp" (data parallel: gradient all-reduce every step).
+    # "noloco" | "diloco" | "dp" (data parallel: gradient all-reduce every step) | "local"
+    # (independent replicas, no communication: the paper's no-outer-step ablation).
     c.method = "noloco"
     # Data-parallel replicas N.
     c.num_replicas = 8

@@ -65,3 +65,9 @@ def test_plot_script_on_a_smoke_run(dirs, monkeypatch, tmp_path):
 
     png = plot.plot_runs([dirs[0] / "runs" / "table2_smoke" / "noloco_n2_s0"], tmp_path / "c.png")
     assert png.stat().st_size > 1000
+
+
+def test_routing_ablation_smoke(dirs, monkeypatch):
+    results, md = _run("routing_ablation", dirs, monkeypatch)
+    assert {"local_pp2_random_n2", "local_pp2_fixed_n2", "noloco_pp2_n2"} <= set(results)
+    assert "weight std ratio" in md

@@ -74,6 +74,8 @@ def build_optimizer(
     else:
         clip = optax.clip_by_global_norm(optim.clip_norm)
     axis = AXIS if num_replicas > 1 else None
+    if method == "local":  # independent replicas: no communication at all
+        return optax.with_extra_args_support(optax.chain(clip, inner))
     if method == "dp":
         return optax.chain(clip, data_parallel(inner, axis_name=axis))
     if method == "diloco":
@@ -89,7 +91,7 @@ def build_optimizer(
             exchange_dtype=_exchange_dtype(outer.exchange_dtype),
         )
     else:
-        raise ValueError(f"method must be 'noloco', 'diloco' or 'dp', got {method!r}.")
+        raise ValueError(f"method must be 'noloco', 'diloco', 'dp' or 'local', got {method!r}.")
     return optax.chain(clip, local_steps(inner, out, outer.sync_every))
 
 
@@ -102,7 +104,7 @@ def bytes_sent(
     against the compiled HLO in the tests). DiLoCo and data parallel: a
     bandwidth-optimal ring all-reduce per sync / per step.
     """
-    if num_replicas <= 1:
+    if num_replicas <= 1 or method == "local":
         return 0.0
     if method == "dp":
         return steps * comm.allreduce_bytes_per_replica(params, num_replicas)

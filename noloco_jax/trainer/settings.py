@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-METHODS = ("noloco", "diloco", "dp")
+METHODS = ("noloco", "diloco", "dp", "local")
 BACKENDS = ("auto", "vmap", "shard_map")
 DTYPES = ("float32", "bfloat16")
 # Settings that may change when a run resumes; any other change is refused.

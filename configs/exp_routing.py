@@ -1,0 +1,18 @@
+"""The paper's Fig. 4 ablation in miniature, and pipelines vs none for NoLoCo/DiLoCo.
+
+    python experiments/routing_ablation.py      # ~30 min on 2 CPU cores
+
+Tiny Llama (4 layers) split into S = 2 stages, N = 4 replicas (the paper's small model used
+DP = 4 here). Ablation: no outer steps at all (method "local": independent replicas), random
+vs fixed routing between stages. Then NoLoCo and DiLoCo with PP = 2 (random routing) vs
+PP = 1, reusing the Table 2 settings.
+"""
+
+from configs import exp_table2
+
+
+def get_config():
+    c = exp_table2.get_config()
+    c.num_replicas = 4
+    c.num_stages = 2
+    return c
