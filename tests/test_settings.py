@@ -23,8 +23,17 @@ def load_config(path: pathlib.Path, arg: str | None = None):
     return module.get_config(arg) if arg is not None else module.get_config()
 
 
+NON_TRAINING = {"quadratic_theory"}  # configs of experiments that train no language model
+TRAINING_FILES = [p for p in CONFIG_FILES if p.stem not in NON_TRAINING]
+
+
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
-def test_every_config_loads_and_validates(path):
+def test_every_config_loads(path):
+    assert len(load_config(path)) > 0
+
+
+@pytest.mark.parametrize("path", TRAINING_FILES, ids=lambda p: p.stem)
+def test_every_training_config_validates(path):
     settings = settings_lib.from_config(load_config(path))
     assert settings.global_batch_size % settings.num_replicas == 0
 
@@ -103,7 +112,7 @@ def test_resume_compatibility():
         settings_lib.check_resume_compatible(base, changed)
 
 
-@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", TRAINING_FILES, ids=lambda p: p.stem)
 def test_every_config_builds_model_and_optimizer_abstractly(path):
     import jax
 
