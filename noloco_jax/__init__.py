@@ -3,7 +3,12 @@
 from noloco_jax.comm import groups_for_round
 from noloco_jax.metrics import replica_spread
 from noloco_jax.optim.diloco import DiLoCoOuterState, diloco_outer
-from noloco_jax.optim.local_steps import LocalStepsState, data_parallel, local_steps
+from noloco_jax.optim.local_steps import (
+    LocalStepsState,
+    data_parallel,
+    local_steps,
+    restore_nonfinite,
+)
 from noloco_jax.optim.noloco import NoLoCoOuterState, noloco_outer
 
 __version__ = "0.1.0"
@@ -18,4 +23,5 @@ __all__ = [
     "local_steps",
     "noloco_outer",
     "replica_spread",
+    "restore_nonfinite",
 ]

@@ -53,6 +53,7 @@ __all__ = [
     "partition_pool",
     "pool_index",
     "groups_for_round",
+    "presence_mask",
     "group_mean",
     "all_replica_mean",
     "exchange_steps",
@@ -164,6 +165,19 @@ def pool_index(round_index: jax.typing.ArrayLike, pool_size: int, seed: int) -> 
     return jax.random.randint(key, (), 0, pool_size, dtype=jnp.int32)
 
 
+def presence_mask(
+    round_index: jax.typing.ArrayLike, num_replicas: int, dropout_prob: float, seed: int
+) -> jax.Array:
+    """Which replicas take part in outer round ``round_index``: bool [N].
+
+    Each replica misses a round independently with probability
+    ``dropout_prob``, drawn from ``fold_in(fold_in(key(seed), round), 1)`` - a
+    stream separate from the group draw, identical on every replica.
+    """
+    key = jax.random.fold_in(jax.random.key(seed), jnp.asarray(round_index, jnp.uint32))
+    return ~jax.random.bernoulli(jax.random.fold_in(key, 1), dropout_prob, (num_replicas,))
+
+
 def groups_for_round(
     round_index: int,
     num_replicas: int,
@@ -226,38 +240,65 @@ def _accum_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _group_mean_static(
-    tree: PyTree, axis_name: str, partition: np.ndarray, exchange_dtype: Any
-) -> PyTree:
+def _send(x_acc: jax.Array, wire: Any, axis_name: str, perm: Sequence[tuple[int, int]]):
+    """``ppermute`` of ``x_acc`` as ``wire`` dtype, returned in ``x_acc``'s dtype."""
+    payload = x_acc.astype(wire)
+    if jnp.dtype(wire) != x_acc.dtype:
+        # Ship the narrow type's raw bits: XLA may otherwise move the convert
+        # across the collective and send the wide type after all.
+        bits = lax.bitcast_convert_type(payload, _uint_of(wire))
+        payload = lax.bitcast_convert_type(lax.ppermute(bits, axis_name, perm), wire)
+    else:
+        payload = lax.ppermute(payload, axis_name, perm)
+    return payload.astype(x_acc.dtype)
+
+
+def _group_sum_static(
+    leaves: list[tuple[jax.Array, Any]], axis_name: str, partition: np.ndarray
+) -> list[jax.Array]:
+    """Sum of each (value, wire dtype) over the group, accumulated in at least float32."""
     n = partition.shape[1]
-    butterfly = n & (n - 1) == 0
     perms = _exchange_perms(partition)
-
-    def send(x_acc: jax.Array, wire: Any, perm: Sequence[tuple[int, int]]) -> jax.Array:
-        payload = x_acc.astype(wire)
-        if jnp.dtype(wire) != x_acc.dtype:
-            # Ship the narrow type's raw bits: XLA may otherwise move the
-            # convert across the collective and send the wide type after all.
-            bits = lax.bitcast_convert_type(payload, _uint_of(wire))
-            payload = lax.bitcast_convert_type(lax.ppermute(bits, axis_name, perm), wire)
-        else:
-            payload = lax.ppermute(payload, axis_name, perm)
-        return payload.astype(x_acc.dtype)
-
-    def leaf_mean(x: jax.Array) -> jax.Array:
-        wire = exchange_dtype or x.dtype
+    out = []
+    for x, wire in leaves:
         acc = x.astype(_accum_dtype(x.dtype))
-        if butterfly:
+        if n & (n - 1) == 0:  # butterfly: partial sums travel
             for perm in perms:
-                acc = acc + send(acc, wire, perm)
-        else:
+                acc = acc + _send(acc, wire, axis_name, perm)
+        else:  # cyclic shifts: the own value travels n - 1 times
             total = acc
             for perm in perms:
-                total = total + send(acc, wire, perm)
+                total = total + _send(acc, wire, axis_name, perm)
             acc = total
-        return acc / n
+        out.append(acc)
+    return out
 
-    return jax.tree.map(leaf_mean, tree)
+
+def _group_mean_static(
+    tree: PyTree,
+    axis_name: str,
+    partition: np.ndarray,
+    exchange_dtype: Any,
+    weight: jax.Array | None = None,
+) -> PyTree:
+    leaves, treedef = jax.tree.flatten(tree)
+    if weight is None:
+        sums = _group_sum_static([(x, exchange_dtype or x.dtype) for x in leaves], axis_name,
+                                 partition)  # fmt: skip
+        return jax.tree.unflatten(treedef, [v / partition.shape[1] for v in sums])
+    # Absent members (weight 0) contribute nothing - not even NaN - and an
+    # absent replica keeps its own value.
+    present = weight > 0
+    masked = [jnp.where(present, x, jnp.zeros_like(x)) for x in leaves]
+    w = present.astype(jnp.float32)
+    *sums, count = _group_sum_static(
+        [(x, exchange_dtype or x.dtype) for x in masked] + [(w, jnp.float32)], axis_name, partition
+    )
+    means = [
+        jnp.where(present, v / jnp.maximum(count, 1.0), x.astype(v.dtype))
+        for x, v in zip(leaves, sums)
+    ]
+    return jax.tree.unflatten(treedef, means)
 
 
 def group_mean(
@@ -266,6 +307,7 @@ def group_mean(
     pool: np.ndarray,
     index: jax.typing.ArrayLike,
     exchange_dtype: Any = None,
+    weight: jax.Array | None = None,
 ) -> PyTree:
     """Mean of ``tree`` over this replica's group in partition ``pool[index]``.
 
@@ -276,6 +318,10 @@ def group_mean(
       index: traced, replica-uniform int selecting the partition.
       exchange_dtype: dtype of what travels; ``None`` keeps each leaf's dtype.
         The local contribution and the accumulation stay in at least float32.
+      weight: optional per-replica presence (> 0 present). Present replicas
+        average over the present members of their group; an absent replica
+        gets its own value back, and its value (even NaN) reaches no one. The
+        presence flag travels as one float32 per message.
 
     Returns:
       A tree like ``tree`` (leaves promoted to at least float32) holding the
@@ -288,13 +334,26 @@ def group_mean(
         for p in pool
     ]
     if len(branches) == 1:
-        return branches[0](tree)
-    return lax.switch(index, branches, tree)
+        return branches[0](tree, weight=weight)
+    return lax.switch(index, [functools.partial(b, weight=weight) for b in branches], tree)
 
 
-def all_replica_mean(tree: PyTree, axis_name: str) -> PyTree:
-    """All-reduce mean over every replica (DiLoCo and data-parallel)."""
-    return lax.pmean(tree, axis_name)
+def all_replica_mean(tree: PyTree, axis_name: str, weight: jax.Array | None = None) -> PyTree:
+    """All-reduce mean over every replica (DiLoCo and data-parallel).
+
+    With ``weight`` (per-replica presence), present replicas average over the
+    present ones and an absent replica keeps its own value.
+    """
+    if weight is None:
+        return lax.pmean(tree, axis_name)
+    present = weight > 0
+    count = lax.psum(present.astype(jnp.float32), axis_name)
+
+    def leaf(x: jax.Array) -> jax.Array:
+        total = lax.psum(jnp.where(present, x, jnp.zeros_like(x)), axis_name)
+        return jnp.where(present, total / jnp.maximum(count, 1.0), x)
+
+    return jax.tree.map(leaf, tree)
 
 
 def tree_num_elements(tree: PyTree) -> int:
@@ -314,6 +373,7 @@ def noloco_bytes_per_sync(
     group_size: int = 2,
     gamma_equals_beta: bool = True,
     exchange_dtype: Any = None,
+    with_presence: bool = False,
 ) -> int:
     """Bytes one replica sends in one NoLoCo outer step.
 
@@ -326,12 +386,15 @@ def noloco_bytes_per_sync(
       group_size: n.
       gamma_equals_beta: whether ``gamma`` is ``None`` (or equal to beta).
       exchange_dtype: dtype on the wire; ``None`` means the leaves' dtypes.
+      with_presence: a float32 presence flag travels with each message (drop-out
+        or the non-finite guard enabled).
 
     Returns:
       Bytes sent per replica per sync (received bytes are equal).
     """
     tensors = 1 if gamma_equals_beta else 2
-    return tensors * exchange_steps(group_size) * _tree_bytes(params, exchange_dtype)
+    flag = 4 if with_presence else 0
+    return exchange_steps(group_size) * (tensors * _tree_bytes(params, exchange_dtype) + flag)
 
 
 def allreduce_bytes_per_replica(params: PyTree, num_replicas: int, *, dtype: Any = None) -> float:

@@ -1,7 +1,12 @@
 """Optax transformations: NoLoCo and DiLoCo outer steps, local steps, data parallel."""
 
 from noloco_jax.optim.diloco import DiLoCoOuterState, diloco_outer
-from noloco_jax.optim.local_steps import LocalStepsState, data_parallel, local_steps
+from noloco_jax.optim.local_steps import (
+    LocalStepsState,
+    data_parallel,
+    local_steps,
+    restore_nonfinite,
+)
 from noloco_jax.optim.noloco import NoLoCoOuterState, noloco_outer
 
 __all__ = [
@@ -12,4 +17,5 @@ __all__ = [
     "diloco_outer",
     "local_steps",
     "noloco_outer",
+    "restore_nonfinite",
 ]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from noloco_jax import comm
@@ -21,9 +23,11 @@ class DiLoCoOuterState(NamedTuple):
     """State of the transformation returned by ``diloco_outer``.
 
     Attributes:
+      round: int32 scalar, outer rounds taken so far (selects drop-outs).
       sgd_state: state of ``optax.sgd(learning_rate, momentum, nesterov)``.
     """
 
+    round: jax.Array
     sgd_state: optax.OptState
 
 
@@ -32,6 +36,9 @@ def diloco_outer(
     momentum: float = 0.3,
     nesterov: bool = False,
     axis_name: str | None = "replica",
+    *,
+    dropout_prob: float = 0.0,
+    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo's outer step: SGD with momentum on the mean of all pseudo-gradients.
 
@@ -47,6 +54,12 @@ def diloco_outer(
         NoLoCo reference baseline).
       axis_name: replica axis bound by ``jax.vmap``/``jax.shard_map``; ``None``
         for a single replica.
+      dropout_prob: each replica misses each round with this probability
+        (``comm.presence_mask`` with ``seed``). DiLoCo then "skips" it: the
+        present replicas all-reduce among themselves and an absent one takes a
+        local-only step (so its slow weights leave the shared ones). The
+        alternative, waiting for it, changes only wall time (see netsim).
+      seed: seeds the drop-outs.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -67,22 +80,31 @@ def diloco_outer(
     beta = check_nonnegative("learning_rate", learning_rate)
     alpha = check_nonnegative("momentum", momentum)
     sgd = optax.sgd(beta, momentum=alpha, nesterov=bool(nesterov))
+    dropout_prob = check_nonnegative("dropout_prob", dropout_prob)
+    if dropout_prob >= 1:
+        raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}.")
 
     def init_fn(params: optax.Params) -> DiLoCoOuterState:
-        return DiLoCoOuterState(sgd.init(params))
+        return DiLoCoOuterState(jnp.zeros([], jnp.int32), sgd.init(params))
 
     def update_fn(
         outer_grad: optax.Updates,
         state: DiLoCoOuterState,
         params: optax.Params | None = None,
+        active: jax.Array | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, DiLoCoOuterState]:
         del extra_args
         if axis_name is not None:
-            comm.axis_size(axis_name)  # clear error if unbound
-            outer_grad = comm.all_replica_mean(outer_grad, axis_name)
+            n = comm.axis_size(axis_name)  # clear error if unbound
+            present = active
+            if dropout_prob > 0:
+                mask = comm.presence_mask(state.round, n, dropout_prob, seed)
+                mine = mask[jax.lax.axis_index(axis_name)]
+                present = mine if present is None else present & mine
+            outer_grad = comm.all_replica_mean(outer_grad, axis_name, weight=present)
         delta, sgd_state = sgd.update(outer_grad, state.sgd_state, params)
-        return delta, DiLoCoOuterState(sgd_state)
+        return delta, DiLoCoOuterState(optax.safe_int32_increment(state.round), sgd_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -28,7 +28,7 @@ from jax import lax
 
 from noloco_jax import comm
 
-__all__ = ["LocalStepsState", "local_steps", "data_parallel"]
+__all__ = ["LocalStepsState", "local_steps", "data_parallel", "restore_nonfinite"]
 
 
 class LocalStepsState(NamedTuple):
@@ -40,18 +40,38 @@ class LocalStepsState(NamedTuple):
         dtypes as the params).
       inner_state: the inner optimizer's state (kept local).
       outer_state: the outer optimizer's state.
+      nonfinite_resets: float32 scalar, syncs at which this replica's fast
+        weights were not finite (only counted with ``nonfinite_guard``).
     """
 
     count: jax.Array
     slow_params: optax.Params
     inner_state: optax.OptState
     outer_state: optax.OptState
+    nonfinite_resets: jax.Array
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _keep_where(ok: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``ok``, else ``old``; integer leaves (shared counters) always ``new``."""
+
+    def pick(n, o):
+        if jnp.issubdtype(n.dtype, jnp.integer):
+            return n
+        return jnp.where(ok, n, o)
+
+    return jax.tree.map(pick, new, old)
 
 
 def local_steps(
     inner: optax.GradientTransformation,
     outer: optax.GradientTransformation,
     sync_every: int,
+    *,
+    nonfinite_guard: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Runs ``inner`` every step and ``outer`` every ``sync_every`` steps.
 
@@ -62,6 +82,12 @@ def local_steps(
         (``update(phi - theta, state, phi)`` returns delta), e.g.
         ``noloco_outer()`` or ``diloco_outer()``.
       sync_every: H, inner steps per outer step (paper: 50 NoLoCo, 100 DiLoCo).
+      nonfinite_guard: at each sync, a replica whose fast weights are not all
+        finite is passed to ``outer`` as ``active=False`` (it then sends nothing
+        its partners use, so it cannot poison them), keeps its last slow
+        weights and outer state, has its inner optimizer's float state reset
+        and counts the event in ``nonfinite_resets``. Its returned update is
+        not finite; repair the params with ``restore_nonfinite``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` acting on the model params
@@ -92,6 +118,7 @@ def local_steps(
             slow_params=jax.tree.map(lambda p: jnp.array(p, copy=True), params),
             inner_state=inner.init(params),
             outer_state=outer.init(params),
+            nonfinite_resets=jnp.zeros([], jnp.float32),
         )
 
     def update_fn(
@@ -106,13 +133,22 @@ def local_steps(
         count = optax.safe_int32_increment(state.count)
 
         def sync(operands):
-            inner_updates, slow, outer_state = operands
+            inner_updates, slow, outer_state, inner_state, resets = operands
             theta = optax.apply_updates(params, inner_updates)
             outer_grad = jax.tree.map(lambda s, t: s - t, slow, theta)
-            delta, outer_state = outer.update(outer_grad, outer_state, slow)
-            new_slow = optax.apply_updates(slow, delta)
+            if not nonfinite_guard:
+                delta, outer_state = outer.update(outer_grad, outer_state, slow)
+                new_slow = optax.apply_updates(slow, delta)
+                jump = jax.tree.map(lambda s, p: (s - p).astype(p.dtype), new_slow, params)
+                return jump, new_slow, outer_state, inner_state, resets
+            ok = _all_finite(theta)
+            safe_grad = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), outer_grad)
+            delta, new_outer = outer.update(safe_grad, outer_state, slow, active=ok)
+            new_slow = _keep_where(ok, optax.apply_updates(slow, delta), slow)
+            outer_state = _keep_where(ok, new_outer, outer_state)
+            inner_state = _keep_where(ok, inner_state, inner.init(slow))
             jump = jax.tree.map(lambda s, p: (s - p).astype(p.dtype), new_slow, params)
-            return jump, new_slow, outer_state
+            return jump, new_slow, outer_state, inner_state, resets + (1.0 - ok)
 
         def no_sync(operands):
             return operands
@@ -120,15 +156,36 @@ def local_steps(
         # Both branches return updates in the params' dtypes (apply_updates casts
         # to them anyway), so a bf16 inner update cannot round the jump to phi.
         inner_updates = jax.tree.map(lambda u, p: u.astype(p.dtype), inner_updates, params)
-        new_updates, slow, outer_state = lax.cond(
+        new_updates, slow, outer_state, inner_state, resets = lax.cond(
             count % sync_every == 0,
             sync,
             no_sync,
-            (inner_updates, state.slow_params, state.outer_state),
-        )
-        return new_updates, LocalStepsState(count, slow, inner_state, outer_state)
+            (inner_updates, state.slow_params, state.outer_state, inner_state,
+             state.nonfinite_resets),
+        )  # fmt: skip
+        return new_updates, LocalStepsState(count, slow, inner_state, outer_state, resets)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def restore_nonfinite(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
+    """Replaces a replica's params by its slow weights when they are not all finite.
+
+    Call after ``optax.apply_updates`` when ``local_steps(...,
+    nonfinite_guard=True)`` is in ``opt_state`` (anywhere in a chain). An
+    additive update cannot turn NaN back into numbers, so this is the step that
+    actually resets theta <- phi for a replica the guard caught.
+    """
+    states = [
+        x
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LocalStepsState))
+        if isinstance(x, LocalStepsState)
+    ]
+    if not states:
+        return params
+    ok = _all_finite(params)
+    return jax.tree.map(lambda p, s: jnp.where(ok, p, s.astype(p.dtype)), params,
+                        states[0].slow_params)  # fmt: skip
 
 
 def data_parallel(

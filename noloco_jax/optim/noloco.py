@@ -28,6 +28,7 @@ convention: positive means "descend"), so theta_i = phi_i - outer_grad.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, NamedTuple
 
@@ -74,18 +75,34 @@ def _pseudo_gradient(
     seed: int,
     pool_size: int | None,
     exchange_dtype: Any,
+    dropout_prob: float = 0.0,
+    active: jax.Array | None = None,
 ) -> optax.Updates:
-    """g_i = phi_i - mean_G theta + (gamma / beta - 1)(phi_i - mean_G phi)."""
+    """g_i = phi_i - mean_G theta + (gamma / beta - 1)(phi_i - mean_G phi).
+
+    Means run over the *present* members of the group: a replica that drops
+    out of the round (or is marked inactive) neither sends nor uses anything
+    and takes a local-only step (its g is its own pseudo-gradient); its
+    partners average without it.
+    """
     num_replicas = comm.axis_size(axis_name)
     if num_replicas == 1:  # a group of one: mean_G theta = theta, mean_G phi = phi
         return outer_grad
     pool = comm.partition_pool(num_replicas, group_size, seed, pool_size)
     index = comm.pool_index(round_index, len(pool), seed)
+    present = None
+    if dropout_prob > 0:
+        mask = comm.presence_mask(round_index, num_replicas, dropout_prob, seed)
+        present = mask[jax.lax.axis_index(axis_name)]
+    if active is not None:
+        present = active if present is None else present & active
     theta = jax.tree.map(lambda p, g: p - g, phi, outer_grad)
+    mean = functools.partial(comm.group_mean, axis_name=axis_name, pool=pool, index=index,
+                             exchange_dtype=exchange_dtype, weight=present)  # fmt: skip
     if gamma_over_beta is None:
-        theta_bar = comm.group_mean(theta, axis_name, pool, index, exchange_dtype)
+        theta_bar = mean(theta)
         return jax.tree.map(lambda p, tb: (p - tb).astype(p.dtype), phi, theta_bar)
-    theta_bar, phi_bar = comm.group_mean((theta, phi), axis_name, pool, index, exchange_dtype)
+    theta_bar, phi_bar = mean((theta, phi))
     coef = gamma_over_beta - 1.0
     return jax.tree.map(
         lambda p, tb, pb: (p - tb + coef * (p - pb)).astype(p.dtype), phi, theta_bar, phi_bar
@@ -102,6 +119,7 @@ def noloco_outer(
     exchange_dtype: Any = None,
     *,
     pool_size: int | None = None,
+    dropout_prob: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     """NoLoCo's outer step: momentum on the pseudo-gradient of a random group.
 
@@ -128,11 +146,16 @@ def noloco_outer(
         its dtype and sums run in at least float32.
       pool_size: number of precompiled partitions to draw from (default N - 1;
         see ``noloco_jax.comm``). Lower it to bound compile time at large N.
+      dropout_prob: each replica misses each outer round with this probability
+        (``comm.presence_mask``, deterministic from ``seed``): it takes a
+        local-only step and its partners average without it. Nothing blocks.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``update(outer_grad, state,
-      params)`` takes ``outer_grad = phi - theta`` and ``params = phi`` and
-      returns delta, so that ``optax.apply_updates(phi, delta)`` is the new phi.
+      params, active=None)`` takes ``outer_grad = phi - theta`` and ``params =
+      phi`` and returns delta, so that ``optax.apply_updates(phi, delta)`` is
+      the new phi. ``active`` (a per-replica bool, e.g. "my weights are
+      finite") removes a replica from this round like a drop-out.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -161,6 +184,9 @@ def noloco_outer(
         raise ValueError(f"group_size must be an integer >= 2, got {group_size!r}.")
     if pool_size is not None and pool_size < 1:
         raise ValueError(f"pool_size must be None or >= 1, got {pool_size}.")
+    dropout_prob = check_nonnegative("dropout_prob", dropout_prob)
+    if dropout_prob >= 1:
+        raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}.")
     sgd = optax.sgd(beta, momentum=alpha)
 
     def init_fn(params: optax.Params) -> NoLoCoOuterState:
@@ -170,6 +196,7 @@ def noloco_outer(
         outer_grad: optax.Updates,
         state: NoLoCoOuterState,
         params: optax.Params | None = None,
+        active: jax.Array | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, NoLoCoOuterState]:
         del extra_args
@@ -188,6 +215,8 @@ def noloco_outer(
                 seed=seed,
                 pool_size=pool_size,
                 exchange_dtype=exchange_dtype,
+                dropout_prob=dropout_prob,
+                active=active,
             )
         delta, sgd_state = sgd.update(g, state.sgd_state, params)
         return delta, NoLoCoOuterState(optax.safe_int32_increment(state.round), sgd_state)

@@ -1,0 +1,133 @@
+"""Faults at the optimizer level: drop-outs that block nothing, NaN that poisons no one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from noloco_jax import (
+    comm,
+    diloco_outer,
+    groups_for_round,
+    local_steps,
+    noloco_outer,
+    replicas,
+    restore_nonfinite,
+)
+from tests.helpers import random_tree
+
+
+def test_presence_mask_is_deterministic_and_has_the_right_rate():
+    masks = np.stack([np.asarray(comm.presence_mask(r, 16, 0.3, seed=1)) for r in range(400)])
+    again = np.stack([np.asarray(comm.presence_mask(r, 16, 0.3, seed=1)) for r in range(400)])
+    assert np.array_equal(masks, again)
+    assert abs(1 - masks.mean() - 0.3) < 0.02  # 6400 draws: 4 sigma ~ 0.023
+    assert np.asarray(comm.presence_mask(0, 16, 0.0, seed=1)).all()
+
+
+def _numpy_round(phi, theta, delta, groups, present, alpha, beta):
+    """NoLoCo with gamma = beta over the *present* members; absent: local-only."""
+    new_delta = np.empty_like(delta)
+    for g in groups:
+        members = [i for i in g if present[i]]
+        for i in g:
+            mean_theta = theta[members].mean(0) if present[i] else theta[i]
+            new_delta[i] = alpha * delta[i] + beta * (mean_theta - phi[i])
+    return phi + new_delta, new_delta
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_noloco_dropout_matches_numpy(n):
+    num, p, seed = 8, 0.3, 5
+    tx = noloco_outer(0.7, 0.5, group_size=n, seed=seed, dropout_prob=p)
+    reps = replicas.make_replicas(num, backend="vmap")
+    phi = np.asarray(jax.random.normal(jax.random.key(0), (num, 6)), np.float64)
+    state = replicas.replicate(tx.init(jnp.zeros(6)), num)
+    step = jax.jit(reps.map(lambda f, s, t: tx.update(f - t, s, f)))
+    phi_j, delta = jnp.asarray(phi, jnp.float32), np.zeros_like(phi)
+    saw_absent = False
+    for r in range(6):
+        theta = phi + 0.1 * np.asarray(jax.random.normal(jax.random.key(r + 1), phi.shape))
+        present = np.asarray(comm.presence_mask(r, num, p, seed))
+        saw_absent |= not present.all()
+        d, state = step(phi_j, state, jnp.asarray(theta, jnp.float32))
+        phi_j = phi_j + d
+        phi, delta = _numpy_round(phi, theta, delta, groups_for_round(r, num, n, seed), present,
+                                  0.5, 0.7)  # fmt: skip
+        np.testing.assert_allclose(phi_j, phi, rtol=1e-5, atol=1e-5)
+    assert saw_absent
+
+
+def test_diloco_skip_averages_over_present_replicas():
+    num, p, seed = 8, 0.3, 2
+    tx = diloco_outer(1.0, 0.0, dropout_prob=p, seed=seed)
+    reps = replicas.make_replicas(num, backend="vmap")
+    theta = jax.random.normal(jax.random.key(3), (num, 4))
+    state = replicas.replicate(tx.init(jnp.zeros(4)), num)
+    d, _ = jax.jit(reps.map(lambda f, s, t: tx.update(f - t, s, f)))(jnp.zeros((num, 4)), state,
+                                                                      theta)  # fmt: skip
+    present = np.asarray(comm.presence_mask(0, num, p, seed))
+    assert not present.all()
+    want = np.where(present[:, None], np.asarray(theta)[present].mean(0), np.asarray(theta))
+    np.testing.assert_allclose(d, want, rtol=1e-6)
+
+
+def _nan_guard_run(guard: bool):
+    num = 4
+    tx = local_steps(optax.sgd(0.1), noloco_outer(1.0, 0.0, seed=0), 2, nonfinite_guard=guard)
+    reps = replicas.make_replicas(num, backend="vmap")
+    params0 = random_tree(jax.random.key(9))
+    params = replicas.replicate(params0, num)
+    state = replicas.replicate(tx.init(params0), num)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return restore_nonfinite(optax.apply_updates(p, u), s), s
+
+    step = jax.jit(reps.map(step))
+    grads = [random_tree(jax.random.key(20 + t), num) for t in range(2)]
+    params, state = step(params, state, grads[0])
+    before_sync = params
+    params = jax.tree.map(lambda x: x.at[0].set(jnp.nan), params)  # replica 0 blows up
+    params, state = step(params, state, grads[1])  # sync step
+    return params0, before_sync, grads, params, state
+
+
+def test_nonfinite_replica_is_reset_and_poisons_no_one():
+    params0, before, grads, params, state = _nan_guard_run(guard=True)
+    groups = groups_for_round(0, 4, 2, seed=0)
+    pair = next(g for g in groups if 0 in g)
+    partner = int(pair[pair != 0][0])
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+    theta = jax.tree.map(lambda b, g: b - 0.1 * g, before, grads[1])  # after the inner step
+    for k in params:
+        # the broken replica is back on its last slow weights (the shared start)
+        np.testing.assert_allclose(params[k][0], params0[k], rtol=1e-6)
+        # its partner took a local-only step: with lr 1, momentum 0, phi <- its own theta
+        np.testing.assert_allclose(params[k][partner], theta[k][partner], rtol=1e-6)
+        others = [i for i in range(4) if i not in (0, partner)]
+        mean = np.asarray(theta[k])[others].mean(0)
+        for i in others:  # the other pair averaged as usual
+            np.testing.assert_allclose(params[k][i], mean, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(state.nonfinite_resets, [1.0, 0.0, 0.0, 0.0])
+
+
+def test_without_the_guard_nan_spreads_to_the_partner():
+    _, _, _, params, _ = _nan_guard_run(guard=False)
+    finite = np.array([bool(jnp.all(jnp.isfinite(params["w"][i]))) for i in range(4)])
+    assert finite.sum() == 2  # the broken replica and its partner
+
+
+def test_guard_bytes_include_the_presence_flag():
+    params = {"w": jnp.zeros((10,))}
+    assert comm.noloco_bytes_per_sync(params, with_presence=True) == 40 + 4
+    assert comm.noloco_bytes_per_sync(params, group_size=4, with_presence=True) == 2 * (40 + 4)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5])
+def test_dropout_prob_range(bad):
+    with pytest.raises(ValueError, match="dropout_prob"):
+        noloco_outer(dropout_prob=bad)
+    with pytest.raises(ValueError, match="dropout_prob"):
+        diloco_outer(dropout_prob=bad)
