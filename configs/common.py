@@ -94,4 +94,15 @@ def get_config() -> config_dict.ConfigDict:
     c.outer.exchange_dtype = ""
     # Seed of the NoLoCo group draws.
     c.outer.seed = 0
+
+    c.fault = config_dict.ConfigDict()
+    # Each replica misses each outer round with this probability (deterministic from
+    # outer.seed); NoLoCo partners then step alone, DiLoCo skips it in the all-reduce.
+    c.fault.dropout_prob = 0.0
+    # A replica whose fast weights are not finite at a sync poisons no partner and restarts
+    # from its last slow weights (logged as an "event" in metrics.jsonl).
+    c.fault.nonfinite_guard = True
+    # Tests and demos: at this step (-1 = never) replica inject_nan_replica's weights become NaN.
+    c.fault.inject_nan_step = -1
+    c.fault.inject_nan_replica = 0
     return c

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from noloco_jax.models import cross_entropy
+from noloco_jax.optim.local_steps import restore_nonfinite
 from noloco_jax.pipeline.stages import leaf_owner
 
 __all__ = ["PipelineMesh", "make_pipeline_mesh"]
@@ -143,7 +144,7 @@ class PipelineMesh:
             loss, grads = self._loss_and_grads(p, tokens[0], idx)
             tx = tx_for_stage(lax.axis_index(STAGE))
             updates, s = tx.update(grads, s, p)
-            p = optax.apply_updates(p, updates)
+            p = restore_nonfinite(optax.apply_updates(p, updates), s)  # no-op without the guard
             return self._expand(p, params), self._expand(s, opt_state), loss[None]
 
         def run(params, opt_state, tokens, idx):

@@ -55,6 +55,18 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return restored["meta"]
 
+    def quarantine(self, step: int) -> pathlib.Path:
+        """Renames an unreadable step's directory to ``<step>.corrupt[-k]`` and forgets it."""
+        src = self.directory / str(step)
+        dst = self.directory / f"{step}.corrupt"
+        k = 0
+        while dst.exists():
+            k += 1
+            dst = self.directory / f"{step}.corrupt-{k}"
+        src.rename(dst)
+        self._manager.reload()
+        return dst
+
     def wait(self) -> None:
         self._manager.wait_until_finished()
 

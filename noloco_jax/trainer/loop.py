@@ -112,7 +112,7 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
     build_tx = functools.partial(
         optim_lib.build_optimizer, s.method, s.optim, s.outer, num_steps=s.num_steps,
-        num_replicas=s.num_replicas, num_stages=s.num_stages,
+        num_replicas=s.num_replicas, num_stages=s.num_stages, fault=s.fault,
     )  # fmt: skip
     tx = build_tx()
     single = TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0))
@@ -125,8 +125,11 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     else:
         reps = replicas.make_replicas(s.num_replicas, backend=s.backend)
         state = reps.put(replicas.replicate(single, s.num_replicas))
-        chunk = jax.jit(reps.map(functools.partial(train_chunk, graphdef=graphdef, tx=tx)),
-                        donate_argnums=0)  # fmt: skip
+        step_kwargs = dict(
+            graphdef=graphdef, tx=tx, nonfinite_guard=s.fault.nonfinite_guard,
+            inject_nan_step=s.fault.inject_nan_step, inject_nan_replica=s.fault.inject_nan_replica,
+        )  # fmt: skip
+        chunk = jax.jit(reps.map(functools.partial(train_chunk, **step_kwargs)), donate_argnums=0)
     evaluate = _make_evaluator(reps, graphdef, data.eval_windows)  # fixed routing
     if s.num_stages > 1 and runner.backend == "shard_map":
         # Evaluate a host copy: the evaluator vmaps over replicas on one device.
@@ -189,16 +192,29 @@ def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray)
 
 
 def _restore_or_init(
-    run: _Run, state: TrainState, ckpt: Checkpointer
+    run: _Run, state: TrainState, ckpt: Checkpointer, writer: MetricWriter
 ) -> tuple[TrainState, int]:
-    step = ckpt.latest_step()
-    if step is None:
-        return state, 0
-    meta = ckpt.read_meta(step)
-    check_resume_compatible(meta["settings"], run.meta["settings"])
-    run.data.batcher.check_compatible(meta["batcher"], run.meta["batcher"])
-    restored, _ = ckpt.restore(step, abstract_like(state))
-    return restored, step
+    """The newest readable checkpoint, or the fresh state.
+
+    A checkpoint that cannot be read is reported, set aside as
+    ``<step>.corrupt`` (never deleted, never overwritten) and the previous one is
+    used. Settings that differ from the checkpoint's stop the run with an error.
+    """
+    for step in reversed(ckpt.all_steps()):
+        try:
+            meta = ckpt.read_meta(step)
+            restored, _ = ckpt.restore(step, abstract_like(state))
+        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint
+            moved = ckpt.quarantine(step)
+            message = (f"checkpoint at step {step} is unreadable ({type(err).__name__}: "
+                       f"{str(err)[:200]}); moved to {moved.name}, trying the previous one")
+            print(f"WARNING: {message}", flush=True)
+            writer.write(step, "event", {"event": "corrupt_checkpoint", "detail": message})
+            continue
+        check_resume_compatible(meta["settings"], run.meta["settings"])
+        run.data.batcher.check_compatible(meta["batcher"], run.meta["batcher"])
+        return restored, step
+    return state, 0
 
 
 def _next_tokens(run: _Run, start: int, count: int) -> Any:
@@ -226,12 +242,11 @@ def train_and_evaluate(
     Returns:
       Dict with the last train and eval metrics and ``"step"``.
     """
-    workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = _writable_workdir(workdir)
     run, state = _build(settings)
     ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints)
-    state, step = _restore_or_init(run, state, ckpt)
     writer = MetricWriter(workdir)
+    state, step = _restore_or_init(run, state, ckpt, writer)
     last: dict[str, Any] = {"step": step}
     end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
     bar = _progress(progress, settings.num_steps, step)
@@ -239,8 +254,11 @@ def train_and_evaluate(
         if step == 0:
             _evaluate(run, state, step, writer, last, bar)
         while step < end:
+            resets_before = last.get("nonfinite_resets", 0.0)
             state, step, train_metrics = _train_chunk(run, state, step, end)
             writer.write(step, "train", train_metrics)
+            if train_metrics["nonfinite_resets"] > resets_before:
+                _report_reset(writer, step, train_metrics["nonfinite_resets"], bar)
             last.update(train_metrics, step=step)
             if step % settings.eval_every == 0 or step == settings.num_steps:
                 _evaluate(run, state, step, writer, last, bar)
@@ -272,6 +290,27 @@ def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, las
         print(line, flush=True)
 
 
+def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
+    workdir = pathlib.Path(workdir)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".write_probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"--workdir {str(workdir)!r} is not writable: {err}") from err
+    return workdir
+
+
+def _nonfinite_resets(state: TrainState) -> float:
+    from noloco_jax.optim import LocalStepsState  # noqa: PLC0415
+
+    found = [x for x in jax.tree.leaves(state.opt_state,
+                                        is_leaf=lambda x: isinstance(x, LocalStepsState))
+             if isinstance(x, LocalStepsState)]  # fmt: skip
+    return float(np.asarray(found[0].nonfinite_resets).sum()) if found else 0.0
+
+
 def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
     s = run.settings
     k = min(s.log_every - step % s.log_every, end - step)
@@ -282,17 +321,30 @@ def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
     seconds = time.perf_counter() - t0
     step += k
     n_tokens = k * s.global_batch_size * s.data.seq_len
+    finite = np.isfinite(losses)
     metrics = {
-        "train_loss": float(losses.mean()),
-        "train_loss_last": float(losses[:, -1].mean()),
+        # Mean over finite replica losses; a replica the guard is resetting is counted apart.
+        "train_loss": float(losses[finite].mean()) if finite.any() else float("nan"),
+        "train_loss_last": float(np.nanmean(losses[:, -1])) if finite[:, -1].any() else float("nan"),
+        "nonfinite_replica_steps": int((~finite).sum()),
+        "nonfinite_resets": _nonfinite_resets(state),
         "learning_rate": float(optim_lib.learning_rate_schedule(s.optim, s.num_steps)(step - 1)),
         "tokens_per_sec": n_tokens / seconds,
         "tokens_seen": step * s.global_batch_size * s.data.seq_len,
         "bytes_sent_per_replica": optim_lib.bytes_sent(
-            s.method, s.outer, run.params0, num_replicas=s.num_replicas, steps=step
+            s.method, s.outer, run.params0, num_replicas=s.num_replicas, steps=step,
+            fault=s.fault,
         ),
     }
     return state, step, metrics
+
+
+def _report_reset(writer: MetricWriter, step: int, total: float, bar: Any) -> None:
+    message = (f"non-finite fast weights caught at a sync by step {step}: the replica was "
+               f"excluded from its group and restarted from its slow weights ({total:.0f} so far)")
+    writer.write(step, "event", {"event": "nonfinite_reset", "detail": message,
+                                 "total": total})  # fmt: skip
+    (bar.write if bar is not None else print)(f"WARNING: {message}")
 
 
 def _progress(enabled: bool, total: int, initial: int):

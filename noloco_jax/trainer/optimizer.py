@@ -10,7 +10,7 @@ import optax
 from noloco_jax import comm
 from noloco_jax.optim import data_parallel, diloco_outer, local_steps, noloco_outer
 from noloco_jax.pipeline.stages import clip_by_stage_norm
-from noloco_jax.trainer.settings import OptimSettings, OuterSettings
+from noloco_jax.trainer.settings import FaultSettings, OptimSettings, OuterSettings
 
 __all__ = ["learning_rate_schedule", "inner_optimizer", "build_optimizer", "bytes_sent"]
 
@@ -57,6 +57,7 @@ def build_optimizer(
     num_replicas: int,
     num_stages: int = 1,
     stage: Any = None,
+    fault: FaultSettings = FaultSettings(),
 ) -> optax.GradientTransformationExtraArgs:
     """The per-replica transformation for ``method``, collectives on axis "replica".
 
@@ -79,7 +80,8 @@ def build_optimizer(
     if method == "dp":
         return optax.chain(clip, data_parallel(inner, axis_name=axis))
     if method == "diloco":
-        out = diloco_outer(outer.learning_rate, outer.momentum, outer.nesterov, axis_name=axis)
+        out = diloco_outer(outer.learning_rate, outer.momentum, outer.nesterov, axis_name=axis,
+                           dropout_prob=fault.dropout_prob, seed=outer.seed)  # fmt: skip
     elif method == "noloco":
         out = noloco_outer(
             outer.learning_rate,
@@ -89,14 +91,22 @@ def build_optimizer(
             axis_name=axis,
             seed=outer.seed,
             exchange_dtype=_exchange_dtype(outer.exchange_dtype),
+            dropout_prob=fault.dropout_prob,
         )
     else:
         raise ValueError(f"method must be 'noloco', 'diloco', 'dp' or 'local', got {method!r}.")
-    return optax.chain(clip, local_steps(inner, out, outer.sync_every))
+    guard = fault.nonfinite_guard and axis is not None
+    return optax.chain(clip, local_steps(inner, out, outer.sync_every, nonfinite_guard=guard))
 
 
 def bytes_sent(
-    method: str, outer: OuterSettings, params: Any, *, num_replicas: int, steps: int
+    method: str,
+    outer: OuterSettings,
+    params: Any,
+    *,
+    num_replicas: int,
+    steps: int,
+    fault: FaultSettings = FaultSettings(),
 ) -> float:
     """Bytes one replica has sent after ``steps`` inner steps.
 
@@ -117,5 +127,6 @@ def bytes_sent(
         group_size=outer.group_size,
         gamma_equals_beta=gamma_equals_beta,
         exchange_dtype=_exchange_dtype(outer.exchange_dtype),
+        with_presence=fault.nonfinite_guard or fault.dropout_prob > 0,
     )
     return float(syncs * per_sync)

@@ -19,6 +19,7 @@ from jax import lax
 
 from noloco_jax import pipeline as pl
 from noloco_jax import replicas
+from noloco_jax.optim.local_steps import restore_nonfinite
 from noloco_jax.trainer.step import TrainState
 
 __all__ = ["PipelineRunner", "make_pipeline_runner"]
@@ -40,7 +41,8 @@ class PipelineRunner:
 
 
 def _sim_runner(s: Any, graphdef: Any, tx: optax.GradientTransformation, pool) -> PipelineRunner:
-    update = replicas.Replicas(s.num_replicas).map(tx.update)
+    reps = replicas.Replicas(s.num_replicas)
+    update, repair = reps.map(tx.update), reps.map(restore_nonfinite)
 
     def step(state: TrainState, tokens_NxBxT1: jax.Array) -> tuple[TrainState, jax.Array]:
         perms = pl.route_perms(pool, _route_idx(state.step, s, len(pool)))
@@ -53,6 +55,8 @@ def _sim_runner(s: Any, graphdef: Any, tx: optax.GradientTransformation, pool) -
         (_, losses), grads = jax.value_and_grad(total, has_aux=True)(state.params)
         updates, opt_state = update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if s.fault.nonfinite_guard:
+            params = repair(params, opt_state)
         return TrainState(state.step + 1, params, opt_state), losses
 
     def chunk(state, tokens_NxKxBxT1):

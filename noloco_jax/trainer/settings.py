@@ -66,6 +66,14 @@ class OuterSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class FaultSettings:
+    dropout_prob: float = 0.0
+    nonfinite_guard: bool = True
+    inject_nan_step: int = -1
+    inject_nan_replica: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainSettings:
     seed: int = 0
     method: str = "noloco"
@@ -84,6 +92,7 @@ class TrainSettings:
     data: DataSettings = DataSettings()
     optim: OptimSettings = OptimSettings()
     outer: OuterSettings = OuterSettings()
+    fault: FaultSettings = FaultSettings()
 
     @property
     def batch_per_replica(self) -> int:
@@ -158,7 +167,19 @@ def validate(s: TrainSettings) -> TrainSettings:
              f"must be in (0, 1), got {s.data.validation_fraction!r}.")
     _validate_optim(s.optim, s.num_steps)
     _validate_outer(s.outer, s.method, s.num_replicas)
+    _validate_fault(s.fault, s.num_replicas)
     return s
+
+
+def _validate_fault(f: FaultSettings, num_replicas: int) -> None:
+    ok = isinstance(f.dropout_prob, (int, float)) and 0 <= f.dropout_prob < 1
+    _require(ok, "fault.dropout_prob", f"must be in [0, 1), got {f.dropout_prob!r}.")
+    _require(isinstance(f.nonfinite_guard, bool), "fault.nonfinite_guard",
+             f"must be True or False, got {f.nonfinite_guard!r}.")
+    _positive_int(f.inject_nan_step, "fault.inject_nan_step", minimum=-1)
+    ok = isinstance(f.inject_nan_replica, int) and 0 <= f.inject_nan_replica < num_replicas
+    _require(ok, "fault.inject_nan_replica",
+             f"must be in [0, num_replicas={num_replicas}), got {f.inject_nan_replica!r}.")
 
 
 def _validate_optim(o: OptimSettings, num_steps: int) -> None:
@@ -203,6 +224,7 @@ def from_config(config: Any) -> TrainSettings:
         "data": DataSettings,
         "optim": OptimSettings,
         "outer": OuterSettings,
+        "fault": FaultSettings,
     }
     kwargs = {k: v for k, v in d.items() if k not in sections}
     known = {f.name for f in dataclasses.fields(TrainSettings)} - set(sections)

@@ -15,6 +15,7 @@ import optax
 from jax import lax
 
 from noloco_jax.models import apply, cross_entropy
+from noloco_jax.optim.local_steps import restore_nonfinite
 
 __all__ = [
     "TrainState",
@@ -46,31 +47,46 @@ def loss_fn(params: Any, tokens_BxT1: jax.Array, *, graphdef: Any) -> jax.Array:
     return cross_entropy(logits_BxTxV, tokens_BxT1[:, 1:]).mean()
 
 
+def _inject_nan(params: Any, step: jax.Array, at_step: int, replica: int, axis: str) -> Any:
+    """NaN weights for ``replica`` at ``at_step`` (a fault drill for tests and demos)."""
+    hit = (step == at_step) & (lax.axis_index(axis) == replica)
+    return jax.tree.map(lambda p: jnp.where(hit, jnp.full_like(p, jnp.nan), p), params)
+
+
 def train_step(
     state: TrainState,
     tokens_BxT1: jax.Array,
     *,
     graphdef: Any,
     tx: optax.GradientTransformation,
+    nonfinite_guard: bool = False,
+    inject_nan_step: int = -1,
+    inject_nan_replica: int = 0,
+    axis_name: str = "replica",
 ) -> tuple[TrainState, jax.Array]:
-    """One optimizer step on one replica's batch; returns the new state and the loss."""
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens_BxT1, graphdef=graphdef)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    """One optimizer step on one replica's batch; returns the new state and the loss.
+
+    With ``nonfinite_guard`` the params of a replica the optimizer's guard
+    caught are put back on its slow weights (``restore_nonfinite``).
+    """
+    params = state.params
+    if inject_nan_step >= 0:
+        params = _inject_nan(params, state.step, inject_nan_step, inject_nan_replica, axis_name)
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BxT1, graphdef=graphdef)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if nonfinite_guard:
+        params = restore_nonfinite(params, opt_state)
     return TrainState(state.step + 1, params, opt_state), loss
 
 
 def train_chunk(
-    state: TrainState,
-    tokens_KxBxT1: jax.Array,
-    *,
-    graphdef: Any,
-    tx: optax.GradientTransformation,
+    state: TrainState, tokens_KxBxT1: jax.Array, **step_kwargs: Any
 ) -> tuple[TrainState, jax.Array]:
     """K consecutive ``train_step``s fused with ``lax.scan``; returns the K losses."""
 
     def body(s: TrainState, tokens: jax.Array) -> tuple[TrainState, jax.Array]:
-        return train_step(s, tokens, graphdef=graphdef, tx=tx)
+        return train_step(s, tokens, **step_kwargs)
 
     return lax.scan(body, state, tokens_KxBxT1)
 

@@ -1,0 +1,107 @@
+"""Training that survives faults and refuses bad input (the trainer level of issue 6)."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from noloco_jax.trainer.checkpoint import Checkpointer
+from noloco_jax.trainer.loop import train_and_evaluate
+from noloco_jax.trainer.writers import read_jsonl
+from tests.test_train import _losses, corpus_dir, data_dir, tiny_settings  # noqa: F401
+
+
+def test_injected_nan_is_caught_reset_and_logged(tmp_path, corpus_dir, data_dir):  # noqa: F811
+    # Replica 1's weights become NaN before update 5 (step index 4): that update's loss is
+    # NaN; right after it the params go back to the slow weights (restore_nonfinite runs
+    # every step); the sync after update 6 (syncs every 3) finds its fast weights
+    # non-finite (its Adam moments are NaN), excludes it from its pair and resets them.
+    s = tiny_settings(corpus_dir, data_dir, num_steps=12,
+                      fault={"inject_nan_step": 4, "inject_nan_replica": 1})  # fmt: skip
+    last = train_and_evaluate(s, tmp_path, progress=False)
+    events = read_jsonl(tmp_path / "metrics.jsonl", "event")
+    assert [e["event"] for e in events] == ["nonfinite_reset"]
+    train = read_jsonl(tmp_path / "metrics.jsonl", "train")
+    assert sum(r["nonfinite_replica_steps"] for r in train) == 1
+    assert np.isfinite(last["val_ppl"]) and np.isfinite(last["train_loss_last"])
+    assert last["val_ppl"] < 100  # training went on: nothing else was poisoned
+
+
+def test_without_guard_nan_spreads(tmp_path, corpus_dir, data_dir):  # noqa: F811
+    s = tiny_settings(corpus_dir, data_dir, num_steps=8,
+                      fault={"inject_nan_step": 4, "nonfinite_guard": False})  # fmt: skip
+    last = train_and_evaluate(s, tmp_path, progress=False)
+    assert not np.isfinite(last["val_ppl"])
+
+
+@pytest.mark.parametrize("method", ["noloco", "diloco"])
+def test_dropout_trains_without_blocking(tmp_path, corpus_dir, data_dir, method):  # noqa: F811
+    s = tiny_settings(corpus_dir, data_dir, method=method, num_steps=8,
+                      outer={"sync_every": 2}, fault={"dropout_prob": 0.3})  # fmt: skip
+    last = train_and_evaluate(s, tmp_path, progress=False)
+    assert np.isfinite(last["val_ppl"]) and last["step"] == 8
+
+
+def test_corrupt_latest_checkpoint_is_reported_and_the_previous_used(
+    tmp_path, corpus_dir, data_dir  # noqa: F811
+):
+    s = tiny_settings(corpus_dir, data_dir, num_steps=12, checkpoint_every=4)
+    reference = tmp_path / "reference"
+    train_and_evaluate(s, reference, progress=False)
+    run = tmp_path / "run"
+    train_and_evaluate(s, run, stop_at=8, progress=False)
+    for f in (run / "checkpoints" / "8").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0 and "meta" not in f.parts:
+            f.write_bytes(b"\\x00garbage")
+    train_and_evaluate(s, run, progress=False)
+    events = read_jsonl(run / "metrics.jsonl", "event")
+    assert events and events[0]["event"] == "corrupt_checkpoint" and events[0]["step"] == 8
+    assert (run / "checkpoints" / "8.corrupt").is_dir()  # set aside, not deleted
+    assert _losses(run) == _losses(reference)  # resumed from step 4, same trajectory
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint_restorable(
+    tmp_path, corpus_dir, data_dir  # noqa: F811
+):
+    s = tiny_settings(corpus_dir, data_dir, num_steps=8, checkpoint_every=4)
+    run = tmp_path / "run"
+    train_and_evaluate(s, run, stop_at=4, progress=False)
+    # What a save killed mid-write leaves behind: orbax's unfinished temporary directory.
+    partial = run / "checkpoints" / "8.orbax-checkpoint-tmp-1700000000"
+    shutil.copytree(run / "checkpoints" / "4", partial)
+    for f in list(partial.rglob("*"))[::2]:
+        if f.is_file():
+            f.unlink()
+    assert Checkpointer(run / "checkpoints").latest_step() == 4
+    last = train_and_evaluate(s, run, progress=False)
+    assert last["step"] == 8 and Checkpointer(run / "checkpoints").latest_step() == 8
+
+
+def test_refused_resume_leaves_the_checkpoint_untouched(tmp_path, corpus_dir, data_dir):  # noqa
+    s = tiny_settings(corpus_dir, data_dir, num_steps=4)
+    train_and_evaluate(s, tmp_path, progress=False)
+    files = {p: p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()}
+    changed = tiny_settings(corpus_dir, data_dir, num_steps=4, outer={"group_size": 4})
+    with pytest.raises(ValueError, match="cannot resume.*group_size"):
+        train_and_evaluate(changed, tmp_path, progress=False)
+    after = {p: p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()}
+    assert after == files
+
+
+def test_workdir_not_writable(tmp_path, corpus_dir, data_dir):  # noqa: F811
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    s = tiny_settings(corpus_dir, data_dir)
+    with pytest.raises(ValueError, match="--workdir .*a_file/run.* is not writable"):
+        train_and_evaluate(s, blocker / "run", progress=False)
+
+
+def test_too_few_devices_for_replicas_or_stages(tmp_path, corpus_dir, data_dir):  # noqa: F811
+    s = tiny_settings(corpus_dir, data_dir, num_replicas=16, global_batch_size=16,
+                      backend="shard_map")  # fmt: skip
+    with pytest.raises(ValueError, match="one device per replica: num_replicas=16.*8 devices"):
+        train_and_evaluate(s, tmp_path / "a", progress=False)
+    s = tiny_settings(corpus_dir, data_dir, num_stages=2, num_replicas=8, global_batch_size=16,
+                      backend="shard_map")  # fmt: skip
+    with pytest.raises(ValueError, match="8 x 2 .* needs 16 devices"):
+        train_and_evaluate(s, tmp_path / "b", progress=False)
