@@ -35,6 +35,7 @@ __all__ = [
     "unreplicate",
     "select_replica",
     "make_replicas",
+    "to_host",
 ]
 
 
@@ -183,7 +184,11 @@ class Replicas:
         return run
 
     def put(self, tree: PyTree) -> PyTree:
-        """Places a replicated tree: split over the mesh, or left as is for vmap."""
+        """Places a replicated tree: split over the mesh, or left as is for vmap.
+
+        With several processes (``jax.distributed``) every process passes the
+        same global values and supplies the shards of its own devices.
+        """
         if self.mesh is None:
             return tree
 
@@ -191,10 +196,23 @@ class Replicas:
             # Full-rank specs, as shard_map outputs carry them: P('r') and
             # P('r', None) are different types on an explicit mesh and would
             # make the first call compile twice.
-            s = P() if is_shared_leaf(x) else P(self.axis_name, *[None] * (x.ndim - 1))
-            return jax.device_put(x, NamedSharding(self.mesh, s))
+            spec = P() if is_shared_leaf(x) else P(self.axis_name, *[None] * (x.ndim - 1))
+            sharding = NamedSharding(self.mesh, spec)
+            if jax.process_count() == 1:
+                return jax.device_put(x, sharding)
+            host = np.asarray(x)
+            return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
         return jax.tree.map(place, tree)
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A global array's value on this host, also when other processes hold some shards."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def _is_none(x: Any) -> bool:

@@ -172,7 +172,7 @@ def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray)
     single = jnp.asarray(windows)
 
     def evaluate(params: Any) -> dict[str, float]:
-        per = np.asarray(per_replica(params, stacked))  # [N, W, T] token losses
+        per = replicas.to_host(per_replica(params, stacked))  # [N, W, T] token losses
         seq = per.mean(-1)  # [N, W] per-sequence mean CE
         mixture = -np.asarray(ensemble.uniform_mixture(-jnp.asarray(per)))  # [W, T]
         out = {
@@ -181,11 +181,12 @@ def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray)
             "val_loss": float(seq.mean()),
             "val_ppl_best_replica": _ppl(float(seq.mean(1).min())),
             "val_ppl_worst_replica": _ppl(float(seq.mean(1).max())),
-            "val_ppl_avg_model": _ppl(float(np.asarray(averaged(params, single)).mean())),
+            "val_ppl_avg_model": _ppl(float(replicas.to_host(averaged(params, single)).mean())),
             # All replicas as one model: the mean of their next-token distributions.
             "val_ppl_ensemble": _ppl(float(mixture.mean())),
         }
-        out["replica_spread"] = float(np.asarray(spread(params)).reshape(-1)[0]) if n > 1 else 0.0
+        spread_value = replicas.to_host(spread(params)).reshape(-1)[0]
+        out["replica_spread"] = float(spread_value) if n > 1 else 0.0
         return out
 
     return evaluate
@@ -245,11 +246,11 @@ def train_and_evaluate(
     workdir = _writable_workdir(workdir)
     run, state = _build(settings)
     ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints)
-    writer = MetricWriter(workdir)
+    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     state, step = _restore_or_init(run, state, ckpt, writer)
     last: dict[str, Any] = {"step": step}
     end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
-    bar = _progress(progress, settings.num_steps, step)
+    bar = _progress(progress and jax.process_index() == 0, settings.num_steps, step)
     try:
         if step == 0:
             _evaluate(run, state, step, writer, last, bar)
@@ -308,7 +309,7 @@ def _nonfinite_resets(state: TrainState) -> float:
     found = [x for x in jax.tree.leaves(state.opt_state,
                                         is_leaf=lambda x: isinstance(x, LocalStepsState))
              if isinstance(x, LocalStepsState)]  # fmt: skip
-    return float(np.asarray(found[0].nonfinite_resets).sum()) if found else 0.0
+    return float(replicas.to_host(found[0].nonfinite_resets).sum()) if found else 0.0
 
 
 def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
@@ -317,7 +318,7 @@ def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
     tokens = _next_tokens(run, step, k)
     t0 = time.perf_counter()
     state, losses = run.chunk(state, tokens)
-    losses = np.asarray(losses)  # [N, k]; waits for the device
+    losses = replicas.to_host(losses)  # [N, k]; waits for the device
     seconds = time.perf_counter() - t0
     step += k
     n_tokens = k * s.global_batch_size * s.data.seq_len

@@ -13,17 +13,26 @@ __all__ = ["MetricWriter", "read_jsonl"]
 class MetricWriter:
     """Appends one JSON object per record to ``workdir/metrics.jsonl`` and to TensorBoard."""
 
-    def __init__(self, workdir: str | pathlib.Path, *, tensorboard: bool = True):
+    def __init__(
+        self, workdir: str | pathlib.Path, *, tensorboard: bool = True, enabled: bool = True
+    ):
+        """``enabled=False`` (processes other than 0 in a multi-process run) writes nothing."""
         self.workdir = pathlib.Path(workdir)
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.workdir / "metrics.jsonl", "a", encoding="utf-8")
-        self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional, slow import)
 
             self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         clean = {k: _jsonable(v) for k, v in values.items()}
         self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
         self._jsonl.flush()
@@ -34,6 +43,8 @@ class MetricWriter:
             self._tb.flush()
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
