@@ -71,3 +71,8 @@ def test_routing_ablation_smoke(dirs, monkeypatch):
     results, md = _run("routing_ablation", dirs, monkeypatch)
     assert {"local_pp2_random_n2", "local_pp2_fixed_n2", "noloco_pp2_n2"} <= set(results)
     assert "weight std ratio" in md
+
+
+def test_dropout_smoke(dirs, monkeypatch):
+    results, md = _run("dropout", dirs, monkeypatch)
+    assert "dropout_noloco_p0.3_n2" in results and "DiLoCo (wait)" in md

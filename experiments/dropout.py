@@ -1,0 +1,73 @@
+"""Replica drop-out: NoLoCo vs what DiLoCo must do instead (skip the round, or wait).
+
+    python experiments/dropout.py [--jobs 2] [--smoke ...]
+
+N = 8, Table 2 settings (config configs/exp_table2.py; its N = 8 seed-0 runs are p = 0). Each
+replica misses each outer round with probability p (deterministic from the seed). NoLoCo: a
+replica without its partner takes a local-only outer step; nothing blocks. DiLoCo "skip": the
+present replicas all-reduce among themselves, absent ones step alone. DiLoCo "wait": the math of
+p = 0, but every round in which some replica is absent waits for it; with an absence lasting one
+round, the expected time per round grows by the factor 1 + (1 - (1 - p)^N).
+Writes experiments/results/dropout.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import harness
+
+from configs.exp_table2 import METHODS  # noqa: E402
+
+CONFIG = harness.ROOT / "configs" / "exp_table2.py"
+PROBS = (0.1, 0.3)
+
+
+def grid(smoke: bool) -> list[harness.Run]:
+    n = 2 if smoke else 8
+    runs = []
+    for method in ("noloco", "diloco"):
+        base = {**METHODS[method], "num_replicas": n, "seed": 0, "outer.seed": 0}
+        runs.append(harness.Run(f"{method}_n{n}_s0", base))
+        for p in PROBS:
+            runs.append(harness.Run(f"dropout_{method}_p{p}_n{n}", {**base, "fault.dropout_prob": p}))
+    return runs
+
+
+def report(results: dict, args: argparse.Namespace) -> str:
+    n = 2 if args.smoke else 8
+    rows = []
+    for method, label in (("noloco", "NoLoCo"), ("diloco", "DiLoCo (skip)")):
+        for p in (0.0, *PROBS):
+            name = f"{method}_n{n}_s0" if p == 0 else f"dropout_{method}_p{p}_n{n}"
+            last = results[name]["eval"][-1]
+            rows.append([label, p, last["val_ppl"], last["val_ppl_avg_model"],
+                         last["replica_spread"], "1.00"])  # fmt: skip
+    base = results[f"diloco_n{n}_s0"]["eval"][-1]
+    for p in (0.0, *PROBS):
+        slow = 1 + (1 - (1 - p) ** n)
+        rows.append(["DiLoCo (wait)", p, base["val_ppl"], base["val_ppl_avg_model"],
+                     base["replica_spread"], f"{slow:.2f}"])  # fmt: skip
+    cmd = "python experiments/dropout.py" + (" --smoke" if args.smoke else "")
+    return (
+        "## Replica drop-out: NoLoCo steps alone, DiLoCo must skip or wait\n\n"
+        f"```bash\n{cmd}\n```\n\n"
+        f"N = {n} replicas, Table 2 settings, one seed; each replica misses each outer round "
+        "with probability p. 'time factor' is the expected wall time per outer round relative "
+        "to p = 0 (NoLoCo and DiLoCo-skip never wait; DiLoCo-wait waits whenever any of the N "
+        "replicas is absent, assuming it returns one round later; compute time only).\n\n"
+        + harness.md_table(["method", "p", "final pooled PPL", "averaged model", "spread",
+                            "time factor"], rows)  # fmt: skip
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_common_flags(parser)
+    args = parser.parse_args()
+    results = harness.run_grid(CONFIG, grid(args.smoke), args, runs_subdir="table2")
+    harness.write_outputs(args, "dropout", results, report(results, args))
+
+
+if __name__ == "__main__":
+    main()
