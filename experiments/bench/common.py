@@ -1,0 +1,79 @@
+"""Timing helpers for the benchmarks: variants measured side by side, interleaved.
+
+CPUs here are shared and noisy, so every benchmark reports ratios of variants timed in the
+same process, alternating A, B, A, B, ... so that slow periods hit every variant alike, and
+the median of the repetitions.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "experiments" / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def block(x: Any) -> Any:
+    return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """Seconds per call of every fn, called round-robin ``reps`` times after one warm-up."""
+    for fn in fns.values():
+        block(fn())
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            block(fn())
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    q = np.percentile(times, [25, 50, 75])
+    return {"median_s": float(q[1]), "q25_s": float(q[0]), "q75_s": float(q[2]),
+            "reps": len(times)}  # fmt: skip
+
+
+def ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    return statistics.median(times[a]) / statistics.median(times[b])
+
+
+def environment() -> dict[str, str]:
+    import flax
+    import optax
+
+    return {
+        "device": str(jax.devices()[0].device_kind),
+        "num_devices": str(jax.device_count()),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+    }  # fmt: skip
+
+
+def write(name: str, results: dict, markdown: str, out_dir: pathlib.Path = RESULTS) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+    (out_dir / f"{name}.md").write_text(markdown)
+    print(markdown)
+
+
+def md_table(header: list[str], rows: list[list[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]) + "\n"

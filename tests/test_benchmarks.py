@@ -1,0 +1,24 @@
+"""Every benchmark script runs its --smoke version and writes a table."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "experiments" / "bench"
+
+
+@pytest.mark.parametrize("script", ["overhead", "comm_volume", "scaling", "throughput"])
+def test_benchmark_smoke(script, tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(BENCH / f"{script}.py"), "--smoke", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / f"bench_{script}.json").read_text())
+    md = (tmp_path / f"bench_{script}.md").read_text()
+    assert results["env"]["jax"] and f"experiments/bench/{script}.py --smoke" in md
+    assert md.count("|") > 10
