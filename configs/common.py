@@ -105,4 +105,13 @@ def get_config() -> config_dict.ConfigDict:
     # Tests and demos: at this step (-1 = never) replica inject_nan_replica's weights become NaN.
     c.fault.inject_nan_step = -1
     c.fault.inject_nan_replica = 0
+
+    c.skip = config_dict.ConfigDict()
+    # SkipPipe-style training: blocks split into skip.num_stages stages (0 = off); each
+    # sequence runs stage 0 and path_length - 1 random others (skip ratio (S - path_length) / S).
+    c.skip.num_stages = 0
+    c.skip.path_length = 0
+    # Train the full model every k-th step (0 = never); allow one adjacent stage swap per path.
+    c.skip.full_every = 0
+    c.skip.swaps = False
     return c

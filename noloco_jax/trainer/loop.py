@@ -128,6 +128,7 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         step_kwargs = dict(
             graphdef=graphdef, tx=tx, nonfinite_guard=s.fault.nonfinite_guard,
             inject_nan_step=s.fault.inject_nan_step, inject_nan_replica=s.fault.inject_nan_replica,
+            skip=_skip_config(s, cfg.num_layers),
         )  # fmt: skip
         chunk = jax.jit(reps.map(functools.partial(train_chunk, **step_kwargs)), donate_argnums=0)
     evaluate = _make_evaluator(reps, graphdef, data.eval_windows)  # fixed routing
@@ -141,6 +142,19 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         "vocab_size": int(data.tokenizer.vocab_size),
     }
     return _Run(s, data, reps, params0, chunk, evaluate, meta), state
+
+
+def _skip_config(s: TrainSettings, num_layers: int) -> Any:
+    if s.skip.num_stages == 0:
+        return None
+    from noloco_jax.trainer.skipping import SkipConfig  # noqa: PLC0415
+
+    if num_layers % s.skip.num_stages:
+        raise ValueError(
+            f"config.skip.num_stages={s.skip.num_stages} must divide the model's {num_layers} "
+            f"layers.")  # fmt: skip
+    return SkipConfig(s.skip.num_stages, s.skip.path_length, num_layers // s.skip.num_stages,
+                      s.skip.full_every, s.skip.swaps, s.seed)  # fmt: skip
 
 
 def check_stages_or_explain(num_layers: int, num_stages: int) -> None:

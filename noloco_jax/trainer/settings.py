@@ -74,6 +74,14 @@ class FaultSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class SkipSettings:
+    num_stages: int = 0  # 0: no stage skipping
+    path_length: int = 0
+    full_every: int = 0
+    swaps: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainSettings:
     seed: int = 0
     method: str = "noloco"
@@ -93,6 +101,7 @@ class TrainSettings:
     optim: OptimSettings = OptimSettings()
     outer: OuterSettings = OuterSettings()
     fault: FaultSettings = FaultSettings()
+    skip: SkipSettings = SkipSettings()
 
     @property
     def batch_per_replica(self) -> int:
@@ -168,7 +177,20 @@ def validate(s: TrainSettings) -> TrainSettings:
     _validate_optim(s.optim, s.num_steps)
     _validate_outer(s.outer, s.method, s.num_replicas)
     _validate_fault(s.fault, s.num_replicas)
+    _validate_skip(s.skip, s.num_stages)
     return s
+
+
+def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
+    _positive_int(k.num_stages, "skip.num_stages", minimum=0)
+    _positive_int(k.full_every, "skip.full_every", minimum=0)
+    if k.num_stages == 0:
+        return
+    ok = isinstance(k.path_length, int) and 1 <= k.path_length <= k.num_stages
+    _require(ok, "skip.path_length",
+             f"must be in [1, skip.num_stages={k.num_stages}], got {k.path_length!r}.")
+    _require(pipeline_stages == 1, "skip.num_stages",
+             "stage skipping and routed pipeline stages (num_stages > 1) cannot be combined.")
 
 
 def _validate_fault(f: FaultSettings, num_replicas: int) -> None:
@@ -225,6 +247,7 @@ def from_config(config: Any) -> TrainSettings:
         "optim": OptimSettings,
         "outer": OuterSettings,
         "fault": FaultSettings,
+        "skip": SkipSettings,
     }
     kwargs = {k: v for k, v in d.items() if k not in sections}
     known = {f.name for f in dataclasses.fields(TrainSettings)} - set(sections)

@@ -63,16 +63,24 @@ def train_step(
     inject_nan_step: int = -1,
     inject_nan_replica: int = 0,
     axis_name: str = "replica",
+    skip: Any = None,
 ) -> tuple[TrainState, jax.Array]:
     """One optimizer step on one replica's batch; returns the new state and the loss.
 
     With ``nonfinite_guard`` the params of a replica the optimizer's guard
-    caught are put back on its slow weights (``restore_nonfinite``).
+    caught are put back on its slow weights (``restore_nonfinite``). With ``skip`` (a
+    ``skipping.SkipConfig``) every sequence runs through a random subset of the stages.
     """
     params = state.params
     if inject_nan_step >= 0:
         params = _inject_nan(params, state.step, inject_nan_step, inject_nan_replica, axis_name)
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BxT1, graphdef=graphdef)
+    if skip is None:
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BxT1, graphdef=graphdef)
+    else:
+        from noloco_jax.trainer.skipping import skip_value_and_grad  # noqa: PLC0415
+
+        loss, grads = skip_value_and_grad(params, tokens_BxT1, state.step, graphdef=graphdef,
+                                          cfg=skip, full_loss=loss_fn, axis_name=axis_name)
     updates, opt_state = tx.update(grads, state.opt_state, params)
     params = optax.apply_updates(params, updates)
     if nonfinite_guard:

@@ -1,0 +1,42 @@
+"""Assembles experiments/RESULTS.md and BENCHMARKS.md from the per-experiment markdown files.
+
+    python experiments/make_results.py
+
+Each experiment script writes experiments/results/<name>.md (tables, the exact command,
+figure links); this stitches them under the hand-written summaries in
+experiments/results/_summary.md and experiments/results/_bench_summary.md.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+SECTIONS = ["table2", "spread_vs_lr", "sweeps", "quadratic_theory", "routing_ablation",
+            "dropout", "network_model", "skippipe_schedules", "skippipe_training", "hdee"]
+BENCH = ["bench_overhead", "bench_comm_volume", "bench_scaling", "bench_throughput", "bench_gpu"]
+
+
+def _page(title: str, summary: str, names: list[str]) -> str:
+    parts = [f"# {title}\n", (RESULTS / summary).read_text() if (RESULTS / summary).exists() else ""]
+    missing = []
+    for name in names:
+        path = RESULTS / f"{name}.md"
+        if path.exists():
+            parts.append(path.read_text().replace("](../figures/", "](figures/"))
+        else:
+            missing.append(name)
+    if missing:
+        parts.append("## Not yet run\n\n" + "\n".join(f"- `{m}`" for m in missing) + "\n")
+    return "\n".join(p.rstrip() + "\n" for p in parts if p)
+
+
+def main() -> None:
+    (HERE / "RESULTS.md").write_text(_page("Results", "_summary.md", SECTIONS))
+    (HERE / "BENCHMARKS.md").write_text(_page("Benchmarks", "_bench_summary.md", BENCH))
+    print("wrote", HERE / "RESULTS.md", HERE / "BENCHMARKS.md")
+
+
+if __name__ == "__main__":
+    main()
