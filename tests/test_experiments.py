@@ -76,3 +76,9 @@ def test_routing_ablation_smoke(dirs, monkeypatch):
 def test_dropout_smoke(dirs, monkeypatch):
     results, md = _run("dropout", dirs, monkeypatch)
     assert "dropout_noloco_p0.3_n2" in results and "DiLoCo (wait)" in md
+
+
+def test_skippipe_training_smoke(dirs, monkeypatch):
+    results, md = _run("skippipe_training", dirs, monkeypatch)
+    assert {"full", "skip50", "skip50_full10"} <= set(results)
+    assert "50 % of stages" in md

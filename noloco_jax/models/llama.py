@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from noloco_jax.models.presets import LlamaConfig
@@ -264,15 +265,21 @@ class Llama(nnx.Module):
         return x_BxTxD
 
     def _check_layer_ids(self, layer_ids: Any) -> jax.Array:
+        # Range-check concrete values with NumPy: a jnp op, even on a concrete array, is
+        # staged inside a trace (scan, vmap, jit) and could not be inspected; tracers are
+        # clamped by the gather instead.
+        if not isinstance(layer_ids, jax.core.Tracer):
+            host = np.asarray(layer_ids)
+            if host.ndim != 1 or not np.issubdtype(host.dtype, np.integer):
+                raise ValueError(f"layer_ids must be a 1-D int array, got {host.dtype}{host.shape}")
+            if host.size and (host.min() < 0 or host.max() >= self.cfg.num_layers):
+                raise ValueError(
+                    f"layer_ids must lie in [0, {self.cfg.num_layers}), got range "
+                    f"[{host.min()}, {host.max()}]"
+                )
         ids_K = jnp.asarray(layer_ids)
         if ids_K.ndim != 1 or not jnp.issubdtype(ids_K.dtype, jnp.integer):
             raise ValueError(f"layer_ids must be a 1-D int array, got {ids_K.dtype}{ids_K.shape}")
-        if not isinstance(ids_K, jax.core.Tracer) and ids_K.size:
-            lo, hi = int(ids_K.min()), int(ids_K.max())
-            if lo < 0 or hi >= self.cfg.num_layers:
-                raise ValueError(
-                    f"layer_ids must lie in [0, {self.cfg.num_layers}), got range [{lo}, {hi}]"
-                )
         return ids_K.astype(jnp.int32)
 
     def head(self, x_BxTxD: jax.Array) -> jax.Array:

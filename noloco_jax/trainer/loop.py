@@ -28,7 +28,7 @@ from noloco_jax.trainer.settings import TrainSettings, check_resume_compatible
 from noloco_jax.trainer.step import TrainState, eval_token_losses, train_chunk
 from noloco_jax.trainer.writers import MetricWriter
 
-__all__ = ["DataBundle", "prepare_data", "prepare_model", "train_and_evaluate"]
+__all__ = ["DataBundle", "prepare_data", "prepare_model", "train_and_evaluate", "load_run"]
 
 @dataclasses.dataclass(frozen=True)
 class DataBundle:
@@ -303,6 +303,19 @@ def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, las
         bar.write(line)
     else:
         print(line, flush=True)
+
+
+def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any, Any, DataBundle]:
+    """(graphdef, replicated params, data) of a finished or interrupted run, for analysis."""
+    run, state = _build(settings)
+    ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", keep=settings.keep_checkpoints)
+    step = ckpt.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints.")
+    restored, _ = ckpt.restore(step, abstract_like(state))
+    ckpt.close()
+    _, graphdef, _ = prepare_model(settings, run.data.tokenizer.vocab_size)
+    return graphdef, restored.params, run.data
 
 
 def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -109,7 +110,8 @@ def skip_loss_fn(params: Any, tokens_BxT1: jax.Array, layer_ids_BxK: jax.Array, 
 def omitted_stage_loss(params: Any, windows_WxT1: jax.Array, stage_ids: jax.Array, *,
                        graphdef: Any, layers_per_stage: int) -> jax.Array:  # fmt: skip
     """Per-window loss of the model run with only ``stage_ids`` (e.g. 50 % of its stages)."""
-    ids = layer_ids_for(stage_ids, layers_per_stage)
+    ids = np.asarray(stage_ids)[:, None] * layers_per_stage + np.arange(layers_per_stage)
+    ids = ids.reshape(-1).astype(np.int32)
     model = nnx.merge(graphdef, params)
 
     def one(tokens_T1: jax.Array) -> jax.Array:
