@@ -16,4 +16,5 @@ def get_config():
     c.method = "dp"
     c.num_replicas = 4
     c.skip.num_stages = 4
+    c.skip.path_length = 4  # every stage by default; the experiment sets 3 or 2
     return c

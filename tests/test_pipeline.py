@@ -179,3 +179,31 @@ def test_bad_stage_counts_and_meshes():
         pl.stage_layer_ids(2, 3)
     with pytest.raises(ValueError, match="needs 32 devices"):
         pl.make_pipeline_mesh(8, 4)
+
+
+def test_nonfinite_guard_on_the_mesh_resets_every_stage_of_the_replica(setup):
+    """A NaN in one stage's blocks resets that replica on all its devices, no one else."""
+    graphdef, params, tokens, pool, idx, _ = setup
+    from noloco_jax import local_steps
+    from noloco_jax.trainer.optimizer import STAGE_AXIS
+
+    mesh = pl.PipelineMesh(pl.make_pipeline_mesh(N, S), graphdef, pool)
+    single = jax.tree.map(lambda x: x[0], params)
+    make_tx = lambda stage: local_steps(  # noqa: E731
+        optax.sgd(0.1), noloco_outer(seed=1), 2, nonfinite_guard=True, guard_axis_name=STAGE_AXIS)
+    state = replicas.replicate(make_tx(None).init(single), N)
+    step = mesh.train_step(make_tx)
+    bad = 1
+    # NaN only in the blocks of the last layer (stage S - 1's slice), replica `bad`.
+    poisoned = jax.tree_util.tree_map_with_path(
+        lambda path, x: x.at[bad, -1].set(jnp.nan) if "blocks" in jax.tree_util.keystr(path)
+        else x, params)  # fmt: skip
+    p, s, losses = step(mesh.put(poisoned), mesh.put(state), mesh.put(tokens), idx)
+    p = jax.tree.map(np.asarray, p)
+    slow = jax.tree.map(np.asarray, state.slow_params)
+    for leaf, ref in zip(jax.tree.leaves(p), jax.tree.leaves(slow)):
+        np.testing.assert_array_equal(leaf[bad], ref[bad])  # whole replica back on phi
+        assert np.isfinite(leaf).all()
+    moved = [not np.array_equal(a[0], b[0]) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(slow))]
+    assert any(moved)  # healthy replicas took their SGD step
+    assert not np.isfinite(np.asarray(losses)[bad]) and np.isfinite(np.delete(np.asarray(losses), bad)).all()

@@ -117,8 +117,12 @@ def test_resume_with_changed_topology_is_refused(tmp_path, corpus_dir, data_dir)
     s = tiny_settings(corpus_dir, data_dir, num_steps=4)
     train_and_evaluate(s, tmp_path, progress=False)
     changed = tiny_settings(corpus_dir, data_dir, num_steps=4, num_replicas=2)
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     with pytest.raises(ValueError, match="cannot resume.*num_replicas: 4 -> 2"):
         train_and_evaluate(changed, tmp_path, progress=False)
+    # The refused checkpoint is left exactly where it was (not set aside as corrupt).
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+    assert not any("corrupt" in name for name in before)
 
 
 def test_unknown_preset(tmp_path, corpus_dir, data_dir):

@@ -19,7 +19,7 @@ unmodified: do not chain scaling transformations *after* ``local_steps``.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,8 @@ import optax
 from jax import lax
 
 from noloco_jax import comm
+
+AxisName = Union[str, tuple[str, ...]]
 
 __all__ = ["LocalStepsState", "local_steps", "data_parallel", "restore_nonfinite"]
 
@@ -51,8 +53,12 @@ class LocalStepsState(NamedTuple):
     nonfinite_resets: jax.Array
 
 
-def _all_finite(tree: Any) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+def _all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
+    """True when every leaf is finite; with ``axis_name``, on every shard along it."""
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    if axis_name is not None:  # model-parallel shards of one replica must agree
+        ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+    return ok
 
 
 def _keep_where(ok: jax.Array, new: Any, old: Any) -> Any:
@@ -72,6 +78,7 @@ def local_steps(
     sync_every: int,
     *,
     nonfinite_guard: bool = False,
+    guard_axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Runs ``inner`` every step and ``outer`` every ``sync_every`` steps.
 
@@ -88,6 +95,9 @@ def local_steps(
         weights and outer state, has its inner optimizer's float state reset
         and counts the event in ``nonfinite_resets``. Its returned update is
         not finite; repair the params with ``restore_nonfinite``.
+      guard_axis_name: mesh axis (or axes) over which one replica's params are
+        split (e.g. pipeline "stage"); the finiteness check is then taken over
+        the whole replica, so all its shards reset together.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` acting on the model params
@@ -141,7 +151,7 @@ def local_steps(
                 new_slow = optax.apply_updates(slow, delta)
                 jump = jax.tree.map(lambda s, p: (s - p).astype(p.dtype), new_slow, params)
                 return jump, new_slow, outer_state, inner_state, resets
-            ok = _all_finite(theta)
+            ok = _all_finite(theta, guard_axis_name)
             safe_grad = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), outer_grad)
             delta, new_outer = outer.update(safe_grad, outer_state, slow, active=ok)
             new_slow = _keep_where(ok, optax.apply_updates(slow, delta), slow)
@@ -168,13 +178,24 @@ def local_steps(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def restore_nonfinite(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
+def restore_nonfinite(
+    params: optax.Params, opt_state: optax.OptState, axis_name: AxisName | None = None
+) -> optax.Params:
     """Replaces a replica's params by its slow weights when they are not all finite.
 
     Call after ``optax.apply_updates`` when ``local_steps(...,
     nonfinite_guard=True)`` is in ``opt_state`` (anywhere in a chain). An
     additive update cannot turn NaN back into numbers, so this is the step that
     actually resets theta <- phi for a replica the guard caught.
+
+    Args:
+      params: the fast weights after ``optax.apply_updates``.
+      opt_state: the optimizer state holding a ``LocalStepsState``.
+      axis_name: mesh axis (or axes) over which one replica's params are split
+        (e.g. pipeline "stage"); the check then covers the whole replica.
+
+    Returns:
+      ``params``, or the slow weights where the replica's params are not finite.
     """
     states = [
         x
@@ -183,7 +204,7 @@ def restore_nonfinite(params: optax.Params, opt_state: optax.OptState) -> optax.
     ]
     if not states:
         return params
-    ok = _all_finite(params)
+    ok = _all_finite(params, axis_name)
     return jax.tree.map(lambda p, s: jnp.where(ok, p, s.astype(p.dtype)), params,
                         states[0].slow_params)  # fmt: skip
 

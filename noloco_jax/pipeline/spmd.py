@@ -144,7 +144,7 @@ class PipelineMesh:
             loss, grads = self._loss_and_grads(p, tokens[0], idx)
             tx = tx_for_stage(lax.axis_index(STAGE))
             updates, s = tx.update(grads, s, p)
-            p = restore_nonfinite(optax.apply_updates(p, updates), s)  # no-op without the guard
+            p = restore_nonfinite(optax.apply_updates(p, updates), s, STAGE)
             return self._expand(p, params), self._expand(s, opt_state), loss[None]
 
         def run(params, opt_state, tokens, idx):

@@ -218,18 +218,28 @@ def _restore_or_init(
     for step in reversed(ckpt.all_steps()):
         try:
             meta = ckpt.read_meta(step)
-            restored, _ = ckpt.restore(step, abstract_like(state))
-        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint
-            moved = ckpt.quarantine(step)
-            message = (f"checkpoint at step {step} is unreadable ({type(err).__name__}: "
-                       f"{str(err)[:200]}); moved to {moved.name}, trying the previous one")
-            print(f"WARNING: {message}", flush=True)
-            writer.write(step, "event", {"event": "corrupt_checkpoint", "detail": message})
+        except Exception as err:  # noqa: BLE001 - any unreadable metadata
+            _set_aside(ckpt, writer, step, err)
             continue
+        # Settings are compared before the arrays are read: a checkpoint of another
+        # topology is refused with a clear error and left untouched, never set aside.
         check_resume_compatible(meta["settings"], run.meta["settings"])
         run.data.batcher.check_compatible(meta["batcher"], run.meta["batcher"])
+        try:
+            restored, _ = ckpt.restore(step, abstract_like(state))
+        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint
+            _set_aside(ckpt, writer, step, err)
+            continue
         return restored, step
     return state, 0
+
+
+def _set_aside(ckpt: Checkpointer, writer: MetricWriter, step: int, err: Exception) -> None:
+    moved = ckpt.quarantine(step)
+    message = (f"checkpoint at step {step} is unreadable ({type(err).__name__}: "
+               f"{str(err)[:200]}); moved to {moved.name}, trying the previous one")
+    print(f"WARNING: {message}", flush=True)
+    writer.write(step, "event", {"event": "corrupt_checkpoint", "detail": message})
 
 
 def _next_tokens(run: _Run, start: int, count: int) -> Any:

@@ -15,6 +15,7 @@ from noloco_jax.trainer.settings import FaultSettings, OptimSettings, OuterSetti
 __all__ = ["learning_rate_schedule", "inner_optimizer", "build_optimizer", "bytes_sent"]
 
 AXIS = "replica"
+STAGE_AXIS = "stage"  # the pipeline mesh axis (pipeline.spmd)
 
 
 def learning_rate_schedule(o: OptimSettings, num_steps: int) -> optax.Schedule:
@@ -96,7 +97,9 @@ def build_optimizer(
     else:
         raise ValueError(f"method must be 'noloco', 'diloco', 'dp' or 'local', got {method!r}.")
     guard = fault.nonfinite_guard and axis is not None
-    return optax.chain(clip, local_steps(inner, out, outer.sync_every, nonfinite_guard=guard))
+    guard_axis = STAGE_AXIS if stage is not None else None  # a replica spans its stages
+    return optax.chain(clip, local_steps(inner, out, outer.sync_every, nonfinite_guard=guard,
+                                         guard_axis_name=guard_axis))  # fmt: skip
 
 
 def bytes_sent(
