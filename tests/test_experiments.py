@@ -82,3 +82,14 @@ def test_skippipe_training_smoke(dirs, monkeypatch):
     results, md = _run("skippipe_training", dirs, monkeypatch)
     assert {"full", "skip50", "skip50_full10"} <= set(results)
     assert "50 % of stages" in md
+
+
+def test_skippipe_schedules_smoke(tmp_path):
+    import skippipe_schedules
+
+    skippipe_schedules.main(["--smoke", "--out-dir", str(tmp_path)])
+    results = json.loads((tmp_path / "skippipe_schedules.json").read_text())
+    assert set(results["training_iteration_times"]) == {"full", "skip25", "skip50"}
+    assert all(v > 0 for v in results["training_iteration_times"].values())
+    md = (tmp_path / "skippipe_schedules.md").read_text()
+    assert "python experiments/skippipe_schedules.py --smoke" in md and "SkipPipe vs full" in md
