@@ -88,7 +88,8 @@ def _local_search(stage: np.ndarray, sizes: Sequence[int], cost: np.ndarray,
 
 
 def partition_nodes(network: Network, stage_sizes: Sequence[int], *, message_bytes: float,
-                    seed: int = 0, restarts: int = 2, max_sweeps: int = 3) -> Partition:  # fmt: skip
+                    seed: int = 0, restarts: int = 2,
+                    max_sweeps: int = 3) -> Partition:  # fmt: skip
     """Assigns nodes to stages, minimising ``pipeline_cost`` by swap local search.
 
     Args:
