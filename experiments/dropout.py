@@ -65,7 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_common_flags(parser)
     args = parser.parse_args()
-    results = harness.run_grid(CONFIG, grid(args.smoke), args, runs_subdir="table2")
+    results = harness.run_grid(CONFIG, grid(args.smoke), args,
+                               runs_subdir="table2", name="dropout")
     harness.write_outputs(args, "dropout", results, report(results, args))
 
 

@@ -43,6 +43,8 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--data-path", default="", help="local text files instead of Shakespeare")
     parser.add_argument("--data-dir", default="", help="TFDS data dir and caches")
+    parser.add_argument("--report-only", action="store_true",
+                        help="re-write the report from <out-dir>/<name>.json, train nothing")
 
 
 def smoke_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,14 +110,40 @@ def _train_one(config: pathlib.Path, workdir: pathlib.Path, overrides: dict[str,
         raise RuntimeError(f"run {workdir.name} failed; see {log}")
 
 
+def _saved_metrics(out_dir: pathlib.Path, names: list[str], runs: list[Run]) -> dict:
+    """The runs' metrics from earlier reports (``<out_dir>/<name>.json``, first match wins)."""
+    found: dict[str, Any] = {}
+    for name in names:
+        path = out_dir / f"{name}.json"
+        if path.exists():
+            saved = json.loads(path.read_text())
+            found.update({r.name: saved[r.name] for r in runs
+                          if r.name not in found and isinstance(saved.get(r.name), dict)
+                          and "eval" in saved[r.name]})  # fmt: skip
+    missing = sorted({r.name for r in runs} - set(found))
+    if missing:
+        raise FileNotFoundError(
+            f"--report-only: no saved metrics for {missing} in {out_dir} ({', '.join(names)}.json)."
+        )
+    return found
+
+
 def run_grid(
     config: pathlib.Path,
     runs: list[Run],
     args: argparse.Namespace,
     *,
     runs_subdir: str,
+    name: str | None = None,
 ) -> dict[str, dict[str, list[dict]]]:
-    """Trains every run not yet finished; returns {name: {"train": [...], "eval": [...]}}."""
+    """Trains every run not yet finished; returns {name: {"train": [...], "eval": [...]}}.
+
+    With ``--report-only`` nothing is trained: the metrics saved by an earlier
+    full run (``<out-dir>/<name>.json``, ``name`` defaulting to ``runs_subdir``)
+    are returned instead.
+    """
+    if getattr(args, "report_only", False):
+        return _saved_metrics(args.out_dir, [name or runs_subdir, runs_subdir], runs)
     common = {**(smoke_overrides(args) if args.smoke else {}), **data_overrides(args)}
     root = args.runs_dir / (runs_subdir + ("_smoke" if args.smoke else ""))
     todo = []

@@ -91,7 +91,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_common_flags(parser)
     args = parser.parse_args()
-    results = harness.run_grid(CONFIG, grid(args.smoke), args, runs_subdir="routing")
+    results = harness.run_grid(CONFIG, grid(args.smoke), args,
+                               runs_subdir="routing", name="routing_ablation")
     harness.write_outputs(args, "routing_ablation", results, report(results, args))
 
 

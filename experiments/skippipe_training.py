@@ -108,7 +108,8 @@ def main() -> None:
     harness.add_common_flags(parser)
     args = parser.parse_args()
     runs = grid(args.smoke)
-    results = harness.run_grid(CONFIG, runs, args, runs_subdir="skippipe")
+    results = harness.run_grid(CONFIG, runs, args,
+                               runs_subdir="skippipe", name="skippipe_training")
     harness.write_outputs(args, "skippipe_training", results, report(results, runs, args))
 
 

@@ -80,7 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_common_flags(parser)
     args = parser.parse_args()
-    results = harness.run_grid(CONFIG, grid(args.smoke), args, runs_subdir="table2")
+    results = harness.run_grid(CONFIG, grid(args.smoke), args,
+                               runs_subdir="table2", name="spread_vs_lr")
     stats, md = report(results, args)
     harness.write_outputs(args, "spread_vs_lr", stats, md)
 

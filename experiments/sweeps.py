@@ -102,7 +102,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_common_flags(parser)
     args = parser.parse_args()
-    results = harness.run_grid(CONFIG, grid(args.smoke), args, runs_subdir="table2")
+    results = harness.run_grid(CONFIG, grid(args.smoke), args,
+                               runs_subdir="table2", name="sweeps")
     harness.write_outputs(args, "sweeps", results, report(results, args))
 
 
