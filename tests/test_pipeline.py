@@ -73,8 +73,11 @@ def test_routed_forward_backward_equals_explicit_loop_over_paths(setup):
     def routed(p):
         return pl.routed_losses(p, tokens, perms, graphdef=graphdef, num_stages=S).sum()
 
-    np.testing.assert_allclose(routed(params), looped(params), rtol=1e-5)
-    assert_trees_close(jax.grad(routed)(params), jax.grad(looped)(params), rtol=1e-4, atol=1e-7)
+    # Compiled (one program each) rather than op by op: same arithmetic, far faster.
+    (l_routed, g_routed), (l_looped, g_looped) = (
+        jax.jit(jax.value_and_grad(f))(params) for f in (routed, looped))
+    np.testing.assert_allclose(l_routed, l_looped, rtol=1e-5)
+    assert_trees_close(g_routed, g_looped, rtol=1e-4, atol=1e-7)
 
 
 def test_fixed_routing_is_independent_replicas(setup):
