@@ -92,6 +92,23 @@ def test_files_prepared_once_and_rebuilt_when_changed(text_dir, tmp_path, monkey
     assert len(grown.train) + len(grown.validation) == len(TEXTS) + 1
 
 
+def test_concurrent_first_runs_prepare_the_dataset_once(text_dir, tmp_path):
+    # Two processes (e.g. an experiment's parallel runs on a fresh machine) prepare the same
+    # corpus at the same time: both must get it, neither may fail on the other's rename.
+    code = ("import sys; from noloco_jax import data; "
+            "c = data.load_corpus('files', path=sys.argv[1], data_dir=sys.argv[2]); "
+            "print(c.name, len(c.train), len(c.validation))")  # fmt: skip
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(text_dir), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(3)]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-500:] for _, err in outs]
+    assert len({out.strip().splitlines()[-1] for out, _ in outs}) == 1  # same corpus everywhere
+    name = outs[0][0].strip().splitlines()[-1].split()[0]
+    assert sources._is_stored(tmp_path, name)
+
+
 def test_missing_and_empty_corpora(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         data.load_corpus("files", path=str(tmp_path / "nowhere"), data_dir=tmp_path)

