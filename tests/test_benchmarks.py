@@ -22,3 +22,16 @@ def test_benchmark_smoke(script, tmp_path):
     md = (tmp_path / f"bench_{script}.md").read_text()
     assert results["env"]["jax"] and f"experiments/bench/{script}.py --smoke" in md
     assert md.count("|") > 10
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "gpu.py"), "--smoke", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / "bench_gpu_dryrun.json").read_text())
+    assert {r["method"] for r in results["rows"]} == {"plain", "dp", "diloco", "noloco"}
+    assert all(r["tokens_per_s"] > 0 for r in results["rows"])
+    assert "not a GPU" in (tmp_path / "bench_gpu_dryrun.md").read_text()

@@ -1,0 +1,107 @@
+"""Tokens/s and model FLOPs utilization of a training step on one accelerator.
+
+    python experiments/bench/gpu.py                  # paper-small, bf16, on a GPU
+    python experiments/bench/gpu.py --smoke          # nano model, seconds, any device
+
+Times, side by side and interleaved, one fused chunk of H = ``--sync-every`` steps (so
+each outer method's sync is amortized as in training) for: the plain train step (clipped
+Adam, nothing else), data parallel, DiLoCo and NoLoCo, each with ``--replicas`` replicas
+vmap-simulated on the one device (bf16 compute, f32 master weights). MFU = model FLOPs /
+(time x peak), model FLOPs per token = 6 x (params without the input embedding) + 12 x
+layers x seq_len x hidden (causal attention counted in full, as PaLM's appendix B does).
+On a CPU the table is written with "not a GPU" in its title: the GPU row of BENCHMARKS.md
+stays "not yet measured" until this runs on one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import pathlib
+
+import common
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from noloco_jax import models, replicas
+from noloco_jax.trainer.optimizer import build_optimizer
+from noloco_jax.trainer.settings import OptimSettings, OuterSettings
+from noloco_jax.trainer.step import TrainState, train_chunk
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM datasheets
+
+
+def model_flops_per_token(cfg: models.LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 N (no input embedding) + 12 L T d (attention)."""
+    n = models.param_count(cfg) - cfg.vocab_size * cfg.hidden_size
+    return 6.0 * n + 12.0 * cfg.num_layers * seq_len * cfg.hidden_size
+
+
+def peak_flops(device_kind: str, override_tflops: float) -> float | None:
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    hit = [v for k, v in PEAK_BF16_TFLOPS.items() if k in device_kind]
+    return hit[0] * 1e12 if hit else None
+
+
+def _chunk_fn(method: str, graphdef, params, n: int, h: int):
+    optim = OptimSettings(learning_rate=1e-4, warmup_steps=0)
+    tx = build_optimizer("local" if method == "plain" else method, optim,
+                         OuterSettings(sync_every=h), num_steps=10**6,
+                         num_replicas=1 if method == "plain" else n)  # fmt: skip
+    reps = 1 if method == "plain" else n
+    state = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), reps)
+    fn = jax.jit(replicas.Replicas(reps).map(functools.partial(train_chunk, graphdef=graphdef,
+                                                               tx=tx)))  # fmt: skip
+    return state, fn
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per replica per step")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--sync-every", type=int, default=50)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the peak")
+    parser.add_argument("--out-dir", default=str(common.RESULTS))
+    args = parser.parse_args()
+    preset, vocab = ("nano", 256) if args.smoke else ("small", 32000)
+    b, t, h, n = ((2, 32, 4, 2) if args.smoke else
+                  (args.batch, args.seq_len, args.sync_every, args.replicas))  # fmt: skip
+    cfg = models.get_preset(preset, vocab_size=vocab, max_seq_len=max(t, 64), dtype="bfloat16")
+    graphdef, params = models.init_params(cfg, 0)
+    rng = np.random.default_rng(0)
+    fns, tokens = {}, {}
+    for method in ("plain", "dp", "diloco", "noloco"):
+        reps = 1 if method == "plain" else n
+        state, fn = _chunk_fn(method, graphdef, params, n, h)
+        tokens[method] = jnp.asarray(rng.integers(1, vocab, (reps, h, b, t + 1)), jnp.int32)
+        fns[method] = functools.partial(fn, state, tokens[method])
+    times = common.interleaved(fns, 1 if args.smoke else args.reps)
+    env = common.environment()
+    peak = peak_flops(env["device"], args.peak_tflops)
+    per_token = model_flops_per_token(cfg, t)
+    rows, results = [], {"env": env, "model": preset, "rows": []}
+    for method, ts in times.items():
+        tok_s = tokens[method][..., 1:].size / common.summary(ts)["median_s"]
+        mfu = tok_s * per_token / peak if peak else None
+        rel = common.ratio(times, "plain", method) * (tokens[method].shape[0])
+        results["rows"].append({"method": method, "tokens_per_s": tok_s, "mfu": mfu,
+                                "per_replica_speed_vs_plain": rel})  # fmt: skip
+        rows.append([method, round(tok_s), f"{100 * mfu:.1f} %" if mfu else "n/a", f"{rel:.3f}"])
+    gpu = env["device"].lower() not in ("cpu",) and jax.default_backend() == "gpu"
+    cmd = "python experiments/bench/gpu.py" + (" --smoke" if args.smoke else "")
+    title = "Accelerator throughput and MFU" + ("" if gpu else " (not a GPU: a dry run)")
+    md = (f"### {title}\n\n`{cmd}` — {env['device']}, jax {env['jax']}; {preset} model, bf16 "
+          f"compute, {n} replicas x {b} x {t} tokens per step, chunks of H = {h} steps "
+          "(one sync each). Per-replica speed is relative to the plain train step.\n\n"
+          + common.md_table(["method", "tokens/s", "MFU", "per-replica speed vs plain"], rows))
+    common.write("bench_gpu" if gpu else "bench_gpu_dryrun", results, md,
+                 pathlib.Path(args.out_dir))
+
+
+if __name__ == "__main__":
+    main()
