@@ -42,12 +42,19 @@ def test_dropout_trains_without_blocking(tmp_path, corpus_dir, data_dir, method)
     assert np.isfinite(last["val_ppl"]) and last["step"] == 8
 
 
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory, corpus_dir, data_dir):  # noqa: F811
+    """Train losses of an uninterrupted 12-step run (checkpoints every 4 steps)."""
+    s = tiny_settings(corpus_dir, data_dir, num_steps=12, checkpoint_every=4)
+    run = tmp_path_factory.mktemp("reference")
+    train_and_evaluate(s, run, progress=False)
+    return _losses(run)
+
+
 def test_corrupt_latest_checkpoint_is_reported_and_the_previous_used(
-    tmp_path, corpus_dir, data_dir  # noqa: F811
+    tmp_path, corpus_dir, data_dir, reference_losses  # noqa: F811
 ):
     s = tiny_settings(corpus_dir, data_dir, num_steps=12, checkpoint_every=4)
-    reference = tmp_path / "reference"
-    train_and_evaluate(s, reference, progress=False)
     run = tmp_path / "run"
     train_and_evaluate(s, run, stop_at=8, progress=False)
     for f in (run / "checkpoints" / "8").rglob("*"):
@@ -57,7 +64,7 @@ def test_corrupt_latest_checkpoint_is_reported_and_the_previous_used(
     events = read_jsonl(run / "metrics.jsonl", "event")
     assert events and events[0]["event"] == "corrupt_checkpoint" and events[0]["step"] == 8
     assert (run / "checkpoints" / "8.corrupt").is_dir()  # set aside, not deleted
-    assert _losses(run) == _losses(reference)  # resumed from step 4, same trajectory
+    assert _losses(run) == reference_losses  # resumed from step 4, same trajectory
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_restorable(
@@ -75,6 +82,46 @@ def test_interrupted_save_leaves_the_previous_checkpoint_restorable(
     assert Checkpointer(run / "checkpoints").latest_step() == 4
     last = train_and_evaluate(s, run, progress=False)
     assert last["step"] == 8 and Checkpointer(run / "checkpoints").latest_step() == 8
+
+
+_KILLED_MID_SAVE = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from tests.test_train import tiny_settings
+from noloco_jax.trainer import checkpoint, loop
+
+real_save = checkpoint.Checkpointer.save
+
+def save(self, step, state, meta, **kwargs):
+    real_save(self, step, state, meta, **kwargs)  # orbax writes asynchronously
+    if step == 8:
+        os._exit(9)  # the process dies with the step-8 write in flight
+
+checkpoint.Checkpointer.save = save
+s = tiny_settings(sys.argv[2], sys.argv[3], num_steps=12, checkpoint_every=4)
+loop.train_and_evaluate(s, sys.argv[4], progress=False)
+"""
+
+
+def test_process_killed_during_a_save_resumes_without_loss(
+    tmp_path, corpus_dir, data_dir, reference_losses  # noqa: F811
+):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    run = tmp_path / "run"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_SAVE, str(root), str(corpus_dir),
+                             str(data_dir), str(run)], capture_output=True, text=True, env=env,
+                            timeout=600)  # fmt: skip
+    assert killed.returncode == 9, killed.stderr[-2000:]
+    s = tiny_settings(corpus_dir, data_dir, num_steps=12, checkpoint_every=4)
+    last = train_and_evaluate(s, run, progress=False)  # restart after the crash
+    assert last["step"] == 12 and Checkpointer(run / "checkpoints").latest_step() == 12
+    assert _losses(run) == reference_losses  # nothing lost, same trajectory as without a crash
 
 
 def test_refused_resume_leaves_the_checkpoint_untouched(tmp_path, corpus_dir, data_dir):  # noqa
