@@ -93,3 +93,16 @@ def test_skippipe_schedules_smoke(tmp_path):
     assert all(v > 0 for v in results["training_iteration_times"].values())
     md = (tmp_path / "skippipe_schedules.md").read_text()
     assert "python experiments/skippipe_schedules.py --smoke" in md and "SkipPipe vs full" in md
+
+
+@pytest.mark.slow  # ~1 min: about a dozen small programs to compile (3 sizes x group shapes)
+def test_hdee_smoke(tmp_path):
+    import hdee
+
+    hdee.main(["--smoke", "--out-dir", str(tmp_path)])
+    results = json.loads((tmp_path / "hdee.json").read_text())
+    seed = results["seeds"]["0"] if "0" in results["seeds"] else results["seeds"][0]
+    assert len(set(seed["compute"].values())) == 1  # equal compute, as accounted
+    assert set(seed["ppl"]) == {"M_Ho-I_Ho", "M_Ho-I_He", "M_He-I_Ho"}
+    md = (tmp_path / "hdee.md").read_text()
+    assert "python experiments/hdee.py --smoke" in md and "heterogeneous lowest" in md

@@ -23,7 +23,7 @@ def load_config(path: pathlib.Path, arg: str | None = None):
     return module.get_config(arg) if arg is not None else module.get_config()
 
 
-NON_TRAINING = {"quadratic_theory"}  # configs of experiments that train no language model
+NON_TRAINING = {"quadratic_theory", "exp_hdee"}  # configs not run by the trainer
 TRAINING_FILES = [p for p in CONFIG_FILES if p.stem not in NON_TRAINING]
 
 

@@ -1,0 +1,33 @@
+"""HDEE in miniature: offline domains of measured difficulty, embarrassingly parallel domain
+experts in homogeneous and heterogeneous equal-compute ensembles, and their evaluation.
+
+References:
+  HDEE: heterogeneous domain expert ensembles, arXiv 2502.19385; notes in
+  ``shared/reference/skippipe-hdee.md`` §2.
+"""
+
+from noloco_jax.hdee.domains import (
+    HELD_OUT_DOMAINS,
+    TRAINING_DOMAINS,
+    DomainSplits,
+    assign_tiers,
+    difficulty_bits_per_byte,
+    make_domains,
+)
+from noloco_jax.hdee.evaluate import RULES, posterior_weight_on, rule_perplexities
+from noloco_jax.hdee.experts import (
+    ENSEMBLES,
+    ExpertPlan,
+    compute,
+    plan_ensemble,
+    size_config,
+    token_logprobs,
+    train_group,
+)
+
+__all__ = [
+    "HELD_OUT_DOMAINS", "TRAINING_DOMAINS", "DomainSplits", "assign_tiers",
+    "difficulty_bits_per_byte", "make_domains", "RULES", "posterior_weight_on",
+    "rule_perplexities", "ENSEMBLES", "ExpertPlan", "compute", "plan_ensemble", "size_config",
+    "token_logprobs", "train_group",
+]  # fmt: skip

