@@ -18,13 +18,21 @@ SECTIONS = ["table2", "spread_vs_lr", "sweeps", "quadratic_theory", "routing_abl
 BENCH = ["bench_overhead", "bench_comm_volume", "bench_scaling", "bench_throughput", "bench_gpu"]
 
 
+def _nest(markdown: str) -> str:
+    """Pushes a section's headings one level down when it starts at level 1."""
+    if not markdown.startswith("# "):
+        return markdown
+    return "\n".join("#" + line if line.startswith("#") else line
+                     for line in markdown.splitlines()) + "\n"  # fmt: skip
+
+
 def _page(title: str, summary: str, names: list[str]) -> str:
     parts = [f"# {title}\n", (RESULTS / summary).read_text() if (RESULTS / summary).exists() else ""]
     missing = []
     for name in names:
         path = RESULTS / f"{name}.md"
         if path.exists():
-            parts.append(path.read_text().replace("](../figures/", "](figures/"))
+            parts.append(_nest(path.read_text().replace("](../figures/", "](figures/")))
         else:
             missing.append(name)
     if missing:
