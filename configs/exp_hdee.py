@@ -24,4 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.delta = 75
     c.eval_windows = 64  # per domain and split
     c.seeds = [0, 1, 2]
+    # Tiers by measured difficulty: "seed_model" (the M seed model's dev bits/byte, per seed),
+    # "ngram" (a byte 3-gram's dev bits/byte) or "zlib" (compressed bits/byte of the train text).
+    c.difficulty = "seed_model"
     return c

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import statistics
 import time
@@ -25,8 +26,8 @@ from noloco_jax import models
 from noloco_jax.data import ByteTokenizer
 from noloco_jax.data.batches import eval_windows
 from noloco_jax.hdee import (ENSEMBLES, RULES, assign_tiers, compute, difficulty_bits_per_byte,
-                             make_domains, plan_ensemble, posterior_weight_on, rule_perplexities,
-                             size_config, token_logprobs, train_group)  # fmt: skip
+                             make_domains, ngram_bits_per_byte, plan_ensemble, posterior_weight_on,
+                             rule_perplexities, size_config, token_logprobs, train_group)  # fmt: skip
 
 CONFIG = harness.ROOT / "configs" / "exp_hdee.py"
 HETERO = ("M_Ho-I_He", "M_He-I_Ho")
@@ -64,26 +65,33 @@ def _train_ensemble(kind, c, tiers, tokens, seeds_by_size, configs, seed):
     return plans, trained
 
 
-def _logprobs(plans, trained, seeds_by_size, windows):
-    """[K, W, T] log-probs of the ensemble's experts, in plan order (one call per size)."""
+def _logprobs(plans, trained, seeds_by_size, windows, full=False):
+    """[K, W, T] log-probs of the ensemble's experts, in plan order (one call per size);
+    [K, W, T, V] next-token distributions with ``full``."""
     out = {}
     for size in ("S", "M", "L"):
         names = [p.domain for p in plans if trained[p.domain][0] == size]
         if names:
             stacked = jax.tree.map(lambda *xs: np.stack(xs), *[trained[n][1] for n in names])
-            lp = np.asarray(token_logprobs(seeds_by_size[size][0], stacked, windows))
+            lp = np.asarray(token_logprobs(seeds_by_size[size][0], stacked, windows, full=full))
             out.update({n: lp[i] for i, n in enumerate(names)})
     return np.stack([out[p.domain] for p in plans])
 
 
-def run_seed(c, domains, tiers, seed: int) -> dict:
+def _bits(logp) -> float:
+    """Mean bits per token (= per byte: byte tokenizer) of a log-prob array."""
+    return float(-np.asarray(logp).mean() / np.log(2))
+
+
+def run_seed(c, domains, fixed_difficulty: dict, seed: int) -> dict:
     tok = ByteTokenizer()
     tokens = {d.name: {s: tok.encode(getattr(d, s)) for s in ("train", "dev", "test")}
               for d in domains}  # fmt: skip
+    trained_names = [d.name for d in domains if not d.held_out]
     base = models.get_preset(c.model.preset, vocab_size=c.model.vocab_size,
                              max_seq_len=max(64, c.seq_len))  # fmt: skip
     configs = {s: size_config(base, s, dict(c.mlp_widths)) for s in ("S", "M", "L")}
-    mixture = np.concatenate([tokens[d]["train"] for d in tiers])
+    mixture = np.concatenate([tokens[d]["train"] for d in trained_names])
     seeds_by_size = {}
     for size, cfg in configs.items():
         graphdef, params = models.init_params(cfg, seed)
@@ -94,23 +102,35 @@ def run_seed(c, domains, tiers, seed: int) -> dict:
     windows = {d.name: {s: eval_windows(tokens[d.name][s], seq_len=c.seq_len,
                                         max_windows=c.eval_windows) for s in ("dev", "test")}
                for d in domains}  # fmt: skip
-    result = {"ppl": {}, "compute": {}, "in_domain_weight": {}, "seed_model_ppl": {}}
+    result = {"ppl": {}, "compute": {}, "in_domain_weight": {}, "seed_model_ppl": {},
+              "seed_model_dev_bpb": {}}  # fmt: skip
     g, p = seeds_by_size["M"]
     for d in domains:
-        lp = token_logprobs(g, _replicate(p, 1), windows[d.name]["test"])
-        result["seed_model_ppl"][d.name] = float(np.exp(-np.asarray(lp).mean()))
+        test = token_logprobs(g, _replicate(p, 1), windows[d.name]["test"])
+        dev = token_logprobs(g, _replicate(p, 1), windows[d.name]["dev"])
+        result["seed_model_ppl"][d.name] = float(np.exp(-np.asarray(test).mean()))
+        result["seed_model_dev_bpb"][d.name] = _bits(dev)
+    # Tiers: thirds of the training domains by measured difficulty. "seed_model" measures it
+    # with this seed's M seed model on the dev split, as one would before spending expert
+    # compute; the other measures are fixed text statistics.
+    measure = (result["seed_model_dev_bpb"] if c.difficulty == "seed_model"
+               else fixed_difficulty[c.difficulty])  # fmt: skip
+    tiers = assign_tiers({n: measure[n] for n in trained_names})
+    result["tiers"] = tiers
     for kind in ENSEMBLES:
         plans, trained = _train_ensemble(kind, c, tiers, tokens, seeds_by_size, configs, seed)
         result["compute"][kind] = compute(plans, configs)
         result["ppl"][kind] = {}
         for d in domains:
-            test = _logprobs(plans, trained, seeds_by_size, windows[d.name]["test"])
+            w_test = windows[d.name]["test"]
+            test = _logprobs(plans, trained, seeds_by_size, w_test, full=True)
             dev = _logprobs(plans, trained, seeds_by_size, windows[d.name]["dev"])
-            result["ppl"][kind][d.name] = rule_perplexities(test, dev)
+            result["ppl"][kind][d.name] = rule_perplexities(test, w_test[:, 1:], dev)
             if not d.held_out:
                 own = [q.domain for q in plans].index(d.name)
+                observed = np.take_along_axis(test, w_test[None, :, 1:, None], axis=-1)[..., 0]
                 result["in_domain_weight"].setdefault(kind, {})[d.name] = posterior_weight_on(
-                    test, own)
+                    observed, own)
     return result
 
 
@@ -118,67 +138,118 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def _at_least(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
 def report(results: dict, c, args) -> str:
-    tiers, difficulty = results["tiers"], results["difficulty"]
+    difficulty = results["difficulty"]
     seeds = sorted(results["seeds"])
-    names = list(difficulty)  # training domains first, then the held-out ones
-    held = {n for n in names if n not in tiers}
+    runs = [results["seeds"][s] for s in seeds]
+    names = list(difficulty["zlib"])  # training domains first, then the held-out ones
+    trained = [n for n in names if n in runs[0]["tiers"]]
+    held = [n for n in names if n not in trained]
+
+    def tier_label(n):
+        if n in held:
+            return "held out"
+        labels = [r["tiers"][n] for r in runs]
+        return labels[0] if len(set(labels)) == 1 else "/".join(labels)
+
+    def mean_ppl(kind, n, rule):
+        return statistics.mean(r["ppl"][kind][n][rule] for r in runs)
+
     rows, wins, per_seed_wins = [], {r: 0 for r in RULES}, {r: [] for r in RULES}
     for name in names:
         for rule in RULES:
-            cells = {k: _mean_sd([results["seeds"][s]["ppl"][k][name][rule] for s in seeds])
-                     for k in ENSEMBLES}  # fmt: skip
+            cells = {k: _mean_sd([r["ppl"][k][name][rule] for r in runs]) for k in ENSEMBLES}
             best = min(cells, key=lambda k: cells[k][0])
             wins[rule] += best in HETERO
-            rows.append([name, tiers.get(name, "held out"), rule]
+            rows.append([name, tier_label(name), rule]
                         + [f"{m:.3f} ± {sd:.3f}" for m, sd in cells.values()] + [best])
     for rule in RULES:
-        for s in seeds:
-            ppl = results["seeds"][s]["ppl"]
+        for r in runs:
             per_seed_wins[rule].append(sum(
-                min(ENSEMBLES, key=lambda k: ppl[k][n][rule]) in HETERO for n in names))
+                min(ENSEMBLES, key=lambda k: r["ppl"][k][n][rule]) in HETERO for n in names))
     split_rows = []
     for rule in RULES:
-        for group, members in (("trained", [n for n in names if n not in held]),
-                               ("held out", [n for n in names if n in held])):
-            count = 0
-            for n in members:
-                means = {k: statistics.mean(results["seeds"][s]["ppl"][k][n][rule] for s in seeds)
-                         for k in ENSEMBLES}  # fmt: skip
-                count += min(means, key=means.get) in HETERO
-            split_rows.append([rule, group, f"{count} / {len(members)}"])
-    comp = results["seeds"][seeds[0]]["compute"]
-    weight = {k: statistics.mean(v for s in seeds
-                                 for v in results["seeds"][s]["in_domain_weight"][k].values())
+        for group, members in (("trained", trained), ("held out", held), ("all", names)):
+            count = sum(min(ENSEMBLES, key=lambda k: mean_ppl(k, n, rule)) in HETERO
+                        for n in members)  # fmt: skip
+            split_rows.append([rule, group, f"{count} / {len(members)}",
+                               f"{_at_least(count, len(members), 2 / 3):.2f}"])
+    # Relative change of each heterogeneous ensemble vs the homogeneous one, by tier (each
+    # seed's own tiers), averaged over the domains of the tier and the seeds.
+    tier_rows = []
+    for rule in RULES:
+        for tier in ("easy", "medium", "hard", "held out"):
+            cells = []
+            for kind in HETERO:
+                rel = [100 * (r["ppl"][kind][n][rule] / r["ppl"]["M_Ho-I_Ho"][n][rule] - 1)
+                       for r in runs for n in names
+                       if (r["tiers"].get(n, "held out")) == tier]  # fmt: skip
+                m, sd = _mean_sd(rel) if rel else (float("nan"), 0.0)
+                cells.append(f"{m:+.1f} % ± {sd:.1f}")
+            tier_rows.append([rule, tier, *cells])
+    comp = runs[0]["compute"]
+    weight = {k: statistics.mean(v for r in runs for v in r["in_domain_weight"][k].values())
               for k in ENSEMBLES}  # fmt: skip
-    seed_ppl = {n: statistics.mean(results["seeds"][s]["seed_model_ppl"][n] for s in seeds)
-                for n in names}  # fmt: skip
+    seed_ppl = {n: statistics.mean(r["seed_model_ppl"][n] for r in runs) for n in names}
+    seed_bpb = {n: statistics.mean(r["seed_model_dev_bpb"][n] for r in runs) for n in names}
     cmd = "python experiments/hdee.py" + (" --smoke" if args.smoke else "")
-    diff_rows = [[n, f"{difficulty[n]:.2f}", tiers.get(n, "held out"), f"{seed_ppl[n]:.3f}"]
+    diff_rows = [[n, f"{difficulty['zlib'][n]:.2f}", f"{difficulty['ngram'][n]:.2f}",
+                  f"{seed_bpb[n]:.2f}", tier_label(n), f"{seed_ppl[n]:.3f}"]
                  for n in names]  # fmt: skip
+    measure = {"seed_model": "the M seed model's dev-split bits/byte, measured per seed",
+               "ngram": "the byte 3-gram's dev bits/byte", "zlib": "zlib bits/byte"}[c.difficulty]
+    paper_rules = ("log_average", "posterior", "dev_prior")
+    all_rows = {row[0]: row for row in split_rows if row[1] == "all"}
+    total_wins = sum(wins[r] for r in paper_rules)
+    total_cells = len(paper_rules) * len(names)
     return (
         "## HDEE in miniature: heterogeneous vs homogeneous domain-expert ensembles\n\n"
         f"```bash\n{cmd}\n```\n\n"
         f"Experts: nano Llama (d = 64, 2 blocks, bytes), MLP widths {dict(c.mlp_widths)}; seed "
         f"model per size on the mixture of training domains ({c.seed_steps} steps), then one "
         f"expert per training domain: T = {c.steps} steps, delta = {c.delta}, {c.batch_size} x "
-        f"{c.seq_len} tokens per step, {len(seeds)} seed(s). Equal compute, sum of non-embedding "
-        "params x steps: " + ", ".join(f"{k} {v:,}" for k, v in comp.items()) + ".\n\n"
-        "Domains (difficulty = zlib bits per byte of the training text; tiers are thirds of the "
-        "training domains; last column: the M seed model alone, before any expert training):\n\n"
-        + harness.md_table(["domain", "bits/byte", "tier", "seed model PPL"], diff_rows)
-        + "\nPer-domain test perplexity, mean ± std over seeds:\n\n"
+        f"{c.seq_len} tokens per step, {len(seeds)} seed(s); experts of one size train together "
+        "as vmapped independent replicas. Equal compute, sum of non-embedding params x steps: "
+        + ", ".join(f"{k} {v:,}" for k, v in comp.items()) + ".\n\n"
+        f"Domains. Tiers are thirds of the training domains by {measure} (a tier that differs "
+        "between seeds is listed per seed). Other measured difficulties: zlib level-9 bits/byte of "
+        "the train text, and bits/byte of an interpolated byte 3-gram fit on train and scored on "
+        "dev. Last column: test perplexity of the M seed model alone, before expert training.\n\n"
+        + harness.md_table(["domain", "zlib bits/byte", "3-gram bits/byte",
+                            "seed model bits/byte", "tier", "seed model PPL"], diff_rows)
+        + "\nPer-domain test perplexity, mean ± std over seeds. Rules: `log_average` = HDEE's "
+        "`simple_avg` (mean of the experts' log-probs, renormalised over the vocabulary), "
+        "`uniform` = mean of the probabilities (not one of HDEE's rules, for comparison), "
+        "`posterior` = per-token posterior mixture with a uniform prior, `dev_prior` = the same "
+        "with a prior estimated on the domain's dev split:\n\n"
         + harness.md_table(["domain", "tier", "rule", *ENSEMBLES, "lowest"], rows)
         + "\nDomains where a heterogeneous ensemble (M_Ho-I_He or M_He-I_Ho) has the lowest "
         "mean perplexity (paper: 20 of 21). Two of the three ensembles are heterogeneous, so "
         "if all three were equally good a heterogeneous one would be lowest in 2/3 of the "
-        "domains by chance:\n\n"
-        + harness.md_table(["rule", "domains", "heterogeneous lowest"], split_rows)
-        + "\nPer rule over all " + str(len(names)) + " domains: "
-        + "; ".join(f"{r}: {wins[r]} (per seed: {per_seed_wins[r]})" for r in RULES)
-        + ".\n\nMean posterior weight (uniform prior, after a whole test window) on the expert "
+        "domains by chance; last column: the chance of at least that count under that null "
+        "(binomial, domains treated as independent):\n\n"
+        + harness.md_table(["rule", "domains", "heterogeneous lowest", "P(>= count by chance)"],
+                           split_rows)
+        + "\nPer rule over all " + str(len(names)) + " domains, per seed: "
+        + "; ".join(f"{r}: {per_seed_wins[r]}" for r in RULES)
+        + ".\n\nPerplexity change of each heterogeneous ensemble relative to M_Ho-I_Ho, by tier "
+        "(mean ± std over the tier's domains and the seeds; negative = heterogeneous better):\n\n"
+        + harness.md_table(["rule", "tier", "M_Ho-I_He vs M_Ho-I_Ho", "M_He-I_Ho vs M_Ho-I_Ho"],
+                           tier_rows)
+        + "\nMean posterior weight (uniform prior, after a whole test window) on the expert "
         "of the window's own domain: " + ", ".join(f"{k} {v:.2f}" for k, v in weight.items())
-        + ".\n"
+        + ".\n\n"
+        f"Reading. Over HDEE's three rules a heterogeneous ensemble is lowest in {total_wins} of "
+        f"{total_cells} (domain, rule) cells, against {2 * total_cells / 3:.0f} expected by "
+        f"chance; per rule over all domains: "
+        + ", ".join(f"{r} {all_rows[r][2]} (P = {all_rows[r][3]})" for r in paper_rules)
+        + ". The paper's 20 of 21 would be far outside chance at this count of domains; the "
+        "tier table shows which tiers gain and which lose.\n"
     )
 
 
@@ -196,12 +267,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     names = (SMOKE_DOMAINS if args.smoke else {})  # the smoke run needs no Shakespeare
     domains = make_domains(**names, num_chars=c.num_chars, data_dir=args.data_dir or None)
-    difficulty = {d.name: difficulty_bits_per_byte(d.train) for d in domains}
-    tiers = assign_tiers({d.name: difficulty[d.name] for d in domains if not d.held_out})
-    results = {"tiers": tiers, "difficulty": difficulty, "seeds": {}}
+    difficulty = {"zlib": {d.name: difficulty_bits_per_byte(d.train) for d in domains},
+                  "ngram": {d.name: ngram_bits_per_byte(d.train, d.dev) for d in domains}}
+    if c.difficulty not in ("seed_model", *difficulty):
+        raise ValueError(f"difficulty must be seed_model, ngram or zlib, got {c.difficulty!r}.")
+    results = {"difficulty": difficulty, "seeds": {}}
     for seed in c.seeds:
         t0 = time.time()
-        results["seeds"][seed] = run_seed(c, domains, tiers, seed)
+        results["seeds"][seed] = run_seed(c, domains, difficulty, seed)
         print(f"seed {seed}: {time.time() - t0:.0f} s", flush=True)
         # Written after every seed, so a long run interrupted part-way keeps its seeds.
         harness.write_outputs(args, "hdee", results, report(results, c, args))

@@ -11,6 +11,13 @@ are vectorised over models and numerically stable (log-sum-exp throughout).
   weights w_k,t ∝ prior_k · prod_{s<t} p_k(x_s | x_<s) (Gururangan et al.'s
   "branch-train-merge" inference and HDEE's posterior rule); still a convex
   combination of distributions at each position, so normalised.
+* ``log_average_mixture``: HDEE's ``simple_avg``, the average of the models'
+  log-probabilities, i.e. the normalised geometric mean (a product of experts),
+  p(x_t) ∝ exp((1/K) sum_k log p_k(x_t)). It needs the full next-token
+  distributions, ``logp_KxBxTxV``, to normalise; HDEE's own code scores the
+  unnormalised average (``normalize=False``), which is not a distribution: its
+  normaliser Z = sum_v exp(mean_k log p_k(v)) is ≤ 1 (geometric ≤ arithmetic
+  mean), so it overstates the loss by -log Z ≥ 0 per token.
 * ``estimate_prior``: the prior as the average posterior on a separate dev
   split, to use in ``posterior_mixture``.
 """
@@ -20,13 +27,37 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["uniform_mixture", "posterior_mixture", "estimate_prior", "perplexity"]
+__all__ = [
+    "uniform_mixture", "log_average_mixture", "posterior_mixture", "estimate_prior", "perplexity",
+]
 
 
 def uniform_mixture(logp_KxBxT: jax.Array) -> jax.Array:
     """log (1/K) sum_k p_k(x_t), [B, T]."""
     k = logp_KxBxT.shape[0]
     return jax.nn.logsumexp(logp_KxBxT.astype(jnp.float32), axis=0) - jnp.log(k)
+
+
+def log_average_mixture(
+    logp_KxBxTxV: jax.Array, tokens_BxT: jax.Array, *, normalize: bool = True
+) -> jax.Array:
+    """log of the (normalised) geometric mean of the K distributions at the observed tokens, [B, T].
+
+    Args:
+      logp_KxBxTxV: each model's log-probabilities over the whole vocabulary.
+      tokens_BxT: the observed tokens.
+      normalize: renormalise over the vocabulary (a proper distribution). ``False`` gives
+        HDEE's ``simple_avg`` as scored in its code: the plain mean of the log-probabilities.
+    """
+    if logp_KxBxTxV.ndim != 4 or logp_KxBxTxV.shape[1:3] != tokens_BxT.shape:
+        raise ValueError(
+            f"logp_KxBxTxV must be [K, B, T, V] with [B, T] = tokens_BxT.shape "
+            f"{tuple(tokens_BxT.shape)}, got {tuple(logp_KxBxTxV.shape)}."
+        )
+    mean = jnp.mean(logp_KxBxTxV.astype(jnp.float32), axis=0)  # [B, T, V]
+    if normalize:
+        mean = mean - jax.nn.logsumexp(mean, axis=-1, keepdims=True)
+    return jnp.take_along_axis(mean, tokens_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
 def _log_weights(logp_KxBxT: jax.Array, log_prior_K: jax.Array) -> jax.Array:

@@ -77,3 +77,27 @@ def test_estimated_prior():
     prior = ensemble.estimate_prior(jnp.concatenate([good, bad]))
     np.testing.assert_allclose(prior.sum(), 1.0, rtol=1e-6)
     assert float(prior[0]) > 0.99
+
+
+def test_log_average_is_the_normalised_geometric_mean():
+    logp = _logprobs(4)
+    tokens = jax.random.randint(jax.random.key(5), (B, T), 0, V)
+    total = sum(jnp.exp(ensemble.log_average_mixture(logp, jnp.full((B, T), v))) for v in range(V))
+    np.testing.assert_allclose(total, np.ones((B, T)), rtol=1e-5)  # normalised
+    raw = ensemble.log_average_mixture(logp, tokens, normalize=False)
+    np.testing.assert_allclose(raw, _observed(logp, tokens).mean(axis=0), rtol=1e-6)  # HDEE's
+    # Geometric <= arithmetic mean: the unnormalised average never scores above the mixture,
+    # and its normaliser is <= 1, so normalising can only raise the log-probability.
+    assert bool(jnp.all(raw <= ensemble.uniform_mixture(_observed(logp, tokens)) + 1e-6))
+    assert bool(jnp.all(ensemble.log_average_mixture(logp, tokens) >= raw - 1e-6))
+
+
+def test_log_average_of_one_model_is_that_model_and_checks_shapes():
+    logp = _logprobs(6)[:1]
+    tokens = jax.random.randint(jax.random.key(7), (B, T), 0, V)
+    want = jnp.take_along_axis(logp[0], tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(ensemble.log_average_mixture(logp, tokens), want, atol=1e-5)
+    huge = jnp.full((2, B, T, V), -1e4).at[..., 0].set(0.0)  # stable for tiny probabilities
+    assert bool(jnp.all(jnp.isfinite(ensemble.log_average_mixture(huge, tokens))))
+    with pytest.raises(ValueError, match="logp_KxBxTxV"):
+        ensemble.log_average_mixture(logp[..., 0], tokens)

@@ -91,14 +91,53 @@ def test_experts_in_one_group_train_independently_and_stop_at_their_budget():
 def test_one_expert_ensemble_is_that_expert_and_weights_are_normalised():
     graphdef, params = models.init_params(CFG, 1)
     windows = jnp.asarray(np.random.default_rng(1).integers(1, 256, (3, 17)), jnp.int32)
-    lp = ex.token_logprobs(graphdef, jax.tree.map(lambda x: x[None], params), windows)
-    assert lp.shape == (1, 3, 16)
+    one = jax.tree.map(lambda x: x[None], params)
+    lp = ex.token_logprobs(graphdef, one, windows)
+    full = ex.token_logprobs(graphdef, one, windows, full=True)
+    assert lp.shape == (1, 3, 16) and full.shape == (1, 3, 16, 256)
+    np.testing.assert_allclose(jnp.exp(full).sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(
+        jnp.take_along_axis(full, windows[None, :, 1:, None], axis=-1)[..., 0], lp, atol=1e-6)
     own = float(jnp.exp(-lp.mean()))
-    ppl = ev.rule_perplexities(lp, lp)
+    ppl = ev.rule_perplexities(full, windows[:, 1:], lp)
+    assert set(ppl) == set(ev.RULES)
     assert all(abs(v - own) < 1e-4 * own for v in ppl.values())
     two = jnp.concatenate([lp, lp - 1.0])  # the second expert is uniformly worse
     w0, w1 = ev.posterior_weight_on(two, 0), ev.posterior_weight_on(two, 1)
     assert abs(w0 + w1 - 1) < 1e-6 and w0 > 0.99
+
+
+def test_rules_on_two_tiny_experts_differ_and_posterior_finds_the_domain_expert():
+    # Expert 0 is trained on a repetitive stream; expert 1 is the untrained model.
+    stream = np.tile(np.arange(1, 9), 60)
+    graphdef, params = models.init_params(CFG, 0)
+    trained, _ = ex.train_group(graphdef, jax.tree.map(lambda x: x[None], params), [stream], [30],
+                                batch=4, seq_len=16, learning_rate=1e-2, seed=0, warmup=1)
+    both = jax.tree.map(lambda a, b: jnp.stack([a[0], b]), trained, params)
+    windows = jnp.asarray(np.stack([stream[i: i + 17] for i in (0, 40, 80)]), jnp.int32)
+    full = ex.token_logprobs(graphdef, both, windows, full=True)
+    lp = ex.token_logprobs(graphdef, both, windows)
+    ppl = ev.rule_perplexities(full, windows[:, 1:], lp)
+    expert = float(jnp.exp(-lp[0].mean()))
+    assert ppl["posterior"] < ppl["uniform"] and ppl["dev_prior"] <= ppl["posterior"] * 1.001
+    assert ppl["dev_prior"] < 1.5 * expert  # the dev prior puts almost all weight on expert 0
+    assert ev.posterior_weight_on(lp, 0) > 0.9
+
+
+def test_ngram_reference_model_measures_difficulty():
+    rng = np.random.default_rng(0)
+    easy, hard = dom.markov_text(30_000, 2), dom.markov_text(30_000, 12)
+    e, h = (dom.ngram_bits_per_byte(t[:25_000], t[25_000:], order=1) for t in (easy, hard))
+    assert abs(e - 1.0) < 0.05 and abs(h - np.log2(12)) < 0.1  # order 1 = the true order
+    e3, h3 = (dom.ngram_bits_per_byte(t[:25_000], t[25_000:]) for t in (easy, hard))
+    assert e3 < h3  # longer contexts overfit a little, but keep the order
+    assert dom.ngram_bits_per_byte("ab" * 500, "ab" * 50) < 0.05
+    noise = "".join(map(chr, rng.integers(97, 97 + 16, 20_000)))
+    assert abs(dom.ngram_bits_per_byte(noise, noise[:2000], order=0) - 4.0) < 0.05
+    diff = {d.name: dom.ngram_bits_per_byte(d.train, d.dev)
+            for d in dom.make_domains(LOCAL, (), num_chars=20_000)}  # fmt: skip
+    tiers = dom.assign_tiers(diff)
+    assert tiers["markov_b3"] == "easy"  # entropy log2(3) = 1.58 bits, lowest by construction
 
 
 @pytest.mark.parametrize("call,match", [
@@ -107,6 +146,12 @@ def test_one_expert_ensemble_is_that_expert_and_weights_are_normalised():
     (lambda: dom.make_domains(("arithmetic",), (), num_chars=10), "num_chars"),
     (lambda: dom.markov_text(10, 0), "branching"),
     (lambda: dom.assign_tiers({"a": 1.0}), "at least 3"),
+    (lambda: dom.ngram_bits_per_byte("ab", "ab", order=9), "order"),
+    (lambda: dom.ngram_bits_per_byte("", "ab"), "non-empty"),
+    (lambda: ev.rule_perplexities(jnp.zeros((1, 2, 3, 4)), jnp.zeros((2, 4), int),
+                                  jnp.zeros((1, 2, 3))), "targets_WxT"),
+    (lambda: ev.rule_perplexities(jnp.zeros((1, 2, 3, 4)), jnp.zeros((2, 3), int),
+                                  jnp.zeros((2, 2, 3))), "logp_dev_KxWxT"),
     (lambda: ex.plan_ensemble("big", {"a": "easy"}, 10, 2), "kind"),
     (lambda: ex.plan_ensemble("M_Ho-I_He", {"a": "easy"}, 10, 10), "delta"),
     (lambda: ex.size_config(CFG, "XL", WIDTHS), "size"),

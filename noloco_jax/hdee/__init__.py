@@ -13,6 +13,7 @@ from noloco_jax.hdee.domains import (
     assign_tiers,
     difficulty_bits_per_byte,
     make_domains,
+    ngram_bits_per_byte,
 )
 from noloco_jax.hdee.evaluate import RULES, posterior_weight_on, rule_perplexities
 from noloco_jax.hdee.experts import (
@@ -27,7 +28,7 @@ from noloco_jax.hdee.experts import (
 
 __all__ = [
     "HELD_OUT_DOMAINS", "TRAINING_DOMAINS", "DomainSplits", "assign_tiers",
-    "difficulty_bits_per_byte", "make_domains", "RULES", "posterior_weight_on",
+    "difficulty_bits_per_byte", "make_domains", "ngram_bits_per_byte", "RULES", "posterior_weight_on",
     "rule_perplexities", "ENSEMBLES", "ExpertPlan", "compute", "plan_ensemble", "size_config",
     "token_logprobs", "train_group",
 ]  # fmt: skip

@@ -1,10 +1,12 @@
-"""Per-domain perplexity of an ensemble of experts under HDEE's three weighting rules.
+"""Per-domain perplexity of an ensemble of experts under HDEE's weighting rules.
 
-* ``uniform``: the plain average of the experts' next-token probabilities (log-sum-exp of
-  their log-probs minus log K), HDEE's "simple average".
+* ``log_average``: HDEE's ``simple_avg``, the mean of the experts' log-probabilities,
+  renormalised over the vocabulary (a normalised geometric mean, product of experts).
+* ``uniform``: the plain average of the experts' probabilities (a linear mixture), for
+  comparison; not one of HDEE's rules.
 * ``posterior``: Bayesian weights ∝ prior · prod_{s<t} p_k(x_s), uniform prior.
 * ``dev_prior``: the same with a prior estimated on the domain's *dev* split (never the
-  test text it is scored on, which would leak).
+  test text it is scored on, which would leak; HDEE's code estimates it on the test loader).
 """
 
 from __future__ import annotations
@@ -16,16 +18,35 @@ from noloco_jax import ensemble
 
 __all__ = ["RULES", "rule_perplexities", "posterior_weight_on"]
 
-RULES = ("uniform", "posterior", "dev_prior")
+RULES = ("log_average", "uniform", "posterior", "dev_prior")
 
 
-def rule_perplexities(logp_test_KxWxT: jax.Array, logp_dev_KxWxT: jax.Array) -> dict[str, float]:
-    """Perplexity of the ensemble on the test windows under each rule in ``RULES``."""
+def rule_perplexities(
+    logp_test_KxWxTxV: jax.Array, targets_WxT: jax.Array, logp_dev_KxWxT: jax.Array
+) -> dict[str, float]:
+    """Perplexity of the ensemble on the test windows under each rule in ``RULES``.
+
+    Args:
+      logp_test_KxWxTxV: the K experts' next-token log-distributions on the test windows.
+      targets_WxT: the test windows' next tokens.
+      logp_dev_KxWxT: the experts' log-probabilities of the dev windows' tokens (for the prior).
+    """
+    logp_test_KxWxTxV = jnp.asarray(logp_test_KxWxTxV)
+    targets_WxT = jnp.asarray(targets_WxT)
+    k, w, t = logp_test_KxWxTxV.shape[:3]
+    if targets_WxT.shape != (w, t):
+        raise ValueError(f"targets_WxT must have shape {(w, t)}, got {tuple(targets_WxT.shape)}.")
+    if logp_dev_KxWxT.ndim != 3 or logp_dev_KxWxT.shape[0] != k:
+        raise ValueError(f"logp_dev_KxWxT must be [K={k}, W, T], got "
+                         f"{tuple(logp_dev_KxWxT.shape)}.")  # fmt: skip
+    idx = jnp.broadcast_to(targets_WxT[None, ..., None], (k, w, t, 1)).astype(jnp.int32)
+    test = jnp.take_along_axis(logp_test_KxWxTxV, idx, axis=-1)[..., 0]
     prior = ensemble.estimate_prior(logp_dev_KxWxT)
     mixed = {
-        "uniform": ensemble.uniform_mixture(logp_test_KxWxT),
-        "posterior": ensemble.posterior_mixture(logp_test_KxWxT),
-        "dev_prior": ensemble.posterior_mixture(logp_test_KxWxT, prior),
+        "log_average": ensemble.log_average_mixture(logp_test_KxWxTxV, targets_WxT),
+        "uniform": ensemble.uniform_mixture(test),
+        "posterior": ensemble.posterior_mixture(test),
+        "dev_prior": ensemble.posterior_mixture(test, prior),
     }
     return {rule: float(ensemble.perplexity(v)) for rule, v in mixed.items()}
 

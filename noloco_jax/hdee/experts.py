@@ -169,16 +169,23 @@ def train_group(
     return params, last
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _token_logprobs(params_K: Any, windows_WxT1: jax.Array, *, graphdef: Any) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("graphdef", "full"))
+def _token_logprobs(params_K: Any, windows_WxT1: jax.Array, *, graphdef: Any, full: bool) -> jax.Array:
     def one(p):
         logits = models.apply(graphdef, p, windows_WxT1[:, :-1]).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
+        if full:
+            return logp
         return jnp.take_along_axis(logp, windows_WxT1[:, 1:, None], axis=-1)[..., 0]
 
     return jax.vmap(one)(params_K)
 
 
-def token_logprobs(graphdef: Any, params_K: Any, windows_WxT1: jax.Array) -> jax.Array:
-    """log p_k(x_t | x_<t) of every model k on every window position, [K, W, T]."""
-    return _token_logprobs(params_K, jnp.asarray(windows_WxT1), graphdef=graphdef)
+def token_logprobs(graphdef: Any, params_K: Any, windows_WxT1: jax.Array, *,
+                   full: bool = False) -> jax.Array:  # fmt: skip
+    """log p_k(x_t | x_<t) of every model k on every window position, [K, W, T].
+
+    With ``full``, the whole next-token distributions instead, [K, W, T, V] (the targets are
+    ``windows_WxT1[:, 1:]``).
+    """
+    return _token_logprobs(params_K, jnp.asarray(windows_WxT1), graphdef=graphdef, full=full)
