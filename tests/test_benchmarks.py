@@ -11,7 +11,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "experiments" / "bench"
 
 
-@pytest.mark.parametrize("script", ["overhead", "comm_volume", "scaling", "throughput"])
+@pytest.mark.parametrize("script", [
+    pytest.param("overhead", marks=pytest.mark.slow), "comm_volume",
+    pytest.param("scaling", marks=pytest.mark.slow), "throughput",
+])  # the slow two time ~25 s of repetitions each
 def test_benchmark_smoke(script, tmp_path):
     out = subprocess.run(
         [sys.executable, str(BENCH / f"{script}.py"), "--smoke", "--out-dir", str(tmp_path)],

@@ -67,12 +67,14 @@ def test_plot_script_on_a_smoke_run(dirs, monkeypatch, tmp_path):
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow  # same harness as test_table2_smoke; ~30 s each
 def test_routing_ablation_smoke(dirs, monkeypatch):
     results, md = _run("routing_ablation", dirs, monkeypatch)
     assert {"local_pp2_random_n2", "local_pp2_fixed_n2", "noloco_pp2_n2"} <= set(results)
     assert "weight std ratio" in md
 
 
+@pytest.mark.slow  # same harness as test_table2_smoke; ~30 s each
 def test_dropout_smoke(dirs, monkeypatch):
     results, md = _run("dropout", dirs, monkeypatch)
     assert "dropout_noloco_p0.3_n2" in results and "DiLoCo (wait)" in md

@@ -181,6 +181,7 @@ def test_cli_and_plot(tmp_path, corpus_dir, data_dir):
 # ---------------------------------------------------------------- pipeline stages
 
 
+@pytest.mark.slow  # resume is covered by test_interrupted_and_resumed_run_is_bit_identical
 def test_pipelined_noloco_run_resumes_bit_identically(tmp_path, corpus_dir, data_dir):
     s = tiny_settings(corpus_dir, data_dir, num_stages=2, num_steps=8, checkpoint_every=4)
     full = tmp_path / "full"
@@ -192,6 +193,7 @@ def test_pipelined_noloco_run_resumes_bit_identically(tmp_path, corpus_dir, data
     assert _losses(full) == _losses(parts)
 
 
+@pytest.mark.slow  # fixed routing == independent replicas is unit-tested in test_pipeline.py
 def test_fixed_routing_without_clipping_equals_no_pipeline(tmp_path, corpus_dir, data_dir):
     common = {"num_steps": 4, "checkpoint_every": 4, "optim": {"clip_norm": 0.0}}
     flat = tiny_settings(corpus_dir, data_dir, **common)

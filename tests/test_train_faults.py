@@ -27,6 +27,7 @@ def test_injected_nan_is_caught_reset_and_logged(tmp_path, corpus_dir, data_dir)
     assert last["val_ppl"] < 100  # training went on: nothing else was poisoned
 
 
+@pytest.mark.slow  # the guard's positive case is test_injected_nan_is_caught_reset_and_logged
 def test_without_guard_nan_spreads(tmp_path, corpus_dir, data_dir):  # noqa: F811
     s = tiny_settings(corpus_dir, data_dir, num_steps=8,
                       fault={"inject_nan_step": 4, "nonfinite_guard": False})  # fmt: skip
