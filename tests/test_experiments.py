@@ -97,7 +97,7 @@ def test_skippipe_schedules_smoke(tmp_path):
     assert "python experiments/skippipe_schedules.py --smoke" in md and "SkipPipe vs full" in md
 
 
-@pytest.mark.slow  # ~2 min: a few dozen small programs to compile (3 sizes x group shapes)
+@pytest.mark.slow  # 40 s to 2 min (CPU load): a few dozen small programs to compile (3 sizes x group shapes)
 def test_hdee_smoke(tmp_path):
     import hdee
 
