@@ -92,7 +92,7 @@ def main() -> None:
         results["rows"].append({"method": method, "tokens_per_s": tok_s, "mfu": mfu,
                                 "per_replica_speed_vs_plain": rel})  # fmt: skip
         rows.append([method, round(tok_s), f"{100 * mfu:.1f} %" if mfu else "n/a", f"{rel:.3f}"])
-    gpu = env["device"].lower() not in ("cpu",) and jax.default_backend() == "gpu"
+    gpu = jax.default_backend() == "gpu"
     cmd = "python experiments/bench/gpu.py" + (" --smoke" if args.smoke else "")
     title = "Accelerator throughput and MFU" + ("" if gpu else " (not a GPU: a dry run)")
     md = (f"### {title}\n\n`{cmd}` — {env['device']}, jax {env['jax']}; {preset} model, bf16 "

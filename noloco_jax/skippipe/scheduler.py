@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -48,14 +48,8 @@ __all__ = ["SCHEDULES", "Interval", "Schedule", "make_schedule", "full_pipeline_
 SCHEDULES = ("full", "skip_agnostic", "skippipe_no_tc2", "skippipe")
 
 
-class Interval(NamedTuple):
-    """A task the planner expects a node to run."""
-
-    node: int
-    microbatch: int
-    kind: str  # "forward", "loss" or "backward"
-    start: float
-    end: float
+# A task the planner expects a node to run: the same record as a simulated task.
+Interval = simulator.TraceEvent
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,13 +9,13 @@ import optax
 
 from noloco_jax import comm
 from noloco_jax.optim import data_parallel, diloco_outer, local_steps, noloco_outer
+from noloco_jax.pipeline.spmd import STAGE as STAGE_AXIS
 from noloco_jax.pipeline.stages import clip_by_stage_norm
 from noloco_jax.trainer.settings import FaultSettings, OptimSettings, OuterSettings
 
 __all__ = ["learning_rate_schedule", "inner_optimizer", "build_optimizer", "bytes_sent"]
 
 AXIS = "replica"
-STAGE_AXIS = "stage"  # the pipeline mesh axis (pipeline.spmd)
 
 
 def learning_rate_schedule(o: OptimSettings, num_steps: int) -> optax.Schedule:
