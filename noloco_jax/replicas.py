@@ -146,6 +146,17 @@ class Replicas:
         def run(*args: Any) -> Any:
             in_axes = tuple(_stacked_axes(a, self.num_replicas) for a in args)
             out_axes = self._out_axes(fn, in_axes, args)
+            if self.num_replicas == 1:
+                # One replica: drop its axis and map over nothing, so the axis name
+                # is bound (collectives reduce to identities) but no op is batched.
+                # A size-1 batch axis on every weight made XLA:CPU's matmuls and
+                # optimizer updates ~1.5x slower than the unbatched program.
+                local = jax.tree.map(
+                    lambda x, a: x if a is None else x[0], args, in_axes, is_leaf=_is_none
+                )
+                return jax.vmap(
+                    fn, in_axes=None, out_axes=out_axes, axis_name=self.axis_name, axis_size=1
+                )(*local)
             return jax.vmap(
                 fn,
                 in_axes=in_axes,

@@ -140,6 +140,40 @@ def test_composes_in_optax_chain_and_keeps_dtypes():
     assert step._cache_size() == 1
 
 
+def _param_copies(tx, params, steps=4):
+    """Weight-shaped ``copy`` ops in a donated, compiled scan of ``steps`` updates."""
+
+    def body(carry, _):
+        p, s = carry
+        u, s = tx.update(jax.tree.map(lambda x: 1e-3 * jnp.sin(x), p), s, p)
+        return (optax.apply_updates(p, u), s), None
+
+    run = jax.jit(lambda c: jax.lax.scan(body, c, length=steps)[0], donate_argnums=0)
+    text = run.lower((params, tx.init(params))).compile().as_text()
+    shapes = {"f32[%s]" % ",".join(map(str, p.shape)) for p in jax.tree.leaves(params)}
+    return sum(text.count(f"= {shape}{{1,0}} copy(") for shape in shapes)
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_inner_steps_copy_no_more_weights_than_plain_adam(guard):
+    # Regression: selecting between the old and new outer state under the guard
+    # made XLA copy phi and the outer momentum on every step, sync or not.
+    params = {"a": jnp.ones((64, 96)), "b": jnp.ones((32, 96))}
+    tx = local_steps(optax.adam(1e-3), noloco_outer(axis_name=None), 10**6, nonfinite_guard=guard)
+    assert _param_copies(tx, params) <= _param_copies(optax.adam(1e-3), params)
+
+
+def test_guarded_single_replica_keeps_the_outer_counter_shared():
+    # The guard's kept outer state must still advance the (shared) round counter.
+    tx = local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 2, nonfinite_guard=True)
+    params = {"w": jnp.ones((3,))}
+    state = tx.init(params)
+    step = jax.jit(step_fn(tx))
+    for _ in range(4):
+        params, state = step(params, state, {"w": jnp.ones((3,))})
+    assert int(state.outer_state.round) == 2 and float(state.nonfinite_resets) == 0.0
+
+
 def test_flax_nnx_optimizer():
     class Model(nnx.Module):
         def __init__(self, rngs):

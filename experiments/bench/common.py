@@ -41,6 +41,23 @@ def interleaved(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[
     return times
 
 
+class Carried:
+    """``fn(carry, *args)`` called with its own previous output, so ``carry`` can be donated.
+
+    Use it as a variant in ``interleaved``: each call runs ``carry = fn(carry, *args)[0]``
+    when ``fn`` returns a tuple (state, aux), else ``carry = fn(carry, *args)``, like a
+    training loop that hands each step's state to the next with ``donate_argnums=0``.
+    """
+
+    def __init__(self, fn: Callable[..., Any], carry: Any, *args: Any) -> None:
+        self.fn, self.carry, self.args = fn, carry, args
+
+    def __call__(self) -> Any:
+        out = self.fn(self.carry, *self.args)
+        self.carry = out[0] if isinstance(out, tuple) else out
+        return out
+
+
 def summary(times: list[float]) -> dict[str, float]:
     q = np.percentile(times, [25, 50, 75])
     return {"median_s": float(q[1]), "q25_s": float(q[0]), "q75_s": float(q[2]),

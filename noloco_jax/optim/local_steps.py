@@ -61,13 +61,13 @@ def _all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
     return ok
 
 
-def _keep_where(ok: jax.Array, new: Any, old: Any) -> Any:
+def _keep_where(ok: jax.Array | bool, new: Any, old: Any) -> Any:
     """``new`` where ``ok``, else ``old``; integer leaves (shared counters) always ``new``."""
 
     def pick(n, o):
         if jnp.issubdtype(n.dtype, jnp.integer):
             return n
-        return jnp.where(ok, n, o)
+        return o if ok is False else n if ok is True else jnp.where(ok, n, o)
 
     return jax.tree.map(pick, new, old)
 
@@ -155,7 +155,10 @@ def local_steps(
             safe_grad = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), outer_grad)
             delta, new_outer = outer.update(safe_grad, outer_state, slow, active=ok)
             new_slow = _keep_where(ok, optax.apply_updates(slow, delta), slow)
-            outer_state = _keep_where(ok, new_outer, outer_state)
+            # A cond, not _keep_where: selecting between the two outer states made
+            # XLA copy phi, the moments and the outer state on every step, sync or not.
+            kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
+            outer_state = _keep_where(True, new_outer, kept)  # shared counters advance
             inner_state = _keep_where(ok, inner_state, inner.init(slow))
             jump = jax.tree.map(lambda s, p: (s - p).astype(p.dtype), new_slow, params)
             return jump, new_slow, outer_state, inner_state, resets + (1.0 - ok)

@@ -1,0 +1,44 @@
+"""replicas.Replicas: layout rules and the single-replica path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from noloco_jax import replicas
+
+
+def _fn(step, w, x):
+    """One replica: a matmul, collectives on the replica axis and a shared counter."""
+    y = x @ w
+    return step + 1, y, lax.psum(y.sum(), "replica"), lax.ppermute(y, "replica", [(0, 0)])
+
+
+def test_single_replica_map_batches_nothing_and_matches_the_plain_function():
+    w = jax.random.normal(jax.random.key(0), (4, 3))
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    step = jnp.zeros([], jnp.int32)
+    mapped = replicas.Replicas(1).map(_fn)
+    args = (step, w[None], x[None])
+    jaxpr = jax.make_jaxpr(mapped)(*args)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots, jaxpr
+    for eqn in dots:  # no size-1 batch axis on the weights: plain matmuls
+        (_, _), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+        assert lhs_batch == () and rhs_batch == (), eqn
+    count, y, total, sent = jax.jit(mapped)(*args)
+    assert count.shape == () and int(count) == 1  # shared leaves stay shared
+    np.testing.assert_allclose(y, (x @ w)[None], rtol=1e-6)
+    np.testing.assert_allclose(total, (x @ w).sum()[None], rtol=1e-5)
+    np.testing.assert_allclose(sent, y, rtol=0)
+
+
+def test_single_replica_map_equals_the_vmap_of_two_replicas_restricted_to_one():
+    w = jax.random.normal(jax.random.key(2), (2, 4, 3))
+    x = jax.random.normal(jax.random.key(3), (2, 5, 4))
+    step = jnp.zeros([], jnp.int32)
+    one = jax.jit(replicas.Replicas(1).map(lambda s, a, b: (s + 1, jnp.tanh(b @ a))))
+    two = jax.jit(replicas.Replicas(2).map(lambda s, a, b: (s + 1, jnp.tanh(b @ a))))
+    _, y1 = one(step, w[:1], x[:1])
+    _, y2 = two(step, w, x)
+    np.testing.assert_allclose(y1, y2[:1], rtol=1e-6, atol=1e-6)
