@@ -68,6 +68,17 @@ def ratio(times: dict[str, list[float]], a: str, b: str) -> float:
     return statistics.median(times[a]) / statistics.median(times[b])
 
 
+def paired_ratios(times: dict[str, list[float]], a: str, b: str) -> dict[str, float]:
+    """Quartiles of ``a / b`` taken round by round of ``interleaved``.
+
+    The two calls of one round ran back to back, so a slow period that spans a
+    round cancels in its ratio; this resolves smaller differences than the
+    ratio of medians when the machine's speed drifts.
+    """
+    q = np.percentile(np.asarray(times[a]) / np.asarray(times[b]), [25, 50, 75])
+    return {"median": float(q[1]), "q25": float(q[0]), "q75": float(q[2])}
+
+
 def environment() -> dict[str, str]:
     import flax
     import optax

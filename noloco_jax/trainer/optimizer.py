@@ -8,7 +8,13 @@ import jax.numpy as jnp
 import optax
 
 from noloco_jax import comm
-from noloco_jax.optim import data_parallel, diloco_outer, local_steps, noloco_outer
+from noloco_jax.optim import (
+    clip_by_global_norm,
+    data_parallel,
+    diloco_outer,
+    local_steps,
+    noloco_outer,
+)
 from noloco_jax.pipeline.spmd import STAGE as STAGE_AXIS
 from noloco_jax.pipeline.stages import clip_by_stage_norm
 from noloco_jax.trainer.settings import FaultSettings, OptimSettings, OuterSettings
@@ -74,7 +80,7 @@ def build_optimizer(
     elif num_stages > 1:
         clip = clip_by_stage_norm(optim.clip_norm, num_stages, stage=stage)
     else:
-        clip = optax.clip_by_global_norm(optim.clip_norm)
+        clip = clip_by_global_norm(optim.clip_norm)  # fuses into Adam; optax's does not
     axis = AXIS if num_replicas > 1 else None
     if method == "local":  # independent replicas: no communication at all
         return optax.with_extra_args_support(optax.chain(clip, inner))
