@@ -3,11 +3,11 @@
     python experiments/bench/throughput.py [--smoke]
 
 Same model, same batch, same fused chunk of steps. "noloco_jax" is the trainer's step for one
-replica (its optimizer chain: clip, local_steps(adam, noloco_outer)); "hand-written" is
+replica (its optimizer chain: clip, local_steps(adam, noloco_outer)), with the chunk's sync
+positions passed from the host as the trainer does; "hand-written" is
 jax.value_and_grad of the loss plus Adam and global-norm clipping written out by hand. Both jit
 with ``donate_argnums=0`` and are timed as loops that hand each chunk's state to the next, as the
-trainer does. Target:
-noloco_jax >= 0.95 of the hand-written loop's tokens/s.
+trainer does. Target: noloco_jax >= 0.95 of the hand-written loop's tokens/s.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jax import lax
 from noloco_jax import models, replicas
 from noloco_jax.trainer.optimizer import build_optimizer
 from noloco_jax.trainer.settings import OptimSettings, OuterSettings
-from noloco_jax.trainer.step import TrainState, loss_fn, train_chunk
+from noloco_jax.trainer.step import TrainState, loss_fn, sync_positions, train_chunk
 
 
 def hand_written(graphdef, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, clip=1.0):
@@ -58,11 +58,13 @@ def main() -> None:
         graphdef, params = models.init_params(cfg, 0)
         tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (k, b, t + 1)),
                              jnp.int32)  # fmt: skip
-        tx = build_optimizer("noloco", OptimSettings(learning_rate=1e-3, warmup_steps=0),
-                             OuterSettings(sync_every=10**6), num_steps=10**6, num_replicas=1)
+        outer = OuterSettings(sync_every=10**6)
+        tx = build_optimizer("noloco", OptimSettings(learning_rate=1e-3, warmup_steps=0), outer,
+                             num_steps=10**6, num_replicas=1)  # fmt: skip
         state = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), 1)
-        ours = jax.jit(replicas.Replicas(1).map(functools.partial(train_chunk, graphdef=graphdef,
-                                                                  tx=tx)), donate_argnums=0)  # fmt: skip
+        sync_at = sync_positions(0, k, outer.sync_every)  # the same for every chunk timed
+        ours = jax.jit(replicas.Replicas(1).map(functools.partial(
+            train_chunk, graphdef=graphdef, tx=tx, sync_at=sync_at)), donate_argnums=0)  # fmt: skip
         zeros = jax.tree.map(jnp.zeros_like, params)
         hand = hand_written(graphdef)
         carry = (jax.tree.map(jnp.copy, params), zeros, jax.tree.map(jnp.copy, zeros),

@@ -101,7 +101,13 @@ def local_steps(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` acting on the model params
-      (the fast weights). Extra keyword arguments go to ``inner``.
+      (the fast weights). Extra keyword arguments go to ``inner``, except
+      ``sync_step``: a Python bool that fixes the step's phase at trace time
+      (True: this call ends a round; False: inner step only) instead of the
+      on-device ``lax.cond`` over the counter. It must agree with the counter
+      (``trainer.step.sync_positions``); a training loop that knows its step
+      on the host uses it to compile inner steps with no extra pass over the
+      weights (the cond's branch output costs one on memory-bound steps).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -139,6 +145,9 @@ def local_steps(
     ) -> tuple[optax.Updates, LocalStepsState]:
         if params is None:
             raise ValueError("local_steps.update needs params= the current (fast) weights.")
+        sync_step = extra_args.pop("sync_step", None)
+        if sync_step is not None and not isinstance(sync_step, bool):
+            raise ValueError(f"sync_step must be None, True or False, got {sync_step!r}.")
         inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         count = optax.safe_int32_increment(state.count)
 
@@ -169,13 +178,13 @@ def local_steps(
         # Both branches return updates in the params' dtypes (apply_updates casts
         # to them anyway), so a bf16 inner update cannot round the jump to phi.
         inner_updates = jax.tree.map(lambda u, p: u.astype(p.dtype), inner_updates, params)
-        new_updates, slow, outer_state, inner_state, resets = lax.cond(
-            count % sync_every == 0,
-            sync,
-            no_sync,
-            (inner_updates, state.slow_params, state.outer_state, inner_state,
-             state.nonfinite_resets),
-        )  # fmt: skip
+        operands = (inner_updates, state.slow_params, state.outer_state, inner_state,
+                    state.nonfinite_resets)  # fmt: skip
+        if sync_step is None:
+            branches = lax.cond(count % sync_every == 0, sync, no_sync, operands)
+        else:  # the caller knows the phase statically (see ``will_sync``)
+            branches = sync(operands) if sync_step else no_sync(operands)
+        new_updates, slow, outer_state, inner_state, resets = branches
         return new_updates, LocalStepsState(count, slow, inner_state, outer_state, resets)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -25,7 +25,7 @@ from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
 from noloco_jax.trainer.pipelined import make_pipeline_runner
 from noloco_jax.trainer.settings import TrainSettings, check_resume_compatible
-from noloco_jax.trainer.step import TrainState, eval_token_losses, train_chunk
+from noloco_jax.trainer.step import TrainState, eval_token_losses, sync_positions, train_chunk
 from noloco_jax.trainer.writers import MetricWriter
 
 __all__ = ["DataBundle", "prepare_data", "prepare_model", "train_and_evaluate", "load_run"]
@@ -121,7 +121,7 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         runner = make_pipeline_runner(s, graphdef, build_tx)
         reps = replicas.make_replicas(s.num_replicas, backend="vmap")
         state = runner.put(replicas.replicate(single, s.num_replicas))
-        chunk = runner.chunk
+        chunk = functools.partial(lambda f, state, tokens, step: f(state, tokens), runner.chunk)
     else:
         reps = replicas.make_replicas(s.num_replicas, backend=s.backend)
         state = reps.put(replicas.replicate(single, s.num_replicas))
@@ -130,7 +130,8 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
             inject_nan_step=s.fault.inject_nan_step, inject_nan_replica=s.fault.inject_nan_replica,
             skip=_skip_config(s, cfg.num_layers),
         )  # fmt: skip
-        chunk = jax.jit(reps.map(functools.partial(train_chunk, **step_kwargs)), donate_argnums=0)
+        rounds = s.method in ("noloco", "diloco")  # local_steps: phase known on the host
+        chunk = _PhasedChunk(reps, step_kwargs, s.outer.sync_every if rounds else None)
     evaluate = _make_evaluator(reps, graphdef, data.eval_windows)  # fixed routing
     if s.num_stages > 1 and runner.backend == "shard_map":
         # Evaluate a host copy: the evaluator vmaps over replicas on one device.
@@ -142,6 +143,50 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         "vocab_size": int(data.tokenizer.vocab_size),
     }
     return _Run(s, data, reps, params0, chunk, evaluate, meta), state
+
+
+class _PhasedChunk:
+    """The jitted ``train_chunk``, one program per layout of sync steps in the chunk.
+
+    With ``sync_every`` the host passes each chunk's sync positions, so inner
+    steps compile without the on-device phase ``lax.cond``. Chunk boundaries
+    that drift against the rounds would compile a program per offset; after
+    ``max_layouts`` layouts the remaining chunks use the on-device phase.
+    """
+
+    def __init__(self, reps: Any, step_kwargs: dict, sync_every: int | None,
+                 max_layouts: int = 4) -> None:  # fmt: skip
+        self._make = lambda sync_at: jax.jit(
+            reps.map(functools.partial(train_chunk, sync_at=sync_at, **step_kwargs)),
+            donate_argnums=0)  # fmt: skip
+        self._sync_every, self._max = sync_every, max_layouts
+        self._fns: dict[Any, Callable] = {}
+        self._checked = False
+
+    def __call__(self, state: TrainState, tokens: Any, step: int) -> tuple[TrainState, Any]:
+        key = None
+        if self._sync_every is not None:
+            if not self._checked:  # the host's step must be the optimizer's step counter
+                _check_counter(state, step)
+                self._checked = True
+            key = sync_positions(step, tokens.shape[1], self._sync_every)
+            if key not in self._fns and len(self._fns) >= self._max:
+                key = None
+        if key not in self._fns:
+            self._fns[key] = self._make(key)
+        return self._fns[key](state, tokens)
+
+
+def _check_counter(state: TrainState, step: int) -> None:
+    from noloco_jax.optim import LocalStepsState  # noqa: PLC0415
+
+    found = [x for x in jax.tree.leaves(state.opt_state,
+                                        is_leaf=lambda x: isinstance(x, LocalStepsState))
+             if isinstance(x, LocalStepsState)]  # fmt: skip
+    counts = replicas.to_host(found[0].count) if found else np.array([step])
+    if not (np.asarray(counts) == step).all():
+        raise ValueError(f"the optimizer's step counter {counts} does not match the run's step "
+                         f"{step}; the checkpoint's optimizer state is inconsistent.")  # fmt: skip
 
 
 def _skip_config(s: TrainSettings, num_layers: int) -> Any:
@@ -354,7 +399,7 @@ def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
     k = min(s.log_every - step % s.log_every, end - step)
     tokens = _next_tokens(run, step, k)
     t0 = time.perf_counter()
-    state, losses = run.chunk(state, tokens)
+    state, losses = run.chunk(state, tokens, step)
     losses = replicas.to_host(losses)  # [N, k]; waits for the device
     seconds = time.perf_counter() - t0
     step += k

@@ -22,6 +22,7 @@ __all__ = [
     "loss_fn",
     "train_step",
     "train_chunk",
+    "sync_positions",
     "eval_token_losses",
     "eval_window_losses",
 ]
@@ -64,12 +65,14 @@ def train_step(
     inject_nan_replica: int = 0,
     axis_name: str = "replica",
     skip: Any = None,
+    sync_step: bool | None = None,
 ) -> tuple[TrainState, jax.Array]:
     """One optimizer step on one replica's batch; returns the new state and the loss.
 
     With ``nonfinite_guard`` the params of a replica the optimizer's guard
     caught are put back on its slow weights (``restore_nonfinite``). With ``skip`` (a
     ``skipping.SkipConfig``) every sequence runs through a random subset of the stages.
+    ``sync_step`` (True/False) tells ``local_steps`` the step's phase statically.
     """
     params = state.params
     if inject_nan_step >= 0:
@@ -81,22 +84,67 @@ def train_step(
 
         loss, grads = skip_value_and_grad(params, tokens_BxT1, state.step, graphdef=graphdef,
                                           cfg=skip, full_loss=loss_fn, axis_name=axis_name)
-    updates, opt_state = tx.update(grads, state.opt_state, params)
+    phase = {} if sync_step is None else {"sync_step": sync_step}
+    updates, opt_state = tx.update(grads, state.opt_state, params, **phase)
     params = optax.apply_updates(params, updates)
     if nonfinite_guard:
         params = restore_nonfinite(params, opt_state)
     return TrainState(state.step + 1, params, opt_state), loss
 
 
+def sync_positions(first_step: int, num_steps: int, sync_every: int) -> tuple[int, ...]:
+    """Positions in a chunk of ``num_steps`` steps from ``first_step`` that end a round.
+
+    A step ends a round (runs ``local_steps``' outer update) when the number of
+    steps taken after it is a multiple of ``sync_every``.
+    """
+    return tuple(p for p in range(num_steps) if (first_step + p + 1) % sync_every == 0)
+
+
 def train_chunk(
-    state: TrainState, tokens_KxBxT1: jax.Array, **step_kwargs: Any
+    state: TrainState,
+    tokens_KxBxT1: jax.Array,
+    *,
+    sync_at: tuple[int, ...] | None = None,
+    **step_kwargs: Any,
 ) -> tuple[TrainState, jax.Array]:
-    """K consecutive ``train_step``s fused with ``lax.scan``; returns the K losses."""
+    """K consecutive ``train_step``s fused with ``lax.scan``; returns the K losses.
 
-    def body(s: TrainState, tokens: jax.Array) -> tuple[TrainState, jax.Array]:
-        return train_step(s, tokens, **step_kwargs)
+    Args:
+      state: one replica's state.
+      tokens_KxBxT1: the K batches.
+      sync_at: the chunk positions whose step is a sync step of ``local_steps``
+        (``sync_positions``), known on the host. The chunk is then compiled as
+        scans of inner-only steps around the sync steps, so an inner step is
+        exactly the inner optimizer's step: no ``lax.cond``, no extra pass over
+        the weights. ``None`` decides the phase on the device every step.
+      **step_kwargs: passed to ``train_step``.
 
-    return lax.scan(body, state, tokens_KxBxT1)
+    Returns:
+      The new state and the K losses.
+    """
+    k = tokens_KxBxT1.shape[0]
+
+    def scan(s: TrainState, tokens: jax.Array, sync_step: bool | None):
+        return lax.scan(lambda c, x: train_step(c, x, sync_step=sync_step, **step_kwargs), s,
+                        tokens)  # fmt: skip
+
+    if sync_at is None:
+        return scan(state, tokens_KxBxT1, None)
+    valid = all(isinstance(p, int) and 0 <= p < k for p in sync_at)
+    if not valid or len(set(sync_at)) != len(sync_at):
+        raise ValueError(f"sync_at must hold distinct chunk positions in [0, {k}), "
+                         f"got {sync_at!r}.")  # fmt: skip
+    losses, start = [], 0
+    for p in sorted(sync_at) + [k]:
+        if p > start:
+            state, loss = scan(state, tokens_KxBxT1[start:p], False)
+            losses.append(loss)
+        if p < k:
+            state, loss = train_step(state, tokens_KxBxT1[p], sync_step=True, **step_kwargs)
+            losses.append(loss[None])
+        start = p + 1
+    return state, jnp.concatenate(losses)
 
 
 def eval_token_losses(

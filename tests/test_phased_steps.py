@@ -1,0 +1,120 @@
+"""Phase known on the host: local_steps(sync_step=...) and train_chunk(sync_at=...).
+
+The static phase must give exactly the on-device ``lax.cond`` trajectory, and
+an inner step compiled with it must be the inner optimizer's step alone.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from noloco_jax import hlo, local_steps, models, noloco_outer, replicas
+from noloco_jax.trainer import loop
+from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk
+from tests.helpers import assert_trees_close, random_tree
+
+CFG = models.get_preset("nano", vocab_size=64, max_seq_len=16, hidden_size=16, num_heads=2,
+                         num_layers=1, mlp_hidden_size=32)
+
+
+def test_sync_positions_golden():
+    assert sync_positions(0, 5, 3) == (2,)  # after steps 3
+    assert sync_positions(3, 7, 3) == (2, 5)  # after steps 6 and 9
+    assert sync_positions(4, 1, 5) == (0,)  # the chunk's only step ends a round
+    assert sync_positions(0, 2, 50) == ()
+
+
+def test_static_phase_equals_on_device_phase():
+    h, n = 3, 4
+    tx = local_steps(optax.adam(0.05), noloco_outer(), h)
+    reps = replicas.make_replicas(n, backend="vmap")
+
+    def step(params, state, grads, sync_step):
+        kw = {} if sync_step is None else {"sync_step": sync_step}
+        updates, state = tx.update(grads, state, params, **kw)
+        return optax.apply_updates(params, updates), state
+
+    steps = {mode: jax.jit(reps.map(functools.partial(step, sync_step=mode)))
+             for mode in (None, True, False)}  # fmt: skip
+    params0 = random_tree(jax.random.key(0), n)
+    p_dyn = p_sta = params0
+    s_dyn = s_sta = reps.map(tx.init)(params0)
+    for t in range(8):
+        g = random_tree(jax.random.key(100 + t), n)
+        p_dyn, s_dyn = steps[None](p_dyn, s_dyn, g)
+        p_sta, s_sta = steps[(t + 1) % h == 0](p_sta, s_sta, g)
+        # Float rounding only (XLA fuses the update into the params without the
+        # cond in between); a sync on the wrong step would differ by O(1).
+        assert_trees_close((p_sta, s_sta), (p_dyn, s_dyn), rtol=1e-6, atol=1e-6)
+    assert int(s_sta.count) == 8  # a shared scalar
+
+
+def test_static_inner_step_has_no_cond_and_no_collective():
+    tx = local_steps(optax.adam(0.05), noloco_outer(), 3)
+    reps = replicas.make_replicas(2, backend="shard_map")  # real collectives in the HLO
+    params = reps.put(random_tree(jax.random.key(0), 2))
+    state = reps.put(replicas.replicate(tx.init(random_tree(jax.random.key(0))), 2))
+
+    def text(sync_step):
+        f = reps.map(lambda g, s, p: tx.update(g, s, p, sync_step=sync_step))
+        return hlo.compiled_text(jax.jit(f), params, state, params)
+
+    assert "conditional(" not in text(False)
+    assert "conditional(" in text(None)  # the on-device phase
+    assert not hlo.collective_ops(text(False))
+    assert hlo.collective_ops(text(True))  # the sync step exchanges with partners
+
+
+def test_sync_step_must_be_a_bool():
+    tx = local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 2)
+    p = jnp.zeros(3)
+    with pytest.raises(ValueError, match="sync_step must be None, True or False"):
+        tx.update(p, tx.init(p), p, sync_step=1)
+
+
+def _model_setup(h):
+    graphdef, params = models.init_params(CFG, 0)
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     local_steps(optax.adam(1e-2), noloco_outer(), h))  # fmt: skip
+    return graphdef, tx, TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
+
+
+def test_phased_chunks_equal_on_device_phase_across_unaligned_chunks():
+    n, h, lengths = 2, 2, (3, 3, 1)
+    graphdef, tx, single = _model_setup(h)
+    state0 = replicas.replicate(single, n)
+    reps = replicas.make_replicas(n, backend="vmap")
+    kwargs = dict(graphdef=graphdef, tx=tx)
+    phased = loop._PhasedChunk(reps, kwargs, h, max_layouts=2)
+    dynamic = loop._PhasedChunk(reps, kwargs, None)
+    rng = np.random.default_rng(0)
+    a, b, step = jax.tree.map(jnp.copy, state0), jax.tree.map(jnp.copy, state0), 0
+    for k in lengths:
+        tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (n, k, 2, 9)), jnp.int32)
+        a, loss_a = phased(a, tokens, step)
+        b, loss_b = dynamic(b, tokens, step)
+        step += k
+        np.testing.assert_allclose(np.asarray(loss_a), np.asarray(loss_b), rtol=1e-6)
+        assert_trees_close(a, b, rtol=1e-5, atol=1e-6)  # rounding, compounded over steps
+    # layouts (1,) and (0, 2); the third, (), falls back to the on-device phase
+    assert set(phased._fns) == {(1,), (0, 2), None}
+    assert int(a.opt_state[1].count) == sum(lengths)
+
+
+def test_sync_at_must_be_positions_in_the_chunk():
+    graphdef, tx, state = _model_setup(2)
+    tokens = jnp.zeros((3, 1, 9), jnp.int32)
+    for bad in [(3,), (-1,), (1, 1), (0.5,)]:
+        with pytest.raises(ValueError, match="sync_at must hold distinct chunk positions"):
+            train_chunk(state, tokens, sync_at=bad, graphdef=graphdef, tx=tx)
+
+
+def test_counter_out_of_step_with_the_run_is_refused():
+    _, _, state = _model_setup(2)
+    loop._check_counter(state, 0)
+    with pytest.raises(ValueError, match="step counter"):
+        loop._check_counter(state, 5)
