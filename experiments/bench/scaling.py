@@ -21,7 +21,7 @@ import numpy as np
 from noloco_jax import models, replicas
 from noloco_jax.trainer.optimizer import build_optimizer
 from noloco_jax.trainer.settings import OptimSettings, OuterSettings
-from noloco_jax.trainer.step import TrainState, train_chunk
+from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk
 
 
 def main() -> None:
@@ -40,8 +40,8 @@ def main() -> None:
                              num_steps=10_000, num_replicas=n)  # fmt: skip
         single = TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0))
         state = replicas.replicate(single, n)
-        fn = jax.jit(replicas.Replicas(n).map(functools.partial(train_chunk, graphdef=graphdef,
-                                                                tx=tx)))  # fmt: skip
+        fn = jax.jit(replicas.Replicas(n).map(functools.partial(  # each call: steps 0 .. k-1
+            train_chunk, graphdef=graphdef, tx=tx, sync_at=sync_positions(0, k, k))))  # fmt: skip
         tokens = jnp.asarray(np.random.default_rng(n).integers(1, 256, (n, k, b, t + 1)), jnp.int32)
         mem = fn.lower(state, tokens).compile().memory_analysis()
         peak = sum(getattr(mem, a, 0) for a in ("argument_size_in_bytes", "output_size_in_bytes",
