@@ -165,9 +165,10 @@ def _step_in_a_loop(
     def body(carry):
         i, s, _ = carry
         s, loss = train_step(s, tokens_BxT1, sync_step=sync_step, **step_kwargs)
-        return i + 1, s, loss
+        return i + 1, s, loss.astype(jnp.float32)
 
-    loss0 = jnp.zeros([], jnp.float32)
+    # Derived from the batch, so that under shard_map it varies over replicas like the loss.
+    loss0 = (tokens_BxT1.ravel()[0] * 0).astype(jnp.float32)
     _, state, loss = lax.while_loop(lambda c: c[0] < once, body, (jnp.int32(0), state, loss0))
     return state, loss
 
