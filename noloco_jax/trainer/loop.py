@@ -156,12 +156,14 @@ class _PhasedChunk:
 
     def __init__(self, reps: Any, step_kwargs: dict, sync_every: int | None,
                  max_layouts: int = 4) -> None:  # fmt: skip
-        self._make = lambda sync_at: jax.jit(
-            reps.map(functools.partial(train_chunk, sync_at=sync_at, **step_kwargs)),
-            donate_argnums=0)  # fmt: skip
+        self._reps, self._step_kwargs = reps, step_kwargs
         self._sync_every, self._max = sync_every, max_layouts
         self._fns: dict[Any, Callable] = {}
         self._checked = False
+
+    def _make(self, sync_at: tuple[int, ...] | None) -> Callable:
+        fn = functools.partial(train_chunk, sync_at=sync_at, **self._step_kwargs)
+        return jax.jit(self._reps.map(fn), donate_argnums=0)
 
     def __call__(self, state: TrainState, tokens: Any, step: int) -> tuple[TrainState, Any]:
         key = None
