@@ -155,7 +155,7 @@ class _PhasedChunk:
     """
 
     def __init__(self, reps: Any, step_kwargs: dict, sync_every: int | None,
-                 max_layouts: int = 4) -> None:  # fmt: skip
+                 max_layouts: int = 2) -> None:  # fmt: skip
         self._reps, self._step_kwargs = reps, step_kwargs
         self._sync_every, self._max = sync_every, max_layouts
         self._fns: dict[Any, Callable] = {}
