@@ -154,3 +154,9 @@ def test_phased_chunk_needs_no_more_memory_than_on_device_phase():
 
     # (0, 2): a sync step, a lone inner step, a sync step; straight-line it was ~4x the temp
     assert temp_bytes((0, 2)) <= temp_bytes(None) + 0.25 * weight_bytes
+
+
+def test_phase_on_host_only_when_chunks_stay_aligned_with_rounds():
+    assert loop.phase_on_host(25, 50) and loop.phase_on_host(50, 50)
+    assert loop.phase_on_host(100, 50) and loop.phase_on_host(2, 2)
+    assert not loop.phase_on_host(2, 3) and not loop.phase_on_host(25, 10)

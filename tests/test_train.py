@@ -107,7 +107,9 @@ def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, corpus_dir, data
 def test_vmap_and_shard_map_train_the_same(tmp_path, corpus_dir, data_dir):
     results = {}
     for backend in ("vmap", "shard_map"):
-        s = tiny_settings(corpus_dir, data_dir, backend=backend, num_steps=8, checkpoint_every=8)
+        # sync_every 4, log_every 2: the phase is passed from the host (phase_on_host)
+        s = tiny_settings(corpus_dir, data_dir, backend=backend, num_steps=8, checkpoint_every=8,
+                          outer={"sync_every": 4})  # fmt: skip
         train_and_evaluate(s, tmp_path / backend, progress=False)
         results[backend] = _losses(tmp_path / backend)
     np.testing.assert_allclose(results["vmap"], results["shard_map"], rtol=2e-5)

@@ -130,8 +130,8 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
             inject_nan_step=s.fault.inject_nan_step, inject_nan_replica=s.fault.inject_nan_replica,
             skip=_skip_config(s, cfg.num_layers),
         )  # fmt: skip
-        rounds = s.method in ("noloco", "diloco")  # local_steps: phase known on the host
-        chunk = _PhasedChunk(reps, step_kwargs, s.outer.sync_every if rounds else None)
+        host = s.method in ("noloco", "diloco") and phase_on_host(s.log_every, s.outer.sync_every)
+        chunk = _PhasedChunk(reps, step_kwargs, s.outer.sync_every if host else None)
     evaluate = _make_evaluator(reps, graphdef, data.eval_windows)  # fixed routing
     if s.num_stages > 1 and runner.backend == "shard_map":
         # Evaluate a host copy: the evaluator vmaps over replicas on one device.
@@ -143,6 +143,17 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         "vocab_size": int(data.tokenizer.vocab_size),
     }
     return _Run(s, data, reps, params0, chunk, evaluate, meta), state
+
+
+def phase_on_host(log_every: int, sync_every: int) -> bool:
+    """Whether the trainer passes sync positions to its chunks (``train_chunk(sync_at=...)``).
+
+    Only when chunk boundaries stay aligned with the rounds (one of the two
+    divides the other): then at most two chunk layouts exist and each compiles
+    once. Otherwise the layouts drift and the on-device phase (one program)
+    is cheaper to compile than the inner steps it would speed up.
+    """
+    return log_every % sync_every == 0 or sync_every % log_every == 0
 
 
 class _PhasedChunk:
