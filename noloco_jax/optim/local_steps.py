@@ -30,7 +30,13 @@ from noloco_jax import comm
 
 AxisName = Union[str, tuple[str, ...]]
 
-__all__ = ["LocalStepsState", "local_steps", "data_parallel", "restore_nonfinite"]
+__all__ = [
+    "LocalStepsState",
+    "local_steps",
+    "data_parallel",
+    "restore_nonfinite",
+    "find_local_steps_state",
+]
 
 
 class LocalStepsState(NamedTuple):
@@ -182,7 +188,7 @@ def local_steps(
                     state.nonfinite_resets)  # fmt: skip
         if sync_step is None:
             branches = lax.cond(count % sync_every == 0, sync, no_sync, operands)
-        else:  # the caller knows the phase statically (see ``will_sync``)
+        else:  # the caller knows the phase statically (``trainer.step.sync_positions``)
             branches = sync(operands) if sync_step else no_sync(operands)
         new_updates, slow, outer_state, inner_state, resets = branches
         return new_updates, LocalStepsState(count, slow, inner_state, outer_state, resets)
@@ -209,16 +215,19 @@ def restore_nonfinite(
     Returns:
       ``params``, or the slow weights where the replica's params are not finite.
     """
-    states = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LocalStepsState))
-        if isinstance(x, LocalStepsState)
-    ]
-    if not states:
+    found = find_local_steps_state(opt_state)
+    if found is None:
         return params
     ok = _all_finite(params, axis_name)
     return jax.tree.map(lambda p, s: jnp.where(ok, p, s.astype(p.dtype)), params,
-                        states[0].slow_params)  # fmt: skip
+                        found.slow_params)  # fmt: skip
+
+
+def find_local_steps_state(opt_state: optax.OptState) -> LocalStepsState | None:
+    """The first ``LocalStepsState`` in ``opt_state`` (e.g. inside a chain), or None."""
+    is_state = lambda x: isinstance(x, LocalStepsState)  # noqa: E731
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    return found[0] if found else None
 
 
 def data_parallel(

@@ -21,6 +21,7 @@ import numpy as np
 from noloco_jax import data as data_lib
 from noloco_jax import ensemble, models, replicas
 from noloco_jax.metrics import replica_spread
+from noloco_jax.optim.local_steps import find_local_steps_state
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
 from noloco_jax.trainer.pipelined import make_pipeline_runner
@@ -121,7 +122,7 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         runner = make_pipeline_runner(s, graphdef, build_tx)
         reps = replicas.make_replicas(s.num_replicas, backend="vmap")
         state = runner.put(replicas.replicate(single, s.num_replicas))
-        chunk = functools.partial(lambda f, state, tokens, step: f(state, tokens), runner.chunk)
+        chunk = lambda state, tokens, step: runner.chunk(state, tokens)  # noqa: E731
     else:
         reps = replicas.make_replicas(s.num_replicas, backend=s.backend)
         state = reps.put(replicas.replicate(single, s.num_replicas))
@@ -191,12 +192,10 @@ class _PhasedChunk:
 
 
 def _check_counter(state: TrainState, step: int) -> None:
-    from noloco_jax.optim import LocalStepsState  # noqa: PLC0415
-
-    found = [x for x in jax.tree.leaves(state.opt_state,
-                                        is_leaf=lambda x: isinstance(x, LocalStepsState))
-             if isinstance(x, LocalStepsState)]  # fmt: skip
-    counts = replicas.to_host(found[0].count) if found else np.array([step])
+    found = find_local_steps_state(state.opt_state)
+    if found is None:
+        return
+    counts = replicas.to_host(found.count)
     if not (np.asarray(counts) == step).all():
         raise ValueError(f"the optimizer's step counter {counts} does not match the run's step "
                          f"{step}; the checkpoint's optimizer state is inconsistent.")  # fmt: skip
@@ -399,12 +398,8 @@ def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
 
 
 def _nonfinite_resets(state: TrainState) -> float:
-    from noloco_jax.optim import LocalStepsState  # noqa: PLC0415
-
-    found = [x for x in jax.tree.leaves(state.opt_state,
-                                        is_leaf=lambda x: isinstance(x, LocalStepsState))
-             if isinstance(x, LocalStepsState)]  # fmt: skip
-    return float(replicas.to_host(found[0].nonfinite_resets).sum()) if found else 0.0
+    found = find_local_steps_state(state.opt_state)
+    return float(replicas.to_host(found.nonfinite_resets).sum()) if found is not None else 0.0
 
 
 def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
