@@ -218,9 +218,19 @@ def restore_nonfinite(
     found = find_local_steps_state(opt_state)
     if found is None:
         return params
+    slow = found.slow_params
+
+    def put_back(carry):
+        done, p = carry  # or-ing keeps the flag's shard_map varying-axes type
+        return jnp.logical_or(done, True), jax.tree.map(lambda p, s: s.astype(p.dtype), p, slow)
+
+    # A loop that runs once when the params are not finite and not at all when they
+    # are: healthy steps pay only the finiteness check, where a jnp.where read phi
+    # and rewrote every weight on every step (+12 % per step on paper-small). Under
+    # vmap the loop runs (with a per-replica select) only if some replica broke.
     ok = _all_finite(params, axis_name)
-    return jax.tree.map(lambda p, s: jnp.where(ok, p, s.astype(p.dtype)), params,
-                        found.slow_params)  # fmt: skip
+    _, params = lax.while_loop(lambda c: jnp.logical_not(c[0]), put_back, (ok, params))
+    return params
 
 
 def find_local_steps_state(opt_state: optax.OptState) -> LocalStepsState | None:
