@@ -89,8 +89,8 @@ def test_phased_chunks_equal_on_device_phase_across_unaligned_chunks():
     state0 = replicas.replicate(single, n)
     reps = replicas.make_replicas(n, backend="vmap")
     kwargs = dict(graphdef=graphdef, tx=tx)
-    phased = loop._PhasedChunk(reps, kwargs, h)
-    dynamic = loop._PhasedChunk(reps, kwargs, None)
+    phased = loop._PhasedChunk(loop._chunk_maker(reps, kwargs), h)
+    dynamic = loop._PhasedChunk(loop._chunk_maker(reps, kwargs), None)
     rng = np.random.default_rng(0)
     a, b, step = jax.tree.map(jnp.copy, state0), jax.tree.map(jnp.copy, state0), 0
     for k in lengths:
@@ -107,13 +107,12 @@ def test_phased_chunks_equal_on_device_phase_across_unaligned_chunks():
 def test_layouts_beyond_the_cap_use_the_on_device_phase(monkeypatch):
     made = []
 
-    def make(self, sync_at):
+    def make(sync_at):
         made.append(sync_at)
         return lambda state, tokens: (state, sync_at)
 
-    monkeypatch.setattr(loop._PhasedChunk, "_make", make)
     monkeypatch.setattr(loop, "_check_counter", lambda state, step: None)
-    chunk = loop._PhasedChunk(None, {}, 3, max_layouts=2)
+    chunk = loop._PhasedChunk(make, 3, max_layouts=2)
     tokens = np.zeros((1, 2, 1, 9))  # [N, k, B, T + 1], chunks of 2 steps
     got = [chunk(None, tokens, step)[1] for step in (0, 2, 4, 6, 0)]
     # steps 0-1: none; 2-3: step 3 ends a round; 4-5: step 6 does; 6-7: none; cached ()

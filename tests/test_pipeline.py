@@ -1,5 +1,7 @@
 """Pipeline stages with random routing: paths, locality, fixed eval routing, sim == mesh."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,7 +197,7 @@ def test_nonfinite_guard_on_the_mesh_resets_every_stage_of_the_replica(setup):
     make_tx = lambda stage: local_steps(  # noqa: E731
         optax.sgd(0.1), noloco_outer(seed=1), 2, nonfinite_guard=True, guard_axis_name=STAGE_AXIS)
     state = replicas.replicate(make_tx(None).init(single), N)
-    step = mesh.train_step(make_tx)
+    step = mesh.train_step(make_tx, nonfinite_guard=True)
     bad = 1
     # NaN only in the blocks of the last layer (stage S - 1's slice), replica `bad`.
     poisoned = jax.tree_util.tree_map_with_path(
@@ -210,3 +212,41 @@ def test_nonfinite_guard_on_the_mesh_resets_every_stage_of_the_replica(setup):
     moved = [not np.array_equal(a[0], b[0]) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(slow))]
     assert any(moved)  # healthy replicas took their SGD step
     assert not np.isfinite(np.asarray(losses)[bad]) and np.isfinite(np.delete(np.asarray(losses), bad)).all()
+
+
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_pipelined_chunks_with_the_phase_from_the_host_equal_the_on_device_phase(setup, backend):
+    # The trainer's pipelined runners, simulated and on the (replica, stage) mesh:
+    # a chunk of 3 steps with H = 2 (inner step, sync step, inner step) compiled
+    # with the sync position known on the host equals the on-device lax.cond.
+    from noloco_jax.optim.local_steps import find_local_steps_state
+    from noloco_jax.trainer import optimizer as optim_lib
+    from noloco_jax.trainer.pipelined import make_pipeline_runner
+    from noloco_jax.trainer.settings import OuterSettings, TrainSettings
+    from noloco_jax.trainer.step import TrainState, sync_positions
+
+    graphdef, params, *_ = setup
+    s = TrainSettings(num_replicas=N, num_stages=S, backend=backend, global_batch_size=N * B,
+                      num_steps=10, outer=OuterSettings(sync_every=2))  # fmt: skip
+    build_tx = functools.partial(optim_lib.build_optimizer, s.method, s.optim, s.outer,
+                                 num_steps=s.num_steps, num_replicas=N, num_stages=S,
+                                 fault=s.fault)  # fmt: skip
+    runner = make_pipeline_runner(s, graphdef, build_tx)
+    assert runner.backend == backend
+    single = jax.tree.map(lambda x: x[0], params)
+    state0 = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), single,
+                                           build_tx().init(single)), N)  # fmt: skip
+    tokens = jax.random.randint(jax.random.key(5), (N, 3, B, T + 1), 1, 64)
+    sync_at = sync_positions(0, 3, 2)
+    assert sync_at == (1,)
+    out = {}
+    for key in (sync_at, None, (0,)):  # (0,): a wrong layout, to show it is honoured
+        state = runner.put(jax.tree.map(jnp.copy, state0))
+        out[key] = jax.tree.map(np.asarray, runner.make_chunk(key)(state, tokens))
+    (a, loss_a), (b, loss_b) = out[sync_at], out[None]
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+    assert_trees_close(a, b, rtol=1e-5, atol=1e-7)
+    wrong = out[(0,)][0].params["lm_head"]
+    assert not np.allclose(jax.tree.leaves(wrong)[0], jax.tree.leaves(a.params["lm_head"])[0])
+    found = find_local_steps_state(a.opt_state)  # 3 steps taken, one round ended
+    assert set(np.ravel(found.count)) == {3} and set(np.ravel(found.outer_state.round)) == {1}

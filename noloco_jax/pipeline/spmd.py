@@ -131,29 +131,46 @@ class PipelineMesh:
 
         return jax.jit(run)
 
-    def train_step(self, tx_for_stage: Callable[[jax.Array], optax.GradientTransformation]):
-        """``f(params, opt_state, tokens, route_idx) -> (params, opt_state, losses [N])``.
+    def train_step(
+        self,
+        tx_for_stage: Callable[[jax.Array], optax.GradientTransformation],
+        *,
+        nonfinite_guard: bool = False,
+    ) -> Callable:
+        """``f(params, opt_state, tokens, route_idx, sync_step=None) -> (params, opt_state, losses [N])``.
 
         Args:
           tx_for_stage: builds the per-device optimizer given the traced local
             stage index (e.g. per-stage clipping, then NoLoCo on axis "replica").
+          nonfinite_guard: put a replica whose params are not finite back on its
+            slow weights on all its stages (``restore_nonfinite`` over "stage");
+            use with ``local_steps(..., nonfinite_guard=True)``.
+
+        Returns:
+          The jitted step. ``sync_step`` (static: None, True or False) is passed
+          to ``local_steps`` as the step's phase when not None; each value
+          compiles its own program.
         """
 
-        def body(params, opt_state, tokens, idx):
+        def body(params, opt_state, tokens, idx, sync_step):
             p, s = self._squeeze(params), self._squeeze(opt_state)
             loss, grads = self._loss_and_grads(p, tokens[0], idx)
             tx = tx_for_stage(lax.axis_index(STAGE))
-            updates, s = tx.update(grads, s, p)
-            p = restore_nonfinite(optax.apply_updates(p, updates), s, STAGE)
+            phase = {} if sync_step is None else {"sync_step": sync_step}
+            updates, s = tx.update(grads, s, p, **phase)
+            p = optax.apply_updates(p, updates)
+            if nonfinite_guard:
+                p = restore_nonfinite(p, s, STAGE)
             return self._expand(p, params), self._expand(s, opt_state), loss[None]
 
-        def run(params, opt_state, tokens, idx):
+        def run(params, opt_state, tokens, idx, sync_step=None):
             ps, ss = self.specs(params), self.specs(opt_state)
-            fn = jax.shard_map(body, mesh=self.mesh, in_specs=(ps, ss, P(REPLICA), P()),
+            fn = jax.shard_map(functools.partial(body, sync_step=sync_step), mesh=self.mesh,
+                               in_specs=(ps, ss, P(REPLICA), P()),
                                out_specs=(ps, ss, P(REPLICA)))  # fmt: skip
             return fn(params, opt_state, tokens, idx)
 
-        return jax.jit(run)
+        return jax.jit(run, static_argnames="sync_step")
 
 
 def make_pipeline_mesh(num_replicas: int, num_stages: int, devices: Any = None) -> jax.sharding.Mesh:

@@ -122,7 +122,11 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         runner = make_pipeline_runner(s, graphdef, build_tx)
         reps = replicas.make_replicas(s.num_replicas, backend="vmap")
         state = runner.put(replicas.replicate(single, s.num_replicas))
-        chunk = lambda state, tokens, step: runner.chunk(state, tokens)  # noqa: E731
+        # The mesh runner compiles per step, so its layouts never drift into new programs.
+        aligned = runner.backend == "shard_map" or phase_on_host(s.log_every, s.outer.sync_every)
+        host = s.method in ("noloco", "diloco") and aligned
+        chunk = _PhasedChunk(runner.make_chunk, s.outer.sync_every if host else None,
+                             runner.max_layouts)  # fmt: skip
     else:
         reps = replicas.make_replicas(s.num_replicas, backend=s.backend)
         state = reps.put(replicas.replicate(single, s.num_replicas))
@@ -132,7 +136,7 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
             skip=_skip_config(s, cfg.num_layers),
         )  # fmt: skip
         host = s.method in ("noloco", "diloco") and phase_on_host(s.log_every, s.outer.sync_every)
-        chunk = _PhasedChunk(reps, step_kwargs, s.outer.sync_every if host else None)
+        chunk = _PhasedChunk(_chunk_maker(reps, step_kwargs), s.outer.sync_every if host else None)
     evaluate = _make_evaluator(reps, graphdef, data.eval_windows)  # fixed routing
     if s.num_stages > 1 and runner.backend == "shard_map":
         # Evaluate a host copy: the evaluator vmaps over replicas on one device.
@@ -158,24 +162,24 @@ def phase_on_host(log_every: int, sync_every: int) -> bool:
 
 
 class _PhasedChunk:
-    """The jitted ``train_chunk``, one program per layout of sync steps in the chunk.
+    """The chunk function, one program per layout of sync steps in the chunk.
 
     With ``sync_every`` the host passes each chunk's sync positions, so inner
     steps compile without the on-device phase ``lax.cond``. Chunk boundaries
     that drift against the rounds would compile a program per offset; after
     ``max_layouts`` layouts the remaining chunks use the on-device phase.
+
+    Args:
+      make: ``make(sync_at)`` -> ``chunk(state, tokens)`` (``sync_at`` None: the
+        phase on the device).
+      sync_every: H, or None to always decide the phase on the device.
+      max_layouts: the most ``sync_at`` layouts given a program each.
     """
 
-    def __init__(self, reps: Any, step_kwargs: dict, sync_every: int | None,
-                 max_layouts: int = 2) -> None:  # fmt: skip
-        self._reps, self._step_kwargs = reps, step_kwargs
-        self._sync_every, self._max = sync_every, max_layouts
+    def __init__(self, make: Callable, sync_every: int | None, max_layouts: int = 2) -> None:
+        self._make, self._sync_every, self._max = make, sync_every, max_layouts
         self._fns: dict[Any, Callable] = {}
         self._checked = False
-
-    def _make(self, sync_at: tuple[int, ...] | None) -> Callable:
-        fn = functools.partial(train_chunk, sync_at=sync_at, **self._step_kwargs)
-        return jax.jit(self._reps.map(fn), donate_argnums=0)
 
     def __call__(self, state: TrainState, tokens: Any, step: int) -> tuple[TrainState, Any]:
         key = None
@@ -189,6 +193,16 @@ class _PhasedChunk:
         if key not in self._fns:
             self._fns[key] = self._make(key)
         return self._fns[key](state, tokens)
+
+
+def _chunk_maker(reps: replicas.Replicas, step_kwargs: dict) -> Callable:
+    """``make(sync_at)``: the jitted ``train_chunk`` over replicas, state donated."""
+
+    def make(sync_at: tuple[int, ...] | None) -> Callable:
+        fn = functools.partial(train_chunk, sync_at=sync_at, **step_kwargs)
+        return jax.jit(reps.map(fn), donate_argnums=0)
+
+    return make
 
 
 def _check_counter(state: TrainState, step: int) -> None:

@@ -15,12 +15,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from noloco_jax import pipeline as pl
 from noloco_jax import replicas
 from noloco_jax.optim.local_steps import restore_nonfinite
-from noloco_jax.trainer.step import TrainState
+from noloco_jax.trainer.step import TrainState, phased_scan
 
 __all__ = ["PipelineRunner", "make_pipeline_runner"]
 
@@ -34,17 +33,28 @@ def _route_idx(step: Any, s: Any, pool_size: int) -> jax.Array:
 
 
 class PipelineRunner:
-    """A chunk function and state placement for a pipelined run."""
+    """Chunk functions and state placement for a pipelined run.
 
-    def __init__(self, chunk: Callable, put: Callable, backend: str):
-        self.chunk, self.put, self.backend = chunk, put, backend
+    Attributes:
+      make_chunk: ``make_chunk(sync_at)`` -> ``chunk(state, tokens)``; ``sync_at``
+        is None (phase on the device) or the chunk's sync positions
+        (``step.sync_positions``), as in ``step.train_chunk``.
+      put: places a replicated state where the chunk expects it.
+      backend: "vmap" or "shard_map".
+      max_layouts: how many ``sync_at`` layouts are worth a program each (the
+        mesh runner compiles one program per phase, not per layout).
+    """
+
+    def __init__(self, make_chunk: Callable, put: Callable, backend: str, max_layouts: int):
+        self.make_chunk, self.put = make_chunk, put
+        self.backend, self.max_layouts = backend, max_layouts
 
 
 def _sim_runner(s: Any, graphdef: Any, tx: optax.GradientTransformation, pool) -> PipelineRunner:
     reps = replicas.Replicas(s.num_replicas)
-    update, repair = reps.map(tx.update), reps.map(restore_nonfinite)
+    repair = reps.map(restore_nonfinite)
 
-    def step(state: TrainState, tokens_NxBxT1: jax.Array) -> tuple[TrainState, jax.Array]:
+    def step(state: TrainState, tokens_NxBxT1: jax.Array, sync_step: bool | None):
         perms = pl.route_perms(pool, _route_idx(state.step, s, len(pool)))
 
         def total(p):
@@ -53,34 +63,46 @@ def _sim_runner(s: Any, graphdef: Any, tx: optax.GradientTransformation, pool) -
             return losses.sum(), losses
 
         (_, losses), grads = jax.value_and_grad(total, has_aux=True)(state.params)
+        phase = {} if sync_step is None else {"sync_step": sync_step}
+        update = reps.map(functools.partial(tx.update, **phase))
         updates, opt_state = update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         if s.fault.nonfinite_guard:
             params = repair(params, opt_state)
         return TrainState(state.step + 1, params, opt_state), losses
 
-    def chunk(state, tokens_NxKxBxT1):
-        state, losses_KxN = lax.scan(step, state, jnp.moveaxis(tokens_NxKxBxT1, 1, 0))
-        return state, losses_KxN.T
+    def make_chunk(sync_at: tuple[int, ...] | None) -> Callable:
+        def chunk(state, tokens_NxKxBxT1):
+            tokens_KxNxBxT1 = jnp.moveaxis(tokens_NxKxBxT1, 1, 0)
+            state, losses_KxN = phased_scan(step, state, tokens_KxNxBxT1, sync_at)
+            return state, losses_KxN.T
 
-    return PipelineRunner(jax.jit(chunk, donate_argnums=0), lambda t: t, "vmap")
+        return jax.jit(chunk, donate_argnums=0)
+
+    return PipelineRunner(make_chunk, lambda t: t, "vmap", max_layouts=2)
 
 
 def _mesh_runner(s: Any, graphdef: Any, make_tx: Callable, pool) -> PipelineRunner:
     mesh = pl.PipelineMesh(pl.make_pipeline_mesh(s.num_replicas, s.num_stages), graphdef, pool)
-    one_step = mesh.train_step(make_tx)
+    one_step = mesh.train_step(make_tx, nonfinite_guard=s.fault.nonfinite_guard)
     route = jax.jit(functools.partial(_route_idx, s=s, pool_size=len(pool)))
 
-    def chunk(state, tokens_NxKxBxT1):
-        params, opt_state, step, losses = state.params, state.opt_state, state.step, []
-        for k in range(tokens_NxKxBxT1.shape[1]):
-            tokens = mesh.put(tokens_NxKxBxT1[:, k])
-            params, opt_state, loss = one_step(params, opt_state, tokens, route(step))
-            step = step + 1
-            losses.append(loss)
-        return TrainState(step, params, opt_state), jnp.stack(losses, axis=1)
+    def make_chunk(sync_at: tuple[int, ...] | None) -> Callable:
+        def chunk(state, tokens_NxKxBxT1):
+            params, opt_state, step, losses = state.params, state.opt_state, state.step, []
+            for k in range(tokens_NxKxBxT1.shape[1]):
+                tokens = mesh.put(tokens_NxKxBxT1[:, k])
+                phase = None if sync_at is None else k in sync_at
+                params, opt_state, loss = one_step(params, opt_state, tokens, route(step),
+                                                   sync_step=phase)  # fmt: skip
+                step = step + 1
+                losses.append(loss)
+            return TrainState(step, params, opt_state), jnp.stack(losses, axis=1)
 
-    return PipelineRunner(chunk, mesh.put, "shard_map")
+        return chunk
+
+    # One step per program: any layout reuses the inner-step and the sync-step programs.
+    return PipelineRunner(make_chunk, mesh.put, "shard_map", max_layouts=10**9)
 
 
 def make_pipeline_runner(s: Any, graphdef: Any, build_tx: Callable[..., Any]) -> PipelineRunner:

@@ -7,7 +7,7 @@ inside the optimizer on the axis "replica".
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ __all__ = [
     "loss_fn",
     "train_step",
     "train_chunk",
+    "phased_scan",
     "sync_positions",
     "eval_token_losses",
     "eval_window_losses",
@@ -123,54 +124,83 @@ def train_chunk(
     Returns:
       The new state and the K losses.
     """
-    k = tokens_KxBxT1.shape[0]
 
-    def scan(s: TrainState, tokens: jax.Array, sync_step: bool | None):
-        return lax.scan(lambda c, x: train_step(c, x, sync_step=sync_step, **step_kwargs), s,
-                        tokens)  # fmt: skip
+    def step(s: TrainState, tokens: jax.Array, sync_step: bool | None):
+        return train_step(s, tokens, sync_step=sync_step, **step_kwargs)
+
+    return phased_scan(step, state, tokens_KxBxT1, sync_at)
+
+
+def phased_scan(
+    step: Callable[[Any, Any, bool | None], tuple[Any, jax.Array]],
+    carry: Any,
+    xs: Any,
+    sync_at: tuple[int, ...] | None,
+) -> tuple[Any, jax.Array]:
+    """``lax.scan`` of ``step(carry, x, sync_step)`` with the sync steps known on the host.
+
+    Args:
+      step: one training step; ``sync_step`` is None (phase decided on the
+        device), or True/False (the step does / does not end a round).
+      carry: the state.
+      xs: the K steps' inputs, stacked on the leading axis of every leaf.
+      sync_at: positions in ``[0, K)`` of the sync steps, or None.
+
+    Returns:
+      The final carry and the K stacked outputs.
+    """
+    k = jax.tree.leaves(xs)[0].shape[0]
+    at = lambda i, j: jax.tree.map(lambda x: x[i:j], xs)  # noqa: E731
+
+    def scan(c: Any, part: Any, sync_step: bool | None):
+        return lax.scan(lambda c, x: step(c, x, sync_step), c, part)
 
     if sync_at is None:
-        return scan(state, tokens_KxBxT1, None)
+        return scan(carry, xs, None)
     valid = all(isinstance(p, int) and 0 <= p < k for p in sync_at)
     if not valid or len(set(sync_at)) != len(sync_at):
         raise ValueError(f"sync_at must hold distinct chunk positions in [0, {k}), "
                          f"got {sync_at!r}.")  # fmt: skip
-    losses, start = [], 0
+    outs, start = [], 0
     for p in sorted(sync_at) + [k]:
         if p - start > 1:
-            state, loss = scan(state, tokens_KxBxT1[start:p], False)
-            losses.append(loss)
+            carry, out = scan(carry, at(start, p), False)
+            outs.append(out)
         elif p - start == 1:
-            state, loss = _step_in_a_loop(state, tokens_KxBxT1[start], False, step_kwargs)
-            losses.append(loss[None])
+            carry, out = _step_in_a_loop(step, carry, at(start, p), False)
+            outs.append(out)
         if p < k:
-            state, loss = _step_in_a_loop(state, tokens_KxBxT1[p], True, step_kwargs)
-            losses.append(loss[None])
+            carry, out = _step_in_a_loop(step, carry, at(p, p + 1), True)
+            outs.append(out)
         start = p + 1
-    return state, jnp.concatenate(losses)
+    return carry, jnp.concatenate(outs)
 
 
 def _step_in_a_loop(
-    state: TrainState, tokens_BxT1: jax.Array, sync_step: bool, step_kwargs: dict
-) -> tuple[TrainState, jax.Array]:
-    """``train_step`` as the body of a loop that runs once.
+    step: Callable, carry: Any, x_1: Any, sync_step: bool
+) -> tuple[Any, jax.Array]:
+    """``step`` on the single input in ``x_1`` (leading axis 1), as the body of a loop that runs once.
 
     XLA updates a loop's carried state in place; the same step as straight-line
     code kept about two more weight-sized temporaries (measured on paper-small).
     The trip count goes through an optimization barrier, so XLA cannot see it
     is 1 and inline the loop (as it does with a length-1 ``lax.scan``).
+    Returns the carry and the output with a leading axis of 1.
     """
     once = lax.optimization_barrier(jnp.int32(1))
+    x = jax.tree.map(lambda v: v[0], x_1)
+    shape = jax.eval_shape(lambda c: step(c, x, sync_step)[1], carry)
+    # Derived from the input, so that under shard_map it varies over replicas like the output.
+    seed = jax.tree.leaves(x)[0].ravel()[0]
+    out0 = jnp.zeros(shape.shape, shape.dtype) + (seed * 0).astype(shape.dtype)
 
-    def body(carry):
-        i, s, _ = carry
-        s, loss = train_step(s, tokens_BxT1, sync_step=sync_step, **step_kwargs)
-        return i + 1, s, loss.astype(jnp.float32)
+    def body(c):
+        i, s, _ = c
+        s, out = step(s, x, sync_step)
+        return i + 1, s, out.astype(shape.dtype)
 
-    # Derived from the batch, so that under shard_map it varies over replicas like the loss.
-    loss0 = (tokens_BxT1.ravel()[0] * 0).astype(jnp.float32)
-    _, state, loss = lax.while_loop(lambda c: c[0] < once, body, (jnp.int32(0), state, loss0))
-    return state, loss
+    _, carry, out = lax.while_loop(lambda c: c[0] < once, body, (jnp.int32(0), carry, out0))
+    return carry, out[None]
 
 
 def eval_token_losses(
