@@ -159,3 +159,30 @@ def test_phase_on_host_only_when_chunks_stay_aligned_with_rounds():
     assert loop.phase_on_host(25, 50) and loop.phase_on_host(50, 50)
     assert loop.phase_on_host(100, 50) and loop.phase_on_host(2, 2)
     assert not loop.phase_on_host(2, 3) and not loop.phase_on_host(25, 10)
+
+
+def test_guard_repairs_on_sync_steps_and_ends_the_round_in_the_same_state():
+    # Replica 1's weights turn NaN at step 0 of a round of H = 2. With the phase
+    # from the host the repair runs at the sync (step 1) only, so both losses are
+    # NaN; with the on-device phase it runs after every step, so step 1 is computed
+    # on phi (finite loss, but its Adam moments are NaN). Either way the sync
+    # catches it, resets its moments and leaves the same state.
+    n, h = 2, 2
+    graphdef, params = models.init_params(CFG, 0)
+    tx = local_steps(optax.adam(1e-2), noloco_outer(), h, nonfinite_guard=True)
+    state0 = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), n)
+    reps = replicas.make_replicas(n, backend="vmap")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (n, 2, 2, 9)), jnp.int32)
+    out = {}
+    for sync_at in ((1,), None):
+        chunk = functools.partial(train_chunk, sync_at=sync_at, graphdef=graphdef, tx=tx,
+                                  nonfinite_guard=True, inject_nan_step=0,
+                                  inject_nan_replica=1)  # fmt: skip
+        out[sync_at] = jax.jit(reps.map(chunk))(jax.tree.map(jnp.copy, state0), tokens)
+    (host, loss_host), (device, loss_device) = out[(1,)], out[None]
+    assert np.isfinite(loss_host[0]).all() and np.isnan(loss_host[1]).all()
+    assert np.isnan(loss_device[1, 0]) and np.isfinite(loss_device[1, 1])
+    np.testing.assert_array_equal(host.opt_state.nonfinite_resets, [0.0, 1.0])
+    assert_trees_close(host, device, rtol=1e-5, atol=1e-6)  # rounding, as in the chunk test
+    for leaf, start in zip(jax.tree.leaves(host.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(leaf[1], start)  # back on its slow weights (the start)

@@ -12,17 +12,19 @@ from tests.test_train import _losses, corpus_dir, data_dir, tiny_settings  # noq
 
 
 def test_injected_nan_is_caught_reset_and_logged(tmp_path, corpus_dir, data_dir):  # noqa: F811
-    # Replica 1's weights become NaN before update 5 (step index 4): that update's loss is
-    # NaN; right after it the params go back to the slow weights (restore_nonfinite runs
-    # every step); the sync after update 6 (syncs every 3) finds its fast weights
-    # non-finite (its Adam moments are NaN), excludes it from its pair and resets them.
-    s = tiny_settings(corpus_dir, data_dir, num_steps=12,
+    # Replica 1's weights become NaN before update 5 (step index 4): the losses of
+    # updates 5 and 6 are NaN; the sync after update 6 (syncs every 3) finds its fast
+    # weights non-finite, excludes it from its pair, resets its Adam moments and puts
+    # its weights back on its slow weights (restore_nonfinite on the sync step; the
+    # loop passes the phase from the host, as log_every = sync_every).
+    s = tiny_settings(corpus_dir, data_dir, num_steps=12, log_every=3, eval_every=6,
+                      checkpoint_every=6,
                       fault={"inject_nan_step": 4, "inject_nan_replica": 1})  # fmt: skip
     last = train_and_evaluate(s, tmp_path, progress=False)
     events = read_jsonl(tmp_path / "metrics.jsonl", "event")
     assert [e["event"] for e in events] == ["nonfinite_reset"]
     train = read_jsonl(tmp_path / "metrics.jsonl", "train")
-    assert sum(r["nonfinite_replica_steps"] for r in train) == 1
+    assert sum(r["nonfinite_replica_steps"] for r in train) == 2
     assert np.isfinite(last["val_ppl"]) and np.isfinite(last["train_loss_last"])
     assert last["val_ppl"] < 100  # training went on: nothing else was poisoned
 

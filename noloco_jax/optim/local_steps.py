@@ -204,7 +204,9 @@ def restore_nonfinite(
     Call after ``optax.apply_updates`` when ``local_steps(...,
     nonfinite_guard=True)`` is in ``opt_state`` (anywhere in a chain). An
     additive update cannot turn NaN back into numbers, so this is the step that
-    actually resets theta <- phi for a replica the guard caught.
+    actually resets theta <- phi for a replica the guard caught. Calling it
+    after sync steps is enough (the guard resets the inner optimizer's state
+    there; until then a broken replica's moments keep its updates non-finite).
 
     Args:
       params: the fast weights after ``optax.apply_updates``.

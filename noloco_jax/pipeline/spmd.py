@@ -144,7 +144,8 @@ class PipelineMesh:
             stage index (e.g. per-stage clipping, then NoLoCo on axis "replica").
           nonfinite_guard: put a replica whose params are not finite back on its
             slow weights on all its stages (``restore_nonfinite`` over "stage");
-            use with ``local_steps(..., nonfinite_guard=True)``.
+            use with ``local_steps(..., nonfinite_guard=True)``. Skipped on steps
+            called with ``sync_step=False``, as in ``trainer.step.train_step``.
 
         Returns:
           The jitted step. ``sync_step`` (static: None, True or False) is passed
@@ -159,7 +160,7 @@ class PipelineMesh:
             phase = {} if sync_step is None else {"sync_step": sync_step}
             updates, s = tx.update(grads, s, p, **phase)
             p = optax.apply_updates(p, updates)
-            if nonfinite_guard:
+            if nonfinite_guard and sync_step is not False:  # as trainer.step.train_step
                 p = restore_nonfinite(p, s, STAGE)
             return self._expand(p, params), self._expand(s, opt_state), loss[None]
 

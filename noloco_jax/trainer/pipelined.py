@@ -67,7 +67,7 @@ def _sim_runner(s: Any, graphdef: Any, tx: optax.GradientTransformation, pool) -
         update = reps.map(functools.partial(tx.update, **phase))
         updates, opt_state = update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        if s.fault.nonfinite_guard:
+        if s.fault.nonfinite_guard and sync_step is not False:  # as step.train_step
             params = repair(params, opt_state)
         return TrainState(state.step + 1, params, opt_state), losses
 

@@ -73,7 +73,11 @@ def train_step(
     With ``nonfinite_guard`` the params of a replica the optimizer's guard
     caught are put back on its slow weights (``restore_nonfinite``). With ``skip`` (a
     ``skipping.SkipConfig``) every sequence runs through a random subset of the stages.
-    ``sync_step`` (True/False) tells ``local_steps`` the step's phase statically.
+    ``sync_step`` (True/False) tells ``local_steps`` the step's phase statically; the
+    repair then runs on sync steps only, where the guard acts (a broken replica's
+    Adam moments stay non-finite until that sync resets them, so repairing its
+    weights earlier changes nothing but the logged loss). With ``sync_step=None``
+    it runs after every step.
     """
     params = state.params
     if inject_nan_step >= 0:
@@ -88,7 +92,7 @@ def train_step(
     phase = {} if sync_step is None else {"sync_step": sync_step}
     updates, opt_state = tx.update(grads, state.opt_state, params, **phase)
     params = optax.apply_updates(params, updates)
-    if nonfinite_guard:
+    if nonfinite_guard and sync_step is not False:
         params = restore_nonfinite(params, opt_state)
     return TrainState(state.step + 1, params, opt_state), loss
 
