@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from noloco_jax import clip_by_global_norm, local_steps, models, noloco_outer, replicas
-from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk
+from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk, train_step
 
 
 def chunk_fn(tx, graphdef, params0, n, guard, sync_at):
@@ -89,6 +89,44 @@ def run_case(preset, vocab, n, b, t, h, reps, with_sync):
     return rows, {"setup": setup, "variants": out}
 
 
+def step_bytes(tx, graphdef, params0, n, b, t, guard, sync_step) -> float:
+    """Bytes accessed by one compiled trainer step, from XLA's cost analysis."""
+    reps = replicas.Replicas(n)
+    state = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0)), n)
+    f = jax.jit(reps.map(functools.partial(train_step, graphdef=graphdef, tx=tx,
+                                           nonfinite_guard=guard, sync_step=sync_step)),
+                donate_argnums=0)  # fmt: skip
+    cost = f.lower(state, jnp.zeros((n, b, t + 1), jnp.int32)).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["bytes accessed"])
+
+
+def traffic_case(preset, vocab, n, b, t, h):
+    """Deterministic: memory traffic of an inner and a sync step vs plain Adam's step.
+
+    Timings on a shared CPU scatter by a few percent; XLA's count of bytes accessed
+    does not. (It adds both branches of a ``lax.cond``, so the on-device phase is
+    left out.) Amortized: ``((H - 1) inner + 1 sync) / H`` relative to plain Adam.
+    """
+    cfg = models.get_preset(preset, vocab_size=vocab)
+    graphdef, params0 = models.init_params(cfg, 0)
+    clip = clip_by_global_norm(1.0)
+    ls = lambda guard: optax.chain(clip, local_steps(optax.adam(1e-3), noloco_outer(), h,  # noqa: E731
+                                                     nonfinite_guard=guard))  # fmt: skip
+    plain = step_bytes(optax.chain(clip, optax.adam(1e-3)), graphdef, params0, n, b, t, False,
+                       None)  # fmt: skip
+    inner = {g: step_bytes(ls(g), graphdef, params0, n, b, t, g, False) for g in (False, True)}
+    sync = {g: step_bytes(ls(g), graphdef, params0, n, b, t, g, True) for g in (False, True)}
+    rows, out = [], {"plain Adam step": plain}
+    for g, tag in ((False, ""), (True, " + guard")):
+        out[f"inner step{tag}"], out[f"sync step{tag}"] = inner[g], sync[g]
+        amortized = ((h - 1) * inner[g] + sync[g]) / h / plain
+        out[f"H={h}{tag} amortized ratio"] = amortized
+        rows.append([f"{preset}: local_steps{tag}", f"{plain / 1e9:.4f}",
+                     f"{inner[g] / plain:.6f}", f"{sync[g] / plain:.3f}",
+                     f"{100 * (amortized - 1):+.2f} %"])  # fmt: skip
+    return rows, out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
@@ -102,6 +140,11 @@ def main() -> None:
         r, res = run_case(*case)
         rows += r
         results["cases"].append(res)
+    traffic_rows, results["traffic"] = [], {}
+    for preset, vocab, n, b, t, h, *_ in cases:
+        r, res = traffic_case(preset, vocab, n, b, t, h if preset != "small" else 50)
+        traffic_rows += r
+        results["traffic"][preset] = res
     cmd = "python experiments/bench/overhead.py" + (" --smoke" if args.smoke else "")
     desc = "; ".join(
         f"{c[0]}: {c[2]} vmap replica(s), {c[3]} x {c[4]} tokens per replica, chunks of {c[5]} "
@@ -113,7 +156,14 @@ def main() -> None:
           "compile without the on-device cond. 'paired' is the median (and IQR) of "
           "the per-round ratios, each of two chunks run back to back.\n\n"
           + common.md_table(["optimizer", "ms / step", "IQR (ms)", "vs plain Adam (medians)",
-                             "vs plain Adam (paired)"], rows))  # fmt: skip
+                             "vs plain Adam (paired)"], rows)
+          + "\nMemory traffic per step from XLA's cost analysis (bytes accessed by the compiled "
+          "single step; deterministic, unlike the timings). The trainer's inner step and sync "
+          "step (phase from the host) relative to a plain-Adam step of the same model and "
+          "batch; 'amortized' is one sync every H steps (H = 50 for small, which the timed rows "
+          "run without a sync).\n\n"
+          + common.md_table(["optimizer", "plain Adam step (GB)", "inner step / plain",
+                             "sync step / plain", "amortized over H"], traffic_rows))  # fmt: skip
     common.write("bench_overhead", results, md, pathlib.Path(args.out_dir))
 
 
