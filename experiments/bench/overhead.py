@@ -110,8 +110,9 @@ def traffic_case(preset, vocab, n, b, t, h):
     cfg = models.get_preset(preset, vocab_size=vocab)
     graphdef, params0 = models.init_params(cfg, 0)
     clip = clip_by_global_norm(1.0)
-    ls = lambda guard: optax.chain(clip, local_steps(optax.adam(1e-3), noloco_outer(), h,  # noqa: E731
-                                                     nonfinite_guard=guard))  # fmt: skip
+    def ls(guard):
+        return optax.chain(clip, local_steps(optax.adam(1e-3), noloco_outer(), h,
+                                             nonfinite_guard=guard))  # fmt: skip
     plain = step_bytes(optax.chain(clip, optax.adam(1e-3)), graphdef, params0, n, b, t, False,
                        None)  # fmt: skip
     inner = {g: step_bytes(ls(g), graphdef, params0, n, b, t, g, False) for g in (False, True)}

@@ -137,7 +137,7 @@ class PipelineMesh:
         *,
         nonfinite_guard: bool = False,
     ) -> Callable:
-        """``f(params, opt_state, tokens, route_idx, sync_step=None) -> (params, opt_state, losses [N])``.
+        """The jitted step ``f(params, opt_state, tokens, route_idx, sync_step=None)``.
 
         Args:
           tx_for_stage: builds the per-device optimizer given the traced local
@@ -148,8 +148,9 @@ class PipelineMesh:
             called with ``sync_step=False``, as in ``trainer.step.train_step``.
 
         Returns:
-          The jitted step. ``sync_step`` (static: None, True or False) is passed
-          to ``local_steps`` as the step's phase when not None; each value
+          The jitted step, returning ``(params, opt_state, losses [N])``.
+          ``sync_step`` (static: None, True or False) is passed to
+          ``local_steps`` as the step's phase when not None; each value
           compiles its own program.
         """
 

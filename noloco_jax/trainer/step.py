@@ -183,7 +183,7 @@ def phased_scan(
 def _step_in_a_loop(
     step: Callable, carry: Any, x_1: Any, sync_step: bool
 ) -> tuple[Any, jax.Array]:
-    """``step`` on the single input in ``x_1`` (leading axis 1), as the body of a loop that runs once.
+    """``step`` on the one input in ``x_1`` (leading axis 1), as a loop body run once.
 
     XLA updates a loop's carried state in place; the same step as straight-line
     code kept about two more weight-sized temporaries (measured on paper-small).
