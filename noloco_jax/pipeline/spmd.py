@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from noloco_jax.models import cross_entropy
-from noloco_jax.optim.local_steps import restore_nonfinite
+from noloco_jax.optim.local_steps import update_and_apply
 from noloco_jax.pipeline.stages import leaf_owner
 
 __all__ = ["PipelineMesh", "make_pipeline_mesh"]
@@ -145,7 +145,7 @@ class PipelineMesh:
           nonfinite_guard: put a replica whose params are not finite back on its
             slow weights on all its stages (``restore_nonfinite`` over "stage");
             use with ``local_steps(..., nonfinite_guard=True)``. Skipped on steps
-            called with ``sync_step=False``, as in ``trainer.step.train_step``.
+            called with ``sync_step=False`` (``update_and_apply``).
 
         Returns:
           The jitted step, returning ``(params, opt_state, losses [N])``.
@@ -158,11 +158,8 @@ class PipelineMesh:
             p, s = self._squeeze(params), self._squeeze(opt_state)
             loss, grads = self._loss_and_grads(p, tokens[0], idx)
             tx = tx_for_stage(lax.axis_index(STAGE))
-            phase = {} if sync_step is None else {"sync_step": sync_step}
-            updates, s = tx.update(grads, s, p, **phase)
-            p = optax.apply_updates(p, updates)
-            if nonfinite_guard and sync_step is not False:  # as trainer.step.train_step
-                p = restore_nonfinite(p, s, STAGE)
+            p, s = update_and_apply(tx, grads, s, p, sync_step=sync_step,
+                                    nonfinite_guard=nonfinite_guard, axis_name=STAGE)  # fmt: skip
             return self._expand(p, params), self._expand(s, opt_state), loss[None]
 
         def run(params, opt_state, tokens, idx, sync_step=None):

@@ -122,11 +122,9 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         runner = make_pipeline_runner(s, graphdef, build_tx)
         reps = replicas.make_replicas(s.num_replicas, backend="vmap")
         state = runner.put(replicas.replicate(single, s.num_replicas))
+        make, max_layouts = runner.make_chunk, runner.max_layouts
         # The mesh runner compiles per step, so its layouts never drift into new programs.
         aligned = runner.backend == "shard_map" or phase_on_host(s.log_every, s.outer.sync_every)
-        host = s.method in ("noloco", "diloco") and aligned
-        chunk = _PhasedChunk(runner.make_chunk, s.outer.sync_every if host else None,
-                             runner.max_layouts)  # fmt: skip
     else:
         reps = replicas.make_replicas(s.num_replicas, backend=s.backend)
         state = reps.put(replicas.replicate(single, s.num_replicas))
@@ -135,8 +133,10 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
             inject_nan_step=s.fault.inject_nan_step, inject_nan_replica=s.fault.inject_nan_replica,
             skip=_skip_config(s, cfg.num_layers),
         )  # fmt: skip
-        host = s.method in ("noloco", "diloco") and phase_on_host(s.log_every, s.outer.sync_every)
-        chunk = _PhasedChunk(_chunk_maker(reps, step_kwargs), s.outer.sync_every if host else None)
+        make, max_layouts = _chunk_maker(reps, step_kwargs), 2
+        aligned = phase_on_host(s.log_every, s.outer.sync_every)
+    host = s.method in ("noloco", "diloco") and aligned  # local_steps: rounds to align with
+    chunk = _PhasedChunk(make, s.outer.sync_every if host else None, max_layouts)
     evaluate = _make_evaluator(reps, graphdef, data.eval_windows)  # fixed routing
     if s.num_stages > 1 and runner.backend == "shard_map":
         # Evaluate a host copy: the evaluator vmaps over replicas on one device.

@@ -18,7 +18,7 @@ import optax
 
 from noloco_jax import pipeline as pl
 from noloco_jax import replicas
-from noloco_jax.optim.local_steps import restore_nonfinite
+from noloco_jax.optim.local_steps import update_and_apply
 from noloco_jax.trainer.step import TrainState, phased_scan
 
 __all__ = ["PipelineRunner", "make_pipeline_runner"]
@@ -52,7 +52,6 @@ class PipelineRunner:
 
 def _sim_runner(s: Any, graphdef: Any, tx: optax.GradientTransformation, pool) -> PipelineRunner:
     reps = replicas.Replicas(s.num_replicas)
-    repair = reps.map(restore_nonfinite)
 
     def step(state: TrainState, tokens_NxBxT1: jax.Array, sync_step: bool | None):
         perms = pl.route_perms(pool, _route_idx(state.step, s, len(pool)))
@@ -63,12 +62,9 @@ def _sim_runner(s: Any, graphdef: Any, tx: optax.GradientTransformation, pool) -
             return losses.sum(), losses
 
         (_, losses), grads = jax.value_and_grad(total, has_aux=True)(state.params)
-        phase = {} if sync_step is None else {"sync_step": sync_step}
-        update = reps.map(functools.partial(tx.update, **phase))
-        updates, opt_state = update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        if s.fault.nonfinite_guard and sync_step is not False:  # as step.train_step
-            params = repair(params, opt_state)
+        apply = reps.map(functools.partial(update_and_apply, tx, sync_step=sync_step,
+                                           nonfinite_guard=s.fault.nonfinite_guard))  # fmt: skip
+        params, opt_state = apply(grads, state.opt_state, state.params)
         return TrainState(state.step + 1, params, opt_state), losses
 
     def make_chunk(sync_at: tuple[int, ...] | None) -> Callable:

@@ -15,7 +15,7 @@ import optax
 from jax import lax
 
 from noloco_jax.models import apply, cross_entropy
-from noloco_jax.optim.local_steps import restore_nonfinite
+from noloco_jax.optim.local_steps import update_and_apply
 
 __all__ = [
     "TrainState",
@@ -74,9 +74,7 @@ def train_step(
     caught are put back on its slow weights (``restore_nonfinite``). With ``skip`` (a
     ``skipping.SkipConfig``) every sequence runs through a random subset of the stages.
     ``sync_step`` (True/False) tells ``local_steps`` the step's phase statically; the
-    repair then runs on sync steps only, where the guard acts (a broken replica's
-    Adam moments stay non-finite until that sync resets them, so repairing its
-    weights earlier changes nothing but the logged loss). With ``sync_step=None``
+    repair then runs on sync steps only (``update_and_apply``). With ``sync_step=None``
     it runs after every step.
     """
     params = state.params
@@ -89,11 +87,8 @@ def train_step(
 
         loss, grads = skip_value_and_grad(params, tokens_BxT1, state.step, graphdef=graphdef,
                                           cfg=skip, full_loss=loss_fn, axis_name=axis_name)
-    phase = {} if sync_step is None else {"sync_step": sync_step}
-    updates, opt_state = tx.update(grads, state.opt_state, params, **phase)
-    params = optax.apply_updates(params, updates)
-    if nonfinite_guard and sync_step is not False:
-        params = restore_nonfinite(params, opt_state)
+    params, opt_state = update_and_apply(tx, grads, state.opt_state, params, sync_step=sync_step,
+                                         nonfinite_guard=nonfinite_guard)  # fmt: skip
     return TrainState(state.step + 1, params, opt_state), loss
 
 
