@@ -4,8 +4,12 @@ Everything above this module sees trees in the *replicated layout*:
 
 * per-replica leaves carry a leading axis of size N (params, Adam moments,
   slow weights, outer momentum, per-replica RNG keys, ...);
-* shared leaves - integer scalars such as step and round counters, which are
-  identical on all replicas - carry no replica axis.
+* shared leaves - integer and boolean scalars such as the step and round
+  counters, which are identical on all replicas - carry no replica axis. The
+  inner optimizer's state inside ``local_steps`` (its ``inner_state``) is the
+  exception: all of it is per replica, counts included, because the
+  non-finite guard restarts one replica's inner optimizer (count and all)
+  without touching the others.
 
 Keeping counters shared is what lets ``lax.cond``/``lax.switch`` on them stay
 real branches under ``vmap`` (a batched predicate would turn both branches
@@ -35,43 +39,89 @@ __all__ = [
     "unreplicate",
     "select_replica",
     "make_replicas",
+    "nnx_state_axes",
     "to_host",
 ]
 
 
-def is_shared_leaf(x: Any) -> bool:
+# Fields whose whole subtree is per replica, whatever the dtypes: the inner
+# optimizer's state of ``local_steps`` (the guard resets one replica's) and the
+# slow weights (integer leaves of params are per-replica values, not counters).
+_PER_REPLICA_FIELDS = frozenset({"inner_state", "slow_params"})
+
+
+def _key_name(key: Any) -> str:
+    return str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key))))
+
+
+def is_shared_leaf(x: Any, path: tuple = ()) -> bool:
     """Whether a leaf of a single-replica tree is shared by all replicas.
 
     Integer (and boolean) scalars are counters and flags that every replica
-    holds identically; everything else is per-replica.
+    holds identically; everything else is per-replica, and so is everything
+    under an ``inner_state`` or ``slow_params`` field (``LocalStepsState``).
+
+    Args:
+      x: the leaf (an array or ``jax.ShapeDtypeStruct``).
+      path: its key path in the tree (``jax.tree_util.tree_map_with_path``),
+        or the path of an NNX state; ``()`` when unknown.
+
+    Returns:
+      True for a shared leaf.
     """
     dtype = getattr(x, "dtype", None)
     if dtype is None or getattr(x, "ndim", 1) != 0:
         return False
+    if any(_key_name(k) in _PER_REPLICA_FIELDS for k in path):
+        return False
     return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_))
 
 
+def _map_shared(fn: Callable[[bool, Any], Any], tree: PyTree) -> PyTree:
+    """``fn(is_shared, leaf)`` over the leaves of a single-replica tree."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: fn(is_shared_leaf(x, p), x), tree)
+
+
 def replica_axes(tree: PyTree) -> PyTree:
-    """``vmap`` axes for a single-replica tree: ``None`` if shared, else 0."""
-    return jax.tree.map(lambda x: None if is_shared_leaf(x) else 0, tree)
+    """``vmap`` axes for a single-replica tree: ``None`` if shared, else 0.
+
+    Also right for a tree already in the replicated layout (a per-replica
+    scalar has shape [N] there, so it is not taken for a shared one).
+    """
+    return _map_shared(lambda shared, x: None if shared else 0, tree)
 
 
 def replicate(tree: PyTree, num_replicas: int) -> PyTree:
     """Copies a single-replica tree to every replica (identical init)."""
 
-    def rep(x: Any) -> Any:
+    def rep(shared: bool, x: Any) -> Any:
         x = jnp.asarray(x)
-        if is_shared_leaf(x):
-            return x
-        return jnp.broadcast_to(x[None], (num_replicas, *x.shape))
+        return x if shared else jnp.broadcast_to(x[None], (num_replicas, *x.shape))
 
-    return jax.tree.map(rep, tree)
+    return _map_shared(rep, tree)
 
 
 def select_replica(tree: PyTree, index: int, single_replica_like: PyTree) -> PyTree:
     """Replica ``index``'s view of a replicated tree."""
     axes = replica_axes(single_replica_like)
     return jax.tree.map(lambda x, a: x if a is None else x[index], tree, axes)
+
+
+def nnx_state_axes() -> Any:
+    """``nnx.StateAxes`` that keep shared counters unbatched under ``nnx.vmap``.
+
+    Use it for an ``nnx.Optimizer`` holding ``local_steps`` (see the Flax NNX
+    recipe in the README): ``nnx.vmap(..., in_axes=(0, nnx_state_axes(), 0),
+    axis_name="replica")``. Without it every counter gets the replica axis and
+    ``local_steps`` refuses to run (its phase branch would become a select
+    that runs the outer step on every step).
+    """
+    from flax import nnx  # noqa: PLC0415
+
+    def shared(path: tuple, value: Any) -> bool:
+        return is_shared_leaf(getattr(value, "value", value), path)
+
+    return nnx.StateAxes({shared: None, ...: 0})
 
 
 def unreplicate(tree: PyTree, single_replica_like: PyTree) -> PyTree:
@@ -82,8 +132,8 @@ def unreplicate(tree: PyTree, single_replica_like: PyTree) -> PyTree:
 def _stacked_axes(tree: PyTree, num_replicas: int) -> PyTree:
     """Axes of a tree already in the replicated layout (shared = no leading N)."""
 
-    def axis(x: Any) -> Any:
-        if is_shared_leaf(x):
+    def axis(shared: bool, x: Any) -> Any:
+        if shared:
             return None
         if getattr(x, "ndim", 0) == 0 or x.shape[0] != num_replicas:
             raise ValueError(
@@ -92,7 +142,7 @@ def _stacked_axes(tree: PyTree, num_replicas: int) -> PyTree:
             )
         return 0
 
-    return jax.tree.map(axis, tree)
+    return _map_shared(axis, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +187,10 @@ class Replicas:
             *args,
         )
         # Shared outputs come back with a leading N under out_axes=0; peel it.
-        return jax.tree.map(
-            lambda s: None if is_shared_leaf(jax.ShapeDtypeStruct(s.shape[1:], s.dtype)) else 0,
+        return jax.tree_util.tree_map_with_path(
+            lambda p, s: None
+            if is_shared_leaf(jax.ShapeDtypeStruct(s.shape[1:], s.dtype), p)
+            else 0,
             batched,
         )
 
@@ -194,6 +246,27 @@ class Replicas:
 
         return run
 
+    def init(self, tx: Any, params: PyTree) -> PyTree:
+        """Every replica's optimizer state, in the replicated layout.
+
+        ``tx.init`` runs per replica, with the shared counters left unbatched
+        (``jax.vmap(tx.init)`` would give every replica its own counter and
+        ``local_steps`` refuses that). Wrappers that desynchronise replicas
+        (``optax.apply_if_finite`` around ``local_steps``) are refused here.
+
+        Args:
+          tx: an optax transformation.
+          params: the params in the replicated layout (leading axis N).
+
+        Returns:
+          The optimizer state, placed like the params.
+        """
+        from noloco_jax.optim.local_steps import check_composition  # noqa: PLC0415
+
+        state = self.map(tx.init)(params)
+        check_composition(state)
+        return state
+
     def put(self, tree: PyTree) -> PyTree:
         """Places a replicated tree: split over the mesh, or left as is for vmap.
 
@@ -203,18 +276,18 @@ class Replicas:
         if self.mesh is None:
             return tree
 
-        def place(x: Any) -> Any:
+        def place(shared: bool, x: Any) -> Any:
             # Full-rank specs, as shard_map outputs carry them: P('r') and
             # P('r', None) are different types on an explicit mesh and would
             # make the first call compile twice.
-            spec = P() if is_shared_leaf(x) else P(self.axis_name, *[None] * (x.ndim - 1))
+            spec = P() if shared else P(self.axis_name, *[None] * (x.ndim - 1))
             sharding = NamedSharding(self.mesh, spec)
             if jax.process_count() == 1:
                 return jax.device_put(x, sharding)
             host = np.asarray(x)
             return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
-        return jax.tree.map(place, tree)
+        return _map_shared(place, tree)
 
 
 def to_host(x: Any) -> np.ndarray:

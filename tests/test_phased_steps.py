@@ -5,6 +5,7 @@ an inner step compiled with it must be the inner optimizer's step alone.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -53,18 +54,20 @@ def test_static_phase_equals_on_device_phase():
     assert int(s_sta.count) == 8  # a shared scalar
 
 
-def test_static_inner_step_has_no_cond_and_no_collective():
-    tx = local_steps(optax.adam(0.05), noloco_outer(), 3)
+def test_static_inner_step_has_no_weight_cond_and_no_collective():
     reps = replicas.make_replicas(2, backend="shard_map")  # real collectives in the HLO
     params = reps.put(random_tree(jax.random.key(0), 2))
-    state = reps.put(replicas.replicate(tx.init(random_tree(jax.random.key(0))), 2))
 
-    def text(sync_step):
+    def text(sync_step, check_phase=True):
+        tx = local_steps(optax.adam(0.05), noloco_outer(), 3, check_phase=check_phase)
+        state = reps.init(tx, params)
         f = reps.map(lambda g, s, p: tx.update(g, s, p, sync_step=sync_step))
         return hlo.compiled_text(jax.jit(f), params, state, params)
 
-    assert "conditional(" not in text(False)
-    assert "conditional(" in text(None)  # the on-device phase
+    conds = re.findall(r"= (\S+) conditional\(", text(False))
+    assert conds == ["()"]  # only the scalar phase check, which returns nothing
+    assert "conditional(" not in text(False, check_phase=False)
+    assert "f32[5]{0}" in re.search(r"= (.*) conditional\(", text(None)).group(1)  # on device
     assert not hlo.collective_ops(text(False))
     assert hlo.collective_ops(text(True))  # the sync step exchanges with partners
 

@@ -19,6 +19,7 @@ unmodified: do not chain scaling transformations *after* ``local_steps``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Union
 
 import jax
@@ -36,7 +37,9 @@ __all__ = [
     "data_parallel",
     "restore_nonfinite",
     "find_local_steps_state",
+    "float_leaves",
     "update_and_apply",
+    "check_composition",
 ]
 
 
@@ -44,10 +47,11 @@ class LocalStepsState(NamedTuple):
     """State of the transformation returned by ``local_steps``.
 
     Attributes:
-      count: int32 scalar, inner steps taken so far.
-      slow_params: phi, the weights at the last outer step (same tree and
-        dtypes as the params).
-      inner_state: the inner optimizer's state (kept local).
+      count: int32 scalar, inner steps taken so far (shared by all replicas).
+      slow_params: phi, the weights at the last outer step: the params' float
+        leaves in ``slow_dtype`` (default their own dtype); ``None`` where a
+        param is not a float (such leaves are passed through untouched).
+      inner_state: the inner optimizer's state (kept local, counts included).
       outer_state: the outer optimizer's state.
       nonfinite_resets: float32 scalar, syncs at which this replica's fast
         weights were not finite (only counted with ``nonfinite_guard``).
@@ -60,23 +64,111 @@ class LocalStepsState(NamedTuple):
     nonfinite_resets: jax.Array
 
 
+def _is_float(x: Any) -> bool:
+    return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
+def float_leaves(tree: Any) -> Any:
+    """``tree`` with every non-float leaf replaced by ``None`` (optax's "no update")."""
+    return jax.tree.map(lambda x: x if _is_float(x) else None, tree)
+
+
+def _update_dtype(p: Any) -> Any:
+    """Updates to a float param travel in at least float32, so a sync lands exactly."""
+    return jnp.promote_types(jnp.result_type(p), jnp.float32)
+
+
 def _all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
     """True when every leaf is finite; with ``axis_name``, on every shard along it."""
-    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    leaves = [x for x in jax.tree.leaves(tree) if _is_float(x)]
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     if axis_name is not None:  # model-parallel shards of one replica must agree
         ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
     return ok
 
 
-def _keep_where(ok: jax.Array | bool, new: Any, old: Any) -> Any:
-    """``new`` where ``ok``, else ``old``; integer leaves (shared counters) always ``new``."""
+def _counters_from(new: Any, kept: Any) -> Any:
+    """Integer leaves (shared counters, which always advance) from ``new``, the rest from ``kept``."""
+    return jax.tree.map(lambda n, k: n if jnp.issubdtype(n.dtype, jnp.integer) else k, new, kept)
 
-    def pick(n, o):
-        if jnp.issubdtype(n.dtype, jnp.integer):
-            return n
-        return o if ok is False else n if ok is True else jnp.where(ok, n, o)
 
-    return jax.tree.map(pick, new, old)
+def _landing(new_slow: Any, params: Any, updates: Any) -> Any:
+    """Updates that move each float param exactly onto phi (rounded to its dtype).
+
+    Formed in at least float32: the difference of two bf16 numbers is exact
+    there, so ``params + jump`` is phi's bf16 value itself, not a rounding of
+    a rounded jump. Non-float leaves keep the inner update.
+    """
+
+    def jump(s: Any, p: Any, u: Any) -> Any:
+        if s is None:
+            return u
+        wide = _update_dtype(p)
+        return s.astype(p.dtype).astype(wide) - p.astype(wide)
+
+    return jax.tree.map(jump, new_slow, params, updates, is_leaf=lambda x: x is None)
+
+
+def _theta_like(new_slow: Any, params: Any) -> Any:
+    """The params after a sync lands: phi in the params' dtypes, other leaves as they are."""
+    return jax.tree.map(
+        lambda s, p: p if s is None else s.astype(p.dtype), new_slow, params,
+        is_leaf=lambda x: x is None,
+    )  # fmt: skip
+
+
+def _is_batched(x: Any) -> bool:
+    """Whether ``x`` is being traced with a ``vmap`` batch axis (no public API says so)."""
+    try:
+        from jax._src.interpreters import batching  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - a future JAX; the check is then skipped
+        return False
+    return isinstance(x, batching.BatchTracer) and x.batch_dim is not batching.not_mapped
+
+
+BATCHED_COUNTER_FIX = (
+    "local_steps: its step counter is batched over a vmap axis (jax.vmap(tx.init) gives "
+    "every replica its own counter, and optax.apply_if_finite around local_steps makes one "
+    "replica's counter differ from the others'), so the sync branch would become a select "
+    "that runs the outer step and every group exchange on every step. Keep the counters "
+    "shared: build the state with noloco_jax.replicas.make_replicas(N).init(tx, params) and "
+    "step with .map(tx.update) (or jax.vmap with in_axes=replicas.replica_axes(state)); "
+    "with Flax NNX use nnx.vmap(..., in_axes=(..., replicas.nnx_state_axes(), ...)). For "
+    "non-finite steps use local_steps(..., nonfinite_guard=True) instead of apply_if_finite."
+)
+
+
+def _check_phase(count: jax.Array, sync_every: int, sync_step: bool) -> None:
+    """Raises (when the step runs) if ``sync_step`` disagrees with the counter.
+
+    The callback sits in a scalar ``lax.cond`` taken only on a mismatch, so a
+    correct step moves no data to the host.
+    """
+
+    def fail(c: Any) -> None:
+        raise ValueError(
+            f"local_steps: sync_step={sync_step} but this is inner step {int(c)} and rounds "
+            f"end every sync_every={sync_every} steps (a sync step is one whose count is a "
+            f"multiple of sync_every). Pass sync_step=(count % sync_every == 0), or None "
+            f"to let the counter decide."
+        )
+
+    wrong = (count % sync_every == 0) != sync_step
+    lax.cond(wrong, lambda: jax.debug.callback(fail, count), lambda: None)
+
+
+def _check_accumulation(inner: Any, sync_every: int) -> None:
+    """An ``optax.MultiSteps`` inner optimizer must end its accumulations on sync steps."""
+    owner = getattr(getattr(inner, "update", None), "__self__", None)
+    if not isinstance(owner, optax.MultiSteps):
+        return
+    k = owner._every_k_schedule(0)  # noqa: SLF001 - optax keeps the count private
+    if isinstance(k, int) and k > 0 and sync_every % k:
+        raise ValueError(
+            f"sync_every={sync_every} must be a multiple of the MultiSteps accumulation "
+            f"count k={k} (local_steps counts micro-steps): a sync would otherwise fall in "
+            f"the middle of an accumulation."
+        )
 
 
 def local_steps(
@@ -86,6 +178,8 @@ def local_steps(
     *,
     nonfinite_guard: bool = False,
     guard_axis_name: AxisName | None = None,
+    slow_dtype: Any = None,
+    check_phase: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Runs ``inner`` every step and ``outer`` every ``sync_every`` steps.
 
@@ -99,32 +193,41 @@ def local_steps(
       nonfinite_guard: at each sync, a replica whose fast weights are not all
         finite is passed to ``outer`` as ``active=False`` (it then sends nothing
         its partners use, so it cannot poison them), keeps its last slow
-        weights and outer state, has its inner optimizer's float state reset
+        weights and outer state, restarts its inner optimizer from a fresh
+        state (step counts included, so Adam's bias correction starts over)
         and counts the event in ``nonfinite_resets``. Its returned update is
         not finite; repair the params with ``restore_nonfinite``.
       guard_axis_name: mesh axis (or axes) over which one replica's params are
         split (e.g. pipeline "stage"); the finiteness check is then taken over
         the whole replica, so all its shards reset together.
+      slow_dtype: dtype of phi and of the outer state (e.g. ``jnp.float32``
+        master weights for bf16 params); default: each param's own dtype.
+        After every sync the params are phi rounded to their dtype, exactly.
+      check_phase: with ``sync_step`` given, check it against the counter on
+        the device (a scalar branch; the step raises if they disagree).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` acting on the model params
       (the fast weights). Extra keyword arguments go to ``inner``, except
       ``sync_step``: a Python bool that fixes the step's phase at trace time
       (True: this call ends a round; False: inner step only) instead of the
-      on-device ``lax.cond`` over the counter. It must agree with the counter
-      (``trainer.step.sync_positions``); a training loop that knows its step
-      on the host uses it to compile inner steps with no extra pass over the
-      weights (the cond's branch output costs one on memory-bound steps).
+      on-device ``lax.cond`` over the counter; a loop that knows its step on
+      the host uses it so that inner steps compile as the inner optimizer
+      alone. Non-float params (e.g. integer buffers) get the inner update
+      and are never averaged or reset.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from noloco_jax import noloco_outer
+      >>> from noloco_jax import noloco_outer, replicas
       >>> tx = local_steps(optax.adam(1e-3), noloco_outer(), sync_every=50)
+      >>> reps = replicas.make_replicas(8, backend="vmap")
       >>> params = jnp.zeros((8, 4))                    # 8 replicas, 4 params
-      >>> state = jax.vmap(tx.init)(params)
-      >>> step = jax.vmap(tx.update, axis_name="replica")
+      >>> state = reps.init(tx, params)                 # counters stay shared
+      >>> step = jax.jit(reps.map(tx.update))           # binds axis "replica"
       >>> updates, state = step(jnp.ones((8, 4)), state, params)
       >>> params = optax.apply_updates(params, updates)
+      >>> int(state.count), state.inner_state[0].count.shape
+      (1, (8,))
 
     References:
       Kolehmainen et al., 2025, https://arxiv.org/abs/2506.10911;
@@ -132,17 +235,45 @@ def local_steps(
     """
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}.")
+    if slow_dtype is not None and not jnp.issubdtype(slow_dtype, jnp.floating):
+        raise ValueError(f"slow_dtype must be None or a float dtype, got {slow_dtype!r}.")
+    _check_accumulation(inner, sync_every)
     inner = optax.with_extra_args_support(inner)
     outer = optax.with_extra_args_support(outer)
 
     def init_fn(params: optax.Params) -> LocalStepsState:
+        slow = jax.tree.map(
+            lambda p: jnp.array(p, dtype=slow_dtype or p.dtype, copy=True), float_leaves(params)
+        )
         return LocalStepsState(
             count=jnp.zeros([], jnp.int32),
-            slow_params=jax.tree.map(lambda p: jnp.array(p, copy=True), params),
+            slow_params=slow,
             inner_state=inner.init(params),
-            outer_state=outer.init(params),
+            outer_state=outer.init(slow),
             nonfinite_resets=jnp.zeros([], jnp.float32),
         )
+
+    def sync(params: optax.Params, operands: tuple) -> tuple:
+        inner_updates, slow, outer_state, inner_state, resets = operands
+        theta = float_leaves(optax.apply_updates(params, inner_updates))
+        outer_grad = jax.tree.map(lambda s, t: s - t.astype(s.dtype), slow, theta)
+        if not nonfinite_guard:
+            delta, outer_state = outer.update(outer_grad, outer_state, slow)
+            new_slow = optax.apply_updates(slow, delta)
+            jump = _landing(new_slow, params, inner_updates)
+            return jump, new_slow, outer_state, inner_state, resets
+        ok = _all_finite(theta, guard_axis_name)
+        safe_grad = optax.tree.where(ok, outer_grad, optax.tree.zeros_like(outer_grad))
+        delta, new_outer = outer.update(safe_grad, outer_state, slow, active=ok)
+        new_slow = optax.tree.where(ok, optax.apply_updates(slow, delta), slow)
+        # A cond, not a select: selecting between the two outer states made XLA
+        # copy phi, the moments and the outer state on every step, sync or not.
+        kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
+        outer_state = _counters_from(new_outer, kept)
+        fresh = inner.init(_theta_like(new_slow, params))  # a restart from phi, counts too
+        inner_state = optax.tree.where(ok, inner_state, fresh)
+        jump = _landing(new_slow, params, inner_updates)
+        return jump, new_slow, outer_state, inner_state, resets + (1.0 - ok)
 
     def update_fn(
         updates: optax.Updates,
@@ -152,45 +283,28 @@ def local_steps(
     ) -> tuple[optax.Updates, LocalStepsState]:
         if params is None:
             raise ValueError("local_steps.update needs params= the current (fast) weights.")
+        if _is_batched(state.count):
+            raise ValueError(BATCHED_COUNTER_FIX)
         sync_step = extra_args.pop("sync_step", None)
         if sync_step is not None and not isinstance(sync_step, bool):
             raise ValueError(f"sync_step must be None, True or False, got {sync_step!r}.")
         inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         count = optax.safe_int32_increment(state.count)
-
-        def sync(operands):
-            inner_updates, slow, outer_state, inner_state, resets = operands
-            theta = optax.apply_updates(params, inner_updates)
-            outer_grad = jax.tree.map(lambda s, t: s - t, slow, theta)
-            if not nonfinite_guard:
-                delta, outer_state = outer.update(outer_grad, outer_state, slow)
-                new_slow = optax.apply_updates(slow, delta)
-                jump = jax.tree.map(lambda s, p: (s - p).astype(p.dtype), new_slow, params)
-                return jump, new_slow, outer_state, inner_state, resets
-            ok = _all_finite(theta, guard_axis_name)
-            safe_grad = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), outer_grad)
-            delta, new_outer = outer.update(safe_grad, outer_state, slow, active=ok)
-            new_slow = _keep_where(ok, optax.apply_updates(slow, delta), slow)
-            # A cond, not _keep_where: selecting between the two outer states made
-            # XLA copy phi, the moments and the outer state on every step, sync or not.
-            kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
-            outer_state = _keep_where(True, new_outer, kept)  # shared counters advance
-            inner_state = _keep_where(ok, inner_state, inner.init(slow))
-            jump = jax.tree.map(lambda s, p: (s - p).astype(p.dtype), new_slow, params)
-            return jump, new_slow, outer_state, inner_state, resets + (1.0 - ok)
-
-        def no_sync(operands):
-            return operands
-
-        # Both branches return updates in the params' dtypes (apply_updates casts
-        # to them anyway), so a bf16 inner update cannot round the jump to phi.
-        inner_updates = jax.tree.map(lambda u, p: u.astype(p.dtype), inner_updates, params)
+        # Both branches return float updates in at least float32 (apply_updates
+        # adds in that width and casts once), so a sync lands exactly on phi.
+        inner_updates = jax.tree.map(
+            lambda u, p: u.astype(_update_dtype(p)) if _is_float(p) else u, inner_updates, params
+        )
         operands = (inner_updates, state.slow_params, state.outer_state, inner_state,
                     state.nonfinite_resets)  # fmt: skip
         if sync_step is None:
-            branches = lax.cond(count % sync_every == 0, sync, no_sync, operands)
+            branches = lax.cond(
+                count % sync_every == 0, functools.partial(sync, params), lambda ops: ops, operands
+            )
         else:  # the caller knows the phase statically (``trainer.step.sync_positions``)
-            branches = sync(operands) if sync_step else no_sync(operands)
+            if check_phase:
+                _check_phase(count, sync_every, sync_step)
+            branches = sync(params, operands) if sync_step else operands
         new_updates, slow, outer_state, inner_state, resets = branches
         return new_updates, LocalStepsState(count, slow, inner_state, outer_state, resets)
 
@@ -225,7 +339,7 @@ def restore_nonfinite(
 
     def put_back(carry):
         done, p = carry  # or-ing keeps the flag's shard_map varying-axes type
-        return jnp.logical_or(done, True), jax.tree.map(lambda p, s: s.astype(p.dtype), p, slow)
+        return jnp.logical_or(done, True), _theta_like(slow, p)
 
     # A loop that runs once when the params are not finite and not at all when they
     # are: healthy steps pay only the finiteness check, where a jnp.where read phi
@@ -268,6 +382,35 @@ def update_and_apply(
     if nonfinite_guard and sync_step is not False:
         params = restore_nonfinite(params, opt_state, axis_name)
     return params, opt_state
+
+
+def check_composition(opt_state: optax.OptState) -> None:
+    """Refuses optax wrappers that desynchronise the replicas of ``local_steps``.
+
+    ``optax.apply_if_finite`` around ``local_steps`` skips a step on one
+    replica only, so its counter and rounds fall behind its group's (under
+    ``shard_map`` its partners wait for a message that never comes);
+    ``optax.MultiSteps`` around it runs the update, and so a sync's exchange,
+    on every micro-step. Both work *inside* ``local_steps`` (as ``inner``),
+    where a ``MultiSteps`` count must divide ``sync_every``.
+
+    Args:
+      opt_state: the (single-replica or replicated) optimizer state.
+
+    Raises:
+      ValueError: naming the wrapper and the fix.
+    """
+    wrappers = (optax.ApplyIfFiniteState, optax.MultiStepsState)
+    is_wrapper = lambda x: isinstance(x, wrappers)  # noqa: E731
+    for node in jax.tree.leaves(opt_state, is_leaf=is_wrapper):
+        if is_wrapper(node) and find_local_steps_state(node) is not None:
+            name = type(node).__name__.removesuffix("State")
+            raise ValueError(
+                f"optax.{name} wraps local_steps: it would run or skip steps per replica "
+                f"and desynchronise the replicas' rounds. Put it inside, as local_steps' "
+                f"inner optimizer, or use local_steps(..., nonfinite_guard=True) for "
+                f"non-finite steps."
+            )
 
 
 def find_local_steps_state(opt_state: optax.OptState) -> LocalStepsState | None:

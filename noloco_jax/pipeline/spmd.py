@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from noloco_jax.models import cross_entropy
 from noloco_jax.optim.local_steps import update_and_apply
 from noloco_jax.pipeline.stages import leaf_owner
+from noloco_jax.replicas import is_shared_leaf
 
 __all__ = ["PipelineMesh", "make_pipeline_mesh"]
 
@@ -38,7 +39,7 @@ REPLICA, STAGE = "replica", "stage"
 
 
 def _spec_for(path: tuple, leaf: Any) -> P:
-    if getattr(leaf, "ndim", 1) == 0 and jnp.issubdtype(leaf.dtype, jnp.integer):
+    if getattr(leaf, "ndim", 1) == 0 and is_shared_leaf(leaf, path):
         return P()
     names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
     if "blocks" in names:
