@@ -51,6 +51,7 @@ __all__ = [
     "axis_size",
     "check_group_size",
     "partition_pool",
+    "connects_all",
     "pool_index",
     "groups_for_round",
     "presence_mask",
@@ -135,26 +136,75 @@ def partition_pool(
         pool = np.arange(num_replicas, dtype=np.int32)[None, None, :]
     else:
         size = num_replicas - 1 if pool_size is None else pool_size
-        if size < 1:
-            raise ValueError(f"pool_size must be >= 1, got {pool_size}.")
+        if size < 2:
+            raise ValueError(
+                f"pool_size={size} leaves replicas that never meet: a single partition of "
+                f"{num_replicas} replicas into groups of {group_size} never joins one group "
+                f"to another. Use pool_size >= 2 (or None for {num_replicas - 1})."
+            )
         rng = np.random.default_rng(seed)
-        if group_size == 2:
-            pool = _round_robin_matchings(num_replicas)
-            if size < len(pool):
-                pool = pool[np.sort(rng.choice(len(pool), size, replace=False))]
-            elif size > len(pool):
-                raise ValueError(
-                    f"pool_size={size} exceeds the {len(pool)} distinct matchings of "
-                    f"{num_replicas} replicas."
-                )
+        for _ in range(_CONNECT_TRIES):  # the first draw almost always connects
+            pool = _draw_pool(num_replicas, group_size, size, rng)
+            if connects_all(pool, num_replicas):
+                break
         else:
-            g = num_replicas // group_size
-            perms = np.stack([rng.permutation(num_replicas) for _ in range(size)])
-            # Element k of a permutation joins group k mod g (reference grouping).
-            pool = perms.reshape(size, group_size, g).transpose(0, 2, 1)
+            raise ValueError(
+                f"no pool of {size} partitions drawn from seed {seed} connects all "
+                f"{num_replicas} replicas (in {_CONNECT_TRIES} draws), so some replicas "
+                f"would never exchange weights. Use a larger pool_size."
+            )
         pool = np.ascontiguousarray(pool, dtype=np.int32)
     pool.setflags(write=False)
     return pool
+
+
+_CONNECT_TRIES = 200
+
+
+def _draw_pool(num_replicas: int, group_size: int, size: int, rng: np.random.Generator
+               ) -> np.ndarray:
+    """``size`` partitions: round-robin matchings (n = 2) or strided random permutations."""
+    if group_size == 2:
+        pool = _round_robin_matchings(num_replicas)
+        if size > len(pool):
+            raise ValueError(
+                f"pool_size={size} exceeds the {len(pool)} distinct matchings of "
+                f"{num_replicas} replicas."
+            )
+        if size < len(pool):
+            pool = pool[np.sort(rng.choice(len(pool), size, replace=False))]
+        return pool
+    g = num_replicas // group_size
+    perms = np.stack([rng.permutation(num_replicas) for _ in range(size)])
+    # Element k of a permutation joins group k mod g (reference grouping).
+    return perms.reshape(size, group_size, g).transpose(0, 2, 1)
+
+
+def connects_all(pool: np.ndarray, num_replicas: int) -> bool:
+    """Whether the union of the pool's groups links every replica to every other.
+
+    If it does not, some replicas never exchange weights, directly or through
+    others, and their models drift apart for good.
+
+    Args:
+      pool: partitions, [K, N // n, n] of replica ids.
+      num_replicas: N.
+
+    Returns:
+      True when the graph joining members of a common group is connected.
+    """
+    root = list(range(num_replicas))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    for group in np.asarray(pool).reshape(-1, np.asarray(pool).shape[-1]):
+        for j in group[1:]:
+            root[find(int(j))] = find(int(group[0]))
+    return len({find(i) for i in range(num_replicas)}) == 1
 
 
 def pool_index(round_index: jax.typing.ArrayLike, pool_size: int, seed: int) -> jax.Array:

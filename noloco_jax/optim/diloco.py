@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import optax
 
 from noloco_jax import comm
-from noloco_jax.optim.noloco import check_nonnegative
+from noloco_jax.optim.noloco import check_nonnegative, check_rate
+from noloco_jax.optim.trees import float_leaves, zeros_where_none
 
 __all__ = ["DiLoCoOuterState", "diloco_outer"]
 
@@ -32,8 +33,8 @@ class DiLoCoOuterState(NamedTuple):
 
 
 def diloco_outer(
-    learning_rate: float = 0.7,
-    momentum: float = 0.3,
+    learning_rate: optax.ScalarOrSchedule = 0.7,
+    momentum: float | jax.Array = 0.3,
     nesterov: bool = False,
     axis_name: str | None = "replica",
     *,
@@ -48,7 +49,8 @@ def diloco_outer(
     on ``axis_name`` (an all-reduce, the global blocking step NoLoCo removes).
 
     Args:
-      learning_rate: outer learning rate beta (paper baseline: 0.7).
+      learning_rate: outer learning rate beta (paper baseline: 0.7); a number,
+        a JAX array (``optax.inject_hyperparams``) or a schedule of the round.
       momentum: alpha (paper baseline: 0.3; DiLoCo's own paper: 0.9).
       nesterov: Nesterov momentum (the DiLoCo paper) instead of heavy ball (the
         NoLoCo reference baseline).
@@ -77,15 +79,15 @@ def diloco_outer(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
       Language Models", 2023. https://arxiv.org/abs/2311.08105
     """
-    beta = check_nonnegative("learning_rate", learning_rate)
-    alpha = check_nonnegative("momentum", momentum)
+    beta = check_rate("learning_rate", learning_rate)
+    alpha = check_rate("momentum", momentum)
     sgd = optax.sgd(beta, momentum=alpha, nesterov=bool(nesterov))
     dropout_prob = check_nonnegative("dropout_prob", dropout_prob)
     if dropout_prob >= 1:
         raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}.")
 
     def init_fn(params: optax.Params) -> DiLoCoOuterState:
-        return DiLoCoOuterState(jnp.zeros([], jnp.int32), sgd.init(params))
+        return DiLoCoOuterState(jnp.zeros([], jnp.int32), sgd.init(float_leaves(params)))
 
     def update_fn(
         outer_grad: optax.Updates,
@@ -95,6 +97,7 @@ def diloco_outer(
         **extra_args: Any,
     ) -> tuple[optax.Updates, DiLoCoOuterState]:
         del extra_args
+        full, params, outer_grad = params, float_leaves(params), float_leaves(outer_grad)
         if axis_name is not None:
             n = comm.axis_size(axis_name)  # clear error if unbound
             present = active
@@ -104,6 +107,7 @@ def diloco_outer(
                 present = mine if present is None else present & mine
             outer_grad = comm.all_replica_mean(outer_grad, axis_name, weight=present)
         delta, sgd_state = sgd.update(outer_grad, state.sgd_state, params)
+        delta = zeros_where_none(delta, full) if full is not None else delta
         return delta, DiLoCoOuterState(optax.safe_int32_increment(state.round), sgd_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

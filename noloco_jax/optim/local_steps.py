@@ -28,6 +28,7 @@ import optax
 from jax import lax
 
 from noloco_jax import comm
+from noloco_jax.optim.trees import float_leaves, is_float
 
 AxisName = Union[str, tuple[str, ...]]
 
@@ -37,7 +38,6 @@ __all__ = [
     "data_parallel",
     "restore_nonfinite",
     "find_local_steps_state",
-    "float_leaves",
     "update_and_apply",
     "check_composition",
 ]
@@ -64,15 +64,6 @@ class LocalStepsState(NamedTuple):
     nonfinite_resets: jax.Array
 
 
-def _is_float(x: Any) -> bool:
-    return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
-
-
-def float_leaves(tree: Any) -> Any:
-    """``tree`` with every non-float leaf replaced by ``None`` (optax's "no update")."""
-    return jax.tree.map(lambda x: x if _is_float(x) else None, tree)
-
-
 def _update_dtype(p: Any) -> Any:
     """Updates to a float param travel in at least float32, so a sync lands exactly."""
     return jnp.promote_types(jnp.result_type(p), jnp.float32)
@@ -80,7 +71,7 @@ def _update_dtype(p: Any) -> Any:
 
 def _all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
     """True when every leaf is finite; with ``axis_name``, on every shard along it."""
-    leaves = [x for x in jax.tree.leaves(tree) if _is_float(x)]
+    leaves = [x for x in jax.tree.leaves(tree) if is_float(x)]
     ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     if axis_name is not None:  # model-parallel shards of one replica must agree
         ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
@@ -293,7 +284,7 @@ def local_steps(
         # Both branches return float updates in at least float32 (apply_updates
         # adds in that width and casts once), so a sync lands exactly on phi.
         inner_updates = jax.tree.map(
-            lambda u, p: u.astype(_update_dtype(p)) if _is_float(p) else u, inner_updates, params
+            lambda u, p: u.astype(_update_dtype(p)) if is_float(p) else u, inner_updates, params
         )
         operands = (inner_updates, state.slow_params, state.outer_state, inner_state,
                     state.nonfinite_resets)  # fmt: skip

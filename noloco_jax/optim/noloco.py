@@ -29,16 +29,19 @@ convention: positive means "descend"), so theta_i = phi_i - outer_grad.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from noloco_jax import comm
+from noloco_jax.optim.trees import float_leaves, zeros_where_none
 
-__all__ = ["NoLoCoOuterState", "noloco_outer", "check_nonnegative"]
+__all__ = ["NoLoCoOuterState", "noloco_outer", "check_nonnegative", "check_rate", "rate_at"]
 
 
 class NoLoCoOuterState(NamedTuple):
@@ -59,9 +62,26 @@ def check_nonnegative(name: str, value: Any) -> float:
     """Returns ``float(value)`` or raises ``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a non-negative real number, got {value!r}.")
-    if not value >= 0:  # also rejects NaN
-        raise ValueError(f"{name} must be >= 0, got {value}.")
+    if not value >= 0 or not math.isfinite(value):  # also rejects NaN and inf
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}.")
     return float(value)
+
+
+def check_rate(name: str, value: Any) -> Any:
+    """A Python number is checked (``check_nonnegative``); arrays and schedules pass.
+
+    Arrays and callables come from ``optax.inject_hyperparams`` and optax
+    schedules (``ScalarOrSchedule``); they are values on the device, which a
+    Python check cannot see.
+    """
+    if callable(value) or isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        return value
+    return check_nonnegative(name, value)
+
+
+def rate_at(value: Any, round_index: jax.Array) -> Any:
+    """A rate's value in outer round ``round_index`` (a schedule is indexed by round)."""
+    return value(round_index) if callable(value) else value
 
 
 def _pseudo_gradient(
@@ -71,7 +91,7 @@ def _pseudo_gradient(
     *,
     axis_name: str,
     group_size: int,
-    gamma_over_beta: float | None,
+    gamma_over_beta: Any,
     seed: int,
     pool_size: int | None,
     exchange_dtype: Any,
@@ -109,10 +129,31 @@ def _pseudo_gradient(
     )
 
 
+def _gamma_over_beta(gamma: Any, beta: Any) -> Any:
+    """gamma / beta as a function of the round; ``None`` where gamma = beta (only theta travels)."""
+    if gamma is None:
+        return lambda _: None
+    gamma = check_rate("gamma", gamma)
+    if isinstance(gamma, float) and isinstance(beta, float):
+        if gamma == beta:
+            return lambda _: None
+        if beta == 0:
+            raise ValueError("gamma must be None or 0 when learning_rate is 0.")
+        return lambda _: gamma / beta
+    if callable(gamma):
+        raise ValueError("gamma must be a number or an array, not a schedule.")
+
+    def ratio(round_index: jax.Array) -> jax.Array:
+        b = jnp.asarray(rate_at(beta, round_index), jnp.float32)
+        return jnp.where(b > 0, gamma / jnp.where(b > 0, b, 1.0), 1.0)
+
+    return ratio
+
+
 def noloco_outer(
-    learning_rate: float = 0.7,
-    momentum: float = 0.5,
-    gamma: float | None = None,
+    learning_rate: optax.ScalarOrSchedule = 0.7,
+    momentum: float | jax.Array = 0.5,
+    gamma: float | jax.Array | None = None,
     group_size: int = 2,
     axis_name: str | None = "replica",
     seed: int = 0,
@@ -120,6 +161,7 @@ def noloco_outer(
     *,
     pool_size: int | None = None,
     dropout_prob: float = 0.0,
+    nesterov: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """NoLoCo's outer step: momentum on the pseudo-gradient of a random group.
 
@@ -130,8 +172,10 @@ def noloco_outer(
     the ``outer`` of ``local_steps``.
 
     Args:
-      learning_rate: beta, the outer learning rate (paper: 0.7).
-      momentum: alpha, heavy-ball momentum (paper: 0.5 for NoLoCo).
+      learning_rate: beta, the outer learning rate (paper: 0.7): a number, a
+        JAX array (``optax.inject_hyperparams``) or an optax schedule of the
+        outer round. As in ``optax.sgd``, it scales the momentum buffer.
+      momentum: alpha, momentum (paper: 0.5 for NoLoCo); a number or array.
       gamma: pull towards the group's mean slow weights; ``None`` means
         gamma = beta (the reference code), which lets only the fast weights
         travel. The theory's sufficient condition for bounded spread is
@@ -149,13 +193,17 @@ def noloco_outer(
       dropout_prob: each replica misses each outer round with this probability
         (``comm.presence_mask``, deterministic from ``seed``): it takes a
         local-only step and its partners average without it. Nothing blocks.
+      nesterov: Nesterov momentum instead of heavy ball (the reference code's
+        and the default): delta = -beta (g + alpha (alpha m + g)) with m the
+        buffer, as ``optax.sgd(..., nesterov=True)``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``update(outer_grad, state,
       params, active=None)`` takes ``outer_grad = phi - theta`` and ``params =
       phi`` and returns delta, so that ``optax.apply_updates(phi, delta)`` is
       the new phi. ``active`` (a per-replica bool, e.g. "my weights are
-      finite") removes a replica from this round like a drop-out.
+      finite") removes a replica from this round like a drop-out. Non-float
+      leaves (integer buffers) are neither sent nor moved (their delta is 0).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -171,15 +219,9 @@ def noloco_outer(
       Kolehmainen et al., "NoLoCo: No-all-reduce Low Communication Training
       Method for Large Models", 2025. https://arxiv.org/abs/2506.10911
     """
-    beta = check_nonnegative("learning_rate", learning_rate)
-    alpha = check_nonnegative("momentum", momentum)
-    gamma_over_beta = None
-    if gamma is not None:
-        gamma_f = check_nonnegative("gamma", gamma)
-        if gamma_f != beta:
-            if beta == 0:
-                raise ValueError("gamma must be None or 0 when learning_rate is 0.")
-            gamma_over_beta = gamma_f / beta
+    beta = check_rate("learning_rate", learning_rate)
+    alpha = check_rate("momentum", momentum)
+    gamma_over_beta = _gamma_over_beta(gamma, beta)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
         raise ValueError(f"group_size must be an integer >= 2, got {group_size!r}.")
     if pool_size is not None and pool_size < 1:
@@ -187,10 +229,11 @@ def noloco_outer(
     dropout_prob = check_nonnegative("dropout_prob", dropout_prob)
     if dropout_prob >= 1:
         raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}.")
-    sgd = optax.sgd(beta, momentum=alpha)
+    sgd = optax.sgd(beta, momentum=alpha, nesterov=bool(nesterov))
 
     def init_fn(params: optax.Params) -> NoLoCoOuterState:
-        return NoLoCoOuterState(round=jnp.zeros([], jnp.int32), sgd_state=sgd.init(params))
+        sgd_state = sgd.init(float_leaves(params))
+        return NoLoCoOuterState(round=jnp.zeros([], jnp.int32), sgd_state=sgd_state)
 
     def update_fn(
         outer_grad: optax.Updates,
@@ -202,23 +245,25 @@ def noloco_outer(
         del extra_args
         if params is None:
             raise ValueError("noloco_outer.update needs params= the slow weights phi.")
+        phi, outer_grad = float_leaves(params), float_leaves(outer_grad)
         if axis_name is None:
             g = outer_grad  # a group of one: mean_G theta = theta
         else:
             g = _pseudo_gradient(
                 outer_grad,
-                params,
+                phi,
                 state.round,
                 axis_name=axis_name,
                 group_size=group_size,
-                gamma_over_beta=gamma_over_beta,
+                gamma_over_beta=gamma_over_beta(state.round),
                 seed=seed,
                 pool_size=pool_size,
                 exchange_dtype=exchange_dtype,
                 dropout_prob=dropout_prob,
                 active=active,
             )
-        delta, sgd_state = sgd.update(g, state.sgd_state, params)
+        delta, sgd_state = sgd.update(g, state.sgd_state, phi)
+        delta = zeros_where_none(delta, params)
         return delta, NoLoCoOuterState(optax.safe_int32_increment(state.round), sgd_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
