@@ -2,7 +2,7 @@
 
 from noloco_jax.comm import groups_for_round
 from noloco_jax.metrics import replica_spread
-from noloco_jax.optim.clipping import clip_by_global_norm
+from noloco_jax.optim.clipping import clip_by_global_norm_fused
 from noloco_jax.optim.diloco import DiLoCoOuterState, diloco_outer
 from noloco_jax.optim.local_steps import (
     LocalStepsState,
@@ -18,7 +18,7 @@ __all__ = [
     "DiLoCoOuterState",
     "LocalStepsState",
     "NoLoCoOuterState",
-    "clip_by_global_norm",
+    "clip_by_global_norm_fused",
     "data_parallel",
     "diloco_outer",
     "groups_for_round",

@@ -6,7 +6,7 @@ Everything above this module sees trees in the *replicated layout*:
   slow weights, outer momentum, per-replica RNG keys, ...);
 * shared leaves - integer and boolean scalars such as the step and round
   counters, which are identical on all replicas - carry no replica axis. The
-  inner optimizer's state inside ``local_steps`` (its ``inner_state``) is the
+  inner optimizer's state inside ``local_steps`` (its ``local_opt_state``) is the
   exception: all of it is per replica, counts included, because the
   non-finite guard restarts one replica's inner optimizer (count and all)
   without touching the others.
@@ -47,7 +47,7 @@ __all__ = [
 # Fields whose whole subtree is per replica, whatever the dtypes: the inner
 # optimizer's state of ``local_steps`` (the guard resets one replica's) and the
 # slow weights (integer leaves of params are per-replica values, not counters).
-_PER_REPLICA_FIELDS = frozenset({"inner_state", "slow_params"})
+_PER_REPLICA_FIELDS = frozenset({"local_opt_state", "slow_params"})
 
 
 def _key_name(key: Any) -> str:
@@ -59,7 +59,7 @@ def is_shared_leaf(x: Any, path: tuple = ()) -> bool:
 
     Integer (and boolean) scalars are counters and flags that every replica
     holds identically; everything else is per-replica, and so is everything
-    under an ``inner_state`` or ``slow_params`` field (``LocalStepsState``).
+    under a ``local_opt_state`` or ``slow_params`` field (``LocalStepsState``).
 
     Args:
       x: the leaf (an array or ``jax.ShapeDtypeStruct``).
@@ -119,7 +119,8 @@ def nnx_state_axes() -> Any:
     from flax import nnx  # noqa: PLC0415
 
     def shared(path: tuple, value: Any) -> bool:
-        return is_shared_leaf(getattr(value, "value", value), path)
+        leaf = value.get_value() if hasattr(value, "get_value") else value
+        return is_shared_leaf(leaf, path)
 
     return nnx.StateAxes({shared: None, ...: 0})
 

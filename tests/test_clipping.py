@@ -1,4 +1,4 @@
-"""clip_by_global_norm: same clipping as optax's, in a form XLA fuses."""
+"""clip_by_global_norm_fused: same clipping as optax's, in a form XLA fuses."""
 
 import re
 
@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from noloco_jax import clip_by_global_norm
+from noloco_jax import clip_by_global_norm_fused
 
 
 def _tree(scale):
@@ -19,7 +19,7 @@ def _tree(scale):
 @pytest.mark.parametrize("scale", [1e-3, 0.1, 10.0, 1e4])
 def test_matches_optax_clip_by_global_norm(scale):
     g = _tree(scale)
-    ours, _ = clip_by_global_norm(1.0).update(g, optax.EmptyState())
+    ours, _ = clip_by_global_norm_fused(1.0).update(g, optax.EmptyState())
     ref, _ = optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=0)
@@ -33,23 +33,23 @@ def test_matches_optax_clip_by_global_norm(scale):
 
 def test_zero_and_nonfinite_gradients():
     zero = jax.tree.map(jnp.zeros_like, _tree(1.0))
-    out, _ = clip_by_global_norm(1.0).update(zero, optax.EmptyState())
+    out, _ = clip_by_global_norm_fused(1.0).update(zero, optax.EmptyState())
     assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
     bad = {"w": jnp.array([1.0, jnp.nan]), "b": jnp.ones(2)}
-    out, _ = clip_by_global_norm(1.0).update(bad, optax.EmptyState())
+    out, _ = clip_by_global_norm_fused(1.0).update(bad, optax.EmptyState())
     assert np.all(np.isnan(np.asarray(out["b"])))  # NaN is not hidden by the clip
 
 
 def test_keeps_dtypes():
     g = {"w": jnp.full((4,), 3.0, jnp.bfloat16)}
-    out, _ = clip_by_global_norm(1.0).update(g, optax.EmptyState())
+    out, _ = clip_by_global_norm_fused(1.0).update(g, optax.EmptyState())
     assert out["w"].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "1"])
 def test_bad_max_norm(bad):
     with pytest.raises(ValueError, match="max_norm must be a number > 0"):
-        clip_by_global_norm(bad)
+        clip_by_global_norm_fused(bad)
 
 
 def _weight_sized_buffers(clip):
@@ -70,6 +70,6 @@ def _weight_sized_buffers(clip):
 def test_clipped_gradient_is_not_written_out():
     # optax's clip is written to memory and read back by Adam's two moments; ours
     # fuses, so each step writes only the new params and moments.
-    assert _weight_sized_buffers(clip_by_global_norm(1.0)) < _weight_sized_buffers(
+    assert _weight_sized_buffers(clip_by_global_norm_fused(1.0)) < _weight_sized_buffers(
         optax.clip_by_global_norm(1.0)
     )

@@ -88,7 +88,7 @@ def test_inner_state_is_local_and_not_reset():
     _, state, _, _ = run_steps(tx, params0, grads, num_replicas)
     # Adam's first moment after 4 steps from zero: sum_t 0.1 * 0.9^(4-t) g_t, per replica.
     mu = jax.tree.map(lambda *g: sum(0.1 * 0.9 ** (3 - t) * gt for t, gt in enumerate(g)), *grads)
-    assert_trees_close(state.inner_state[0].mu, mu, rtol=1e-5, atol=1e-6)
+    assert_trees_close(state.local_opt_state[0].mu, mu, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("outer", ["noloco", "noloco_g", "diloco"])

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from noloco_jax import clip_by_global_norm, local_steps, models, noloco_outer, replicas
+from noloco_jax import clip_by_global_norm_fused, local_steps, models, noloco_outer, replicas
 from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk, train_step
 
 
@@ -41,7 +41,7 @@ def chunk_fn(tx, graphdef, params0, n, guard, sync_at):
 
 def variants(h, with_sync):
     """name -> (tx, guard, sync_at); sync_at None decides the phase on the device."""
-    clip = clip_by_global_norm(1.0)  # the trainer's clip
+    clip = clip_by_global_norm_fused(1.0)  # the trainer's clip
     never = 10**9
 
     def ls(every, guard=False, host_phase=True):
@@ -109,7 +109,7 @@ def traffic_case(preset, vocab, n, b, t, h):
     """
     cfg = models.get_preset(preset, vocab_size=vocab)
     graphdef, params0 = models.init_params(cfg, 0)
-    clip = clip_by_global_norm(1.0)
+    clip = clip_by_global_norm_fused(1.0)
     def ls(guard):
         return optax.chain(clip, local_steps(optax.adam(1e-3), noloco_outer(), h,
                                              nonfinite_guard=guard))  # fmt: skip

@@ -1,6 +1,6 @@
 """Optax transformations: NoLoCo and DiLoCo outer steps, local steps, data parallel, clipping."""
 
-from noloco_jax.optim.clipping import clip_by_global_norm
+from noloco_jax.optim.clipping import clip_by_global_norm_fused
 from noloco_jax.optim.diloco import DiLoCoOuterState, diloco_outer
 from noloco_jax.optim.local_steps import (
     LocalStepsState,
@@ -11,7 +11,7 @@ from noloco_jax.optim.local_steps import (
 from noloco_jax.optim.noloco import NoLoCoOuterState, noloco_outer
 
 __all__ = [
-    "clip_by_global_norm",
+    "clip_by_global_norm_fused",
     "DiLoCoOuterState",
     "LocalStepsState",
     "NoLoCoOuterState",

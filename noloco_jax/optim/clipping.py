@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["clip_by_global_norm"]
+__all__ = ["clip_by_global_norm_fused"]
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm_fused(max_norm: float) -> optax.GradientTransformation:
     """Scales the updates by ``min(1, max_norm / ||updates||)``.
 
     The same clipping as ``optax.clip_by_global_norm`` (equal when the norm is at
@@ -30,7 +30,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> tx = clip_by_global_norm(1.0)
+      >>> tx = clip_by_global_norm_fused(1.0)
       >>> g, _ = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(None))
       >>> g["w"].tolist()
       [0.6000000238418579, 0.800000011920929]

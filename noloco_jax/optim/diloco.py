@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from noloco_jax import comm
-from noloco_jax.optim.noloco import check_nonnegative, check_rate
+from noloco_jax.optim.noloco import check_nonnegative, check_rate, check_static_args
 from noloco_jax.optim.trees import float_leaves, zeros_where_none
 
 __all__ = ["DiLoCoOuterState", "diloco_outer"]
@@ -79,6 +79,7 @@ def diloco_outer(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
       Language Models", 2023. https://arxiv.org/abs/2311.08105
     """
+    check_static_args(seed=seed, dropout_prob=dropout_prob)
     beta = check_rate("learning_rate", learning_rate)
     alpha = check_rate("momentum", momentum)
     sgd = optax.sgd(beta, momentum=alpha, nesterov=bool(nesterov))

@@ -51,7 +51,7 @@ class LocalStepsState(NamedTuple):
       slow_params: phi, the weights at the last outer step: the params' float
         leaves in ``slow_dtype`` (default their own dtype); ``None`` where a
         param is not a float (such leaves are passed through untouched).
-      inner_state: the inner optimizer's state (kept local, counts included).
+      local_opt_state: the inner optimizer's state (kept local, counts included).
       outer_state: the outer optimizer's state.
       nonfinite_resets: float32 scalar, syncs at which this replica's fast
         weights were not finite (only counted with ``nonfinite_guard``).
@@ -59,7 +59,7 @@ class LocalStepsState(NamedTuple):
 
     count: jax.Array
     slow_params: optax.Params
-    inner_state: optax.OptState
+    local_opt_state: optax.OptState
     outer_state: optax.OptState
     nonfinite_resets: jax.Array
 
@@ -114,7 +114,9 @@ def _is_batched(x: Any) -> bool:
         from jax._src.interpreters import batching  # noqa: PLC0415
     except ImportError:  # pragma: no cover - a future JAX; the check is then skipped
         return False
-    return isinstance(x, batching.BatchTracer) and x.batch_dim is not batching.not_mapped
+    if not isinstance(x, batching.BatchTracer):
+        return False
+    return x.batch_dim is not None and not isinstance(x.batch_dim, batching.NotMapped)
 
 
 BATCHED_COUNTER_FIX = (
@@ -217,7 +219,7 @@ def local_steps(
       >>> step = jax.jit(reps.map(tx.update))           # binds axis "replica"
       >>> updates, state = step(jnp.ones((8, 4)), state, params)
       >>> params = optax.apply_updates(params, updates)
-      >>> int(state.count), state.inner_state[0].count.shape
+      >>> int(state.count), state.local_opt_state[0].count.shape
       (1, (8,))
 
     References:
@@ -239,20 +241,20 @@ def local_steps(
         return LocalStepsState(
             count=jnp.zeros([], jnp.int32),
             slow_params=slow,
-            inner_state=inner.init(params),
+            local_opt_state=inner.init(params),
             outer_state=outer.init(slow),
             nonfinite_resets=jnp.zeros([], jnp.float32),
         )
 
     def sync(params: optax.Params, operands: tuple) -> tuple:
-        inner_updates, slow, outer_state, inner_state, resets = operands
+        inner_updates, slow, outer_state, local_opt_state, resets = operands
         theta = float_leaves(optax.apply_updates(params, inner_updates))
         outer_grad = jax.tree.map(lambda s, t: s - t.astype(s.dtype), slow, theta)
         if not nonfinite_guard:
             delta, outer_state = outer.update(outer_grad, outer_state, slow)
             new_slow = optax.apply_updates(slow, delta)
             jump = _landing(new_slow, params, inner_updates)
-            return jump, new_slow, outer_state, inner_state, resets
+            return jump, new_slow, outer_state, local_opt_state, resets
         ok = _all_finite(theta, guard_axis_name)
         safe_grad = optax.tree.where(ok, outer_grad, optax.tree.zeros_like(outer_grad))
         delta, new_outer = outer.update(safe_grad, outer_state, slow, active=ok)
@@ -262,9 +264,9 @@ def local_steps(
         kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
         outer_state = _counters_from(new_outer, kept)
         fresh = inner.init(_theta_like(new_slow, params))  # a restart from phi, counts too
-        inner_state = optax.tree.where(ok, inner_state, fresh)
+        local_opt_state = optax.tree.where(ok, local_opt_state, fresh)
         jump = _landing(new_slow, params, inner_updates)
-        return jump, new_slow, outer_state, inner_state, resets + (1.0 - ok)
+        return jump, new_slow, outer_state, local_opt_state, resets + (1.0 - ok)
 
     def update_fn(
         updates: optax.Updates,
@@ -279,14 +281,14 @@ def local_steps(
         sync_step = extra_args.pop("sync_step", None)
         if sync_step is not None and not isinstance(sync_step, bool):
             raise ValueError(f"sync_step must be None, True or False, got {sync_step!r}.")
-        inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        inner_updates, local_opt_state = inner.update(updates, state.local_opt_state, params, **extra_args)
         count = optax.safe_int32_increment(state.count)
         # Both branches return float updates in at least float32 (apply_updates
         # adds in that width and casts once), so a sync lands exactly on phi.
         inner_updates = jax.tree.map(
             lambda u, p: u.astype(_update_dtype(p)) if is_float(p) else u, inner_updates, params
         )
-        operands = (inner_updates, state.slow_params, state.outer_state, inner_state,
+        operands = (inner_updates, state.slow_params, state.outer_state, local_opt_state,
                     state.nonfinite_resets)  # fmt: skip
         if sync_step is None:
             branches = lax.cond(
@@ -296,8 +298,8 @@ def local_steps(
             if check_phase:
                 _check_phase(count, sync_every, sync_step)
             branches = sync(params, operands) if sync_step else operands
-        new_updates, slow, outer_state, inner_state, resets = branches
-        return new_updates, LocalStepsState(count, slow, inner_state, outer_state, resets)
+        new_updates, slow, outer_state, local_opt_state, resets = branches
+        return new_updates, LocalStepsState(count, slow, local_opt_state, outer_state, resets)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -395,7 +397,7 @@ def check_composition(opt_state: optax.OptState) -> None:
     is_wrapper = lambda x: isinstance(x, wrappers)  # noqa: E731
     for node in jax.tree.leaves(opt_state, is_leaf=is_wrapper):
         if is_wrapper(node) and find_local_steps_state(node) is not None:
-            name = type(node).__name__.removesuffix("State")
+            name = {optax.ApplyIfFiniteState: "apply_if_finite"}.get(type(node), "MultiSteps")
             raise ValueError(
                 f"optax.{name} wraps local_steps: it would run or skip steps per replica "
                 f"and desynchronise the replicas' rounds. Put it inside, as local_steps' "

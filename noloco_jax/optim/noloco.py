@@ -41,7 +41,15 @@ import optax
 from noloco_jax import comm
 from noloco_jax.optim.trees import float_leaves, zeros_where_none
 
-__all__ = ["NoLoCoOuterState", "noloco_outer", "check_nonnegative", "check_rate", "rate_at"]
+__all__ = [
+    "NoLoCoOuterState",
+    "noloco_outer",
+    "check_nonnegative",
+    "check_rate",
+    "check_static_args",
+    "rate_at",
+    "INJECT_STATIC_ARGS",
+]
 
 
 class NoLoCoOuterState(NamedTuple):
@@ -127,6 +135,21 @@ def _pseudo_gradient(
     return jax.tree.map(
         lambda p, tb, pb: (p - tb + coef * (p - pb)).astype(p.dtype), phi, theta_bar, phi_bar
     )
+
+
+INJECT_STATIC_ARGS = ("group_size", "seed", "dropout_prob", "pool_size")
+"""Arguments to keep static in ``optax.inject_hyperparams(noloco_outer, static_args=...)``."""
+
+
+def check_static_args(**values: Any) -> None:
+    """Raises if a structural argument is an array (e.g. injected by ``inject_hyperparams``)."""
+    for name, value in values.items():
+        if isinstance(value, (jax.Array, np.ndarray)):
+            raise ValueError(
+                f"{name} shapes the compiled exchange and must be a Python number, got an "
+                f"array. With optax.inject_hyperparams pass "
+                f"static_args=noloco_jax.optim.noloco.INJECT_STATIC_ARGS."
+            )
 
 
 def _gamma_over_beta(gamma: Any, beta: Any) -> Any:
@@ -222,6 +245,7 @@ def noloco_outer(
     beta = check_rate("learning_rate", learning_rate)
     alpha = check_rate("momentum", momentum)
     gamma_over_beta = _gamma_over_beta(gamma, beta)
+    check_static_args(group_size=group_size, seed=seed, dropout_prob=dropout_prob)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
         raise ValueError(f"group_size must be an integer >= 2, got {group_size!r}.")
     if pool_size is not None and pool_size < 1:

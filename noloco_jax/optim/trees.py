@@ -23,6 +23,6 @@ def float_leaves(tree: Any) -> Any:
 def zeros_where_none(partial: Any, like: Any) -> Any:
     """``partial`` (a ``float_leaves`` tree) with its ``None`` leaves filled by zeros of ``like``."""
     return jax.tree.map(
-        lambda u, x: jnp.zeros_like(x) if u is None else u, partial, like,
+        lambda u, x: u if u is not None or x is None else jnp.zeros_like(x), partial, like,
         is_leaf=lambda v: v is None,
     )  # fmt: skip

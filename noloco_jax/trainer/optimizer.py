@@ -9,7 +9,7 @@ import optax
 
 from noloco_jax import comm
 from noloco_jax.optim import (
-    clip_by_global_norm,
+    clip_by_global_norm_fused,
     data_parallel,
     diloco_outer,
     local_steps,
@@ -80,7 +80,7 @@ def build_optimizer(
     elif num_stages > 1:
         clip = clip_by_stage_norm(optim.clip_norm, num_stages, stage=stage)
     else:
-        clip = clip_by_global_norm(optim.clip_norm)  # fuses into Adam; optax's does not
+        clip = clip_by_global_norm_fused(optim.clip_norm)  # fuses into Adam; optax's does not
     axis = AXIS if num_replicas > 1 else None
     if method == "local":  # independent replicas: no communication at all
         return optax.with_extra_args_support(optax.chain(clip, inner))

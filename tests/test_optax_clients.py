@@ -1,0 +1,523 @@
+"""The optimizer core as an optax user drives it: the documented paths, Flax NNX, optax's
+wrappers, schedules, low-precision params and the traps each of them used to hide."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+import jax.extend as jex
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from noloco_jax import comm, diloco_outer, local_steps, noloco_outer, replicas
+from noloco_jax.optim.local_steps import check_composition
+from noloco_jax.optim.noloco import INJECT_STATIC_ARGS
+from tests.helpers import random_tree, step_fn
+
+N = 4
+
+
+def _outside_branches(jaxpr):
+    """Equations that run on every step: all but those inside ``cond`` branches."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "cond":
+            out.append(e)
+            continue
+        out.append(e)
+        for sub in jex.core.jaxprs_in_params(e.params):
+            out += _outside_branches(getattr(sub, "jaxpr", sub))
+    return out
+
+
+def _assert_outer_work_only_in_a_branch(closed, weight_shapes):
+    eqns = _outside_branches(closed.jaxpr)
+    conds = [e for e in eqns if e.primitive.name == "cond"]
+    assert any(len(e.params["branches"]) == 2 for e in conds)  # the sync branch
+    selects = [e for e in eqns if e.primitive.name == "select_n"
+               and tuple(e.outvars[0].aval.shape) in weight_shapes]  # fmt: skip
+    assert not selects  # a batched phase turns the branch into a select over the weights
+    assert not [e for e in conds if len(e.params["branches"]) > 2]  # group draw: sync only
+
+
+# ------------------------------------------------------------------ 1. the fast path
+
+
+def test_documented_path_keeps_the_sync_branch_a_real_cond():
+    tx = local_steps(optax.adam(1e-3), noloco_outer(), sync_every=50)
+    reps = replicas.make_replicas(N, backend="vmap")
+    params = random_tree(jax.random.key(0), N)
+    state = reps.init(tx, params)
+    closed = jax.make_jaxpr(reps.map(tx.update))(params, state, params)
+    _assert_outer_work_only_in_a_branch(closed, {(N, 3, 2), (N, 5)})
+    assert state.count.shape == () and state.outer_state.round.shape == ()
+    assert state.local_opt_state[0].count.shape == (N,)  # per replica: the guard resets it
+
+
+def test_vmapped_init_is_refused_with_the_fix():
+    tx = local_steps(optax.adam(1e-3), noloco_outer(), sync_every=50)
+    params = jnp.zeros((N, 4))
+    state = jax.vmap(tx.init)(params)  # batches the counters
+    with pytest.raises(ValueError, match="make_replicas\\(N\\).init"):
+        jax.vmap(tx.update, axis_name="replica")(params, state, params)
+
+
+class _Linear(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(3, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear(x)
+
+
+def _nnx_replicas(tx):
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make_model(key):
+        return _Linear(nnx.Rngs(key))
+
+    model = make_model(jax.random.split(jax.random.key(0), N))
+
+    @nnx.vmap(in_axes=0, out_axes=replicas.nnx_state_axes())
+    def make_opt(m):
+        return nnx.Optimizer(m, tx, wrt=nnx.Param)
+
+    return model, make_opt(model)
+
+
+def _nnx_step(model, opt, x):
+    loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+    opt.update(model, grads)
+    return loss
+
+
+def test_flax_nnx_recipe_keeps_counters_shared_and_trains():
+    tx = local_steps(optax.adam(1e-2), noloco_outer(), sync_every=3)
+    model, opt = _nnx_replicas(tx)
+    step = nnx.jit(nnx.vmap(_nnx_step, in_axes=(0, replicas.nnx_state_axes(), 0),
+                            axis_name="replica"))  # fmt: skip
+    x = jax.random.normal(jax.random.key(1), (N, 5, 3))
+    graphdef, flat = nnx.split((model, opt))
+
+    def pure(flat, x):
+        m, o = nnx.merge(graphdef, flat)
+        return step(m, o, x)
+
+    _assert_outer_work_only_in_a_branch(jax.make_jaxpr(pure)(flat, x), {(N, 3, 2), (N, 2)})
+    for _ in range(3):
+        step(model, opt, x)
+    k = np.asarray(model.linear.kernel[...])
+    slow = np.asarray(opt.opt_state.slow_params["linear"]["kernel"][...])
+    np.testing.assert_allclose(k, slow, rtol=1e-6)  # step 3 synced: theta = phi (f32 rounding)
+    assert opt.opt_state.count[...].shape == () and int(opt.opt_state.count[...]) == 3
+
+
+def test_flax_nnx_without_the_state_axes_is_refused():
+    tx = local_steps(optax.adam(1e-2), noloco_outer(), sync_every=3)
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        m = _Linear(nnx.Rngs(key))
+        return m, nnx.Optimizer(m, tx, wrt=nnx.Param)
+
+    model, opt = make(jax.random.split(jax.random.key(0), N))
+    step = nnx.vmap(_nnx_step, in_axes=(0, 0, 0), axis_name="replica")
+    with pytest.raises(ValueError, match="nnx_state_axes"):
+        step(model, opt, jnp.ones((N, 5, 3)))
+
+
+# ------------------------------------------------------------------ 2. pools connect
+
+
+@pytest.mark.parametrize("num_replicas,n", [(8, 2), (16, 2), (64, 2), (16, 4), (12, 3)])
+def test_every_pool_connects_all_replicas(num_replicas, n):
+    for seed in range(20):
+        for size in (2, 3):
+            pool = comm.partition_pool(num_replicas, n, seed, size)
+            assert comm.connects_all(pool, num_replicas), (seed, size)
+
+
+def test_connects_all_detects_a_split():
+    one_matching = comm.partition_pool(8, 2, 0)[:1]
+    assert not comm.connects_all(one_matching, 8)
+    assert comm.connects_all(comm.partition_pool(8, 2, 0), 8)
+
+
+def test_a_pool_of_one_partition_is_refused():
+    with pytest.raises(ValueError, match="pool_size=1 leaves replicas that never meet"):
+        comm.partition_pool(8, 2, 0, pool_size=1)
+    assert comm.partition_pool(4, 4, 0, pool_size=1).shape == (1, 1, 4)  # one group: fine
+
+
+# ------------------------------------------------------------------ 3, 7. the guard
+
+
+def _guarded(sync_every=2, momentum=0.5):
+    return local_steps(
+        optax.adam(0.1),
+        noloco_outer(learning_rate=0.5, momentum=momentum),
+        sync_every,
+        nonfinite_guard=True,
+    )
+
+
+def _run(tx, grads_seq, params):
+    reps = replicas.make_replicas(2, backend="vmap")
+    state = reps.init(tx, params)
+    step = jax.jit(reps.map(step_fn(tx)))
+    for g in grads_seq:
+        params, state = step(params, state, g)
+    return params, state
+
+
+def test_guard_restarts_adam_with_a_fresh_count():
+    tx = _guarded()
+    params = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}
+    ok = {"w": jnp.ones((2, 2))}
+    bad = {"w": jnp.array([[1.0, 1.0], [jnp.nan, 1.0]])}
+    _, state = _run(tx, [ok, ok, ok, bad], params)  # replica 1 broken at step 4 (a sync)
+    counts = np.asarray(state.local_opt_state[0].count)
+    np.testing.assert_array_equal(counts, [4, 0])
+    np.testing.assert_array_equal(np.asarray(state.local_opt_state[0].mu["w"][1]), [0.0, 0.0])
+
+
+def test_first_step_after_a_reset_is_one_learning_rate():
+    tx = _guarded()
+    params = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}
+    ok = {"w": jnp.ones((2, 2))}
+    bad = {"w": jnp.array([[1.0, 1.0], [jnp.nan, 1.0]])}
+    p, state = _run(tx, [ok] * 7 + [bad], params)  # replica 1 caught at the 4th sync
+    p = _restore(p, state)  # theta <- phi for the caught replica
+    before = np.asarray(p["w"][1])
+    p2, _ = _run_from(tx, p, state, [{"w": jnp.full((2, 2), 3.0)}])
+    moved = np.asarray(p2["w"][1]) - before
+    # Adam's first step is lr * sign(g); with the stale count of 8 it was ~0.49 lr.
+    np.testing.assert_allclose(moved, -0.1, rtol=1e-5)
+
+
+def _restore(params, state):
+    from noloco_jax import restore_nonfinite
+
+    reps = replicas.Replicas(2)
+    return reps.map(restore_nonfinite)(params, state)
+
+
+def _run_from(tx, params, state, grads_seq):
+    reps = replicas.Replicas(2)
+    step = jax.jit(reps.map(step_fn(tx)))
+    for g in grads_seq:
+        params, state = step(params, state, g)
+    return params, state
+
+
+def test_guard_keeps_a_caught_replicas_momentum():
+    tx = _guarded()
+    params = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}
+    ok = {"w": jnp.ones((2, 2))}
+    bad = {"w": jnp.array([[1.0, 1.0], [jnp.nan, 1.0]])}
+    _, s1 = _run(tx, [ok, ok], params)
+    _, s2 = _run(tx, [ok, ok, ok, bad], params)
+    m1 = np.asarray(s1.outer_state.sgd_state[0].trace["w"])
+    m2 = np.asarray(s2.outer_state.sgd_state[0].trace["w"])
+    np.testing.assert_array_equal(m2[1], m1[1])  # caught: kept, not decayed
+    assert not np.allclose(m2[0], m1[0])  # healthy partner: moved on
+    assert int(s2.outer_state.round) == 2
+
+
+# ------------------------------------------------------------------ 4. phase flag checked
+
+
+def test_a_wrong_sync_step_flag_raises_when_the_step_runs():
+    tx = local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 3)
+    p = jnp.zeros(3)
+    state = tx.init(p)
+    step = jax.jit(lambda s, flag: tx.update(p, s, p, sync_step=flag), static_argnums=1)
+    _, state = step(state, False)  # step 1 of 3: right
+    with pytest.raises(Exception, match="sync_step=True but this is inner step 2"):
+        jax.block_until_ready(step(state, True))
+    _, state = step(state, False)  # step 2
+    with pytest.raises(Exception, match="sync_step=False but this is inner step 3"):
+        jax.block_until_ready(step(state, False))
+
+
+# ------------------------------------------------------------------ 5. apply_if_finite
+
+
+def test_apply_if_finite_around_local_steps_is_refused():
+    tx = optax.apply_if_finite(local_steps(optax.adam(0.1), noloco_outer(), 2), 3)
+    reps = replicas.make_replicas(N, backend="vmap")
+    with pytest.raises(ValueError, match="apply_if_finite wraps local_steps"):
+        reps.init(tx, random_tree(jax.random.key(0), N))
+
+
+def test_apply_if_finite_around_local_steps_is_refused_under_vmap_too():
+    tx = optax.apply_if_finite(local_steps(optax.adam(0.1), noloco_outer(), 2), 3)
+    params = random_tree(jax.random.key(0), N)
+    state = jax.vmap(tx.init)(params)
+    step = jax.vmap(step_fn(tx), axis_name="replica")
+    with pytest.raises(ValueError, match="apply_if_finite around local_steps"):
+        step(params, state, params)
+
+
+def test_apply_if_finite_inside_local_steps_works():
+    tx = local_steps(optax.apply_if_finite(optax.adam(0.1), 3), noloco_outer(), 2)
+    reps = replicas.make_replicas(N, backend="vmap")
+    params = random_tree(jax.random.key(0), N)
+    state = reps.init(tx, params)
+    step = jax.jit(reps.map(step_fn(tx)))
+    grads = jax.tree.map(lambda x: x.at[0].set(jnp.nan), params)
+    params, state = step(params, state, grads)
+    params, state = step(params, state, jax.tree.map(jnp.ones_like, params))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+    assert int(state.outer_state.round) == 1
+
+
+# ------------------------------------------------------------------ 6. integer leaves
+
+
+def test_integer_params_pass_through_untouched():
+    # An integer buffer per replica (an integer *scalar* would be taken for a shared counter).
+    params = {"w": jnp.arange(N * 2.0).reshape(N, 2), "n": jnp.arange(N * 3).reshape(N, 3)}
+    inner = optax.masked(optax.sgd(0.1), {"w": True, "n": False})
+    for outer in (noloco_outer(), diloco_outer()):
+        tx = local_steps(inner, outer, 2)
+        reps = replicas.make_replicas(N, backend="vmap")
+        state = reps.init(tx, params)
+        grads = {"w": jnp.ones((N, 2)), "n": jnp.zeros((N, 3), jnp.int32)}
+        p, s = params, state
+        for _ in range(4):
+            p, s = jax.jit(reps.map(step_fn(tx)))(p, s, grads)
+        np.testing.assert_array_equal(p["n"], params["n"])  # never averaged
+        assert s.slow_params["n"] is None and p["n"].dtype == jnp.int32
+
+
+def test_noloco_outer_alone_does_not_average_integer_leaves():
+    tx = noloco_outer(learning_rate=1.0, momentum=0.0)
+    phi = {"w": jnp.zeros((N, 2)), "n": jnp.arange(N * 3).reshape(N, 3)}
+    theta = {"w": jnp.arange(N * 2.0).reshape(N, 2), "n": phi["n"]}
+    reps = replicas.make_replicas(N, backend="vmap")
+    state = reps.init(tx, phi)
+    grad = jax.tree.map(lambda a, b: a - b, phi, theta)
+    delta, _ = reps.map(tx.update)(grad, state, phi)
+    np.testing.assert_array_equal(delta["n"], np.zeros((N, 3), np.int32))
+
+
+# ------------------------------------------------------------------ 8. low precision
+
+
+def test_bf16_params_land_exactly_on_phi():
+    params = {"w": (jnp.arange(N * 6.0).reshape(N, 6) / 7).astype(jnp.bfloat16)}
+    tx = local_steps(optax.adam(1e-2), noloco_outer(), 2)
+    reps = replicas.make_replicas(N, backend="vmap")
+    p, s = params, reps.init(tx, params)
+    step = jax.jit(reps.map(step_fn(tx)))
+    grads = {"w": jnp.linspace(-1, 1, N * 6).reshape(N, 6).astype(jnp.bfloat16)}
+    for _ in range(4):
+        p, s = step(p, s, grads)
+    np.testing.assert_array_equal(np.asarray(p["w"]), np.asarray(s.slow_params["w"]))
+
+
+def test_float32_master_weights_for_bf16_params():
+    params = {"w": (jnp.arange(N * 6.0).reshape(N, 6) / 7).astype(jnp.bfloat16)}
+    tx = local_steps(optax.adam(1e-2), noloco_outer(), 2, slow_dtype=jnp.float32)
+    reps = replicas.make_replicas(N, backend="vmap")
+    p, s = params, reps.init(tx, params)
+    assert s.slow_params["w"].dtype == jnp.float32
+    assert s.outer_state.sgd_state[0].trace["w"].dtype == jnp.float32
+    step = jax.jit(reps.map(step_fn(tx)))
+    grads = {"w": jnp.linspace(-1, 1, N * 6).reshape(N, 6).astype(jnp.bfloat16)}
+    for _ in range(4):
+        p, s = step(p, s, grads)
+    assert p["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(p["w"]), np.asarray(s.slow_params["w"].astype(jnp.bfloat16))
+    )
+    assert not np.array_equal(  # phi keeps digits bf16 cannot hold
+        np.asarray(s.slow_params["w"]), np.asarray(p["w"].astype(jnp.float32))
+    )
+
+
+def test_slow_dtype_must_be_a_float():
+    with pytest.raises(ValueError, match="slow_dtype"):
+        local_steps(optax.sgd(0.1), noloco_outer(), 2, slow_dtype=jnp.int32)
+
+
+# ------------------------------------------------------------------ composing
+
+
+def _numpy_outer(phis, thetas_seq, groups_seq, lr_seq, alpha, nesterov):
+    """Reference outer rounds with gamma = beta: g_i = phi_i - mean_G theta."""
+    phis = [np.array(p, np.float64) for p in phis]
+    trace = [np.zeros_like(p) for p in phis]
+    out = []
+    for thetas, groups, lr in zip(thetas_seq, groups_seq, lr_seq):
+        new = []
+        for i, p in enumerate(phis):
+            g_members = next(g for g in groups if i in g)
+            g = p - np.mean([thetas[j] for j in g_members], axis=0)
+            trace[i] = alpha * trace[i] + g
+            step = g + alpha * trace[i] if nesterov else trace[i]
+            new.append(p - lr * step)
+        phis = new
+        out.append(phis)
+    return out
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_outer_lr_schedule_and_nesterov_match_numpy(nesterov):
+    schedule = optax.linear_schedule(0.9, 0.3, transition_steps=3)
+    tx = noloco_outer(learning_rate=schedule, momentum=0.5, nesterov=nesterov, seed=3)
+    reps = replicas.make_replicas(N, backend="vmap")
+    rng = np.random.default_rng(0)
+    phi = jnp.asarray(rng.normal(size=(N, 3)), jnp.float32)
+    phi0 = np.asarray(phi)
+    state = reps.init(tx, phi)
+    update = jax.jit(reps.map(tx.update))
+    thetas_seq, got = [], []
+    for _ in range(4):
+        theta = phi + jnp.asarray(rng.normal(size=(N, 3)), jnp.float32)
+        thetas_seq.append(np.asarray(theta))
+        delta, state = update(phi - theta, state, phi)
+        phi = phi + delta
+        got.append(np.asarray(phi))
+    groups = [comm.groups_for_round(r, N, 2, 3).tolist() for r in range(4)]
+    lrs = [float(schedule(r)) for r in range(4)]
+    want = _numpy_outer(list(phi0), thetas_seq, groups, lrs, 0.5, nesterov)
+    np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-5, atol=1e-5)
+
+
+def test_inject_hyperparams_of_the_outer_step_equals_fixed_rates():
+    rng = np.random.default_rng(1)
+    phi = jnp.asarray(rng.normal(size=(N, 3)), jnp.float32)
+    theta = phi + jnp.asarray(rng.normal(size=(N, 3)), jnp.float32)
+    reps = replicas.make_replicas(N, backend="vmap")
+    fixed = noloco_outer(learning_rate=0.6, momentum=0.4, gamma=0.9)
+    inject = optax.inject_hyperparams(noloco_outer, static_args=INJECT_STATIC_ARGS)
+    injected = inject(learning_rate=0.6, momentum=0.4, gamma=0.9)
+    d1, _ = reps.map(fixed.update)(phi - theta, reps.init(fixed, phi), phi)
+    s2 = reps.init(injected, phi)
+    d2, s2 = reps.map(injected.update)(phi - theta, s2, phi)
+    np.testing.assert_allclose(d1, d2, rtol=1e-5)  # gamma / beta: f32 on device vs Python
+    s2.hyperparams["learning_rate"] = jnp.full_like(s2.hyperparams["learning_rate"], 0.0)
+    d3, _ = reps.map(injected.update)(phi - theta, s2, phi)
+    np.testing.assert_array_equal(np.asarray(d3), 0.0)  # the injected value is used
+
+
+def test_injecting_a_structural_argument_names_the_static_args():
+    with pytest.raises(ValueError, match="INJECT_STATIC_ARGS"):
+        optax.inject_hyperparams(noloco_outer)(learning_rate=0.6).init(jnp.zeros(3))
+
+
+def test_python_numbers_are_still_validated():
+    with pytest.raises(ValueError, match="learning_rate"):
+        noloco_outer(learning_rate=-1.0)
+    with pytest.raises(ValueError, match="momentum"):
+        diloco_outer(momentum=float("inf"))
+    with pytest.raises(ValueError, match="gamma"):
+        noloco_outer(learning_rate=optax.constant_schedule(0.7), gamma=optax.constant_schedule(1))
+
+
+def _train(tx, steps=6, num=N, params=None):
+    reps = replicas.make_replicas(num, backend="vmap")
+    params = random_tree(jax.random.key(0), num) if params is None else params
+    state = reps.init(tx, params)
+    step = jax.jit(reps.map(step_fn(tx)))
+    for t in range(steps):
+        grads = random_tree(jax.random.key(100 + t), num)
+        params, state = step(params, state, grads)
+    return params, state
+
+
+def test_clipping_chained_before_local_steps():
+    clip = optax.clip_by_global_norm(0.5)
+    a, _ = _train(optax.chain(clip, local_steps(optax.sgd(0.1), noloco_outer(), 3)))
+    b, _ = _train(local_steps(optax.chain(clip, optax.sgd(0.1)), noloco_outer(), 3))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-6)
+
+
+def test_multisteps_inside_local_steps_and_refused_outside():
+    acc = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    params, state = _train(local_steps(acc.gradient_transformation(), noloco_outer(), 4), steps=8)
+    assert int(state.outer_state.round) == 2
+    with pytest.raises(ValueError, match="multiple of the MultiSteps accumulation count k=2"):
+        local_steps(acc.gradient_transformation(), noloco_outer(), 3)
+    outside = optax.MultiSteps(local_steps(optax.sgd(0.1), noloco_outer(), 4), 2)
+    with pytest.raises(ValueError, match="MultiSteps wraps local_steps"):
+        check_composition(outside.init(random_tree(jax.random.key(0))))
+
+
+def test_masked_and_multi_transform():
+    mask = {"w": True, "b": False}
+    tx = optax.masked(local_steps(optax.sgd(0.1), noloco_outer(), 2), mask)
+    params, _ = _train(tx, steps=4)
+    start = random_tree(jax.random.key(0), N)
+    grads = sum(random_tree(jax.random.key(100 + t), N)["b"] for t in range(4))
+    np.testing.assert_allclose(params["b"], start["b"] + grads, rtol=1e-6, atol=1e-6)  # identity
+    tx = optax.multi_transform(
+        {"a": local_steps(optax.sgd(0.1), noloco_outer(), 2), "b": optax.adam(0.1)},
+        {"w": "a", "b": "b"},
+    )
+    params, state = _train(tx, steps=4)
+    ls = state.inner_states["a"].inner_state
+    assert int(ls.outer_state.round) == 2 and ls.count.shape == ()
+
+
+def test_jit_with_donation_does_not_recompile():
+    tx = local_steps(optax.adam(0.1), noloco_outer(), 2, nonfinite_guard=True)
+    reps = replicas.make_replicas(N, backend="vmap")
+    params = random_tree(jax.random.key(0), N)
+    state = reps.init(tx, params)
+    step = jax.jit(reps.map(step_fn(tx)), donate_argnums=(0, 1))
+    for t in range(5):
+        params, state = step(params, state, random_tree(jax.random.key(t), N))
+    assert step._cache_size() == 1
+
+
+def test_user_written_shard_map_loop_equals_vmap():
+    tx = local_steps(optax.adam(0.05), noloco_outer(seed=1), 2)
+    mesh = jax.make_mesh((N,), ("replica",))
+    params0 = random_tree(jax.random.key(0), N)
+    state0 = replicas.make_replicas(N, backend="vmap").init(tx, params0)
+    spec = jax.tree.map(lambda a: P() if a is None else P("replica"),
+                        replicas.replica_axes(state0), is_leaf=lambda x: x is None)  # fmt: skip
+
+    def local(p, s, g):  # one replica's view: the leading axis of size 1 is the block
+        sq = lambda t, ax: jax.tree.map(lambda x, a: x if a is None else x[0], t, ax,  # noqa: E731
+                                        is_leaf=lambda x: x is None)  # fmt: skip
+        s1 = sq(s, replicas.replica_axes(state0))
+        p1, s1 = step_fn(tx)(jax.tree.map(lambda x: x[0], p), s1, jax.tree.map(lambda x: x[0], g))
+        un = lambda t, ax: jax.tree.map(lambda x, a: x if a is None else x[None], t, ax,  # noqa: E731
+                                        is_leaf=lambda x: x is None)  # fmt: skip
+        return jax.tree.map(lambda x: x[None], p1), un(s1, replicas.replica_axes(state0))
+
+    sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("replica"), spec, P("replica")),
+                                    out_specs=(P("replica"), spec)))  # fmt: skip
+    def put(tree, specs):
+        return jax.tree.map(lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), tree, specs)
+
+    full = lambda x: P("replica", *[None] * (x.ndim - 1))  # noqa: E731
+    p = put(params0, jax.tree.map(full, params0))
+    s = put(state0, jax.tree.map(lambda x, sp: sp if sp == P() else full(x), state0, spec))
+    for t in range(4):
+        g = random_tree(jax.random.key(50 + t), N)
+        p, s = sharded(p, s, put(g, jax.tree.map(full, g)))
+    reps = replicas.make_replicas(N, backend="vmap")
+    q, r = params0, state0
+    for t in range(4):
+        q, r = jax.jit(reps.map(step_fn(tx)))(q, r, random_tree(jax.random.key(50 + t), N))
+    for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_clip_equals_optax_clip_inside_local_steps():
+    from noloco_jax.optim import clip_by_global_norm_fused
+
+    a, _ = _train(local_steps(optax.chain(optax.clip_by_global_norm(0.3), optax.sgd(0.1)),
+                              noloco_outer(), 2))  # fmt: skip
+    b, _ = _train(local_steps(optax.chain(clip_by_global_norm_fused(0.3), optax.sgd(0.1)),
+                              noloco_outer(), 2))  # fmt: skip
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
