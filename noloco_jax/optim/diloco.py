@@ -67,12 +67,13 @@ def diloco_outer(
       An ``optax.GradientTransformationExtraArgs``.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax.numpy as jnp
+      >>> from noloco_jax import replicas
       >>> tx = diloco_outer(axis_name="replica")
+      >>> reps = replicas.make_replicas(4, backend="vmap")
       >>> phi, theta = jnp.zeros((4, 3)), jnp.ones((4, 3))
-      >>> state = jax.vmap(tx.init)(phi)
-      >>> delta, _ = jax.vmap(tx.update, axis_name="replica")(phi - theta, state, phi)
-      >>> float(delta[0, 0])  # 0.7 * mean(theta - phi)
+      >>> delta, _ = reps.map(tx.update)(phi - theta, reps.init(tx, phi), phi)
+      >>> round(float(delta[0, 0]), 6)  # 0.7 * mean(theta - phi)
       0.7
 
     References:

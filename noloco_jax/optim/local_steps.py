@@ -28,7 +28,7 @@ import optax
 from jax import lax
 
 from noloco_jax import comm
-from noloco_jax.optim.trees import float_leaves, is_float
+from noloco_jax.optim.trees import BATCHED_COUNTER_FIX, float_leaves, is_batched, is_float
 
 AxisName = Union[str, tuple[str, ...]]
 
@@ -106,29 +106,6 @@ def _theta_like(new_slow: Any, params: Any) -> Any:
         lambda s, p: p if s is None else s.astype(p.dtype), new_slow, params,
         is_leaf=lambda x: x is None,
     )  # fmt: skip
-
-
-def _is_batched(x: Any) -> bool:
-    """Whether ``x`` is being traced with a ``vmap`` batch axis (no public API says so)."""
-    try:
-        from jax._src.interpreters import batching  # noqa: PLC0415
-    except ImportError:  # pragma: no cover - a future JAX; the check is then skipped
-        return False
-    if not isinstance(x, batching.BatchTracer):
-        return False
-    return x.batch_dim is not None and not isinstance(x.batch_dim, batching.NotMapped)
-
-
-BATCHED_COUNTER_FIX = (
-    "local_steps: its step counter is batched over a vmap axis (jax.vmap(tx.init) gives "
-    "every replica its own counter, and optax.apply_if_finite around local_steps makes one "
-    "replica's counter differ from the others'), so the sync branch would become a select "
-    "that runs the outer step and every group exchange on every step. Keep the counters "
-    "shared: build the state with noloco_jax.replicas.make_replicas(N).init(tx, params) and "
-    "step with .map(tx.update) (or jax.vmap with in_axes=replicas.replica_axes(state)); "
-    "with Flax NNX use nnx.vmap(..., in_axes=(..., replicas.nnx_state_axes(), ...)). For "
-    "non-finite steps use local_steps(..., nonfinite_guard=True) instead of apply_if_finite."
-)
 
 
 def _check_phase(count: jax.Array, sync_every: int, sync_step: bool) -> None:
@@ -276,7 +253,7 @@ def local_steps(
     ) -> tuple[optax.Updates, LocalStepsState]:
         if params is None:
             raise ValueError("local_steps.update needs params= the current (fast) weights.")
-        if _is_batched(state.count):
+        if is_batched(state.count):
             raise ValueError(BATCHED_COUNTER_FIX)
         sync_step = extra_args.pop("sync_step", None)
         if sync_step is not None and not isinstance(sync_step, bool):
@@ -432,11 +409,12 @@ def data_parallel(
       An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s.
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax
+      >>> import jax.numpy as jnp, optax
+      >>> from noloco_jax import replicas
       >>> tx = data_parallel(optax.sgd(0.1))
+      >>> reps = replicas.make_replicas(4, backend="vmap")
       >>> params, grads = jnp.zeros((4, 2)), jnp.arange(8.0).reshape(4, 2)
-      >>> state = jax.vmap(tx.init)(params)
-      >>> updates, _ = jax.vmap(tx.update, axis_name="replica")(grads, state, params)
+      >>> updates, _ = reps.map(tx.update)(grads, reps.init(tx, params), params)
       >>> updates[0].tolist()  # -0.1 * mean over replicas
       [-0.30000001192092896, -0.4000000059604645]
     """

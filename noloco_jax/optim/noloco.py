@@ -39,7 +39,7 @@ import numpy as np
 import optax
 
 from noloco_jax import comm
-from noloco_jax.optim.trees import float_leaves, zeros_where_none
+from noloco_jax.optim.trees import BATCHED_COUNTER_FIX, float_leaves, is_batched, zeros_where_none
 
 __all__ = [
     "NoLoCoOuterState",
@@ -229,14 +229,16 @@ def noloco_outer(
       leaves (integer buffers) are neither sent nor moved (their delta is 0).
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax.numpy as jnp
+      >>> from noloco_jax import replicas
       >>> tx = noloco_outer(axis_name="replica")
+      >>> reps = replicas.make_replicas(4, backend="vmap")
       >>> phi = jnp.zeros((4, 3))                       # 4 replicas
       >>> theta = jnp.arange(12.0).reshape(4, 3)
-      >>> state = jax.vmap(tx.init)(phi)
-      >>> delta, state = jax.vmap(tx.update, axis_name="replica")(phi - theta, state, phi)
-      >>> delta.shape
-      (4, 3)
+      >>> state = reps.init(tx, phi)                    # the round counter stays shared
+      >>> delta, state = reps.map(tx.update)(phi - theta, state, phi)
+      >>> delta.shape, int(state.round)
+      ((4, 3), 1)
 
     References:
       Kolehmainen et al., "NoLoCo: No-all-reduce Low Communication Training
@@ -269,6 +271,9 @@ def noloco_outer(
         del extra_args
         if params is None:
             raise ValueError("noloco_outer.update needs params= the slow weights phi.")
+        if is_batched(state.round):
+            raise ValueError(BATCHED_COUNTER_FIX.replace("local_steps: its step", "noloco_outer: "
+                                                         "its round"))  # fmt: skip
         phi, outer_grad = float_leaves(params), float_leaves(outer_grad)
         if axis_name is None:
             g = outer_grad  # a group of one: mean_G theta = theta

@@ -7,7 +7,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["is_float", "float_leaves", "zeros_where_none"]
+__all__ = [
+    "is_float",
+    "float_leaves",
+    "zeros_where_none",
+    "is_batched",
+    "BATCHED_COUNTER_FIX",
+]
 
 
 def is_float(x: Any) -> bool:
@@ -26,3 +32,26 @@ def zeros_where_none(partial: Any, like: Any) -> Any:
         lambda u, x: u if u is not None or x is None else jnp.zeros_like(x), partial, like,
         is_leaf=lambda v: v is None,
     )  # fmt: skip
+
+
+def is_batched(x: Any) -> bool:
+    """Whether ``x`` is being traced with a ``vmap`` batch axis (no public API says so)."""
+    try:
+        from jax._src.interpreters import batching  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - a future JAX; the check is then skipped
+        return False
+    if not isinstance(x, batching.BatchTracer):
+        return False
+    return x.batch_dim is not None and not isinstance(x.batch_dim, batching.NotMapped)
+
+
+BATCHED_COUNTER_FIX = (
+    "local_steps: its step counter is batched over a vmap axis (jax.vmap(tx.init) gives "
+    "every replica its own counter, and optax.apply_if_finite around local_steps makes one "
+    "replica's counter differ from the others'), so the sync branch would become a select "
+    "that runs the outer step and every group exchange on every step. Keep the counters "
+    "shared: build the state with noloco_jax.replicas.make_replicas(N).init(tx, params) and "
+    "step with .map(tx.update) (or jax.vmap with in_axes=replicas.replica_axes(state)); "
+    "with Flax NNX use nnx.vmap(..., in_axes=(..., replicas.nnx_state_axes(), ...)). For "
+    "non-finite steps use local_steps(..., nonfinite_guard=True) instead of apply_if_finite."
+)

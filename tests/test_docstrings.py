@@ -1,0 +1,18 @@
+"""The docstring examples of the public optimizer API run as written (the first path a user takes)."""
+
+import doctest
+import importlib
+
+import pytest
+
+from noloco_jax import comm, replicas
+
+_OPTIM = [importlib.import_module(f"noloco_jax.optim.{m}")
+          for m in ("local_steps", "noloco", "diloco", "clipping")]  # fmt: skip
+
+
+@pytest.mark.parametrize("module", [*_OPTIM, comm, replicas], ids=lambda m: m.__name__)
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)
+    assert result.attempted > 0 or module is replicas, module.__name__
+    assert result.failed == 0, module.__name__
