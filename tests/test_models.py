@@ -110,8 +110,8 @@ def test_get_preset_overrides_and_unknown_names():
     assert "vocab_size" not in PRESETS["nano"]
     with pytest.raises(ValueError, match="valid presets.*nano.*large"):
         get_preset("huge", vocab_size=V)
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        get_preset("nano", vocab_size=V, num_kv_heads=2)
+    with pytest.raises(ValueError, match="num_experts"):
+        get_preset("nano", vocab_size=V, num_experts=2)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ __all__ = [
     "TOKENIZERS",
 ]
 
-TOKENIZERS = ("byte", "sentencepiece")
+TOKENIZERS = ("byte", "sentencepiece", "hf")
 
 
 class Tokenizer(Protocol):
@@ -195,16 +195,18 @@ def make_tokenizer(
     corpus=None,
     vocab_size: int | None = None,
     cache_dir: str | pathlib.Path | None = None,
+    path: str | pathlib.Path | None = None,
 ) -> Tokenizer:
     """A tokenizer by name.
 
     Args:
-      kind: ``"byte"`` or ``"sentencepiece"``.
+      kind: ``"byte"``, ``"sentencepiece"`` or ``"hf"`` (a local ``tokenizer.json``).
       corpus: the ``Corpus`` a SentencePiece model is trained on (its train split).
       vocab_size: ``None`` or 256 for bytes; required for SentencePiece.
       cache_dir: trained SentencePiece models are cached in
         ``cache_dir/tokenizers``, keyed by corpus name, a hash of its training
         text and the vocabulary size; default ``default_data_dir()``.
+      path: for ``"hf"``: the directory holding ``tokenizer.json``.
 
     Returns:
       The tokenizer.
@@ -225,4 +227,10 @@ def make_tokenizer(
         key = f"{corpus.name}-{texts_digest(corpus.train)}-sp{vocab_size}.model"
         path = root / "tokenizers" / key
         return train_sentencepiece(corpus.train, vocab_size=vocab_size, model_path=path)
+    if kind == "hf":
+        if not path:
+            raise ValueError("the hf tokenizer needs path= (a directory with tokenizer.json).")
+        from noloco_jax.data.hf_tokenizer import HFTokenizer  # noqa: PLC0415
+
+        return HFTokenizer(path)
     raise ValueError(f"tokenizer kind must be one of {list(TOKENIZERS)}, got {kind!r}.")

@@ -1,8 +1,9 @@
 """Llama-style decoder-only transformer in Flax NNX, with stacked blocks applied by ``scan``.
 
 Architecture: token embedding -> L pre-norm blocks (RMSNorm -> causal multi-head attention
-with RoPE -> residual; RMSNorm -> SwiGLU MLP -> residual) -> final RMSNorm -> untied output
-head. No biases. All L blocks live in one ``Block`` whose parameters carry a leading axis of
+with RoPE -> residual; RMSNorm -> SwiGLU MLP -> residual) -> final RMSNorm -> output head
+(untied by default; ``tie_embeddings`` reuses the input table). Grouped-query attention when
+``num_kv_heads`` < ``num_heads``. No biases. All L blocks live in one ``Block`` whose parameters carry a leading axis of
 size L, so ``run_layers`` can apply any sequence of them with one ``jax.lax.scan`` (compile
 time does not grow with L).
 
@@ -10,7 +11,8 @@ Dimension key:
   B: batch size
   T: sequence length
   D: hidden size (model width)
-  N: number of attention heads (as many key/value heads)
+  N: number of attention (query) heads
+  G: number of key/value heads (N when not grouped)
   H: head dimension, D // N
   F: SwiGLU MLP hidden size
   V: vocabulary size
@@ -123,15 +125,19 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention with RoPE; projections stored as [D,N,H] / [N,H,D]."""
+    """Causal self-attention with RoPE; projections stored as [D,N,H], [D,G,H] and [N,H,D].
+
+    With G < N key/value heads (grouped-query attention) query head i reads key/value head
+    i // (N / G), as Hugging Face's ``repeat_kv``.
+    """
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        d, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        d, n, g, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim
         self.theta = cfg.rope_theta
         self.dtype = jnp.dtype(cfg.dtype)
         self.wq = _param(rngs, (d, n, h), cfg)
-        self.wk = _param(rngs, (d, n, h), cfg)
-        self.wv = _param(rngs, (d, n, h), cfg)
+        self.wk = _param(rngs, (d, g, h), cfg)
+        self.wv = _param(rngs, (d, g, h), cfg)
         self.wo = _param(rngs, (n, h, d), cfg)
 
     def _project(self, x_BxTxD: jax.Array, w: nnx.Param) -> jax.Array:
@@ -196,7 +202,8 @@ class Llama(nnx.Module):
       embedding: input token table, [V, D].
       blocks: all decoder blocks, every parameter stacked with a leading L axis.
       final_norm: RMSNorm before the output head.
-      lm_head: untied output projection, [D, V].
+      lm_head: untied output projection, [D, V] (absent with ``cfg.tie_embeddings``: the
+        head is ``embedding.T``).
     """
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
@@ -205,7 +212,8 @@ class Llama(nnx.Module):
         self.embedding = _param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg)
         self.blocks = _stacked_blocks(cfg, rngs)
         self.final_norm = RMSNorm(cfg)
-        self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg)
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         """Maps token ids [B, T] to float32 next-token logits [B, T, V]."""
@@ -283,7 +291,7 @@ class Llama(nnx.Module):
         return ids_K.astype(jnp.int32)
 
     def head(self, x_BxTxD: jax.Array) -> jax.Array:
-        """Final RMSNorm and untied output projection.
+        """Final RMSNorm and output projection (``lm_head``, or ``embedding.T`` when tied).
 
         Args:
           x_BxTxD: residual stream after the blocks.
@@ -292,7 +300,10 @@ class Llama(nnx.Module):
           logits_BxTxV in float32 (the matmul accumulates into float32).
         """
         h_BxTxD = self.final_norm(x_BxTxD)
-        w_DxV = self.lm_head[...].astype(self.dtype)
+        if self.cfg.tie_embeddings:
+            w_DxV = self.embedding[...].T.astype(self.dtype)
+        else:
+            w_DxV = self.lm_head[...].astype(self.dtype)
         return jnp.einsum("btd,dv->btv", h_BxTxD, w_DxV, preferred_element_type=jnp.float32)
 
 

@@ -4,7 +4,8 @@ Dimension key:
   V: vocabulary size
   D: hidden size (model width)
   L: number of decoder blocks
-  N: number of attention heads (key/value heads == query heads, plain MHA)
+  N: number of attention (query) heads
+  K: number of key/value heads (K == N: plain MHA; K < N: grouped-query attention)
   H: head dimension, D // N
   F: SwiGLU MLP hidden size
 """
@@ -35,13 +36,17 @@ class LlamaConfig:
       vocab_size: V, number of token ids.
       hidden_size: D, residual stream width.
       num_layers: L, number of decoder blocks.
-      num_heads: N, attention heads (multi-head attention, as many kv heads).
+      num_heads: N, attention (query) heads.
       mlp_hidden_size: F, SwiGLU hidden width.
       max_seq_len: longest sequence the model accepts.
       rope_theta: RoPE base frequency.
       norm_eps: RMSNorm epsilon.
       dtype: compute dtype of activations and matmuls ("float32" or "bfloat16").
       param_dtype: storage dtype of the parameters ("float32" or "bfloat16").
+      num_kv_heads: K, key/value heads; 0 (default) = num_heads (plain multi-head attention),
+        fewer = grouped-query attention (each K/V head serves N / K query heads).
+      tie_embeddings: if True the output head is the transposed input embedding (one [V, D]
+        table, as in many small Llama-family models); False (default) = separate ``lm_head``.
     """
 
     vocab_size: int
@@ -54,6 +59,8 @@ class LlamaConfig:
     norm_eps: float = 1e-6
     dtype: str = "float32"
     param_dtype: str = "float32"
+    num_kv_heads: int = 0
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -74,6 +81,18 @@ class LlamaConfig:
                 f"LlamaConfig.hidden_size / num_heads (head dim {self.head_dim}) must be even "
                 "for RoPE"
             )
+        kv = self.num_kv_heads
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 0 or (
+            kv and self.num_heads % kv
+        ):
+            raise ValueError(
+                f"LlamaConfig.num_kv_heads must be 0 (= num_heads) or a divisor of num_heads "
+                f"({self.num_heads}), got {kv!r}"
+            )
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(
+                f"LlamaConfig.tie_embeddings must be True or False, got {self.tie_embeddings!r}"
+            )
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             if value not in _DTYPES:
@@ -83,6 +102,11 @@ class LlamaConfig:
     def head_dim(self) -> int:
         """H, the per-head width D // N."""
         return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """K, the number of key/value heads (``num_kv_heads`` or, when 0, ``num_heads``)."""
+        return self.num_kv_heads or self.num_heads
 
 
 # Name -> LlamaConfig kwargs without vocab_size. Approximate totals at vocab 256 in the comments.
@@ -130,9 +154,10 @@ def get_preset(name: str, *, vocab_size: int, **overrides: Any) -> LlamaConfig:
 def param_count(cfg: LlamaConfig, *, non_embedding: bool = False) -> int:
     """Counts the model's parameters from the config alone.
 
-    Per block: q, k, v, o projections (4 D^2), SwiGLU gate, up, down (3 D F) and two RMSNorm
-    scales (2 D); plus the final RMSNorm scale (D). Embeddings are the untied input table and
-    output head (2 V D). No biases.
+    Per block: q and o projections (2 D^2), k and v projections (2 D K H; 2 D^2 without
+    grouped-query attention), SwiGLU gate, up, down (3 D F) and two RMSNorm scales (2 D);
+    plus the final RMSNorm scale (D). Embeddings are the input table and, unless tied, the
+    output head (2 V D untied, V D tied). No biases.
 
     Args:
       cfg: the model config.
@@ -142,8 +167,9 @@ def param_count(cfg: LlamaConfig, *, non_embedding: bool = False) -> int:
       The number of scalar parameters.
     """
     d, f = cfg.hidden_size, cfg.mlp_hidden_size
-    per_block = 4 * d * d + 3 * d * f + 2 * d
+    kv_width = cfg.kv_heads * cfg.head_dim
+    per_block = 2 * d * d + 2 * d * kv_width + 3 * d * f + 2 * d
     body = cfg.num_layers * per_block + d
     if non_embedding:
         return body
-    return body + 2 * cfg.vocab_size * d
+    return body + (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * d

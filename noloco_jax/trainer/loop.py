@@ -57,6 +57,7 @@ def prepare_data(s: TrainSettings) -> DataBundle:
         corpus=corpus,
         vocab_size=s.data.tokenizer_vocab_size or None,
         cache_dir=data_dir,
+        path=s.data.tokenizer_path or None,
     )
     train = data_lib.load_token_stream(corpus, tokenizer, "train", data_dir)
     val = data_lib.load_token_stream(corpus, tokenizer, "validation", data_dir)
@@ -78,6 +79,10 @@ def prepare_data(s: TrainSettings) -> DataBundle:
 
 def prepare_model(s: TrainSettings, vocab_size: int) -> tuple[models.LlamaConfig, Any, Any]:
     """Model config, graphdef and the initial params (identical for every replica)."""
+    if s.model.init_from:
+        from noloco_jax.trainer.hf_init import prepare_hf_model  # noqa: PLC0415
+
+        return prepare_hf_model(s, vocab_size)
     if s.model.vocab_size and s.model.vocab_size != vocab_size:
         raise ValueError(
             f"config.model.vocab_size={s.model.vocab_size} does not match the "
@@ -90,7 +95,12 @@ def prepare_model(s: TrainSettings, vocab_size: int) -> tuple[models.LlamaConfig
         dtype=s.model.dtype,
         param_dtype=s.model.param_dtype,
         max_seq_len=max(2048, s.data.seq_len),
+        num_kv_heads=s.model.num_kv_heads,
+        tie_embeddings=s.model.tie_embeddings,
     )
+    if cfg.tie_embeddings and s.num_stages > 1:
+        raise ValueError("config.model.tie_embeddings=True cannot be split into "
+                         "config.num_stages > 1 pipeline stages.")  # fmt: skip
     graphdef, params = models.init_params(cfg, s.seed)
     return cfg, graphdef, params
 

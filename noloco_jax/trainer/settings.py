@@ -26,6 +26,9 @@ class ModelSettings:
     dtype: str = "float32"
     param_dtype: str = "float32"
     vocab_size: int = 0  # 0: take the tokenizer's
+    init_from: str = ""  # a Hugging Face Llama directory: its shape and weights
+    num_kv_heads: int = 0  # 0: as many as num_heads; fewer: grouped-query attention
+    tie_embeddings: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,7 @@ class DataSettings:
     data_dir: str = ""
     tokenizer: str = "byte"
     tokenizer_vocab_size: int = 0
+    tokenizer_path: str = ""  # tokenizer="hf": the directory holding tokenizer.json
     seq_len: int = 64
     validation_fraction: float = 0.1
     eval_windows: int = 64
@@ -168,7 +172,9 @@ def validate(s: TrainSettings) -> TrainSettings:
              "must name a file, directory or glob when data.source='files'.")
     _require(s.data.source != "tfds" or bool(s.data.tfds_name), "data.tfds_name",
              "must name a TFDS dataset when data.source='tfds'.")
-    _choice(s.data.tokenizer, "data.tokenizer", ("byte", "sentencepiece"))
+    _choice(s.data.tokenizer, "data.tokenizer", ("byte", "sentencepiece", "hf"))
+    _require(s.data.tokenizer != "hf" or bool(s.data.tokenizer_path), "data.tokenizer_path",
+             "must name a directory holding tokenizer.json when data.tokenizer='hf'.")
     _positive_int(s.data.seq_len, "data.seq_len")
     _positive_int(s.data.eval_windows, "data.eval_windows")
     _positive_int(s.data.tokenizer_vocab_size, "data.tokenizer_vocab_size", minimum=0)

@@ -1,0 +1,390 @@
+"""Hugging Face Llama checkpoints: import into the Flax ``Llama`` and export back.
+
+A checkpoint directory holds ``config.json`` (a ``LlamaForCausalLM`` config) and one or more
+``*.safetensors`` files (``model.safetensors``, or shards listed by
+``model.safetensors.index.json``). Both formats are plain JSON and raw little-endian arrays,
+so this module reads and writes them with NumPy alone (bfloat16 through ``ml_dtypes``, which
+JAX already needs): importing or exporting needs neither ``torch`` nor ``transformers``.
+Tensors are memory-mapped, so a checkpoint is read once, tensor by tensor.
+
+Layout mapping (HF Linear weights are [out, in]; ours are [in, ...] with heads split out):
+
+  model.embed_tokens.weight [V, D]                 -> embedding [V, D]
+  layers.i.self_attn.q_proj.weight [N H, D]        -> blocks.attn.wq[i] [D, N, H]
+  layers.i.self_attn.k_proj / v_proj [G H, D]      -> blocks.attn.wk[i] / wv[i] [D, G, H]
+  layers.i.self_attn.o_proj.weight [D, N H]        -> blocks.attn.wo[i] [N, H, D]
+  layers.i.mlp.gate_proj / up_proj [F, D]          -> blocks.mlp.w_gate[i] / w_up[i] [D, F]
+  layers.i.mlp.down_proj.weight [D, F]             -> blocks.mlp.w_down[i] [F, D]
+  layers.i.input_layernorm / post_attention_layernorm [D] -> blocks.attn_norm / mlp_norm
+  model.norm.weight [D]                            -> final_norm.scale
+  lm_head.weight [V, D]                            -> lm_head [D, V] (absent when tied)
+
+HF's RoPE uses the same "rotate half" pairing as ``apply_rope``, so q/k need no permutation.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from noloco_jax.models.llama import Llama
+from noloco_jax.models.presets import LlamaConfig
+
+__all__ = [
+    "config_from_hf",
+    "config_to_hf",
+    "read_config",
+    "load_llama",
+    "save_llama",
+    "read_safetensors",
+    "write_safetensors",
+]
+
+_ST_DTYPES = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+}  # fmt: skip
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+# Tensors some checkpoints carry that hold no parameters (recomputed from the config).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ------------------------------------------------------------------ safetensors
+
+
+def read_safetensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
+    """Memory-maps every tensor of one ``.safetensors`` file.
+
+    Args:
+      path: the file.
+
+    Returns:
+      ``{name: read-only array}``; the arrays are views of the mapped file.
+
+    Raises:
+      ValueError: the file is not a valid safetensors file or uses an unknown dtype.
+    """
+    path = pathlib.Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or 8 + n > size:
+            raise ValueError(f"{path} is not a safetensors file (bad header length).")
+        try:
+            header = json.loads(f.read(n))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not a safetensors file (header: {err}).") from err
+    header.pop("__metadata__", None)
+    if not header:
+        return {}
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, info in header.items():
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}.")
+        begin, end = (8 + n + o for o in info["data_offsets"])
+        dtype = _ST_DTYPES[info["dtype"]]
+        out[name] = mapped[begin:end].view(dtype).reshape(info["shape"])
+    return out
+
+
+def write_safetensors(path: str | pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+    """Writes ``{name: array}`` as one ``.safetensors`` file (metadata ``format=pt``).
+
+    Args:
+      path: the file to write (replaced atomically).
+      tensors: C-contiguous arrays of a dtype safetensors knows.
+    """
+    path = pathlib.Path(path)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    arrays = {}
+    for name, value in tensors.items():
+        arr = np.ascontiguousarray(value)
+        dtype = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
+        if dtype not in _ST_NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {arr.dtype} cannot be saved as safetensors.")
+        arrays[name] = arr.astype(dtype, copy=False)
+        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}  # fmt: skip
+        offset += arr.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for arr in arrays.values():
+            f.write(arr.tobytes())
+    tmp.replace(path)
+
+
+def _checkpoint_tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors file in the Hugging Face checkpoint directory {str(directory)!r} "
+            f"(PyTorch .bin checkpoints are not supported: re-save the model with "
+            f"save_pretrained(..., safe_serialization=True))."
+        )
+    out: dict[str, np.ndarray] = {}
+    for f in files:
+        out.update(read_safetensors(f))
+    return out
+
+
+# ------------------------------------------------------------------ config
+
+
+def _read_config(directory: str | pathlib.Path) -> tuple[pathlib.Path, dict]:
+    directory = pathlib.Path(directory).expanduser()
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"Hugging Face checkpoint directory {str(directory)!r} does not exist (it must hold "
+            f"config.json and *.safetensors, e.g. what save_pretrained wrote)."
+        )
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(directory)!r} holds no config.json; it is not a Hugging "
+                                f"Face model directory.")  # fmt: skip
+    try:
+        return directory, json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+
+
+def _rope_theta(d: dict) -> float:
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind not in ("default", None):
+        raise ValueError(
+            f"config.json uses RoPE scaling {kind!r}; only the default (unscaled) RoPE of the "
+            f"original Llama is supported."
+        )
+    return float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def config_from_hf(
+    d: dict, *, dtype: str = "float32", param_dtype: str = "float32", max_seq_len: int = 0
+) -> LlamaConfig:
+    """The ``LlamaConfig`` of a Hugging Face ``LlamaConfig`` dict (``config.json``).
+
+    Args:
+      d: the parsed config.json.
+      dtype: our compute dtype.
+      param_dtype: our parameter dtype.
+      max_seq_len: 0 = the checkpoint's ``max_position_embeddings``.
+
+    Returns:
+      The config.
+
+    Raises:
+      ValueError: not a Llama config, or a Llama variant we do not implement (biases, another
+        activation, scaled RoPE, a head dim other than hidden_size / num_attention_heads).
+    """
+    model_type = d.get("model_type")
+    archs = d.get("architectures") or []
+    if model_type != "llama" and "LlamaForCausalLM" not in archs:
+        raise ValueError(
+            f"config.json describes a {model_type!r} model (architectures {archs}); only Llama "
+            f"checkpoints (model_type 'llama', LlamaForCausalLM) can be imported."
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if d.get(flag):
+            raise ValueError(f"config.json sets {flag}=true; the Llama here has no biases.")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json sets hidden_act={d['hidden_act']!r}; only 'silu' "
+                         f"(SwiGLU) is supported.")  # fmt: skip
+    heads = d["num_attention_heads"]
+    if d.get("head_dim") not in (None, d["hidden_size"] // heads):
+        raise ValueError(f"config.json sets head_dim={d['head_dim']}, but the Llama here needs "
+                         f"hidden_size / num_attention_heads = {d['hidden_size'] // heads}.")  # fmt: skip
+    kv = d.get("num_key_value_heads") or heads
+    return LlamaConfig(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        num_layers=d["num_hidden_layers"], num_heads=heads, mlp_hidden_size=d["intermediate_size"],
+        max_seq_len=max_seq_len or d.get("max_position_embeddings", 2048),
+        rope_theta=_rope_theta(d), norm_eps=float(d.get("rms_norm_eps", 1e-6)), dtype=dtype,
+        param_dtype=param_dtype, num_kv_heads=0 if kv == heads else kv,
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+    )  # fmt: skip
+
+
+def read_config(directory: str | pathlib.Path, **kwargs: Any) -> LlamaConfig:
+    """The ``LlamaConfig`` of a checkpoint directory's config.json (no weights read).
+
+    Args:
+      directory: the Hugging Face checkpoint directory.
+      **kwargs: ``dtype``, ``param_dtype``, ``max_seq_len`` as for ``config_from_hf``.
+
+    Returns:
+      The config.
+    """
+    return config_from_hf(_read_config(directory)[1], **kwargs)
+
+
+def config_to_hf(cfg: LlamaConfig, *, torch_dtype: str = "float32") -> dict:
+    """The Hugging Face ``config.json`` dict of ``cfg`` (a ``LlamaForCausalLM``)."""
+    rope = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.mlp_hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": float(cfg.norm_eps), "rope_theta": float(cfg.rope_theta),
+        "rope_parameters": rope, "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": 0.0, "initializer_range": 0.02, "torch_dtype": torch_dtype,
+        "dtype": torch_dtype,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------ weights
+
+
+def _layer_maps(cfg: LlamaConfig) -> dict[str, tuple[str, Callable, Callable]]:
+    """ours -> (HF name template, HF->ours, ours->HF) for one block's [out, in] weights."""
+    d, n, g, h = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    p = "model.layers.{}."
+    return {
+        "blocks.attn.wq": (p + "self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h),
+                           lambda w: w.reshape(d, n * h).T),
+        "blocks.attn.wk": (p + "self_attn.k_proj.weight", lambda w: w.T.reshape(d, g, h),
+                           lambda w: w.reshape(d, g * h).T),
+        "blocks.attn.wv": (p + "self_attn.v_proj.weight", lambda w: w.T.reshape(d, g, h),
+                           lambda w: w.reshape(d, g * h).T),
+        "blocks.attn.wo": (p + "self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d),
+                           lambda w: w.reshape(n * h, d).T),
+        "blocks.mlp.w_gate": (p + "mlp.gate_proj.weight", np.transpose, np.transpose),
+        "blocks.mlp.w_up": (p + "mlp.up_proj.weight", np.transpose, np.transpose),
+        "blocks.mlp.w_down": (p + "mlp.down_proj.weight", np.transpose, np.transpose),
+        "blocks.attn_norm.scale": (p + "input_layernorm.weight", np.asarray, np.asarray),
+        "blocks.mlp_norm.scale": (p + "post_attention_layernorm.weight", np.asarray, np.asarray),
+    }  # fmt: skip
+
+
+def _top_maps(cfg: LlamaConfig) -> dict[str, tuple[str, Callable, Callable]]:
+    out = {
+        "embedding": ("model.embed_tokens.weight", np.asarray, np.asarray),
+        "final_norm.scale": ("model.norm.weight", np.asarray, np.asarray),
+    }
+    if not cfg.tie_embeddings:
+        out["lm_head"] = ("lm_head.weight", np.transpose, np.transpose)
+    return out
+
+
+def _name(path: tuple) -> str:
+    keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    return ".".join(k for k in keys if k != "value")
+
+
+def _abstract_model(cfg: LlamaConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+
+
+def load_llama(
+    directory: str | pathlib.Path,
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    max_seq_len: int = 0,
+) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State]:
+    """Imports a Hugging Face Llama checkpoint directory.
+
+    Args:
+      directory: holds ``config.json`` and ``*.safetensors`` (``save_pretrained`` output).
+      dtype: compute dtype of the returned config.
+      param_dtype: the parameters are cast to this dtype.
+      max_seq_len: 0 = the checkpoint's ``max_position_embeddings``.
+
+    Returns:
+      (cfg, graphdef, params), as ``init_params`` returns them (``models.apply`` runs it).
+
+    Raises:
+      FileNotFoundError: a missing directory, config.json or safetensors file.
+      ValueError: a non-Llama config, or tensors missing or of the wrong shape.
+    """
+    directory, d = _read_config(directory)
+    cfg = config_from_hf(d, dtype=dtype, param_dtype=param_dtype, max_seq_len=max_seq_len)
+    tensors = _checkpoint_tensors(directory)
+    used: set[str] = set()
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"the checkpoint in {str(directory)!r} has no tensor {name!r}.")
+        used.add(name)
+        return tensors[name]
+
+    ours = {k: to(get(hf)) for k, (hf, to, _) in _top_maps(cfg).items()}
+    for k, (hf, to, _) in _layer_maps(cfg).items():
+        ours[k] = np.stack([to(get(hf.format(i))) for i in range(cfg.num_layers)])
+    if cfg.tie_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints also store the (equal) head
+    extra = sorted(k for k in set(tensors) - used if not k.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise ValueError(f"the checkpoint holds tensors the Llama here has no place for: "
+                         f"{extra[:5]}{' ...' if len(extra) > 5 else ''}.")  # fmt: skip
+    graphdef, abstract = _abstract_model(cfg)
+    pdtype = jnp.dtype(param_dtype)
+
+    def fill(path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.Array:
+        name = _name(path)
+        value = ours[name]
+        if tuple(value.shape) != tuple(leaf.shape):
+            raise ValueError(f"tensor for {name} has shape {tuple(value.shape)}, expected "
+                             f"{tuple(leaf.shape)} from config.json.")  # fmt: skip
+        return jnp.asarray(np.asarray(value, np.float32) if value.dtype != pdtype else value,
+                           pdtype)  # fmt: skip
+
+    return cfg, graphdef, jax.tree_util.tree_map_with_path(fill, abstract)
+
+
+def save_llama(
+    directory: str | pathlib.Path, cfg: LlamaConfig, params: Any, *, dtype: str = "float32"
+) -> pathlib.Path:
+    """Exports one replica's parameters as a Hugging Face ``LlamaForCausalLM`` directory.
+
+    Args:
+      directory: created if needed; gets ``config.json`` and ``model.safetensors``.
+      cfg: the model config.
+      params: single-replica parameters (``init_params`` layout, no replica axis).
+      dtype: "float32" or "bfloat16", the dtype of the saved tensors.
+
+    Returns:
+      The directory (``LlamaForCausalLM.from_pretrained(directory)`` loads it).
+    """
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}.")
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ours = {_name(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    _, abstract = _abstract_model(cfg)
+    expected = {_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    got = {k: tuple(v.shape) for k, v in ours.items()}
+    if got != expected:
+        raise ValueError(f"params do not match the config's single-replica layout (a replica "
+                         f"axis left in?): {got} vs {expected}.")  # fmt: skip
+    out_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+    tensors = {}
+    for k, (hf, _, back) in _top_maps(cfg).items():
+        tensors[hf] = back(ours[k])
+    for k, (hf, _, back) in _layer_maps(cfg).items():
+        for i in range(cfg.num_layers):
+            tensors[hf.format(i)] = back(ours[k][i])
+    tensors = {k: np.ascontiguousarray(v.astype(out_dtype)) for k, v in tensors.items()}
+    write_safetensors(directory / "model.safetensors", tensors)
+    config = config_to_hf(cfg, torch_dtype=dtype)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+

@@ -1,0 +1,45 @@
+"""``--config.model.init_from=DIR``: start every replica from a Hugging Face Llama checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from noloco_jax.models import LlamaConfig
+from noloco_jax.models.hf import load_llama, read_config
+from noloco_jax.trainer.settings import TrainSettings
+
+__all__ = ["prepare_hf_model"]
+
+
+def prepare_hf_model(s: TrainSettings, vocab_size: int) -> tuple[LlamaConfig, Any, Any]:
+    """Config, graphdef and params of ``s.model.init_from`` (replaces the preset's shape).
+
+    Args:
+      s: the run settings (``model.init_from`` set).
+      vocab_size: the tokenizer's vocabulary size.
+
+    Returns:
+      (cfg, graphdef, params), the checkpoint's weights for every replica.
+
+    Raises:
+      ValueError: the tokenizer's vocabulary differs from the model's, seq_len exceeds the
+        model's positions, or a tied model is asked to run as routed pipeline stages.
+      FileNotFoundError: a missing directory, config.json or safetensors file.
+    """
+    cfg = read_config(s.model.init_from)  # checked before any weight is read
+    if cfg.vocab_size != vocab_size:
+        raise ValueError(
+            f"config.model.init_from={s.model.init_from!r} has a vocabulary of {cfg.vocab_size} "
+            f"ids but the {s.data.tokenizer!r} tokenizer has {vocab_size}; use the model's own "
+            f"tokenizer (--config.data.tokenizer=hf --config.data.tokenizer_path=DIR)."
+        )
+    if s.model.vocab_size and s.model.vocab_size != cfg.vocab_size:
+        raise ValueError(f"config.model.vocab_size={s.model.vocab_size} differs from the "
+                         f"init_from model's {cfg.vocab_size}; set it to 0.")  # fmt: skip
+    if s.data.seq_len > cfg.max_seq_len:
+        raise ValueError(f"config.data.seq_len={s.data.seq_len} exceeds the init_from model's "
+                         f"max_position_embeddings={cfg.max_seq_len}.")  # fmt: skip
+    if cfg.tie_embeddings and s.num_stages > 1:
+        raise ValueError("config.num_stages > 1 cannot split a model with tied embeddings "
+                         "(the first and last stage would share one table).")  # fmt: skip
+    return load_llama(s.model.init_from, dtype=s.model.dtype, param_dtype=s.model.param_dtype)

@@ -1,0 +1,123 @@
+"""Hugging Face Llama interop: import/export against transformers' own LlamaForCausalLM.
+
+Needs the optional ``[hf]`` extra (transformers, torch CPU, tokenizers); skipped without it.
+Nothing is downloaded: the HF models are built from a config with random weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from noloco_jax import models
+from noloco_jax.models import hf
+
+# Float32 logits of the same weights in two frameworks: measured max |diff| 1.8e-7 at these
+# sizes (|logits| < 1); 1e-5 absolute leaves room for summation order only.
+ATOL = 1e-5
+TOKENS = np.array([[1, 5, 9, 3, 60, 2, 7, 11, 0, 63, 4, 4]], np.int32)
+
+
+def _hf_model(tie: bool, kv_heads: int):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=32,
+        rms_norm_eps=1e-5, rope_theta=500.0, tie_word_embeddings=tie,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # HF inits norms to ones; random scales test their mapping too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return model
+
+
+def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    import torch  # noqa: PLC0415
+
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+
+@pytest.mark.parametrize("tie,kv_heads", [(False, 2), (True, 4), (True, 1)])
+def test_import_matches_transformers_logits(tmp_path, tie, kv_heads):
+    model = _hf_model(tie, kv_heads)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    cfg, graphdef, params = hf.load_llama(tmp_path)
+    assert (cfg.kv_heads, cfg.tie_embeddings, cfg.rope_theta, cfg.norm_eps) == (
+        kv_heads, tie, 500.0, 1e-5)  # fmt: skip
+    assert models.count_params(params) == models.param_count(cfg) == model.num_parameters()
+    ours = np.asarray(models.apply(graphdef, params, TOKENS))
+    np.testing.assert_allclose(ours, _hf_logits(model, TOKENS), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("tie,kv_heads", [(False, 2), (True, 0)])
+def test_export_loads_in_transformers_with_same_logits(tmp_path, tie, kv_heads):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    cfg = models.LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                             mlp_hidden_size=48, max_seq_len=32, num_kv_heads=kv_heads,
+                             tie_embeddings=tie)  # fmt: skip
+    graphdef, params = models.init_params(cfg, 3)
+    hf.save_llama(tmp_path, cfg, params)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).float().eval()
+    ours = np.asarray(models.apply(graphdef, params, TOKENS))
+    np.testing.assert_allclose(_hf_logits(loaded, TOKENS), ours, atol=ATOL, rtol=0)
+    # And back: the round trip is exact.
+    cfg2, _, params2 = hf.load_llama(tmp_path, max_seq_len=32)
+    assert cfg2 == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_default_presets_keep_their_shapes_and_numbers():
+    """num_kv_heads=0 and untied stay the defaults: the nano preset's params are unchanged."""
+    cfg = models.get_preset("nano", vocab_size=32)
+    assert (cfg.kv_heads, cfg.tie_embeddings) == (cfg.num_heads, False)
+    _, params = models.init_params(cfg, 0)
+    assert "lm_head" in params and params["blocks"]["attn"]["wk"][...].shape == (2, 64, 4, 16)
+    gqa = models.get_preset("nano", vocab_size=32, num_kv_heads=2, tie_embeddings=True)
+    _, gparams = models.init_params(gqa, 0)
+    assert "lm_head" not in gparams
+    assert models.count_params(gparams) == models.param_count(gqa) < models.param_count(cfg)
+
+
+def test_safetensors_round_trip_bfloat16(tmp_path):
+    import ml_dtypes  # noqa: PLC0415
+
+    tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3),
+               "b": np.ones((4,), ml_dtypes.bfloat16), "c": np.zeros((0,), np.int64)}  # fmt: skip
+    hf.write_safetensors(tmp_path / "x.safetensors", tensors)
+    back = hf.read_safetensors(tmp_path / "x.safetensors")
+    assert set(back) == set(tensors)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype
+        np.testing.assert_array_equal(back[k], v)
+
+
+def test_bad_checkpoint_directories(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        hf.load_llama(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        hf.load_llama(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))  # fmt: skip
+    with pytest.raises(ValueError, match="'gpt2' model.*only Llama"):
+        hf.load_llama(tmp_path)
+    cfg = models.LlamaConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+                             mlp_hidden_size=8)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(cfg)))
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        hf.load_llama(tmp_path)
+    bad = {**hf.config_to_hf(cfg), "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(ValueError, match="RoPE scaling 'llama3'"):
+        hf.config_from_hf(bad)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        models.LlamaConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+                           mlp_hidden_size=8, num_kv_heads=3)  # fmt: skip

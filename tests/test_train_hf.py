@@ -1,0 +1,113 @@
+"""Trainer with Hugging Face assets: --config.model.init_from and --config.data.tokenizer=hf.
+
+Needs the ``[hf]`` extra (transformers, torch CPU, tokenizers); nothing is downloaded: the
+tokenizer is trained here by ``tokenizers`` and the model is a random LlamaForCausalLM.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from pydoc_data.topics import topics
+
+from noloco_jax.trainer import settings as settings_lib
+from noloco_jax.trainer.loop import prepare_data, train_and_evaluate
+from noloco_jax.trainer.writers import read_jsonl
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for i, (name, text) in enumerate(sorted(topics.items())[:30]):
+        (d / f"{i:02d}_{name}.txt").write_text(text, encoding="utf-8")
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, corpus_dir):
+    """A BPE tokenizer.json (vocab 300, eos '</s>') and a random Llama of that vocabulary."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    d = tmp_path_factory.mktemp("hf")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train([str(p) for p in sorted(corpus_dir.iterdir())], trainer)
+    tok.save(str(d / "tokenizer.json"))
+    vocab = tok.get_vocab_size()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).float().eval().save_pretrained(d)
+    return d
+
+
+def _settings(corpus_dir, data_dir, hf_dir, **model):
+    return settings_lib.from_config({
+        "method": "noloco", "num_replicas": 2, "backend": "vmap", "global_batch_size": 4,
+        "num_steps": 4, "log_every": 2, "eval_every": 2, "checkpoint_every": 4,
+        "model": {"init_from": str(hf_dir), **model},
+        "data": {"source": "files", "path": str(corpus_dir), "data_dir": str(data_dir),
+                 "seq_len": 32, "eval_windows": 4, "tokenizer": "hf",
+                 "tokenizer_path": str(hf_dir)},
+        "optim": {"warmup_steps": 1}, "outer": {"sync_every": 2},
+    })  # fmt: skip
+
+
+def test_init_from_starts_every_replica_at_the_hf_weights(tmp_path, corpus_dir, hf_dir):
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    s = _settings(corpus_dir, tmp_path / "data", hf_dir)
+    last = train_and_evaluate(s, tmp_path / "run", progress=False)
+    assert last["step"] == 4 and np.isfinite(last["train_loss"])
+    first = read_jsonl(tmp_path / "run" / "metrics.jsonl", "eval")[0]
+    assert first["step"] == 0 and first["replica_spread"] == 0.0
+    # Step-0 validation loss equals transformers' own loss of that model on the same windows.
+    windows = prepare_data(s).eval_windows
+    assert windows.max() >= 256  # BPE merges are used: ids beyond the byte range
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir).float().eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(windows[:, :-1].astype(np.int64))).logits
+        ce = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), torch.from_numpy(windows[:, 1:].astype(np.int64)),
+            reduction="none",
+        ).mean(1)  # fmt: skip
+    np.testing.assert_allclose(first["val_loss"], float(ce.mean()), rtol=1e-5)
+
+
+def test_hf_bad_inputs(tmp_path, corpus_dir, hf_dir):
+    data = tmp_path / "data"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        s = _settings(corpus_dir, data, hf_dir, init_from=str(tmp_path / "nope"))
+        train_and_evaluate(s, tmp_path / "a", progress=False)
+    # A Llama whose vocabulary is not the tokenizer's.
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((hf_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 512}))
+    (other / "model.safetensors").symlink_to(hf_dir / "model.safetensors")
+    s = _settings(corpus_dir, data, hf_dir, init_from=str(other))
+    with pytest.raises(ValueError, match="vocabulary of 512 ids but the 'hf' tokenizer has 300"):
+        train_and_evaluate(s, tmp_path / "b", progress=False)
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "mistral",
+                                                    "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(ValueError, match="'mistral' model.*only Llama"):
+        train_and_evaluate(s, tmp_path / "c", progress=False)
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer.json"):
+        s = _settings(corpus_dir, data, hf_dir)
+        s = settings_lib.from_config({**s.to_dict(), "data": {**s.to_dict()["data"],
+                                                              "tokenizer_path": str(other)}})
+        train_and_evaluate(s, tmp_path / "d", progress=False)
+    with pytest.raises(ValueError, match="data.tokenizer_path"):
+        settings_lib.from_config({"data": {"tokenizer": "hf"}})
