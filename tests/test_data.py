@@ -250,7 +250,7 @@ def test_byte_tokenizer():
         tok.decode([256])
     with pytest.raises(ValueError, match="exactly 256"):
         data.make_tokenizer("byte", vocab_size=512)
-    with pytest.raises(ValueError, match=r"kind must be one of \['byte', 'sentencepiece'\]"):
+    with pytest.raises(ValueError, match=r"kind must be one of \['byte', 'sentencepiece', 'hf'\]"):
         data.make_tokenizer("tiktoken")
 
 

@@ -14,13 +14,13 @@ boundary token, as an input of the later window and a target of the earlier.
 from __future__ import annotations
 
 import hashlib
-import os
 import pathlib
 from typing import Any, Sequence
 
 import numpy as np
 
 from noloco_jax.data.sources import texts_digest
+from noloco_jax.data.token_files import TokenFile, write_tokens
 
 __all__ = ["tokenize_documents", "load_token_stream", "ReplicaBatcher", "eval_windows"]
 
@@ -35,29 +35,34 @@ def tokenize_documents(docs: Sequence[str], tokenizer: Any) -> np.ndarray:
 
 
 def load_token_stream(
-    corpus: Any, tokenizer: Any, split: str, cache_dir: str | pathlib.Path
-) -> np.ndarray:
+    corpus: Any, tokenizer: Any, split: str, cache_dir: str | pathlib.Path, *,
+    on_disk: bool = False,
+) -> np.ndarray | TokenFile:
     """The tokenized ``split`` of ``corpus`` (``tokenize_documents``), cached as .npy.
 
     The cache file, ``cache_dir/tokens/<corpus name>-<text hash>-<tokenizer
     name>-<split>.npy``, is keyed by the corpus name, a hash of the split's
     text and the tokenizer's identity (``"byte256"`` or the SentencePiece
-    model's hash), so a corpus is tokenized once and a changed one again.
+    model's hash), so a corpus is tokenized once and a changed one again. It
+    holds the smallest unsigned dtype of the vocabulary (``token_dtype``).
+
+    Args:
+      corpus: the ``Corpus``.
+      tokenizer: its tokenizer.
+      split: "train" or "validation".
+      cache_dir: root of the cache.
+      on_disk: return a ``TokenFile`` reading the cache window by window instead of an
+        int32 array in memory.
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}.")
     docs = getattr(corpus, split)
     key = f"{corpus.name}-{texts_digest(docs)}-{tokenizer.name}-{split}.npy"
     path = pathlib.Path(cache_dir) / "tokens" / key
-    if path.exists():
-        return np.load(path).astype(np.int32)
-    tokens = tokenize_documents(docs, tokenizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
-    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
-    np.save(tmp, tokens.astype(dtype))
-    tmp.replace(path)
-    return tokens
+    if not path.exists():
+        parts = (tokenize_documents([doc], tokenizer) for doc in docs)
+        write_tokens(path, parts, tokenizer.vocab_size)
+    return TokenFile(path) if on_disk else np.load(path).astype(np.int32)
 
 
 def _check_int(name: str, value: Any, minimum: int = 1) -> None:
@@ -81,7 +86,7 @@ class ReplicaBatcher:
     step alone.
 
     Args:
-      tokens: 1-D int token stream.
+      tokens: 1-D int token stream, in memory or a ``TokenFile`` (read window by window).
       num_replicas: N.
       batch_size: sequences per replica per step.
       seq_len: tokens per input sequence.
@@ -95,7 +100,7 @@ class ReplicaBatcher:
                             ("seq_len", seq_len)]:  # fmt: skip
             _check_int(name, value)
         _check_int("seed", seed, minimum=0)
-        self.tokens = np.asarray(tokens, np.int32)
+        self.tokens = tokens if isinstance(tokens, TokenFile) else np.asarray(tokens, np.int32)
         self.num_replicas, self.batch_size, self.seq_len, self.seed = (
             num_replicas, batch_size, seq_len, seed)  # fmt: skip
         if self.tokens.ndim != 1:
@@ -114,7 +119,10 @@ class ReplicaBatcher:
             )
         dealt = np.random.default_rng([seed, 0]).permutation(self.num_windows)
         used = dealt[: self.windows_per_replica * num_replicas]
-        self._shards = used.reshape(self.windows_per_replica, num_replicas).T.copy()
+        # int32 ids (half the memory of the permutation) while they fit: 4 bytes per window.
+        ids_dtype = np.int32 if self.num_windows < 2**31 else np.int64
+        self._shards = used.reshape(self.windows_per_replica, num_replicas).T.astype(ids_dtype)
+        del dealt, used
         self._digest: str | None = None
         self._order_cache: dict[tuple[int, int], np.ndarray] = {}
         self._offsets = np.arange(seq_len + 1)
@@ -136,16 +144,22 @@ class ReplicaBatcher:
             self._order_cache[key] = self._shards[replica][order]
         return self._order_cache[key]
 
-    def window_ids(self, step: int) -> np.ndarray:
-        """Window ids of every replica's batch at ``step``: [N, B]."""
+    def window_ids(self, step: int, replicas: Sequence[int] | None = None) -> np.ndarray:
+        """Window ids of every (or each listed) replica's batch at ``step``: [N, B]."""
         _check_int("step", step, minimum=0)
         epoch, k = divmod(step, self.steps_per_epoch)
         sl = slice(k * self.batch_size, (k + 1) * self.batch_size)
-        return np.stack([self._order(r, epoch)[sl] for r in range(self.num_replicas)])
+        rows = range(self.num_replicas) if replicas is None else replicas
+        return np.stack([self._order(r, epoch)[sl] for r in rows]).astype(np.int64)
 
-    def batch(self, step: int) -> np.ndarray:
-        """int32 [num_replicas, batch_size, seq_len + 1]."""
-        ids = self.window_ids(step)
+    def batch(self, step: int, replicas: Sequence[int] | None = None) -> np.ndarray:
+        """int32 [num_replicas, batch_size, seq_len + 1] (only ``replicas``' rows if given).
+
+        From a ``TokenFile`` only these windows are read; the values are the same either way.
+        """
+        ids = self.window_ids(step, replicas)
+        if isinstance(self.tokens, TokenFile):
+            return self.tokens.gather(ids * self.seq_len, self.seq_len + 1)
         return self.tokens[ids[..., None] * self.seq_len + self._offsets]
 
     def state(self) -> dict:
@@ -155,6 +169,8 @@ class ReplicaBatcher:
         ``tokens_sha256`` is a hash of the stream (a changed corpus of the same
         length is caught too).
         """
+        if self._digest is None and isinstance(self.tokens, TokenFile):
+            self._digest = self.tokens.digest()
         if self._digest is None:
             self._digest = hashlib.sha256(self.tokens.tobytes()).hexdigest()[:16]
         return {
@@ -191,11 +207,14 @@ def eval_windows(tokens: np.ndarray, *, seq_len: int, max_windows: int | None = 
     _check_int("seq_len", seq_len)
     if max_windows is not None:
         _check_int("max_windows", max_windows)
-    tokens = np.asarray(tokens, np.int32)
+    if not isinstance(tokens, TokenFile):
+        tokens = np.asarray(tokens, np.int32)
     total = max(len(tokens) - 1, 0) // seq_len
     ids = np.arange(total)
     if max_windows is not None and max_windows < total:
         ids = np.linspace(0, total - 1, max_windows).round().astype(np.int64)
-    return tokens[ids[:, None] * seq_len + np.arange(seq_len + 1)] if total else np.zeros(
-        (0, seq_len + 1), np.int32
-    )
+    if not total:
+        return np.zeros((0, seq_len + 1), np.int32)
+    if isinstance(tokens, TokenFile):
+        return tokens.gather(ids * seq_len, seq_len + 1)
+    return tokens[ids[:, None] * seq_len + np.arange(seq_len + 1)]

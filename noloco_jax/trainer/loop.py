@@ -21,6 +21,7 @@ import numpy as np
 from noloco_jax import data as data_lib
 from noloco_jax import ensemble, models, replicas
 from noloco_jax.metrics import replica_spread
+from noloco_jax.data.token_files import open_token_dir, sharded_batches
 from noloco_jax.optim.local_steps import find_local_steps_state
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
@@ -44,14 +45,16 @@ class DataBundle:
 def prepare_data(s: TrainSettings) -> DataBundle:
     """Corpus -> tokenizer -> token streams -> per-replica batcher and eval windows."""
     data_dir = pathlib.Path(s.data.data_dir) if s.data.data_dir else data_lib.default_data_dir()
-    corpus = data_lib.load_corpus(
-        s.data.source,
-        data_dir=data_dir,
-        path=s.data.path or None,
-        tfds_name=s.data.tfds_name or None,
-        validation_fraction=s.data.validation_fraction,
-        seed=s.seed,
-    )
+    corpus = None
+    if s.data.source != "tokens":  # pre-tokenized streams need no text
+        corpus = data_lib.load_corpus(
+            s.data.source,
+            data_dir=data_dir,
+            path=s.data.path or None,
+            tfds_name=s.data.tfds_name or None,
+            validation_fraction=s.data.validation_fraction,
+            seed=s.seed,
+        )
     tokenizer = data_lib.make_tokenizer(
         s.data.tokenizer,
         corpus=corpus,
@@ -59,8 +62,12 @@ def prepare_data(s: TrainSettings) -> DataBundle:
         cache_dir=data_dir,
         path=s.data.tokenizer_path or None,
     )
-    train = data_lib.load_token_stream(corpus, tokenizer, "train", data_dir)
-    val = data_lib.load_token_stream(corpus, tokenizer, "validation", data_dir)
+    # Streams stay on disk and are read window by window (data larger than RAM).
+    if corpus is None:
+        train, val = open_token_dir(s.data.path, tokenizer.vocab_size)
+    else:
+        train = data_lib.load_token_stream(corpus, tokenizer, "train", data_dir, on_disk=True)
+        val = data_lib.load_token_stream(corpus, tokenizer, "validation", data_dir, on_disk=True)
     batcher = data_lib.ReplicaBatcher(
         train,
         num_replicas=s.num_replicas,
@@ -325,6 +332,8 @@ def _set_aside(ckpt: Checkpointer, writer: MetricWriter, step: int, err: Excepti
 
 def _next_tokens(run: _Run, start: int, count: int) -> Any:
     """Batches for steps [start, start + count): [N, count, B, T + 1], placed for the backend."""
+    if jax.process_count() > 1 and run.reps.mesh is not None:  # read this process's replicas
+        return sharded_batches(run.data.batcher, run.reps, start, count)
     tokens = np.stack([run.data.batcher.batch(t) for t in range(start, start + count)], axis=1)
     return run.reps.put(tokens)
 

@@ -167,9 +167,13 @@ def validate(s: TrainSettings) -> TrainSettings:
     _choice(s.model.dtype, "model.dtype", DTYPES)
     _choice(s.model.param_dtype, "model.param_dtype", DTYPES)
     _positive_int(s.model.vocab_size, "model.vocab_size", minimum=0)
-    _choice(s.data.source, "data.source", ("shakespeare", "files", "tfds"))
+    _choice(s.data.source, "data.source", ("shakespeare", "files", "tfds", "tokens"))
     _require(s.data.source != "files" or bool(s.data.path), "data.path",
              "must name a file, directory or glob when data.source='files'.")
+    _require(s.data.source != "tokens" or bool(s.data.path), "data.path",
+             "must name a directory with train.npy and validation.npy when data.source='tokens'.")
+    _require(s.data.source != "tokens" or s.data.tokenizer != "sentencepiece", "data.tokenizer",
+             "sentencepiece is trained on text; data.source='tokens' needs 'byte' or 'hf'.")
     _require(s.data.source != "tfds" or bool(s.data.tfds_name), "data.tfds_name",
              "must name a TFDS dataset when data.source='tfds'.")
     _choice(s.data.tokenizer, "data.tokenizer", ("byte", "sentencepiece", "hf"))

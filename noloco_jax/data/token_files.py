@@ -1,0 +1,226 @@
+"""Token streams on disk, read window by window: data larger than RAM.
+
+A stream is stored once as a ``.npy`` file of the smallest unsigned dtype that holds the
+vocabulary (uint8 for the byte tokenizer, uint16 up to 65,536 ids, else uint32).
+``TokenFile`` reads only the windows a batch needs with ``os.pread``: nothing of the stream is
+mapped into the process, so its resident memory does not grow with the corpus (a memory map
+would keep every touched page resident until unmapped) and the operating system's page cache
+serves repeated reads. Full passes (the stream's hash, its largest id) read fixed-size chunks.
+
+Why not grain: the batch is already a pure function of the step (``ReplicaBatcher``: window
+ids from seeded permutations), so what is missing is only a random-access reader of fixed
+windows. A pread per window does that in a few lines and keeps the ``.npy`` cache format;
+grain would add a dependency and a record format (ArrayRecord) for the same reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+__all__ = ["TokenFile", "token_dtype", "write_tokens", "open_token_dir", "sharded_batches"]
+
+_CHUNK = 1 << 24  # tokens per chunk of a full pass (16M)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype holding ids ``0 .. vocab_size - 1``."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    raise ValueError(f"vocab_size {vocab_size} does not fit in uint32.")
+
+
+def write_tokens(path: str | pathlib.Path, parts: Iterator[np.ndarray], vocab_size: int) -> int:
+    """Streams token arrays into one ``.npy`` file of ``token_dtype(vocab_size)``.
+
+    The parts are written as they come (a corpus never has to be in memory at once); the file
+    appears atomically when complete.
+
+    Args:
+      path: the ``.npy`` file to write.
+      parts: 1-D integer arrays, concatenated in order.
+      vocab_size: every id must be below it.
+
+    Returns:
+      The number of tokens written.
+    """
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(vocab_size)
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.raw")
+    total = 0
+    with open(tmp, "wb") as f:
+        for part in parts:
+            part = np.asarray(part)
+            if part.size and (part.min() < 0 or part.max() >= vocab_size):
+                raise ValueError(f"token ids must lie in [0, {vocab_size}), got "
+                                 f"[{part.min()}, {part.max()}].")  # fmt: skip
+            f.write(part.astype(dtype).tobytes())
+            total += part.size
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+              "shape": (total,)}  # fmt: skip
+    out = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
+    with open(out, "wb") as f, open(tmp, "rb") as src:
+        np.lib.format.write_array_header_1_0(f, header)
+        while block := src.read(1 << 24):
+            f.write(block)
+    tmp.unlink()
+    out.replace(path)
+    return total
+
+
+class TokenFile:
+    """A 1-D ``.npy`` token stream read on demand (``pread``), never loaded whole.
+
+    Args:
+      path: a ``.npy`` file holding a 1-D array of unsigned (or int32) ids.
+
+    Raises:
+      ValueError: not a 1-D integer ``.npy`` array.
+    """
+
+    def __init__(self, path: str | pathlib.Path):
+        self.path = pathlib.Path(path)
+        with open(self.path, "rb") as f:
+            try:
+                version = np.lib.format.read_magic(f)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)  # fmt: skip
+                shape, fortran, dtype = read_header(f)
+            except ValueError as err:
+                raise ValueError(f"{self.path} is not a .npy file: {err}") from err
+            self.offset = f.tell()
+        if len(shape) != 1 or fortran or not np.issubdtype(dtype, np.integer):
+            raise ValueError(f"{self.path} must hold a 1-D integer array, got {dtype}{shape}.")
+        self.dtype, self.shape, self.ndim = np.dtype(dtype), tuple(shape), 1
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._digest: str | None = None
+        self._max: int | None = None
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` in the file's dtype."""
+        start, stop = max(0, start), min(len(self), stop)
+        n = max(stop - start, 0)
+        item = self.dtype.itemsize
+        buf = os.pread(self._fd, n * item, self.offset + start * item)
+        return np.frombuffer(buf, self.dtype, count=n)
+
+    def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """int32 windows ``tokens[s : s + length]`` for every start: [*starts.shape, length]."""
+        starts = np.asarray(starts)
+        flat = starts.reshape(-1)
+        out = np.empty((flat.size, length), np.int32)
+        for i, s in enumerate(flat.tolist()):
+            window = self.read(s, s + length)
+            if window.size != length:
+                raise IndexError(f"window [{s}, {s + length}) runs past the stream's end "
+                                 f"({len(self)} tokens).")  # fmt: skip
+            out[i] = window
+        return out.reshape(*starts.shape, length)
+
+    def chunks(self, size: int = _CHUNK) -> Iterator[np.ndarray]:
+        """The whole stream in order, ``size`` tokens at a time."""
+        for start in range(0, len(self), size):
+            yield self.read(start, start + size)
+
+    def _scan(self) -> None:
+        h, top = hashlib.sha256(), -1
+        for chunk in self.chunks():
+            h.update(chunk.astype(np.int32).tobytes())  # same hash as an in-memory int32 stream
+            if chunk.size:
+                top = max(top, int(chunk.max()))
+        self._digest, self._max = h.hexdigest()[:16], top
+
+    def digest(self) -> str:
+        """sha256 (16 hex digits) of the stream as int32 bytes, read in chunks (once)."""
+        if self._digest is None:
+            self._scan()
+        return self._digest
+
+    def max_id(self) -> int:
+        """The largest id in the stream (-1 when empty)."""
+        if self._max is None:
+            self._scan()
+        return self._max
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """The whole stream in memory (small streams and tests only)."""
+        out = self.read(0, len(self))
+        return out.astype(dtype) if dtype is not None else out.copy()
+
+
+def open_token_dir(directory: str | pathlib.Path, vocab_size: int) -> tuple[TokenFile, TokenFile]:
+    """The pre-tokenized streams ``DIR/train.npy`` and ``DIR/validation.npy`` (data.source=tokens).
+
+    Args:
+      directory: holds the two 1-D integer ``.npy`` files (e.g. written by ``write_tokens``).
+      vocab_size: the tokenizer's vocabulary; every id must be below it.
+
+    Returns:
+      (train, validation) ``TokenFile``s.
+
+    Raises:
+      FileNotFoundError: a missing directory or file.
+      ValueError: an id outside the vocabulary.
+    """
+    directory = pathlib.Path(directory).expanduser()
+    out = []
+    for split in ("train", "validation"):
+        path = directory / f"{split}.npy"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"config.data.source='tokens' needs {str(path)!r}: a 1-D .npy array of token "
+                f"ids per split (noloco_jax.data.token_files.write_tokens writes one)."
+            )
+        stream = TokenFile(path)
+        if stream.max_id() >= vocab_size:
+            raise ValueError(
+                f"{path} holds token id {stream.max_id()}, outside the tokenizer's vocabulary "
+                f"of {vocab_size}; use the tokenizer the ids were made with."
+            )
+        out.append(stream)
+    return out[0], out[1]
+
+
+def sharded_batches(batcher: Any, reps: Any, start: int, count: int) -> jax.Array:
+    """Batches for steps ``[start, start + count)`` as one global array over the replica mesh.
+
+    Each process reads only the replicas its own devices hold (``make_array_from_callback``
+    asks for those slices only), so with P processes each reads 1/P of every batch.
+
+    Args:
+      batcher: a ``ReplicaBatcher``.
+      reps: the ``Replicas`` (with a mesh).
+      start: first step.
+      count: number of steps.
+
+    Returns:
+      int32 [N, count, B, T + 1], sharded over the replica axis.
+    """
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    n, b, t = batcher.num_replicas, batcher.batch_size, batcher.seq_len + 1
+    shape = (n, count, b, t)
+    sharding = NamedSharding(reps.mesh, P(reps.axis_name, None, None, None))
+
+    def read(index: tuple) -> np.ndarray:
+        mine = list(range(n))[index[0]]
+        rows = np.stack([batcher.batch(s, replicas=mine) for s in range(start, start + count)], 1)
+        return rows[(slice(None), *index[1:])]
+
+    return jax.make_array_from_callback(shape, sharding, read)

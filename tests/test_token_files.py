@@ -1,0 +1,147 @@
+"""Token streams on disk (data larger than RAM): same batches, bounded memory, local reads."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from noloco_jax import data, replicas
+from noloco_jax.data.token_files import (
+    TokenFile,
+    open_token_dir,
+    sharded_batches,
+    token_dtype,
+    write_tokens,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_token_dtype_is_the_smallest_unsigned():
+    assert [token_dtype(v) for v in (256, 257, 65536, 65537)] == [
+        np.uint8, np.uint16, np.uint16, np.uint32]  # fmt: skip
+
+
+def test_batches_from_disk_equal_batches_in_memory(tmp_path):
+    corpus = data.Corpus(train=["hello world " * 300, "second doc " * 200], validation=["v" * 500],
+                         name="t")  # fmt: skip
+    tok = data.ByteTokenizer()
+    disk = data.load_token_stream(corpus, tok, "train", tmp_path, on_disk=True)
+    memory = data.load_token_stream(corpus, tok, "train", tmp_path)
+    assert isinstance(disk, TokenFile) and disk.dtype == np.uint8 and memory.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(disk), memory)
+    np.testing.assert_array_equal(memory, data.tokenize_documents(corpus.train, tok))
+    kw = dict(num_replicas=4, batch_size=3, seq_len=16, seed=5)
+    a, b = data.ReplicaBatcher(disk, **kw), data.ReplicaBatcher(memory, **kw)
+    assert a.state() == b.state()  # same stream hash: old checkpoints stay resumable
+    for step in [0, 1, 7, a.steps_per_epoch, 3 * a.steps_per_epoch + 2]:
+        np.testing.assert_array_equal(a.batch(step), b.batch(step))
+        assert a.batch(step).dtype == np.int32
+        np.testing.assert_array_equal(a.batch(step, replicas=[2, 0]), b.batch(step)[[2, 0]])
+    val = data.load_token_stream(corpus, tok, "validation", tmp_path, on_disk=True)
+    np.testing.assert_array_equal(data.eval_windows(val, seq_len=16, max_windows=5),
+                                  data.eval_windows(np.asarray(val), seq_len=16, max_windows=5))
+
+
+def test_sharded_batches_read_only_the_local_replicas(tmp_path):
+    write_tokens(tmp_path / "train.npy", [np.arange(5000) % 300], vocab_size=300)
+    stream = TokenFile(tmp_path / "train.npy")
+    assert stream.dtype == np.uint16
+    batcher = data.ReplicaBatcher(stream, num_replicas=8, batch_size=2, seq_len=8, seed=1)
+    asked = []
+    original = batcher.batch
+
+    def spy(step, replicas=None):
+        asked.append(tuple(replicas))
+        return original(step, replicas=replicas)
+
+    batcher.batch = spy
+    reps = replicas.make_replicas(8, backend="shard_map")
+    out = sharded_batches(batcher, reps, start=3, count=2)
+    expected = np.stack([original(3), original(4)], axis=1)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    assert sorted(set(asked)) == [(r,) for r in range(8)]  # one replica per device, no more
+
+
+def test_tokens_source_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train.npy"):
+        open_token_dir(tmp_path, 256)
+    write_tokens(tmp_path / "train.npy", [np.array([1, 2, 299])], vocab_size=300)
+    write_tokens(tmp_path / "validation.npy", [np.array([1, 2])], vocab_size=300)
+    with pytest.raises(ValueError, match="token id 299, outside the tokenizer's vocabulary of 256"):
+        open_token_dir(tmp_path, 256)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 10\)"):
+        write_tokens(tmp_path / "x.npy", [np.array([10])], vocab_size=10)
+    np.save(tmp_path / "y.npy", np.zeros((2, 2), np.int32))
+    with pytest.raises(ValueError, match="1-D integer"):
+        TokenFile(tmp_path / "y.npy")
+
+
+_RSS_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import numpy as np
+    from noloco_jax.trainer import settings as settings_lib
+    from noloco_jax.trainer.loop import train_and_evaluate
+
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+
+    def settings(path, steps):
+        return settings_lib.from_config({
+            "method": "noloco", "num_replicas": 2, "backend": "vmap", "global_batch_size": 4,
+            "num_steps": steps, "log_every": 2, "eval_every": 2, "checkpoint_every": 2,
+            "model": {"preset": "nano"}, "optim": {"warmup_steps": 1},
+            "outer": {"sync_every": 2},
+            "data": {"source": "tokens", "path": path, "seq_len": 256, "eval_windows": 8,
+                     "data_dir": sys.argv[3]}})
+
+    def grow(path, name):  # peak and retained growth of RSS over one run
+        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current RSS
+        before = rss("VmRSS")
+        last = train_and_evaluate(settings(path, 4), sys.argv[4] + "/" + name, progress=False)
+        return max(rss("VmHWM"), rss("VmRSS")) - before, last
+
+    # Warm up every code path (imports, compilation, orbax) on a small stream, then measure a
+    # run on the small stream (the control) and one on the big stream.
+    train_and_evaluate(settings(sys.argv[1], 2), sys.argv[4] + "/warm", progress=False)
+    control, _ = grow(sys.argv[1], "small")
+    big, last = grow(sys.argv[2], "big")
+    print(json.dumps({"control": control, "big": big, "step": last["step"],
+                      "loss": last["train_loss"]}))
+""")
+
+
+@pytest.mark.slow  # writes a 400 MB corpus and trains twice in a subprocess (~1 min)
+def test_training_on_a_corpus_larger_than_its_memory_growth(tmp_path):
+    """400 MB of tokens train with the process growing by < 40 MB more than for a 200 kB
+    stream (the old reader held the stream in RAM as int32: 1.6 GB)."""
+    rng = np.random.default_rng(0)
+    size = 400 * 2**20
+    chunks = (rng.integers(0, 256, 2**24, dtype=np.uint8) for _ in range(size // 2**24))
+    (tmp_path / "big").mkdir()
+    (tmp_path / "small").mkdir()
+    write_tokens(tmp_path / "big" / "train.npy", chunks, vocab_size=256)
+    for split, n in [("validation", 20_000), ("train", 200_000)]:
+        part = [rng.integers(0, 256, n, dtype=np.uint8)]
+        write_tokens(tmp_path / "small" / f"{split}.npy", part, vocab_size=256)
+    (tmp_path / "big" / "validation.npy").symlink_to(tmp_path / "small" / "validation.npy")
+    script = tmp_path / "rss.py"
+    script.write_text(_RSS_SCRIPT)
+    cmd = [sys.executable, str(script), str(tmp_path / "small"), str(tmp_path / "big"),
+           str(tmp_path / "data"), str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+    print(m)
+    assert m["step"] == 4 and np.isfinite(m["loss"])
+    assert m["big"] - m["control"] < size / 10, m  # what the corpus size adds: < 40 MB
