@@ -37,6 +37,16 @@ def get_config() -> config_dict.ConfigDict:
     c.checkpoint_every = 200
     # Checkpoints kept in workdir/checkpoints.
     c.keep_checkpoints = 2
+    # "A:B": write a jax.profiler trace of the chunks running steps [A, B) to workdir/profile
+    # (open with TensorBoard's profile plugin); "" = no trace.
+    c.profile_steps = ""
+
+    c.log = config_dict.ConfigDict()
+    # Also send every metric to Weights & Biases (needs the [wandb] extra; WANDB_MODE=offline
+    # writes workdir/wandb for a later `wandb sync`). A resumed run continues the same W&B run.
+    c.log.wandb = False
+    c.log.wandb_project = "noloco_jax"
+    c.log.wandb_run_name = ""  # "" = W&B's default name
 
     c.model = config_dict.ConfigDict()
     # A preset of noloco_jax.models (nano, tiny, mini, small, medium, large).

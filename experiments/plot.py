@@ -1,6 +1,7 @@
 """Draws loss, validation perplexity and replica spread of one or more runs to a PNG.
 
     python experiments/plot.py runs/tiny_noloco runs/tiny_diloco --out curves.png
+    python experiments/plot.py runs/tiny_noloco --replicas replicas.png   # per-replica panels
 """
 
 from __future__ import annotations
@@ -46,12 +47,41 @@ def plot_runs(workdirs: list[pathlib.Path], out: pathlib.Path) -> pathlib.Path:
     return out
 
 
+def plot_replicas(workdir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """Each replica's train loss and its L2 distance to the replica mean, one line per replica."""
+    path = workdir / "metrics.jsonl"
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    panels = [("train", "train_loss_per_replica", "train loss per replica"),
+              ("eval", "distance_to_mean_per_replica", "distance to the replica mean (L2)")]
+    for ax, (kind, key, title) in zip(axes, panels):
+        recs = [r for r in last_per_step(read_jsonl(path, kind)) if key in r]
+        if recs:
+            values = [r[key] for r in recs]
+            for i in range(len(values[0])):
+                ax.plot([r["step"] for r in recs], [v[i] for v in values], label=f"replica {i}",
+                        lw=1)  # fmt: skip
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    if len(axes[0].lines) <= 16:
+        axes[0].legend(fontsize=7)
+    fig.suptitle(workdir.name)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdirs", nargs="+", type=pathlib.Path)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("curves.png"))
+    parser.add_argument("--replicas", type=pathlib.Path, default=None,
+                        help="also draw the first run's per-replica loss and distance here")
     args = parser.parse_args()
     print(plot_runs(args.workdirs, args.out))
+    if args.replicas is not None:
+        print(plot_replicas(args.workdirs[0], args.replicas))
 
 
 if __name__ == "__main__":

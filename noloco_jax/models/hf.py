@@ -207,8 +207,10 @@ def config_from_hf(
                          f"(SwiGLU) is supported.")  # fmt: skip
     heads = d["num_attention_heads"]
     if d.get("head_dim") not in (None, d["hidden_size"] // heads):
-        raise ValueError(f"config.json sets head_dim={d['head_dim']}, but the Llama here needs "
-                         f"hidden_size / num_attention_heads = {d['hidden_size'] // heads}.")  # fmt: skip
+        raise ValueError(
+            f"config.json sets head_dim={d['head_dim']}, but the Llama here needs "
+            f"hidden_size / num_attention_heads = {d['hidden_size'] // heads}."
+        )
     kv = d.get("num_key_value_heads") or heads
     return LlamaConfig(
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
@@ -370,7 +372,8 @@ def save_llama(
     directory.mkdir(parents=True, exist_ok=True)
     ours = {_name(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     _, abstract = _abstract_model(cfg)
-    expected = {_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    expected = {_name(p): tuple(x.shape) for p, x in flat}
     got = {k: tuple(v.shape) for k, v in ours.items()}
     if got != expected:
         raise ValueError(f"params do not match the config's single-replica layout (a replica "

@@ -3,9 +3,9 @@
 Architecture: token embedding -> L pre-norm blocks (RMSNorm -> causal multi-head attention
 with RoPE -> residual; RMSNorm -> SwiGLU MLP -> residual) -> final RMSNorm -> output head
 (untied by default; ``tie_embeddings`` reuses the input table). Grouped-query attention when
-``num_kv_heads`` < ``num_heads``. No biases. All L blocks live in one ``Block`` whose parameters carry a leading axis of
-size L, so ``run_layers`` can apply any sequence of them with one ``jax.lax.scan`` (compile
-time does not grow with L).
+``num_kv_heads`` < ``num_heads``. No biases. All L blocks live in one ``Block`` whose
+parameters carry a leading axis of size L, so ``run_layers`` can apply any sequence of them
+with one ``jax.lax.scan`` (compile time does not grow with L).
 
 Dimension key:
   B: batch size

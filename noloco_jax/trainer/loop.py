@@ -25,6 +25,7 @@ from noloco_jax.data.token_files import open_token_dir, sharded_batches
 from noloco_jax.optim.local_steps import find_local_steps_state
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
+from noloco_jax.trainer.observability import Profiler, distance_to_mean, make_sinks
 from noloco_jax.trainer.pipelined import make_pipeline_runner
 from noloco_jax.trainer.settings import TrainSettings, check_resume_compatible
 from noloco_jax.trainer.step import TrainState, eval_token_losses, sync_positions, train_chunk
@@ -289,6 +290,7 @@ def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray)
         }
         spread_value = replicas.to_host(spread(params)).reshape(-1)[0]
         out["replica_spread"] = float(spread_value) if n > 1 else 0.0
+        out["distance_to_mean_per_replica"] = distance_to_mean(params)
         return out
 
     return evaluate
@@ -360,7 +362,10 @@ def train_and_evaluate(
     workdir = _writable_workdir(workdir)
     run, state = _build(settings)
     ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints)
-    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
+    first = jax.process_index() == 0
+    sinks = make_sinks(settings, workdir) if first else []
+    writer = MetricWriter(workdir, enabled=first, sinks=sinks)
+    profiler = Profiler(settings.profile_steps, workdir)
     state, step = _restore_or_init(run, state, ckpt, writer)
     last: dict[str, Any] = {"step": step}
     end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
@@ -370,7 +375,10 @@ def train_and_evaluate(
             _evaluate(run, state, step, writer, last, bar)
         while step < end:
             resets_before = last.get("nonfinite_resets", 0.0)
+            chunk_end = min(step - step % settings.log_every + settings.log_every, end)
+            profiler.before_chunk(step, chunk_end)
             state, step, train_metrics = _train_chunk(run, state, step, end)
+            profiler.after_chunk(step)
             writer.write(step, "train", train_metrics)
             if train_metrics["nonfinite_resets"] > resets_before:
                 _report_reset(writer, step, train_metrics["nonfinite_resets"], bar)
@@ -381,6 +389,7 @@ def train_and_evaluate(
                 ckpt.save(step, state, run.meta)
             _advance(bar, step, last)
     finally:
+        profiler.close()
         ckpt.close()
         writer.close()
         if bar is not None:
@@ -450,6 +459,7 @@ def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
         # Mean over finite replica losses; a replica the guard is resetting is counted apart.
         "train_loss": float(losses[finite].mean()) if finite.any() else float("nan"),
         "train_loss_last": float(np.nanmean(losses[:, -1])) if finite[:, -1].any() else float("nan"),
+        "train_loss_per_replica": [float(x) for x in losses.mean(1)],
         "nonfinite_replica_steps": int((~finite).sum()),
         "nonfinite_resets": _nonfinite_resets(state),
         "learning_rate": float(optim_lib.learning_rate_schedule(s.optim, s.num_steps)(step - 1)),

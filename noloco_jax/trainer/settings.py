@@ -16,7 +16,8 @@ DTYPES = ("float32", "bfloat16")
 # Settings that may change when a run resumes; any other change is refused.
 RESUMABLE = frozenset(
     {"backend", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-     "data.eval_windows", "data.data_dir"}
+     "data.eval_windows", "data.data_dir", "profile_steps", "log.wandb", "log.wandb_project",
+     "log.wandb_run_name"}
 )  # fmt: skip
 
 
@@ -86,6 +87,13 @@ class SkipSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogSettings:
+    wandb: bool = False  # also log to Weights & Biases (WANDB_MODE=offline works)
+    wandb_project: str = "noloco_jax"
+    wandb_run_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainSettings:
     seed: int = 0
     method: str = "noloco"
@@ -100,12 +108,14 @@ class TrainSettings:
     eval_every: int = 100
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
+    profile_steps: str = ""  # "A:B": a jax.profiler trace of steps [A, B) in workdir/profile
     model: ModelSettings = ModelSettings()
     data: DataSettings = DataSettings()
     optim: OptimSettings = OptimSettings()
     outer: OuterSettings = OuterSettings()
     fault: FaultSettings = FaultSettings()
     skip: SkipSettings = SkipSettings()
+    log: LogSettings = LogSettings()
 
     @property
     def batch_per_replica(self) -> int:
@@ -188,7 +198,26 @@ def validate(s: TrainSettings) -> TrainSettings:
     _validate_outer(s.outer, s.method, s.num_replicas)
     _validate_fault(s.fault, s.num_replicas)
     _validate_skip(s.skip, s.num_stages)
+    parse_profile_steps(s.profile_steps)
+    _require(isinstance(s.log.wandb, bool), "log.wandb", f"must be True or False, got "
+             f"{s.log.wandb!r}.")  # fmt: skip
+    _require(bool(s.log.wandb_project), "log.wandb_project", "must not be empty.")
     return s
+
+
+def parse_profile_steps(text: Any) -> tuple[int, int] | None:
+    """``"A:B"`` -> (A, B) with 0 <= A < B; ``""`` -> None; else ``ValueError``."""
+    if text == "":
+        return None
+    parts = text.split(":") if isinstance(text, str) else []
+    try:
+        a, b = (int(p) for p in parts)
+    except ValueError:
+        a = b = -1
+    _require(len(parts) == 2 and 0 <= a < b, "profile_steps",
+             f"must be 'A:B' with integers 0 <= A < B (a trace of steps [A, B)), or '' for "
+             f"none; got {text!r}.")  # fmt: skip
+    return a, b
 
 
 def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
@@ -258,6 +287,7 @@ def from_config(config: Any) -> TrainSettings:
         "outer": OuterSettings,
         "fault": FaultSettings,
         "skip": SkipSettings,
+        "log": LogSettings,
     }
     kwargs = {k: v for k, v in d.items() if k not in sections}
     known = {f.name for f in dataclasses.fields(TrainSettings)} - set(sections)

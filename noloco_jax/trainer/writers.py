@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from typing import Any
+from typing import Any, Sequence
 
 __all__ = ["MetricWriter", "read_jsonl"]
 
@@ -14,11 +14,16 @@ class MetricWriter:
     """Appends one JSON object per record to ``workdir/metrics.jsonl`` and to TensorBoard."""
 
     def __init__(
-        self, workdir: str | pathlib.Path, *, tensorboard: bool = True, enabled: bool = True
+        self, workdir: str | pathlib.Path, *, tensorboard: bool = True, enabled: bool = True,
+        sinks: Sequence[Any] = (),
     ):
-        """``enabled=False`` (processes other than 0 in a multi-process run) writes nothing."""
+        """``enabled=False`` (processes other than 0 in a multi-process run) writes nothing.
+
+        ``sinks``: more objects with ``write(step, kind, values)`` and ``close()`` (W&B).
+        """
         self.workdir = pathlib.Path(workdir)
         self.enabled = enabled
+        self._sinks = list(sinks) if enabled else []
         self._jsonl = None
         self._tb = None
         if not enabled:
@@ -41,6 +46,8 @@ class MetricWriter:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(f"{kind}/{k}", v, step)
             self._tb.flush()
+        for sink in self._sinks:
+            sink.write(step, kind, clean)
 
     def close(self) -> None:
         if not self.enabled:
@@ -48,9 +55,13 @@ class MetricWriter:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
 
 def _jsonable(v: Any) -> Any:
+    if isinstance(v, (list, tuple)) or getattr(v, "ndim", 0) > 0:
+        return [_jsonable(x) for x in list(v)]  # per-replica values
     try:
         return float(v) if not isinstance(v, (str, bool, int)) else v
     except (TypeError, ValueError):

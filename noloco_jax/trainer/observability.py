@@ -1,0 +1,138 @@
+"""Weights & Biases sink, ``jax.profiler`` traces and per-replica diagnostics for the trainer."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from noloco_jax.trainer.settings import TrainSettings, parse_profile_steps
+
+__all__ = ["WandbSink", "Profiler", "make_sinks", "distance_to_mean", "parse_profile_steps"]
+
+
+class WandbSink:
+    """Mirrors metric records to a Weights & Biases run (``--config.log.wandb=True``).
+
+    Runs offline with ``WANDB_MODE=offline`` (files under ``workdir/wandb``, synced later
+    with ``wandb sync``). Scalars go under ``<kind>/<name>``; a per-replica list goes as
+    ``<kind>/<name>/r<i>``; strings (events) are left out.
+
+    Args:
+      workdir: the run's workdir (W&B files go to ``workdir/wandb``).
+      project: the W&B project.
+      run_name: the run's display name ("" = W&B's default).
+      config: the run settings, stored as the W&B run config.
+      resume_id: a stable id so a resumed run continues the same W&B run.
+
+    Raises:
+      ValueError: the ``wandb`` package is not installed.
+    """
+
+    def __init__(self, workdir: str | pathlib.Path, *, project: str, run_name: str,
+                 config: dict, resume_id: str) -> None:  # fmt: skip
+        try:
+            import wandb  # noqa: PLC0415
+        except ImportError as err:
+            raise ValueError(
+                "config.log.wandb=True needs the wandb package: pip install 'noloco-jax[wandb]' "
+                "(or set config.log.wandb=False)."
+            ) from err
+        directory = pathlib.Path(workdir)
+        (directory / "wandb").mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(
+            project=project, name=run_name or None, config=config, dir=str(directory),
+            id=resume_id, resume="allow",
+        )  # fmt: skip
+
+    def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
+        """Logs one record's numbers at ``step``."""
+        out: dict[str, float] = {}
+        for key, value in values.items():
+            if isinstance(value, (list, tuple)):
+                for i, v in enumerate(value):
+                    if isinstance(v, (int, float)) and math.isfinite(v):
+                        out[f"{kind}/{key}/r{i}"] = float(v)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[f"{kind}/{key}"] = float(value)
+        if out:
+            self._run.log(out, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def make_sinks(s: TrainSettings, workdir: pathlib.Path) -> list[Any]:
+    """The extra metric sinks the settings ask for (W&B), for process 0.
+
+    The W&B run id is derived from the workdir, so a resumed run continues the same W&B run.
+    """
+    if not s.log.wandb:
+        return []
+    import hashlib  # noqa: PLC0415
+
+    run_id = "noloco-" + hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:12]
+    return [WandbSink(workdir, project=s.log.wandb_project, run_name=s.log.wandb_run_name,
+                      config=s.to_dict(), resume_id=run_id)]  # fmt: skip
+
+
+class Profiler:
+    """Writes a ``jax.profiler`` trace of the chunks that run steps in ``[A, B)``.
+
+    Steps are fused in chunks of ``log_every``, so the trace covers whole chunks: it starts
+    before the first chunk that contains a step >= A and stops after the chunk that reaches
+    B. The trace lands in ``workdir/profile`` (TensorBoard's profile plugin reads it).
+    """
+
+    def __init__(self, profile_steps: str, workdir: str | pathlib.Path) -> None:
+        self._window = parse_profile_steps(profile_steps)
+        self.directory = pathlib.Path(workdir) / "profile"
+        self._active = False
+
+    def before_chunk(self, step: int, end: int) -> None:
+        """Called with the chunk's first step and the step it will reach."""
+        if self._window is None or self._active:
+            return
+        a, b = self._window
+        if step < b and end > a:
+            jax.profiler.start_trace(str(self.directory))
+            self._active = True
+
+    def after_chunk(self, step: int) -> None:
+        """Called with the step reached."""
+        if self._active and step >= self._window[1]:
+            self.close()
+
+    def close(self) -> None:
+        if self._active:
+            jax.profiler.stop_trace()
+            self._active = False
+            self._window = None  # one trace per run
+
+
+@jax.jit
+def _distances(params: Any) -> jax.Array:
+    sq = None
+    for x in jax.tree.leaves(params):
+        x = x.astype(jnp.float32)
+        d = jnp.sum(jnp.square(x - x.mean(0, keepdims=True)).reshape(x.shape[0], -1), axis=1)
+        sq = d if sq is None else sq + d
+    return jnp.sqrt(sq)
+
+
+def distance_to_mean(params: Any) -> list[float]:
+    """Each replica's L2 distance ``||theta_r - mean_r' theta_r'||`` over all parameters.
+
+    Args:
+      params: replicated parameters (every leaf has a leading replica axis N).
+
+    Returns:
+      N floats.
+    """
+    from noloco_jax import replicas  # noqa: PLC0415
+
+    return [float(v) for v in np.asarray(replicas.to_host(_distances(params)))]

@@ -1,0 +1,116 @@
+"""Observability: W&B sink (offline), jax.profiler traces, per-replica loss and distance."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from pydoc_data.topics import topics
+
+from noloco_jax import models
+from noloco_jax.trainer import settings as settings_lib
+from noloco_jax.trainer.loop import train_and_evaluate
+from noloco_jax.trainer.observability import make_sinks
+from noloco_jax.trainer.writers import read_jsonl
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+N = 4
+
+
+def _settings(tmp, **over):
+    corpus = tmp / "corpus"
+    if not corpus.exists():
+        corpus.mkdir()
+        for i, (name, text) in enumerate(sorted(topics.items())[:30]):
+            (corpus / f"{i:02d}_{name}.txt").write_text(text, encoding="utf-8")
+    base = {
+        "method": "noloco", "num_replicas": N, "backend": "vmap", "global_batch_size": 8,
+        "num_steps": 6, "log_every": 2, "eval_every": 2, "checkpoint_every": 6,
+        "model": {"preset": "nano"}, "optim": {"warmup_steps": 1}, "outer": {"sync_every": 2},
+        "data": {"source": "files", "path": str(corpus), "data_dir": str(tmp / "data"),
+                 "seq_len": 32, "eval_windows": 4},
+    }  # fmt: skip
+    base.update(over)
+    return settings_lib.from_config(base)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One run with W&B (offline) and a profile of steps [2, 4)."""
+    pytest.importorskip("wandb")
+    tmp = tmp_path_factory.mktemp("obs")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WANDB_MODE", "offline")
+    mp.setenv("WANDB_SILENT", "true")
+    s = _settings(tmp, profile_steps="2:4",
+                  log={"wandb": True, "wandb_project": "p", "wandb_run_name": "tiny"})  # fmt: skip
+    try:
+        train_and_evaluate(s, tmp / "run", progress=False)
+    finally:
+        mp.undo()
+    return tmp / "run", s
+
+
+def test_wandb_offline_run_is_written(run):
+    workdir, _ = run
+    runs = list((workdir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    files = list(runs[0].glob("run-*.wandb"))
+    assert len(files) == 1
+    log = files[0].read_bytes()  # the run's records (protobuf): the metric names are in it
+    for key in (b"eval/val_ppl", b"train/train_loss", b"train/train_loss_per_replica/r3",
+                b"eval/distance_to_mean_per_replica/r0"):
+        assert key in log, key
+
+
+def test_profile_trace_is_written(run):
+    workdir, _ = run
+    traces = list((workdir / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+
+def test_per_replica_loss_and_distance_in_jsonl(run):
+    workdir, _ = run
+    train = read_jsonl(workdir / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == [2, 4, 6]
+    for r in train:
+        per = r["train_loss_per_replica"]
+        assert len(per) == N and np.isfinite(per).all()
+        assert np.mean(per) == pytest.approx(r["train_loss"], rel=1e-5)
+    assert len({round(x, 6) for x in train[-1]["train_loss_per_replica"]}) == N  # differ
+    evals = read_jsonl(workdir / "metrics.jsonl", "eval")
+    assert evals[0]["step"] == 0 and evals[0]["distance_to_mean_per_replica"] == [0.0] * N
+    cfg = models.get_preset("nano", vocab_size=256)
+    for r in evals[1:]:
+        d = np.asarray(r["distance_to_mean_per_replica"])
+        assert d.shape == (N,) and (d > 0).all()
+        # The pooled spread is their root mean square over replicas and elements.
+        pooled = np.sqrt(np.mean(d**2) / models.param_count(cfg))
+        assert pooled == pytest.approx(r["replica_spread"], rel=1e-3)
+
+
+def test_plot_draws_per_replica_panels(run, tmp_path):
+    workdir, _ = run
+    png = tmp_path / "replicas.png"
+    cmd = [sys.executable, str(ROOT / "experiments" / "plot.py"), str(workdir), "--out",
+           str(tmp_path / "curves.png"), "--replicas", str(png)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert png.stat().st_size > 1000
+
+
+def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    s = _settings(tmp_path, log={"wandb": True})
+    with pytest.raises(ValueError, match=r"config.log.wandb=True needs the wandb package"):
+        make_sinks(s, tmp_path)
+
+
+@pytest.mark.parametrize("bad", ["5", "4:2", "a:b", "1:2:3", "-1:3", 7])
+def test_bad_profile_steps(tmp_path, bad):
+    with pytest.raises(ValueError, match="config.profile_steps: must be 'A:B'"):
+        _settings(tmp_path, profile_steps=bad)
