@@ -26,8 +26,9 @@ from noloco_jax.optim.local_steps import find_local_steps_state
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
 from noloco_jax.trainer.observability import Profiler, distance_to_mean, make_sinks
+from noloco_jax.trainer.resize import check_resume, restore_resized
 from noloco_jax.trainer.pipelined import make_pipeline_runner
-from noloco_jax.trainer.settings import TrainSettings, check_resume_compatible
+from noloco_jax.trainer.settings import TrainSettings
 from noloco_jax.trainer.step import TrainState, eval_token_losses, sync_positions, train_chunk
 from noloco_jax.trainer.writers import MetricWriter
 
@@ -124,6 +125,7 @@ class _Run:
     chunk: Callable
     evaluate: Callable
     meta: dict
+    resized_from: int | None = None  # the checkpoint's replica count after a resize
 
 
 def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
@@ -313,13 +315,20 @@ def _restore_or_init(
             continue
         # Settings are compared before the arrays are read: a checkpoint of another
         # topology is refused with a clear error and left untouched, never set aside.
-        check_resume_compatible(meta["settings"], run.meta["settings"])
-        run.data.batcher.check_compatible(meta["batcher"], run.meta["batcher"])
+        old_n = check_resume(meta, run.meta, run.settings.allow_resize)  # None: same N
         try:
-            restored, _ = ckpt.restore(step, abstract_like(state))
+            if old_n is None:
+                restored, _ = ckpt.restore(step, abstract_like(state))
+            else:
+                restored = restore_resized(ckpt, step, state, old_n, run.reps)
         except Exception as err:  # noqa: BLE001 - any unreadable checkpoint
             _set_aside(ckpt, writer, step, err)
             continue
+        if old_n is not None:
+            run.resized_from = old_n
+            message = f"resized from {old_n} to {run.settings.num_replicas} replicas at step {step}"
+            print(message, flush=True)
+            writer.write(step, "event", {"event": "resize", "detail": message})
         return restored, step
     return state, 0
 
@@ -371,7 +380,7 @@ def train_and_evaluate(
     end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
     bar = _progress(progress and jax.process_index() == 0, settings.num_steps, step)
     try:
-        if step == 0:
+        if step == 0 or run.resized_from:  # after a resize: the loss right after it
             _evaluate(run, state, step, writer, last, bar)
         while step < end:
             resets_before = last.get("nonfinite_resets", 0.0)

@@ -17,7 +17,7 @@ DTYPES = ("float32", "bfloat16")
 RESUMABLE = frozenset(
     {"backend", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
      "data.eval_windows", "data.data_dir", "profile_steps", "log.wandb", "log.wandb_project",
-     "log.wandb_run_name"}
+     "log.wandb_run_name", "allow_resize"}
 )  # fmt: skip
 
 
@@ -109,6 +109,7 @@ class TrainSettings:
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
     profile_steps: str = ""  # "A:B": a jax.profiler trace of steps [A, B) in workdir/profile
+    allow_resize: bool = False  # resume a checkpoint of another num_replicas (merge / clone)
     model: ModelSettings = ModelSettings()
     data: DataSettings = DataSettings()
     optim: OptimSettings = OptimSettings()
@@ -202,6 +203,10 @@ def validate(s: TrainSettings) -> TrainSettings:
     _require(isinstance(s.log.wandb, bool), "log.wandb", f"must be True or False, got "
              f"{s.log.wandb!r}.")  # fmt: skip
     _require(bool(s.log.wandb_project), "log.wandb_project", "must not be empty.")
+    _require(isinstance(s.allow_resize, bool), "allow_resize",
+             f"must be True or False, got {s.allow_resize!r}.")
+    _require(not (s.allow_resize and s.num_stages > 1), "allow_resize",
+             "resizing runs with pipeline stages (num_stages > 1) is not supported.")
     return s
 
 

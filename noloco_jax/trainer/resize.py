@@ -1,0 +1,127 @@
+"""Resuming with another number of replicas (``--config.allow_resize=True``).
+
+N -> N / k (k an integer): replicas ``k i .. k i + k - 1`` merge into new replica ``i``: every
+per-replica float leaf (fast weights theta, slow weights phi, outer momentum, Adam moments) is
+their mean; a per-replica integer leaf (counters such as Adam's step count, equal on every
+replica) takes the first one's value. N -> k N: replica ``i`` is cloned into ``k i .. k i + k - 1``.
+Shared leaves (the step and round counters, no replica axis) are kept. Which leaves carry the
+replica axis comes from ``replicas.replica_axes``, never from field names, so any replicated
+optimizer state works.
+
+Both keep the replica mean of every float leaf, so the averaged model is unchanged. After
+the resize the run continues as if it had started with the new N: the data batcher deals the
+windows into the new number of shards (same seed; each replica's shard changes) at the same
+step, and NoLoCo's group draws continue from the shared round counter over the new N.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from noloco_jax import replicas
+from noloco_jax.trainer.settings import check_resume_compatible
+
+__all__ = ["RESIZE_FIELDS", "check_resume", "resize_state", "restore_resized"]
+
+# Settings a resize may change (with allow_resize); everything else must match.
+RESIZE_FIELDS = ("num_replicas", "global_batch_size")
+_BATCHER_FIELDS = ("num_replicas", "batch_size")
+
+
+def _without(d: dict, keys: tuple[str, ...]) -> dict:
+    return {k: v for k, v in d.items() if k not in keys}
+
+
+def check_resume(saved_meta: dict, current_meta: dict, allow_resize: bool) -> int | None:
+    """Checks a checkpoint's settings against the run's; returns its N when it must be resized.
+
+    Args:
+      saved_meta: the checkpoint's metadata (``settings`` and ``batcher``).
+      current_meta: the run's.
+      allow_resize: ``config.allow_resize``.
+
+    Returns:
+      None when the replica count is unchanged, else the checkpoint's replica count.
+
+    Raises:
+      ValueError: settings that may not change did, or N changed without ``allow_resize``, or
+        neither count divides the other.
+    """
+    from noloco_jax.data.batches import ReplicaBatcher  # noqa: PLC0415
+
+    saved, current = saved_meta["settings"], current_meta["settings"]
+    old_n, new_n = saved["num_replicas"], current["num_replicas"]
+    if old_n == new_n or not allow_resize:
+        try:
+            check_resume_compatible(saved, current)
+        except ValueError as err:
+            if old_n == new_n:
+                raise
+            raise ValueError(f"{err} To merge or clone replicas ({old_n} -> {new_n}), set "
+                             f"--config.allow_resize=True.") from None  # fmt: skip
+        ReplicaBatcher.check_compatible(saved_meta["batcher"], current_meta["batcher"])
+        return None
+    if max(old_n, new_n) % min(old_n, new_n):
+        raise ValueError(f"config.allow_resize: the checkpoint has {old_n} replicas; resuming "
+                         f"with {new_n} needs one count to divide the other.")  # fmt: skip
+    check_resume_compatible(_without(saved, RESIZE_FIELDS), _without(current, RESIZE_FIELDS))
+    ReplicaBatcher.check_compatible(_without(saved_meta["batcher"], _BATCHER_FIELDS),
+                                    _without(current_meta["batcher"], _BATCHER_FIELDS))
+    return old_n
+
+
+def _resize_leaf(x: Any, axis: Any, new_n: int) -> Any:
+    if axis is None:
+        return x
+    x = jnp.asarray(x)
+    old_n = x.shape[0]
+    if new_n >= old_n:
+        return jnp.repeat(x, new_n // old_n, axis=0)
+    groups = x.reshape(new_n, old_n // new_n, *x.shape[1:])
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return groups.astype(jnp.float32).mean(1).astype(x.dtype)
+    return groups[:, 0]
+
+
+def resize_state(state: Any, new_n: int) -> Any:
+    """Merges (mean) or clones the replica axis of a replicated-layout tree to ``new_n``.
+
+    Args:
+      state: a tree in the replicated layout (per-replica leaves lead with N, shared ones not).
+      new_n: the new replica count; N must divide it or be divisible by it.
+
+    Returns:
+      The tree with N replaced by ``new_n`` on every per-replica leaf.
+    """
+    axes = replicas.replica_axes(state)
+    return jax.tree.map(lambda x, a: _resize_leaf(x, a, new_n), state, axes)
+
+
+def restore_resized(ckpt: Any, step: int, state: Any, old_n: int, reps: Any) -> Any:
+    """Restores a checkpoint of ``old_n`` replicas and resizes it to ``state``'s layout.
+
+    Args:
+      ckpt: the ``Checkpointer``.
+      step: the checkpoint's step.
+      state: the freshly initialised state of the new run (gives structure and N).
+      old_n: the checkpoint's replica count.
+      reps: the new run's ``Replicas`` (places the result).
+
+    Returns:
+      The resized state, placed for the new run.
+    """
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    axes = replicas.replica_axes(state)
+
+    def old_shape(x: Any, axis: Any) -> jax.ShapeDtypeStruct:
+        shape = x.shape if axis is None else (old_n, *x.shape[1:])
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=device)
+
+    abstract = jax.tree.map(old_shape, state, axes)
+    restored, _ = ckpt.restore(step, abstract)
+    resized = resize_state(restored, reps.num_replicas)
+    return reps.put(jax.tree.map(np.asarray, resized))
