@@ -40,6 +40,11 @@ def get_config() -> config_dict.ConfigDict:
     # "A:B": write a jax.profiler trace of the chunks running steps [A, B) to workdir/profile
     # (open with TensorBoard's profile plugin); "" = no trace.
     c.profile_steps = ""
+    # Resume a checkpoint written with another num_replicas (one must divide the other):
+    # N -> N/k averages groups of k neighbouring replicas (theta, phi, outer momentum, Adam
+    # moments), N -> kN clones each replica k times. global_batch_size may change with it.
+    # False: such a restart is refused, as any other change of settings.
+    c.allow_resize = False
 
     c.log = config_dict.ConfigDict()
     # Also send every metric to Weights & Biases (needs the [wandb] extra; WANDB_MODE=offline

@@ -68,16 +68,19 @@ def data_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_config(path: pathlib.Path, overrides: dict[str, Any]):
+    """The config file's ``get_config()`` with dotted overrides (``{"outer.sync_every": 10}``).
+
+    Overrides go through ml_collections' own ``update_from_flattened_dict`` on the locked
+    config, the same type rules as ``--config.<field>=<value>`` on the CLI: a misspelt field
+    is a ``KeyError`` / ``AttributeError``, a value of the wrong type a ``TypeError``.
+    """
     spec = importlib.util.spec_from_file_location(f"_exp_cfg_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     cfg = module.get_config()
-    for dotted, value in overrides.items():
-        node = cfg
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    cfg.lock()
+    cfg.update_from_flattened_dict(dict(overrides))
+    cfg.unlock()
     return cfg
 
 

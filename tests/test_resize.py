@@ -103,3 +103,10 @@ def test_resize_needs_the_flag_and_a_divisor(base_run, tmp_path):
     with pytest.raises(ValueError, match="cannot resume.*seed"):  # other changes still refused
         s = _settings(base_run, num_replicas=2, allow_resize=True, seed=3)
         train_and_evaluate(s, tmp_path / "run", progress=False)
+
+
+def test_resize_with_pipeline_stages_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="config.allow_resize: resizing runs with pipeline"):
+        _settings(tmp_path, allow_resize=True, num_stages=2)
+    with pytest.raises(ValueError, match="config.allow_resize: must be True or False"):
+        _settings(tmp_path, allow_resize="yes")
