@@ -55,6 +55,8 @@ class LocalStepsState(NamedTuple):
       outer_state: the outer optimizer's state.
       nonfinite_resets: float32 scalar, syncs at which this replica's fast
         weights were not finite (only counted with ``nonfinite_guard``).
+      phase_errors: int32 scalar (shared), steps whose ``sync_step`` flag
+        disagreed with the counter (a round skipped or added); should stay 0.
     """
 
     count: jax.Array
@@ -62,6 +64,7 @@ class LocalStepsState(NamedTuple):
     local_opt_state: optax.OptState
     outer_state: optax.OptState
     nonfinite_resets: jax.Array
+    phase_errors: jax.Array
 
 
 def _update_dtype(p: Any) -> Any:
@@ -108,23 +111,26 @@ def _theta_like(new_slow: Any, params: Any) -> Any:
     )  # fmt: skip
 
 
-def _check_phase(count: jax.Array, sync_every: int, sync_step: bool) -> None:
-    """Raises (when the step runs) if ``sync_step`` disagrees with the counter.
+def _check_phase(count: jax.Array, sync_every: int, sync_step: bool) -> jax.Array:
+    """1 (and a printed error) if ``sync_step`` disagrees with the counter, else 0.
 
-    The callback sits in a scalar ``lax.cond`` taken only on a mismatch, so a
-    correct step moves no data to the host.
+    The print sits in a scalar ``lax.cond`` taken only on a mismatch, so a
+    correct step moves nothing to the host. It does not raise: an exception in
+    one device's callback would abort a multi-device program mid-collective.
+    The count goes to ``LocalStepsState.phase_errors``.
     """
+    wrong = (count % sync_every == 0) != sync_step
 
-    def fail(c: Any) -> None:
-        raise ValueError(
-            f"local_steps: sync_step={sync_step} but this is inner step {int(c)} and rounds "
-            f"end every sync_every={sync_every} steps (a sync step is one whose count is a "
-            f"multiple of sync_every). Pass sync_step=(count % sync_every == 0), or None "
-            f"to let the counter decide."
+    def report() -> None:
+        jax.debug.print(
+            "ERROR local_steps: sync_step={flag} but this is inner step {c} and rounds end "
+            "every sync_every={h} steps; the round was " + ("added" if sync_step else "skipped")
+            + ". Pass sync_step=(count % sync_every == 0), or None to let the counter decide.",
+            flag=sync_step, c=count, h=sync_every,
         )
 
-    wrong = (count % sync_every == 0) != sync_step
-    lax.cond(wrong, lambda: jax.debug.callback(fail, count), lambda: None)
+    lax.cond(wrong, report, lambda: None)
+    return wrong.astype(jnp.int32)
 
 
 def _check_accumulation(inner: Any, sync_every: int) -> None:
@@ -174,7 +180,8 @@ def local_steps(
         master weights for bf16 params); default: each param's own dtype.
         After every sync the params are phi rounded to their dtype, exactly.
       check_phase: with ``sync_step`` given, check it against the counter on
-        the device (a scalar branch; the step raises if they disagree).
+        the device (a scalar branch): a mismatch prints an error and counts in
+        ``phase_errors`` (a raise from the device could abort a mesh program).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` acting on the model params
@@ -221,6 +228,7 @@ def local_steps(
             local_opt_state=inner.init(params),
             outer_state=outer.init(slow),
             nonfinite_resets=jnp.zeros([], jnp.float32),
+            phase_errors=jnp.zeros([], jnp.int32),
         )
 
     def sync(params: optax.Params, operands: tuple) -> tuple:
@@ -260,6 +268,7 @@ def local_steps(
             raise ValueError(f"sync_step must be None, True or False, got {sync_step!r}.")
         inner_updates, local_opt_state = inner.update(updates, state.local_opt_state, params, **extra_args)
         count = optax.safe_int32_increment(state.count)
+        errors = state.phase_errors
         # Both branches return float updates in at least float32 (apply_updates
         # adds in that width and casts once), so a sync lands exactly on phi.
         inner_updates = jax.tree.map(
@@ -273,10 +282,11 @@ def local_steps(
             )
         else:  # the caller knows the phase statically (``trainer.step.sync_positions``)
             if check_phase:
-                _check_phase(count, sync_every, sync_step)
+                errors = errors + _check_phase(count, sync_every, sync_step)
             branches = sync(params, operands) if sync_step else operands
         new_updates, slow, outer_state, local_opt_state, resets = branches
-        return new_updates, LocalStepsState(count, slow, local_opt_state, outer_state, resets)
+        return new_updates, LocalStepsState(count, slow, local_opt_state, outer_state, resets,
+                                            errors)  # fmt: skip
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
