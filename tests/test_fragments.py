@@ -182,3 +182,24 @@ def test_static_phase_with_fragments_equals_the_on_device_phase():
     assert int(s2.phase_errors) == 0
     with pytest.raises(ValueError, match="the index \\(0..1\\) of the fragment"):
         tx.update(_params(), tx.init(_params()), _params(), sync_step=True)
+
+
+def test_guard_with_fragments_keeps_the_caught_fragment_state():
+    spec = frag.by_layer_blocks(_params(), 2)
+    tx = local_steps(optax.adam(0.05), noloco_outer(seed=1), H, fragments=spec,
+                     nonfinite_guard=True)  # fmt: skip
+    reps = replicas.make_replicas(N, backend="vmap")
+    params = _params(N)
+    state = reps.init(tx, params)
+    step = jax.jit(reps.map(step_fn(tx)))
+    for t in range(H):  # both fragments sync once
+        params, state = step(params, state, _grads(t))
+    before = jax.tree.map(np.asarray, state.outer_state[0].sgd_state[0].trace)
+    bad = jax.tree.map(lambda x: x.at[1].set(jnp.nan), _grads(H))
+    params, state = step(params, state, bad)  # step H+1: inner
+    params, state = step(params, state, _grads(H + 1))  # step H+2: fragment 0 syncs
+    after = jax.tree.map(np.asarray, state.outer_state[0].sgd_state[0].trace)
+    np.testing.assert_array_equal(after["blocks"]["w"][1], before["blocks"]["w"][1])  # kept
+    assert not np.array_equal(after["blocks"]["w"][0], before["blocks"]["w"][0])
+    assert np.asarray(state.nonfinite_resets).tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert np.asarray(state.local_opt_state[0].count).tolist() == [H + 2, 0, H + 2, H + 2]
