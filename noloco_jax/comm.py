@@ -207,11 +207,20 @@ def connects_all(pool: np.ndarray, num_replicas: int) -> bool:
     return len({find(i) for i in range(num_replicas)}) == 1
 
 
-def pool_index(round_index: jax.typing.ArrayLike, pool_size: int, seed: int) -> jax.Array:
-    """Which pool entry outer round ``round_index`` uses (traced, replica-uniform)."""
+def pool_index(
+    round_index: jax.typing.ArrayLike, pool_size: int, seed: int, stream: int | None = None
+) -> jax.Array:
+    """Which pool entry outer round ``round_index`` uses (traced, replica-uniform).
+
+    ``stream`` (e.g. a streaming fragment's index) draws from a separate stream;
+    ``None`` is the original draw.
+    """
     if pool_size == 1:
         return jnp.zeros([], jnp.int32)
-    key = jax.random.fold_in(jax.random.key(seed), jnp.asarray(round_index, jnp.uint32))
+    key = jax.random.key(seed)
+    if stream is not None:
+        key = jax.random.fold_in(jax.random.fold_in(key, 2**31 - 1), stream)
+    key = jax.random.fold_in(key, jnp.asarray(round_index, jnp.uint32))
     return jax.random.randint(key, (), 0, pool_size, dtype=jnp.int32)
 
 
@@ -235,6 +244,7 @@ def groups_for_round(
     seed: int,
     *,
     pool_size: int | None = None,
+    stream: int | None = None,
 ) -> np.ndarray:
     """The groups NoLoCo uses in outer round ``round_index``.
 
@@ -247,6 +257,8 @@ def groups_for_round(
       group_size: n.
       seed: the ``seed`` given to ``noloco_outer``.
       pool_size: the ``pool_size`` given to ``noloco_outer``.
+      stream: the fragment index with streaming fragments (``local_steps``'
+        ``fragments``); ``None`` otherwise.
 
     Returns:
       int array [N // n, n]; row g lists the replica ids of group g.
@@ -256,7 +268,7 @@ def groups_for_round(
       (2, 2)
     """
     pool = partition_pool(num_replicas, group_size, seed, pool_size)
-    idx = int(pool_index(round_index, len(pool), seed))
+    idx = int(pool_index(round_index, len(pool), seed, stream))
     return np.array(pool[idx])
 
 

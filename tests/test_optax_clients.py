@@ -228,17 +228,18 @@ def test_guard_keeps_a_caught_replicas_momentum():
 # ------------------------------------------------------------------ 4. phase flag checked
 
 
-def test_a_wrong_sync_step_flag_raises_when_the_step_runs():
+def test_a_wrong_sync_step_flag_is_reported_and_counted(capfd):
     tx = local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 3)
     p = jnp.zeros(3)
     state = tx.init(p)
-    step = jax.jit(lambda s, flag: tx.update(p, s, p, sync_step=flag), static_argnums=1)
-    _, state = step(state, False)  # step 1 of 3: right
-    with pytest.raises(Exception, match="sync_step=True but this is inner step 2"):
-        jax.block_until_ready(step(state, True))
-    _, state = step(state, False)  # step 2
-    with pytest.raises(Exception, match="sync_step=False but this is inner step 3"):
-        jax.block_until_ready(step(state, False))
+    step = jax.jit(lambda s, flag: tx.update(p, s, p, sync_step=flag)[1], static_argnums=1)
+    state = step(state, False)  # step 1 of 3: right
+    assert int(state.phase_errors) == 0 and "ERROR" not in capfd.readouterr().out
+    state = step(state, True)  # step 2 is no sync: a round added
+    assert int(state.phase_errors) == 1
+    assert "sync_step=True but this is inner step 2" in capfd.readouterr().out
+    state = step(state, False)  # step 3 is a sync: a round skipped
+    assert int(state.phase_errors) == 2 and "was skipped" in capfd.readouterr().out
 
 
 # ------------------------------------------------------------------ 5. apply_if_finite

@@ -240,13 +240,18 @@ def test_pipelined_chunks_with_the_phase_from_the_host_equal_the_on_device_phase
     sync_at = sync_positions(0, 3, 2)
     assert sync_at == (1,)
     out = {}
-    for key in (sync_at, None, (0,)):  # (0,): a wrong layout, to show it is honoured
+    for key in (sync_at, None):
         state = runner.put(jax.tree.map(jnp.copy, state0))
         out[key] = jax.tree.map(np.asarray, runner.make_chunk(key)(state, tokens))
     (a, loss_a), (b, loss_b) = out[sync_at], out[None]
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
     assert_trees_close(a, b, rtol=1e-5, atol=1e-7)
-    wrong = out[(0,)][0].params["lm_head"]
-    assert not np.allclose(jax.tree.leaves(wrong)[0], jax.tree.leaves(a.params["lm_head"])[0])
+    # A wrong layout is honoured (different params) - and counted: local_steps checks the
+    # phase it is given against its counter.
+    wrong, _ = runner.make_chunk((0,))(runner.put(jax.tree.map(jnp.copy, state0)), tokens)
+    wrong_head = jax.tree.leaves(wrong.params["lm_head"])[0]
+    assert not np.allclose(wrong_head, jax.tree.leaves(a.params["lm_head"])[0])
+    assert set(np.ravel(find_local_steps_state(wrong.opt_state).phase_errors)) == {2}
+    assert set(np.ravel(find_local_steps_state(a.opt_state).phase_errors)) == {0}
     found = find_local_steps_state(a.opt_state)  # 3 steps taken, one round ended
     assert set(np.ravel(found.count)) == {3} and set(np.ravel(found.outer_state.round)) == {1}

@@ -28,6 +28,7 @@ import optax
 from jax import lax
 
 from noloco_jax import comm
+from noloco_jax.optim import fragments as frag
 from noloco_jax.optim.trees import BATCHED_COUNTER_FIX, float_leaves, is_batched, is_float
 
 AxisName = Union[str, tuple[str, ...]]
@@ -55,6 +56,8 @@ class LocalStepsState(NamedTuple):
       outer_state: the outer optimizer's state.
       nonfinite_resets: float32 scalar, syncs at which this replica's fast
         weights were not finite (only counted with ``nonfinite_guard``).
+      phase_errors: int32 scalar (shared), steps whose ``sync_step`` flag
+        disagreed with the counter (a round skipped or added); should stay 0.
     """
 
     count: jax.Array
@@ -62,6 +65,7 @@ class LocalStepsState(NamedTuple):
     local_opt_state: optax.OptState
     outer_state: optax.OptState
     nonfinite_resets: jax.Array
+    phase_errors: jax.Array
 
 
 def _update_dtype(p: Any) -> Any:
@@ -108,23 +112,44 @@ def _theta_like(new_slow: Any, params: Any) -> Any:
     )  # fmt: skip
 
 
-def _check_phase(count: jax.Array, sync_every: int, sync_step: bool) -> None:
-    """Raises (when the step runs) if ``sync_step`` disagrees with the counter.
+def _check_sync_step(sync_step: Any, num_frags: int) -> None:
+    """``sync_step`` is None, a bool, or (with fragments) False or a fragment index."""
+    if sync_step is None or isinstance(sync_step, bool) and (num_frags == 1 or not sync_step):
+        return
+    if num_frags > 1 and not isinstance(sync_step, bool) and isinstance(sync_step, int) \
+            and 0 <= sync_step < num_frags:
+        return
+    allowed = "None, True or False" if num_frags == 1 else \
+        f"None, False or the index (0..{num_frags - 1}) of the fragment that syncs"
+    raise ValueError(f"sync_step must be {allowed}, got {sync_step!r}.")
 
-    The callback sits in a scalar ``lax.cond`` taken only on a mismatch, so a
-    correct step moves no data to the host.
+
+def _check_phase(count: jax.Array, sync_every: int, sync_step: Any, num_frags: int = 1
+                 ) -> jax.Array:
+    """1 (and a printed error) if ``sync_step`` disagrees with the counter, else 0.
+
+    The print sits in a scalar ``lax.cond`` taken only on a mismatch, so a
+    correct step moves nothing to the host. It does not raise: an exception in
+    one device's callback would abort a multi-device program mid-collective.
+    The count goes to ``LocalStepsState.phase_errors``.
     """
+    if num_frags == 1:
+        wrong = (count % sync_every == 0) != sync_step
+    else:
+        due = frag.sync_fragment(count, sync_every, num_frags)
+        wrong = due != (-1 if sync_step is False else sync_step)
 
-    def fail(c: Any) -> None:
-        raise ValueError(
-            f"local_steps: sync_step={sync_step} but this is inner step {int(c)} and rounds "
-            f"end every sync_every={sync_every} steps (a sync step is one whose count is a "
-            f"multiple of sync_every). Pass sync_step=(count % sync_every == 0), or None "
-            f"to let the counter decide."
+    def report() -> None:
+        jax.debug.print(
+            "ERROR local_steps: sync_step={flag} but this is inner step {c} and rounds end "
+            "every sync_every={h} steps (fragments: {f}); the round was "
+            + ("skipped" if sync_step is False else "added")
+            + ". Pass the phase the counter gives, or None to let the counter decide.",
+            flag=sync_step, c=count, h=sync_every, f=num_frags,
         )
 
-    wrong = (count % sync_every == 0) != sync_step
-    lax.cond(wrong, lambda: jax.debug.callback(fail, count), lambda: None)
+    lax.cond(wrong, report, lambda: None)
+    return wrong.astype(jnp.int32)
 
 
 def _check_accumulation(inner: Any, sync_every: int) -> None:
@@ -150,6 +175,7 @@ def local_steps(
     guard_axis_name: AxisName | None = None,
     slow_dtype: Any = None,
     check_phase: bool = True,
+    fragments: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Runs ``inner`` every step and ``outer`` every ``sync_every`` steps.
 
@@ -173,8 +199,17 @@ def local_steps(
       slow_dtype: dtype of phi and of the outer state (e.g. ``jnp.float32``
         master weights for bf16 params); default: each param's own dtype.
         After every sync the params are phi rounded to their dtype, exactly.
+      fragments: None (every sync moves all params), or a fragment spec
+        (``noloco_jax.optim.fragments.by_layer_blocks(params, P)``): the
+        params are split into P fragments and fragment p syncs at the steps t
+        with ``t mod H == (p + 1) H / P``, so each sync moves 1/P of the model
+        (streaming). Each fragment keeps its own outer state (momentum and
+        round counter) and draws its groups from its own stream
+        (``stream=p`` to the outer step). Then ``sync_step`` is False or the
+        index p of the fragment that syncs.
       check_phase: with ``sync_step`` given, check it against the counter on
-        the device (a scalar branch; the step raises if they disagree).
+        the device (a scalar branch): a mismatch prints an error and counts in
+        ``phase_errors`` (a raise from the device could abort a mesh program).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` acting on the model params
@@ -208,10 +243,19 @@ def local_steps(
     if slow_dtype is not None and not jnp.issubdtype(slow_dtype, jnp.floating):
         raise ValueError(f"slow_dtype must be None or a float dtype, got {slow_dtype!r}.")
     _check_accumulation(inner, sync_every)
+    num_frags, spec = frag.num_fragments(fragments), fragments
+    fragments = None if num_frags == 1 else fragments  # one fragment: today's update
+    if fragments is not None and sync_every % num_frags:
+        raise ValueError(
+            f"sync_every={sync_every} must be a multiple of the number of fragments "
+            f"P={num_frags} (fragment p syncs at steps t with t mod H = (p + 1) H / P)."
+        )
     inner = optax.with_extra_args_support(inner)
     outer = optax.with_extra_args_support(outer)
 
     def init_fn(params: optax.Params) -> LocalStepsState:
+        if spec is not None:
+            frag.check_spec(spec, params, sync_every)
         slow = jax.tree.map(
             lambda p: jnp.array(p, dtype=slow_dtype or p.dtype, copy=True), float_leaves(params)
         )
@@ -219,31 +263,46 @@ def local_steps(
             count=jnp.zeros([], jnp.int32),
             slow_params=slow,
             local_opt_state=inner.init(params),
-            outer_state=outer.init(slow),
+            outer_state=outer.init(slow) if fragments is None else tuple(
+                outer.init(frag.take(slow, fragments, p)) for p in range(num_frags)),
             nonfinite_resets=jnp.zeros([], jnp.float32),
+            phase_errors=jnp.zeros([], jnp.int32),
         )
 
-    def sync(params: optax.Params, operands: tuple) -> tuple:
-        inner_updates, slow, outer_state, local_opt_state, resets = operands
-        theta = float_leaves(optax.apply_updates(params, inner_updates))
-        outer_grad = jax.tree.map(lambda s, t: s - t.astype(s.dtype), slow, theta)
+    def view(tree: Any, p: int | None) -> Any:
+        return tree if p is None else frag.take(tree, fragments, p)
+
+    def merge(tree: Any, part: Any, p: int | None) -> Any:
+        return part if p is None else frag.put(tree, part, fragments, p)
+
+    def sync(params: optax.Params, operands: tuple, p: int | None = None) -> tuple:
+        """The outer step (of fragment ``p``; of everything when ``p`` is None)."""
+        inner_updates, slow, outer_states, local_opt_state, resets = operands
+        outer_state = outer_states if p is None else outer_states[p]
+        stream = {} if p is None else {"stream": p}  # fragments draw their groups apart
+        theta_all = float_leaves(optax.apply_updates(params, inner_updates))
+        slow_p, theta = view(slow, p), view(theta_all, p)
+        outer_grad = jax.tree.map(lambda s, t: s - t.astype(s.dtype), slow_p, theta)
         if not nonfinite_guard:
-            delta, outer_state = outer.update(outer_grad, outer_state, slow)
-            new_slow = optax.apply_updates(slow, delta)
-            jump = _landing(new_slow, params, inner_updates)
-            return jump, new_slow, outer_state, local_opt_state, resets
-        ok = _all_finite(theta, guard_axis_name)
-        safe_grad = optax.tree.where(ok, outer_grad, optax.tree.zeros_like(outer_grad))
-        delta, new_outer = outer.update(safe_grad, outer_state, slow, active=ok)
-        new_slow = optax.tree.where(ok, optax.apply_updates(slow, delta), slow)
-        # A cond, not a select: selecting between the two outer states made XLA
-        # copy phi, the moments and the outer state on every step, sync or not.
-        kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
-        outer_state = _counters_from(new_outer, kept)
-        fresh = inner.init(_theta_like(new_slow, params))  # a restart from phi, counts too
-        local_opt_state = optax.tree.where(ok, local_opt_state, fresh)
-        jump = _landing(new_slow, params, inner_updates)
-        return jump, new_slow, outer_state, local_opt_state, resets + (1.0 - ok)
+            delta, outer_state = outer.update(outer_grad, outer_state, slow_p, **stream)
+            new_slow = optax.apply_updates(slow_p, delta)
+        else:
+            ok = _all_finite(theta_all, guard_axis_name)
+            safe_grad = optax.tree.where(ok, outer_grad, optax.tree.zeros_like(outer_grad))
+            delta, new_outer = outer.update(safe_grad, outer_state, slow_p, active=ok, **stream)
+            new_slow = optax.tree.where(ok, optax.apply_updates(slow_p, delta), slow_p)
+            # A cond, not a select: selecting between the two outer states made XLA
+            # copy phi, the moments and the outer state on every step, sync or not.
+            kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
+            outer_state = _counters_from(new_outer, kept)
+            fresh = inner.init(_theta_like(merge(slow, new_slow, p), params))  # counts too
+            local_opt_state = optax.tree.where(ok, local_opt_state, fresh)
+            resets = resets + (1.0 - ok)
+        jump = _landing(new_slow, view(params, p), view(inner_updates, p))
+        if p is not None:
+            outer_state = tuple(outer_state if q == p else o for q, o in enumerate(outer_states))
+        return (merge(inner_updates, jump, p), merge(slow, new_slow, p), outer_state,
+                local_opt_state, resets)  # fmt: skip
 
     def update_fn(
         updates: optax.Updates,
@@ -256,10 +315,10 @@ def local_steps(
         if is_batched(state.count):
             raise ValueError(BATCHED_COUNTER_FIX)
         sync_step = extra_args.pop("sync_step", None)
-        if sync_step is not None and not isinstance(sync_step, bool):
-            raise ValueError(f"sync_step must be None, True or False, got {sync_step!r}.")
+        _check_sync_step(sync_step, num_frags)
         inner_updates, local_opt_state = inner.update(updates, state.local_opt_state, params, **extra_args)
         count = optax.safe_int32_increment(state.count)
+        errors = state.phase_errors
         # Both branches return float updates in at least float32 (apply_updates
         # adds in that width and casts once), so a sync lands exactly on phi.
         inner_updates = jax.tree.map(
@@ -267,16 +326,23 @@ def local_steps(
         )
         operands = (inner_updates, state.slow_params, state.outer_state, local_opt_state,
                     state.nonfinite_resets)  # fmt: skip
-        if sync_step is None:
+        if sync_step is None and fragments is None:
             branches = lax.cond(
                 count % sync_every == 0, functools.partial(sync, params), lambda ops: ops, operands
             )
+        elif sync_step is None:  # one branch per fragment, taken on its sync steps
+            due = frag.sync_fragment(count, sync_every, num_frags)
+            fns = [lambda ops: ops] + [functools.partial(sync, params, p=p)
+                                       for p in range(num_frags)]  # fmt: skip
+            branches = lax.switch(due + 1, fns, operands)
         else:  # the caller knows the phase statically (``trainer.step.sync_positions``)
             if check_phase:
-                _check_phase(count, sync_every, sync_step)
-            branches = sync(params, operands) if sync_step else operands
+                errors = errors + _check_phase(count, sync_every, sync_step, num_frags)
+            p = None if fragments is None else (sync_step if sync_step is not False else None)
+            branches = operands if sync_step is False else sync(params, operands, p)
         new_updates, slow, outer_state, local_opt_state, resets = branches
-        return new_updates, LocalStepsState(count, slow, local_opt_state, outer_state, resets)
+        return new_updates, LocalStepsState(count, slow, local_opt_state, outer_state, resets,
+                                            errors)  # fmt: skip
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

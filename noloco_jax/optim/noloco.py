@@ -105,6 +105,7 @@ def _pseudo_gradient(
     exchange_dtype: Any,
     dropout_prob: float = 0.0,
     active: jax.Array | None = None,
+    stream: int | None = None,
 ) -> optax.Updates:
     """g_i = phi_i - mean_G theta + (gamma / beta - 1)(phi_i - mean_G phi).
 
@@ -117,7 +118,7 @@ def _pseudo_gradient(
     if num_replicas == 1:  # a group of one: mean_G theta = theta, mean_G phi = phi
         return outer_grad
     pool = comm.partition_pool(num_replicas, group_size, seed, pool_size)
-    index = comm.pool_index(round_index, len(pool), seed)
+    index = comm.pool_index(round_index, len(pool), seed, stream)
     present = None
     if dropout_prob > 0:
         mask = comm.presence_mask(round_index, num_replicas, dropout_prob, seed)
@@ -225,7 +226,9 @@ def noloco_outer(
       params, active=None)`` takes ``outer_grad = phi - theta`` and ``params =
       phi`` and returns delta, so that ``optax.apply_updates(phi, delta)`` is
       the new phi. ``active`` (a per-replica bool, e.g. "my weights are
-      finite") removes a replica from this round like a drop-out. Non-float
+      finite") removes a replica from this round like a drop-out; ``stream``
+      (an int, e.g. a streaming fragment's index) draws the groups from a
+      stream of its own (``groups_for_round(..., stream=)``). Non-float
       leaves (integer buffers) are neither sent nor moved (their delta is 0).
 
     Example:
@@ -266,6 +269,7 @@ def noloco_outer(
         state: NoLoCoOuterState,
         params: optax.Params | None = None,
         active: jax.Array | None = None,
+        stream: int | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, NoLoCoOuterState]:
         del extra_args
@@ -290,6 +294,7 @@ def noloco_outer(
                 exchange_dtype=exchange_dtype,
                 dropout_prob=dropout_prob,
                 active=active,
+                stream=stream,
             )
         delta, sgd_state = sgd.update(g, state.sgd_state, phi)
         delta = zeros_where_none(delta, params)

@@ -1,0 +1,205 @@
+"""Streaming fragments of local_steps: one fragment per sync, each with its own outer state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from noloco_jax import comm, diloco_outer, hlo, local_steps, noloco_outer, replicas
+from noloco_jax.optim import fragments as frag
+from tests.helpers import step_fn
+
+N, H, L = 4, 4, 4
+
+
+def _params(num=None):
+    lead = () if num is None else (num,)
+    k = jax.random.split(jax.random.key(0), 3)
+    return {
+        "embedding": jax.random.normal(k[0], lead + (6, 2)),
+        "blocks": {"w": jax.random.normal(k[1], lead + (L, 2, 2))},
+        "lm_head": jax.random.normal(k[2], lead + (2, 6)),
+    }
+
+
+def _grads(t):
+    return jax.tree.map(lambda x: jnp.sin(x * (t + 1.0)), _params(N))
+
+
+def _train(tx, steps, backend="vmap"):
+    reps = replicas.make_replicas(N, backend=backend)
+    params = reps.put(_params(N))
+    state = reps.init(tx, params)
+    step = jax.jit(reps.map(step_fn(tx)))
+    history = []
+    for t in range(steps):
+        params, state = step(params, state, reps.put(_grads(t)))
+        history.append(jax.tree.map(np.asarray, params))
+    return params, state, history
+
+
+def test_by_layer_blocks_spec_and_validation():
+    spec = frag.by_layer_blocks(_params(), 2)
+    assert spec == {"embedding": 0, "blocks": {"w": (0, 0, 1, 1)}, "lm_head": 1}
+    assert frag.num_fragments(spec) == 2
+    assert frag.check_spec(spec, _params(), 4) == 2
+    with pytest.raises(ValueError, match="fragments=5 exceeds the model's 4 layers"):
+        frag.by_layer_blocks(_params(), 5)
+    with pytest.raises(ValueError, match="fragments must be an integer >= 1"):
+        frag.by_layer_blocks(_params(), 0)
+    with pytest.raises(ValueError, match="sync_every=3 must be a multiple of the number of "):
+        local_steps(optax.sgd(0.1), noloco_outer(), 3, fragments=spec)
+    with pytest.raises(ValueError, match="contiguous"):
+        frag.check_spec({**spec, "blocks": {"w": (0, 1, 0, 1)}}, _params(), 4)
+    with pytest.raises(ValueError, match="hold no parameters"):
+        frag.check_spec({**spec, "lm_head": 3}, _params(), 4)
+
+
+def test_take_and_put_round_trip():
+    spec = frag.by_layer_blocks(_params(), 2)
+    p = _params()
+    part = frag.take(p, spec, 1)
+    assert part["embedding"] is None and part["blocks"]["w"].shape == (2, 2, 2)
+    back = frag.put(p, jax.tree.map(lambda x: x + 1, part), spec, 1)
+    np.testing.assert_array_equal(back["blocks"]["w"][:2], p["blocks"]["w"][:2])
+    np.testing.assert_array_equal(back["blocks"]["w"][2:], p["blocks"]["w"][2:] + 1)
+
+
+def test_sync_fragment_schedule():
+    due = [int(frag.sync_fragment(t, 8, 4)) for t in range(1, 17)]
+    assert due == [-1, 0, -1, 1, -1, 2, -1, 3] * 2
+
+
+@pytest.mark.parametrize("outer", [noloco_outer(seed=2), diloco_outer()])
+def test_one_fragment_is_todays_update(outer):
+    tx0 = local_steps(optax.adam(0.05), outer, H)
+    tx1 = local_steps(optax.adam(0.05), outer, H, fragments=frag.by_layer_blocks(_params(), 1))
+    *_, a = _train(tx0, 2 * H)
+    *_, b = _train(tx1, 2 * H)
+    for x, y in zip(jax.tree.leaves(a[-1]), jax.tree.leaves(b[-1])):
+        np.testing.assert_array_equal(x, y)
+
+
+def _numpy_streaming(num_frags, steps, lr_in, beta, alpha, seed):
+    """SGD inner steps; fragment p syncs when t % H == (p + 1) H / P with its own momentum,
+    round counter and group stream; g = phi - mean_G theta (gamma = beta)."""
+    spec = frag.by_layer_blocks(_params(), num_frags)
+    theta = jax.tree.map(lambda x: np.asarray(x, np.float64), _params(N))
+    phi = jax.tree.map(np.copy, theta)
+    trace = [jax.tree.map(np.zeros_like, theta) for _ in range(num_frags)]
+    rounds = [0] * num_frags
+    stride = H // num_frags
+    out = []
+    for t in range(1, steps + 1):
+        g = jax.tree.map(lambda x: np.asarray(x, np.float64), _grads(t - 1))
+        theta = jax.tree.map(lambda x, d: x - lr_in * d, theta, g)
+        if t % stride == 0:
+            p = (t // stride - 1) % num_frags
+            groups = comm.groups_for_round(rounds[p], N, 2, seed,
+                                           stream=None if num_frags == 1 else p)  # fmt: skip
+            partner = {int(a): int(b) for a, b in groups}
+            partner.update({b: a for a, b in partner.items()})
+
+            def move(ph, th, tr, s):
+                rows = frag._rows(s, p)  # noqa: SLF001
+                if rows is None:
+                    return ph, th, tr
+                sl = slice(None) if rows == "all" else slice(rows[0], rows[1])
+                ph, th, tr = ph.copy(), th.copy(), tr.copy()
+                mean = (th[:, sl] + th[[partner[i] for i in range(N)], sl]) / 2
+                grad = ph[:, sl] - mean
+                tr[:, sl] = alpha * tr[:, sl] + grad
+                ph[:, sl] = ph[:, sl] - beta * tr[:, sl]
+                th[:, sl] = ph[:, sl]
+                return ph, th, tr
+
+            leaves = [move(a, b, c, s) for a, b, c, s in zip(
+                jax.tree.leaves(phi), jax.tree.leaves(theta), jax.tree.leaves(trace[p]),
+                jax.tree.leaves(spec, is_leaf=lambda v: isinstance(v, tuple)))]  # fmt: skip
+            treedef = jax.tree.structure(phi)
+            phi = jax.tree.unflatten(treedef, [x[0] for x in leaves])
+            theta = jax.tree.unflatten(treedef, [x[1] for x in leaves])
+            trace[p] = jax.tree.unflatten(treedef, [x[2] for x in leaves])
+            rounds[p] += 1
+        out.append(theta)
+    return out
+
+
+@pytest.mark.parametrize("num_frags", [2, 4])
+def test_fragments_match_a_numpy_reference(num_frags):
+    spec = frag.by_layer_blocks(_params(), num_frags)
+    tx = local_steps(optax.sgd(0.1), noloco_outer(learning_rate=0.7, momentum=0.5, seed=3), H,
+                     fragments=spec)  # fmt: skip
+    _, state, got = _train(tx, 3 * H)
+    want = _numpy_streaming(num_frags, 3 * H, 0.1, 0.7, 0.5, 3)
+    for t, (g, w) in enumerate(zip(got, want)):
+        for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=f"step {t + 1}")
+    assert [int(o.round) for o in state.outer_state] == [3] * num_frags
+
+
+def test_each_sync_step_sends_only_its_fragment():
+    spec = frag.by_layer_blocks(_params(), 2)
+    tx = local_steps(optax.sgd(0.1), noloco_outer(), H, fragments=spec)
+    reps = replicas.make_replicas(N, backend="shard_map")
+    params = reps.put(_params(N))
+    state = reps.init(tx, params)
+    single = _params()
+    for p in range(2):
+        f = jax.jit(reps.map(lambda g, s, q, p=p: tx.update(g, s, q, sync_step=p)))
+        per_branch = hlo.bytes_by_computation(hlo.compiled_text(f, params, state, params),
+                                              "collective-permute")  # fmt: skip
+        part = frag.take(single, spec, p)
+        want = comm.noloco_bytes_per_sync(part)
+        assert set(per_branch.values()) == {want}, (p, per_branch, want)
+    full = comm.noloco_bytes_per_sync(single)
+    halves = [comm.noloco_bytes_per_sync(frag.take(single, spec, p)) for p in range(2)]
+    assert sum(halves) == full and max(halves) < full
+
+
+def test_static_phase_with_fragments_equals_the_on_device_phase():
+    spec = frag.by_layer_blocks(_params(), 2)
+    tx = local_steps(optax.adam(0.05), noloco_outer(seed=1), H, fragments=spec)
+    reps = replicas.make_replicas(N, backend="vmap")
+    p1 = p2 = _params(N)
+    s1 = s2 = reps.init(tx, p1)
+    dyn = jax.jit(reps.map(step_fn(tx)))
+    def static(k):
+        def f(q, s, g):
+            u, s = tx.update(g, s, q, sync_step=k)
+            return optax.apply_updates(q, u), s
+
+        return jax.jit(reps.map(f))
+
+    stat = [static(False), static(0), static(1)]  # not a dict: False == 0 as a key
+    for t in range(2 * H):
+        due = int(frag.sync_fragment(t + 1, H, 2))
+        p1, s1 = dyn(p1, s1, _grads(t))
+        p2, s2 = stat[due + 1](p2, s2, _grads(t))
+    for x, y in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2))):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+    assert int(s2.phase_errors) == 0
+    with pytest.raises(ValueError, match="the index \\(0..1\\) of the fragment"):
+        tx.update(_params(), tx.init(_params()), _params(), sync_step=True)
+
+
+def test_guard_with_fragments_keeps_the_caught_fragment_state():
+    spec = frag.by_layer_blocks(_params(), 2)
+    tx = local_steps(optax.adam(0.05), noloco_outer(seed=1), H, fragments=spec,
+                     nonfinite_guard=True)  # fmt: skip
+    reps = replicas.make_replicas(N, backend="vmap")
+    params = _params(N)
+    state = reps.init(tx, params)
+    step = jax.jit(reps.map(step_fn(tx)))
+    for t in range(H):  # both fragments sync once
+        params, state = step(params, state, _grads(t))
+    before = jax.tree.map(np.asarray, state.outer_state[0].sgd_state[0].trace)
+    bad = jax.tree.map(lambda x: x.at[1].set(jnp.nan), _grads(H))
+    params, state = step(params, state, bad)  # step H+1: inner
+    params, state = step(params, state, _grads(H + 1))  # step H+2: fragment 0 syncs
+    after = jax.tree.map(np.asarray, state.outer_state[0].sgd_state[0].trace)
+    np.testing.assert_array_equal(after["blocks"]["w"][1], before["blocks"]["w"][1])  # kept
+    assert not np.array_equal(after["blocks"]["w"][0], before["blocks"]["w"][0])
+    assert np.asarray(state.nonfinite_resets).tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert np.asarray(state.local_opt_state[0].count).tolist() == [H + 2, 0, H + 2, H + 2]
