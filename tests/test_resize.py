@@ -110,3 +110,17 @@ def test_resize_with_pipeline_stages_is_refused(tmp_path):
         _settings(tmp_path, allow_resize=True, num_stages=2)
     with pytest.raises(ValueError, match="config.allow_resize: must be True or False"):
         _settings(tmp_path, allow_resize="yes")
+
+
+def test_checkpoint_without_the_new_fields_still_resumes(tmp_path):
+    """A checkpoint written before a settings field existed counts as having its default."""
+    from noloco_jax.trainer.settings import check_resume_compatible  # noqa: PLC0415
+
+    current = _settings(tmp_path).to_dict()
+    old = {k: v for k, v in current.items() if k not in ("log", "profile_steps", "allow_resize")}
+    old["model"] = {k: v for k, v in current["model"].items()
+                    if k not in ("init_from", "num_kv_heads", "tie_embeddings")}  # fmt: skip
+    check_resume_compatible(old, current)  # no error
+    changed = _settings(tmp_path, model={"preset": "nano", "num_kv_heads": 2}).to_dict()
+    with pytest.raises(ValueError, match=r"model.num_kv_heads: 0 -> 2"):
+        check_resume_compatible(old, changed)

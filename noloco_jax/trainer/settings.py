@@ -315,8 +315,13 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def check_resume_compatible(saved: dict, current: dict) -> None:
-    """Refuses to resume when settings that shape the run have changed."""
+    """Refuses to resume when settings that shape the run have changed.
+
+    A setting the checkpoint does not record (it predates the field) counts as its default.
+    """
+    defaults = _flatten(dataclasses.asdict(TrainSettings()))
     a, b = _flatten(saved), _flatten(current)
+    a = {**{k: v for k, v in defaults.items() if k not in a}, **a}
     changed = sorted(k for k in set(a) | set(b) if k not in RESUMABLE and a.get(k) != b.get(k))
     if changed:
         detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed)
