@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from pydoc_data.topics import topics
 
 from noloco_jax.trainer import settings as settings_lib
-from noloco_jax.trainer.loop import prepare_data, train_and_evaluate
+from noloco_jax import models
+from noloco_jax.trainer.hf_init import export_run
+from noloco_jax.trainer.loop import load_run, prepare_data, train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
 
 
@@ -84,6 +87,16 @@ def test_init_from_starts_every_replica_at_the_hf_weights(tmp_path, corpus_dir, 
             reduction="none",
         ).mean(1)  # fmt: skip
     np.testing.assert_allclose(first["val_loss"], float(ce.mean()), rtol=1e-5)
+    # Export the trained, replica-averaged model; transformers gives the same logits.
+    out = export_run(s, tmp_path / "run", tmp_path / "export")
+    graphdef, params, _ = load_run(s, tmp_path / "run")
+    avg = jax.tree.map(lambda x: x.mean(0), params)
+    ours = np.asarray(models.apply(graphdef, avg, windows[:2, :-1]))
+    exported = transformers.LlamaForCausalLM.from_pretrained(out).float().eval()
+    with torch.no_grad():
+        theirs = exported(torch.from_numpy(windows[:2, :-1].astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
+    assert not np.allclose(ours, logits[:2].numpy(), atol=1e-3)  # it did train
 
 
 def test_hf_bad_inputs(tmp_path, corpus_dir, hf_dir):

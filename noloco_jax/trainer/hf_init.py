@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
+import jax
+
 from noloco_jax.models import LlamaConfig
-from noloco_jax.models.hf import load_llama, read_config
+from noloco_jax.models.hf import load_llama, read_config, save_llama
 from noloco_jax.trainer.settings import TrainSettings
 
-__all__ = ["prepare_hf_model"]
+__all__ = ["prepare_hf_model", "export_run"]
 
 
 def prepare_hf_model(s: TrainSettings, vocab_size: int) -> tuple[LlamaConfig, Any, Any]:
@@ -43,3 +46,31 @@ def prepare_hf_model(s: TrainSettings, vocab_size: int) -> tuple[LlamaConfig, An
         raise ValueError("config.num_stages > 1 cannot split a model with tied embeddings "
                          "(the first and last stage would share one table).")  # fmt: skip
     return load_llama(s.model.init_from, dtype=s.model.dtype, param_dtype=s.model.param_dtype)
+
+
+def export_run(
+    s: TrainSettings, workdir: str | pathlib.Path, out: str | pathlib.Path,
+    *, replica: int | None = None,
+) -> pathlib.Path:
+    """Saves a run's latest checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
+
+    Args:
+      s: the run's settings.
+      workdir: the run's workdir.
+      out: the directory to write (config.json + model.safetensors).
+      replica: which replica to export; None = the replica-averaged model.
+
+    Returns:
+      ``out``.
+    """
+    from noloco_jax.trainer.loop import load_run, prepare_model  # noqa: PLC0415
+
+    _, params, data = load_run(s, workdir)
+    cfg = prepare_model(s, data.tokenizer.vocab_size)[0]
+    if replica is None:
+        single = jax.tree.map(lambda x: x.mean(0), params)
+    elif 0 <= replica < s.num_replicas:
+        single = jax.tree.map(lambda x: x[replica], params)
+    else:
+        raise ValueError(f"replica must be None or in [0, {s.num_replicas}), got {replica!r}.")
+    return save_llama(out, cfg, single)
