@@ -1,0 +1,57 @@
+"""8-bit wire formats: exact packing, error bounds, and bounded error with error feedback."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from noloco_jax import quantize as qz
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_encode_decode_equals_roundtrip_and_has_the_stated_size(fmt):
+    x = jax.random.normal(jax.random.key(0), (1000,)) * jnp.linspace(1e-3, 10, 1000)
+    buf = qz.encode(x, fmt)
+    assert buf.dtype == jnp.uint8 and buf.size == qz.wire_bytes(1000) == 1000 + 4 * 4
+    np.testing.assert_array_equal(qz.decode(buf, 1000, fmt), qz.roundtrip(x, fmt))
+
+
+def test_int8_error_is_at_most_half_a_step_per_block():
+    x = jax.random.normal(jax.random.key(1), (3 * qz.BLOCK + 7,))
+    err = np.abs(np.asarray(qz.roundtrip(x, "int8") - x))
+    blocks = np.pad(np.abs(np.asarray(x)), (0, (-x.size) % qz.BLOCK)).reshape(-1, qz.BLOCK)
+    step = np.repeat(blocks.max(1) / 127, qz.BLOCK)[: x.size]
+    assert (err <= step / 2 * (1 + 1e-5)).all()
+    assert err.max() > 0  # it does quantise
+
+
+def test_values_on_the_grid_come_back():
+    x = qz.roundtrip(jax.random.normal(jax.random.key(2), (600,)), "int8")
+    np.testing.assert_allclose(qz.roundtrip(x, "int8"), x, rtol=1e-6, atol=0)
+
+
+def test_zeros_and_fp8_range():
+    np.testing.assert_array_equal(qz.roundtrip(jnp.zeros(10), "int8"), 0.0)
+    x = jnp.array([1e4, -3.0, 0.5])
+    np.testing.assert_allclose(qz.roundtrip(x, "float8_e4m3fn"), x, rtol=0.07)
+
+
+def test_error_feedback_keeps_the_accumulated_error_bounded():
+    # A toy stream: the running sum of what was sent tracks the true running sum to within
+    # one block's half step (the residual), over 500 rounds; without feedback it drifts.
+    key = jax.random.key(3)
+    xs = 0.01 + 0.001 * jax.random.normal(key, (500, 64))  # a small bias quantises badly
+    xs = xs.at[:, 0].set(1.0)  # one large value sets each block's scale
+    e = jnp.zeros(64)
+    sent_fb, sent_plain = [], []
+    for x in xs:
+        q = qz.roundtrip(x + e, "int8")
+        e = x + e - q
+        sent_fb.append(q)
+        sent_plain.append(qz.roundtrip(x, "int8"))
+    true = np.cumsum(np.asarray(xs), 0)
+    drift_fb = np.abs(np.cumsum(np.asarray(sent_fb), 0) - true).max(1)
+    drift_plain = np.abs(np.cumsum(np.asarray(sent_plain), 0) - true).max(1)
+    half_step = 1.0 / 127 / 2
+    assert drift_fb.max() <= half_step * 1.01  # bounded by the residual: the test's bound
+    assert drift_plain[-1] > 50 * half_step  # without feedback the error accumulates
