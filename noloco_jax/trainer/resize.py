@@ -32,8 +32,9 @@ RESIZE_FIELDS = ("num_replicas", "global_batch_size")
 _BATCHER_FIELDS = ("num_replicas", "batch_size")
 
 
-def _without(d: dict, keys: tuple[str, ...]) -> dict:
-    return {k: v for k, v in d.items() if k not in keys}
+def _with(d: dict, source: dict, keys: tuple[str, ...]) -> dict:
+    """``d`` with the values of ``keys`` taken from ``source``."""
+    return {**d, **{k: source[k] for k in keys if k in source}}
 
 
 def check_resume(saved_meta: dict, current_meta: dict, allow_resize: bool) -> int | None:
@@ -68,9 +69,10 @@ def check_resume(saved_meta: dict, current_meta: dict, allow_resize: bool) -> in
     if max(old_n, new_n) % min(old_n, new_n):
         raise ValueError(f"config.allow_resize: the checkpoint has {old_n} replicas; resuming "
                          f"with {new_n} needs one count to divide the other.")  # fmt: skip
-    check_resume_compatible(_without(saved, RESIZE_FIELDS), _without(current, RESIZE_FIELDS))
-    ReplicaBatcher.check_compatible(_without(saved_meta["batcher"], _BATCHER_FIELDS),
-                                    _without(current_meta["batcher"], _BATCHER_FIELDS))
+    # Compare everything but the fields a resize changes (taken from the current run).
+    check_resume_compatible(_with(saved, current, RESIZE_FIELDS), current)
+    batcher = current_meta["batcher"]
+    ReplicaBatcher.check_compatible(_with(saved_meta["batcher"], batcher, _BATCHER_FIELDS), batcher)
     return old_n
 
 
