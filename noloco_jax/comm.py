@@ -31,10 +31,18 @@ log2(n) ``ppermute`` calls, each moving one buffer. Otherwise it is n - 1
 cyclic shifts inside the groups. Each replica therefore sends
 ``exchange_steps(n)`` buffers per exchanged tensor, and receives as many;
 nothing is ever reduced over all N replicas.
+
+Before the switch, ``group_mean`` packs every leaf of the tree into one flat
+buffer per (wire dtype, accumulation dtype), and each exchange step ships all
+buffers in one message. A switch branch thus holds one ``ppermute`` per step
+whatever the number of leaves: compile time and program size grow with the
+pool (N - 1 branches for pairs) but not with the model's structure, and the
+messages are as large as they can be.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Sequence
@@ -240,65 +248,114 @@ def _accum_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _send(x_acc: jax.Array, wire: Any, axis_name: str, perm: Sequence[tuple[int, int]]):
-    """``ppermute`` of ``x_acc`` as ``wire`` dtype, returned in ``x_acc``'s dtype."""
-    payload = x_acc.astype(wire)
-    if jnp.dtype(wire) != x_acc.dtype:
-        # Ship the narrow type's raw bits: XLA may otherwise move the convert
-        # across the collective and send the wide type after all.
-        bits = lax.bitcast_convert_type(payload, _uint_of(wire))
-        payload = lax.bitcast_convert_type(lax.ppermute(bits, axis_name, perm), wire)
-    else:
-        payload = lax.ppermute(payload, axis_name, perm)
-    return payload.astype(x_acc.dtype)
+def _as_words(x: jax.Array, word: Any) -> jax.Array:
+    """The raw bits of ``x`` as a flat vector of unsigned ``word``s (no wider than x's)."""
+    bits = lax.bitcast_convert_type(x, _uint_of(x.dtype))
+    if jnp.dtype(word).itemsize != x.dtype.itemsize:
+        bits = lax.bitcast_convert_type(bits, word)  # adds a trailing axis of words
+    return bits.reshape(-1)
 
 
-def _group_sum_static(
-    leaves: list[tuple[jax.Array, Any]], axis_name: str, partition: np.ndarray
-) -> list[jax.Array]:
-    """Sum of each (value, wire dtype) over the group, accumulated in at least float32."""
-    n = partition.shape[1]
-    perms = _exchange_perms(partition)
-    out = []
-    for x, wire in leaves:
-        acc = x.astype(_accum_dtype(x.dtype))
-        if n & (n - 1) == 0:  # butterfly: partial sums travel
-            for perm in perms:
-                acc = acc + _send(acc, wire, axis_name, perm)
-        else:  # cyclic shifts: the own value travels n - 1 times
-            total = acc
-            for perm in perms:
-                total = total + _send(acc, wire, axis_name, perm)
-            acc = total
-        out.append(acc)
+def _from_words(words: jax.Array, dtype: Any, size: int) -> jax.Array:
+    """Inverse of ``_as_words`` for a flat vector of ``size`` elements of ``dtype``."""
+    per = jnp.dtype(dtype).itemsize // words.dtype.itemsize
+    if per != 1:
+        words = lax.bitcast_convert_type(words.reshape(size, per), _uint_of(dtype))
+    return lax.bitcast_convert_type(words, dtype)
+
+
+def _send(
+    buffers: Sequence[jax.Array], wires: Sequence[Any], axis_name: str,
+    perm: Sequence[tuple[int, int]],
+) -> list[jax.Array]:  # fmt: skip
+    """One ``ppermute`` moving every flat buffer as its wire dtype; returned in its own dtype.
+
+    A lone buffer whose wire dtype is its own travels as it is. Otherwise every
+    payload is cast to its wire dtype and shipped as raw bits - unsigned words as
+    wide as the narrowest wire dtype, all buffers in one message: XLA could
+    otherwise move a narrowing convert across the collective and send the wide
+    type after all, and one message per buffer would multiply the collectives.
+    """
+    if len(buffers) == 1 and jnp.dtype(wires[0]) == buffers[0].dtype:
+        return [lax.ppermute(buffers[0], axis_name, perm)]
+    payloads = [b.astype(w) for b, w in zip(buffers, wires)]
+    word = _uint_of(min((w for w in wires), key=lambda w: jnp.dtype(w).itemsize))
+    words = [_as_words(p, word) for p in payloads]
+    received = lax.ppermute(jnp.concatenate(words) if len(words) > 1 else words[0], axis_name, perm)
+    out, start = [], 0
+    for b, w, p in zip(buffers, wires, words):
+        chunk = received[start : start + p.size]
+        start += p.size
+        out.append(_from_words(chunk, w, b.size).astype(b.dtype))
     return out
 
 
-def _group_mean_static(
-    tree: PyTree,
-    axis_name: str,
-    partition: np.ndarray,
-    exchange_dtype: Any,
-    weight: jax.Array | None = None,
-) -> PyTree:
-    leaves, treedef = jax.tree.flatten(tree)
-    if weight is None:
-        sums = _group_sum_static([(x, exchange_dtype or x.dtype) for x in leaves], axis_name,
-                                 partition)  # fmt: skip
-        return jax.tree.unflatten(treedef, [v / partition.shape[1] for v in sums])
-    # Absent members (weight 0) contribute nothing - not even NaN - and an
-    # absent replica keeps its own value.
-    present = weight > 0
-    masked = [jnp.where(present, x, jnp.zeros_like(x)) for x in leaves]
-    w = present.astype(jnp.float32)
-    *sums, count = _group_sum_static(
-        [(x, exchange_dtype or x.dtype) for x in masked] + [(w, jnp.float32)], axis_name, partition
-    )
-    means = [
-        jnp.where(present, v / jnp.maximum(count, 1.0), x.astype(v.dtype))
-        for x, v in zip(leaves, sums)
-    ]
-    return jax.tree.unflatten(treedef, means)
+def _group_sum_static(
+    buffers: Sequence[jax.Array], wires: Sequence[Any], axis_name: str, partition: np.ndarray
+) -> list[jax.Array]:
+    """Sum of each flat buffer over the group, in the buffers' (accumulation) dtypes.
+
+    Each exchange step is one ``ppermute`` of all buffers together (see ``_send``).
+    """
+    n = partition.shape[1]
+    perms = _exchange_perms(partition)
+    acc = list(buffers)
+    if n & (n - 1) == 0:  # butterfly: partial sums travel
+        for perm in perms:
+            acc = [a + r for a, r in zip(acc, _send(acc, wires, axis_name, perm))]
+        return acc
+    for perm in perms:  # cyclic shifts: the own value travels n - 1 times
+        acc = [a + r for a, r in zip(acc, _send(buffers, wires, axis_name, perm))]
+    return acc
+
+
+@dataclasses.dataclass(frozen=True)
+class _Packing:
+    """Where each leaf sits in the flat buffers: one buffer per (wire, accumulation) dtype.
+
+    Attributes:
+      wires: wire dtype of each buffer.
+      accs: accumulation dtype of each buffer (the leaf's dtype promoted to >= float32).
+      slots: per leaf, (buffer, offset, shape).
+      sizes: number of elements of each buffer.
+    """
+
+    wires: tuple[Any, ...]
+    accs: tuple[Any, ...]
+    slots: tuple[tuple[int, int, tuple[int, ...]], ...]
+    sizes: tuple[int, ...]
+
+
+def _packing(leaves: Sequence[jax.Array], wires: Sequence[Any]) -> _Packing:
+    keys: list[tuple[Any, Any]] = []
+    sizes: list[int] = []
+    slots = []
+    for x, wire in zip(leaves, wires):
+        key = (jnp.dtype(wire), jnp.dtype(_accum_dtype(x.dtype)))
+        if key not in keys:
+            keys.append(key)
+            sizes.append(0)
+        b = keys.index(key)
+        slots.append((b, sizes[b], tuple(x.shape)))
+        sizes[b] += int(np.prod(x.shape, dtype=np.int64))
+    return _Packing(tuple(k[0] for k in keys), tuple(k[1] for k in keys), tuple(slots),
+                    tuple(sizes))  # fmt: skip
+
+
+def _pack(leaves: Sequence[jax.Array], packing: _Packing) -> list[jax.Array]:
+    """Flat buffers in the accumulation dtypes, leaves concatenated in order."""
+    parts: list[list[jax.Array]] = [[] for _ in packing.wires]
+    for x, (b, _, _) in zip(leaves, packing.slots):
+        parts[b].append(x.astype(packing.accs[b]).reshape(-1))
+    return [jnp.concatenate(p) if len(p) > 1 else p[0] for p in parts]
+
+
+def _unpack(buffers: Sequence[jax.Array], packing: _Packing) -> list[jax.Array]:
+    out = []
+    for b, offset, shape in packing.slots:
+        size = int(np.prod(shape, dtype=np.int64))
+        out.append(buffers[b][offset : offset + size].reshape(shape))
+    return out
 
 
 def group_mean(
@@ -327,15 +384,39 @@ def group_mean(
       A tree like ``tree`` (leaves promoted to at least float32) holding the
       group means.
     """
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    wires = [exchange_dtype or x.dtype for x in leaves]
+    present = None
+    if weight is not None:
+        # Absent members (weight 0) contribute nothing - not even NaN - and an
+        # absent replica keeps its own value. The flag travels as float32.
+        present = weight > 0
+        leaves = [jnp.where(present, x, jnp.zeros_like(x)) for x in leaves]
+        leaves.append(present.astype(jnp.float32))
+        wires.append(jnp.float32)
+    # All leaves go into a few flat buffers before the switch, so each branch
+    # holds one collective per exchange step whatever the number of leaves.
+    packing = _packing(leaves, wires)
+    buffers = _pack(leaves, packing)
     branches = [
         functools.partial(
-            _group_mean_static, axis_name=axis_name, partition=p, exchange_dtype=exchange_dtype
+            _group_sum_static, wires=packing.wires, axis_name=axis_name, partition=p
         )
         for p in pool
     ]
-    if len(branches) == 1:
-        return branches[0](tree, weight=weight)
-    return lax.switch(index, [functools.partial(b, weight=weight) for b in branches], tree)
+    sums = branches[0](buffers) if len(branches) == 1 else lax.switch(index, branches, buffers)
+    sums = _unpack(sums, packing)
+    n = pool.shape[-1]
+    if present is None:
+        return jax.tree.unflatten(treedef, [v / n for v in sums])
+    *sums, count = sums
+    means = [
+        jnp.where(present, v / jnp.maximum(count, 1.0), x.astype(v.dtype))
+        for x, v in zip(jax.tree.leaves(tree), sums)
+    ]
+    return jax.tree.unflatten(treedef, means)
 
 
 def all_replica_mean(tree: PyTree, axis_name: str, weight: jax.Array | None = None) -> PyTree:

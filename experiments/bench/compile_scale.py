@@ -1,0 +1,127 @@
+"""Compile cost of the NoLoCo sync step as the number of simulated replicas N grows.
+
+    python experiments/bench/compile_scale.py [--smoke] [--baseline OLD.json]
+
+The sync step of ``local_steps(adam, noloco_outer(), H)`` (``sync_step=True``) for the nano
+preset, vmapped over N replicas on one device, is lowered from abstract inputs
+(``jax.ShapeDtypeStruct``: nothing is allocated) and compiled. With groups of two the step holds
+one ``lax.switch`` branch per round-robin matching, N - 1 of them, so its program grows with N.
+Reported per N: seconds to lower, seconds to compile, and the size of the compiled HLO text.
+Target (issue 16): N = 1024 compiles in under 30 s and its HLO stays under 2 MB on a 2-core CPU.
+
+``--baseline OLD.json`` adds the columns of an earlier run of this script (for example one made
+with the code before the change, from another checkout) next to this run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import time
+
+import common
+import jax
+import jax.numpy as jnp
+import optax
+
+from noloco_jax import local_steps, models, noloco_outer, replicas
+
+NS = [8, 16, 32, 64, 128, 256, 512, 1024]
+SMOKE_NS = [8, 16]
+
+
+def abstract_replicated(tree, n: int):
+    """ShapeDtypeStructs of ``tree`` in the replicated layout (shared counters keep no axis)."""
+
+    def leaf(x):
+        if replicas.is_shared_leaf(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.ShapeDtypeStruct((n, *x.shape), x.dtype)
+
+    return jax.tree.map(leaf, tree)
+
+
+def sync_step_fn(tx: optax.GradientTransformation):
+    """One replica's sync step: (params, state, grads) -> (params, state)."""
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params, sync_step=True)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def measure(n: int, params0, tx) -> dict:
+    """Lower and compile time (s) and compiled HLO text size (bytes) at N = ``n``."""
+    state0 = jax.eval_shape(tx.init, params0)
+    args = [abstract_replicated(t, n) for t in (params0, state0, params0)]
+    fn = jax.jit(replicas.Replicas(n).map(sync_step_fn(tx)))
+    t0 = time.perf_counter()
+    lowered = fn.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    text = compiled.as_text()
+    return {"N": n, "lower_s": t1 - t0, "compile_s": t2 - t1,
+            "hlo_bytes": len(text.encode()), "num_leaves": len(jax.tree.leaves(params0))}  # fmt: skip
+
+
+def _row(rec: dict, old: dict | None) -> list:
+    row = [rec["N"]]
+    if old is not None:
+        row += [f"{old['lower_s']:.2f}", f"{old['compile_s']:.2f}",
+                f"{old['hlo_bytes'] / 2**20:.2f}"]  # fmt: skip
+    row += [f"{rec['lower_s']:.2f}", f"{rec['compile_s']:.2f}", f"{rec['hlo_bytes'] / 2**20:.3f}"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out-dir", default=str(common.RESULTS))
+    parser.add_argument("--ns", default=None, help="comma-separated N values (default: all)")
+    parser.add_argument("--baseline", default=None, help="json of an earlier run to compare")
+    parser.add_argument("--label", default="this code", help="name of this run's columns")
+    args = parser.parse_args()
+    ns = SMOKE_NS if args.smoke else NS
+    if args.ns:
+        ns = [int(v) for v in args.ns.split(",")]
+    cfg = models.get_preset("nano", vocab_size=256)
+    _, params = models.init_params(cfg, 0)
+    params0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    tx = local_steps(optax.adam(1e-3), noloco_outer(), 10)
+    baseline = None
+    if args.baseline:
+        old = json.loads(pathlib.Path(args.baseline).read_text())
+        baseline = {r["N"]: r for r in old["rows"]}
+    results = {"env": common.environment(), "label": args.label, "rows": [],
+               "load_before": os.getloadavg()[0]}  # fmt: skip
+    rows = []
+    for n in ns:
+        rec = measure(n, params0, tx)
+        rec["load"] = os.getloadavg()[0]
+        results["rows"].append(rec)
+        print(json.dumps(rec), flush=True)
+        rows.append(_row(rec, None if baseline is None else baseline.get(n)) + [f"{rec['load']:.1f}"])
+    cmd = "python experiments/bench/compile_scale.py" + (" --smoke" if args.smoke else "")
+    header = ["N"]
+    if baseline is not None:
+        old_label = old.get("label", "baseline")
+        header += [f"{old_label}: lower s", f"{old_label}: compile s", f"{old_label}: HLO MiB"]
+    header += [f"{args.label}: lower s", f"{args.label}: compile s", f"{args.label}: HLO MiB",
+               "load (1 min)"]  # fmt: skip
+    leaves = results["rows"][0]["num_leaves"]
+    md = (f"### Compile time of the NoLoCo sync step vs N (issue 16)\n\n`{cmd}` — nano preset "
+          f"({leaves} parameter leaves), `local_steps(adam, noloco_outer(), 10)` sync step "
+          f"(`sync_step=True`, groups of 2: N - 1 switch branches), N replicas vmapped on one "
+          f"device, lowered from ShapeDtypeStructs and compiled once per N "
+          f"({results['env']['device']}, 2 shared cores; 'load' is the 1-minute load average "
+          "after the row, from all users of the machine). HLO = `compiled.as_text()`. Target: "
+          "N = 1024 compiles in < 30 s with HLO < 2 MB.\n\n" + common.md_table(header, rows))
+    common.write("bench_compile_scale", results, md, pathlib.Path(args.out_dir))
+
+
+if __name__ == "__main__":
+    main()
