@@ -264,11 +264,8 @@ def _from_words(words: jax.Array, dtype: Any, size: int) -> jax.Array:
     return lax.bitcast_convert_type(words, dtype)
 
 
-def _send(
-    buffers: Sequence[jax.Array], wires: Sequence[Any], axis_name: str,
-    perm: Sequence[tuple[int, int]],
-) -> list[jax.Array]:  # fmt: skip
-    """One ``ppermute`` moving every flat buffer as its wire dtype; returned in its own dtype.
+def _encode(buffers: Sequence[jax.Array], wires: Sequence[Any]) -> jax.Array:
+    """One message holding every flat buffer as its wire dtype.
 
     A lone buffer whose wire dtype is its own travels as it is. Otherwise every
     payload is cast to its wire dtype and shipped as raw bits - unsigned words as
@@ -277,36 +274,88 @@ def _send(
     type after all, and one message per buffer would multiply the collectives.
     """
     if len(buffers) == 1 and jnp.dtype(wires[0]) == buffers[0].dtype:
-        return [lax.ppermute(buffers[0], axis_name, perm)]
-    payloads = [b.astype(w) for b, w in zip(buffers, wires)]
-    word = _uint_of(min((w for w in wires), key=lambda w: jnp.dtype(w).itemsize))
-    words = [_as_words(p, word) for p in payloads]
-    received = lax.ppermute(jnp.concatenate(words) if len(words) > 1 else words[0], axis_name, perm)
+        return buffers[0]
+    word = _uint_of(min(wires, key=lambda w: jnp.dtype(w).itemsize))
+    words = [_as_words(b.astype(w), word) for b, w in zip(buffers, wires)]
+    return jnp.concatenate(words) if len(words) > 1 else words[0]
+
+
+def _decode(
+    message: jax.Array, buffers: Sequence[jax.Array], wires: Sequence[Any]
+) -> list[jax.Array]:
+    """Inverse of ``_encode``: buffers like ``buffers`` (same dtypes and sizes)."""
+    if len(buffers) == 1 and jnp.dtype(wires[0]) == buffers[0].dtype:
+        return [message]
     out, start = [], 0
-    for b, w, p in zip(buffers, wires, words):
-        chunk = received[start : start + p.size]
-        start += p.size
-        out.append(_from_words(chunk, w, b.size).astype(b.dtype))
+    for b, w in zip(buffers, wires):
+        count = b.size * jnp.dtype(w).itemsize // message.dtype.itemsize
+        out.append(_from_words(message[start : start + count], w, b.size).astype(b.dtype))
+        start += count
     return out
+
+
+def _send(
+    buffers: Sequence[jax.Array], wires: Sequence[Any], axis_name: str,
+    perm: Sequence[tuple[int, int]],
+) -> list[jax.Array]:  # fmt: skip
+    """One ``ppermute`` moving every flat buffer as its wire dtype; returned in its own dtype."""
+    message = lax.ppermute(_encode(buffers, wires), axis_name, perm)
+    return _decode(message, buffers, wires)
+
+
+def _own_value_travels(group_size: int) -> bool:
+    """Whether every message of the group sum carries the sender's own value.
+
+    True for pairs and for cyclic shifts (n not a power of two); false for a
+    butterfly of several steps, whose later messages carry partial sums.
+    """
+    return group_size == 2 or group_size & (group_size - 1) != 0
+
+
+def _shifts(message: jax.Array, axis_name: str, partition: np.ndarray) -> list[jax.Array]:
+    """The messages received in each exchange step when the own value travels."""
+    return [lax.ppermute(message, axis_name, perm) for perm in _exchange_perms(partition)]
 
 
 def _group_sum_static(
     buffers: Sequence[jax.Array], wires: Sequence[Any], axis_name: str, partition: np.ndarray
 ) -> list[jax.Array]:
-    """Sum of each flat buffer over the group, in the buffers' (accumulation) dtypes.
+    """Butterfly sum of each flat buffer over the group, in the buffers' dtypes.
 
     Each exchange step is one ``ppermute`` of all buffers together (see ``_send``).
     """
-    n = partition.shape[1]
-    perms = _exchange_perms(partition)
     acc = list(buffers)
-    if n & (n - 1) == 0:  # butterfly: partial sums travel
-        for perm in perms:
-            acc = [a + r for a, r in zip(acc, _send(acc, wires, axis_name, perm))]
-        return acc
-    for perm in perms:  # cyclic shifts: the own value travels n - 1 times
-        acc = [a + r for a, r in zip(acc, _send(buffers, wires, axis_name, perm))]
+    for perm in _exchange_perms(partition):  # partial sums travel
+        acc = [a + r for a, r in zip(acc, _send(acc, wires, axis_name, perm))]
     return acc
+
+
+_FLAT_SWITCH_MAX = 32
+
+
+def _switch(index: jax.Array, branches: Sequence[Any], *operands: Any) -> Any:
+    """``lax.switch``, as a two-level tree of switches when there are many branches.
+
+    XLA's copy insertion takes time quadratic in the number of branches of one
+    conditional (on a 2-core CPU: 3 s of a 5 s compile at 511 branches, 35 s
+    at 1023). Nesting sqrt(K) switches of sqrt(K) branches keeps the compile
+    near linear in K; the index is clamped first, as ``lax.switch`` does.
+    """
+    k = len(branches)
+    if k == 1:
+        return branches[0](*operands)
+    if k <= _FLAT_SWITCH_MAX:
+        return lax.switch(index, branches, *operands)
+    width = math.isqrt(k - 1) + 1  # ceil(sqrt(k))
+    index = jnp.clip(jnp.asarray(index, jnp.int32), 0, k - 1)
+    outer = [
+        functools.partial(_inner_switch, branches[i : i + width]) for i in range(0, k, width)
+    ]
+    return lax.switch(index // width, outer, index % width, *operands)
+
+
+def _inner_switch(branches: Sequence[Any], index: jax.Array, *operands: Any) -> Any:
+    return lax.switch(index, branches, *operands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,15 +449,24 @@ def group_mean(
     # holds one collective per exchange step whatever the number of leaves.
     packing = _packing(leaves, wires)
     buffers = _pack(leaves, packing)
-    branches = [
-        functools.partial(
-            _group_sum_static, wires=packing.wires, axis_name=axis_name, partition=p
-        )
-        for p in pool
-    ]
-    sums = branches[0](buffers) if len(branches) == 1 else lax.switch(index, branches, buffers)
-    sums = _unpack(sums, packing)
     n = pool.shape[-1]
+    if _own_value_travels(n):
+        # Only the collectives sit in the branches: the message is encoded before
+        # the switch, and the received ones are added in order after it.
+        message = _encode(buffers, packing.wires)
+        branches = [functools.partial(_shifts, axis_name=axis_name, partition=p) for p in pool]
+        sums = list(buffers)
+        for received in _switch(index, branches, message):
+            sums = [a + r for a, r in zip(sums, _decode(received, buffers, packing.wires))]
+    else:
+        branches = [
+            functools.partial(
+                _group_sum_static, wires=packing.wires, axis_name=axis_name, partition=p
+            )
+            for p in pool
+        ]
+        sums = _switch(index, branches, buffers)
+    sums = _unpack(sums, packing)
     if present is None:
         return jax.tree.unflatten(treedef, [v / n for v in sums])
     *sums, count = sums

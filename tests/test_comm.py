@@ -2,6 +2,7 @@
 
 import collections
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -245,3 +246,28 @@ def test_one_collective_per_exchange_step_whatever_the_number_of_leaves(n, excha
     steps = comm.exchange_steps(n)
     assert _permutes_per_branch(2, n, exchange_dtype, with_weight) == {steps}
     assert _permutes_per_branch(8, n, exchange_dtype, with_weight) == {steps}
+
+
+@pytest.mark.parametrize("k", [5, 40, 49, 50])
+def test_many_branches_switch_as_a_tree_picks_the_same_branch(k):
+    """Above 32 branches the switch is two levels deep; every index (and a clamped
+    out-of-range one) still runs the branch a flat lax.switch would run."""
+    branches = [lambda x, i=i: x * 0 + i for i in range(k)]
+    f = jax.jit(lambda index: comm._switch(index, branches, jnp.float32(0)))
+    for index in [-3, 0, 1, k // 2, k - 2, k - 1, k, k + 7]:
+        assert int(f(jnp.int32(index))) == min(max(index, 0), k - 1), index
+
+
+def test_group_mean_with_a_deep_pool_matches_numpy():
+    n_replicas = 80  # 79 matchings: the switch is a tree of switches
+    x = jax.random.normal(jax.random.key(1), (n_replicas, 3))
+    pool = comm.partition_pool(n_replicas, 2, seed=0)
+    mean = jax.jit(jax.vmap(lambda v, i: comm.group_mean(v, "r", pool, i), in_axes=(0, None),
+                            axis_name="r"))  # fmt: skip
+    for idx in [0, 9, 10, 40, 78]:
+        got = mean(x, jnp.int32(idx))
+        np.testing.assert_allclose(got, _numpy_group_mean(np.asarray(x), pool[idx]), rtol=1e-6)
+    # No conditional of more than 32 branches: XLA's copy insertion is quadratic in them.
+    text = mean.lower(x, jnp.int32(0)).compile().as_text()
+    fan_out = [m.count(",") + 1 for m in re.findall(r"branch_computations=\{([^}]*)\}", text)]
+    assert max(fan_out) <= 32 and sum(fan_out) >= len(pool), fan_out
