@@ -42,7 +42,6 @@ messages are as large as they can be.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any, Sequence
@@ -264,43 +263,47 @@ def _from_words(words: jax.Array, dtype: Any, size: int) -> jax.Array:
     return lax.bitcast_convert_type(words, dtype)
 
 
-def _encode(buffers: Sequence[jax.Array], wires: Sequence[Any]) -> jax.Array:
-    """One message holding every flat buffer as its wire dtype.
+def _word_dtype(arrays: Sequence[jax.Array], wires: Sequence[Any]) -> Any:
+    """dtype of the message carrying ``arrays`` as their ``wires`` dtypes.
 
-    A lone buffer whose wire dtype is its own travels as it is. Otherwise every
-    payload is cast to its wire dtype and shipped as raw bits - unsigned words as
-    wide as the narrowest wire dtype, all buffers in one message: XLA could
-    otherwise move a narrowing convert across the collective and send the wide
-    type after all, and one message per buffer would multiply the collectives.
+    When every array already has the one common wire dtype, the message is of
+    that dtype. Otherwise it holds raw bits, as unsigned words as wide as the
+    narrowest wire dtype: XLA could otherwise move a narrowing convert across
+    the collective and send the wide type after all.
     """
-    if len(buffers) == 1 and jnp.dtype(wires[0]) == buffers[0].dtype:
-        return buffers[0]
-    word = _uint_of(min(wires, key=lambda w: jnp.dtype(w).itemsize))
-    words = [_as_words(b.astype(w), word) for b, w in zip(buffers, wires)]
-    return jnp.concatenate(words) if len(words) > 1 else words[0]
+    if all(jnp.dtype(w) == a.dtype for a, w in zip(arrays, wires)) and len(set(wires)) == 1:
+        return arrays[0].dtype
+    return _uint_of(min(wires, key=lambda w: jnp.dtype(w).itemsize))
+
+
+def _encode(arrays: Sequence[jax.Array], wires: Sequence[Any]) -> jax.Array:
+    """One flat message holding every array cast to its wire dtype, in order."""
+    wires = [jnp.dtype(w) for w in wires]
+    word = jnp.dtype(_word_dtype(arrays, wires))
+    parts = []
+    for a, w in zip(arrays, wires):
+        payload = a.astype(w)
+        parts.append(payload.reshape(-1) if w == word else _as_words(payload, word))
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def _decode(
-    message: jax.Array, buffers: Sequence[jax.Array], wires: Sequence[Any]
+    message: jax.Array, arrays: Sequence[jax.Array], wires: Sequence[Any]
 ) -> list[jax.Array]:
-    """Inverse of ``_encode``: buffers like ``buffers`` (same dtypes and sizes)."""
-    if len(buffers) == 1 and jnp.dtype(wires[0]) == buffers[0].dtype:
-        return [message]
+    """Inverse of ``_encode``: arrays shaped and typed like ``arrays``.
+
+    Each array is sliced out of the message before it is converted, so the
+    conversion fuses into whatever reads that array alone.
+    """
     out, start = [], 0
-    for b, w in zip(buffers, wires):
-        count = b.size * jnp.dtype(w).itemsize // message.dtype.itemsize
-        out.append(_from_words(message[start : start + count], w, b.size).astype(b.dtype))
+    for a, w in zip(arrays, wires):
+        w = jnp.dtype(w)
+        count = a.size * w.itemsize // message.dtype.itemsize
+        chunk = message[start : start + count]
         start += count
+        value = chunk if chunk.dtype == w else _from_words(chunk, w, a.size)
+        out.append(value.astype(a.dtype).reshape(a.shape))
     return out
-
-
-def _send(
-    buffers: Sequence[jax.Array], wires: Sequence[Any], axis_name: str,
-    perm: Sequence[tuple[int, int]],
-) -> list[jax.Array]:  # fmt: skip
-    """One ``ppermute`` moving every flat buffer as its wire dtype; returned in its own dtype."""
-    message = lax.ppermute(_encode(buffers, wires), axis_name, perm)
-    return _decode(message, buffers, wires)
 
 
 def _own_value_travels(group_size: int) -> bool:
@@ -317,16 +320,18 @@ def _shifts(message: jax.Array, axis_name: str, partition: np.ndarray) -> list[j
     return [lax.ppermute(message, axis_name, perm) for perm in _exchange_perms(partition)]
 
 
-def _group_sum_static(
+def _butterfly_sum(
     buffers: Sequence[jax.Array], wires: Sequence[Any], axis_name: str, partition: np.ndarray
 ) -> list[jax.Array]:
     """Butterfly sum of each flat buffer over the group, in the buffers' dtypes.
 
-    Each exchange step is one ``ppermute`` of all buffers together (see ``_send``).
+    Partial sums travel, so each step sends what the previous one summed: one
+    ``ppermute`` of one message holding all buffers per step.
     """
     acc = list(buffers)
-    for perm in _exchange_perms(partition):  # partial sums travel
-        acc = [a + r for a, r in zip(acc, _send(acc, wires, axis_name, perm))]
+    for perm in _exchange_perms(partition):
+        received = lax.ppermute(_encode(acc, wires), axis_name, perm)
+        acc = [a + r for a, r in zip(acc, _decode(received, acc, wires))]
     return acc
 
 
@@ -358,52 +363,32 @@ def _inner_switch(branches: Sequence[Any], index: jax.Array, *operands: Any) -> 
     return lax.switch(index, branches, *operands)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Packing:
-    """Where each leaf sits in the flat buffers: one buffer per (wire, accumulation) dtype.
-
-    Attributes:
-      wires: wire dtype of each buffer.
-      accs: accumulation dtype of each buffer (the leaf's dtype promoted to >= float32).
-      slots: per leaf, (buffer, offset, shape).
-      sizes: number of elements of each buffer.
-    """
-
-    wires: tuple[Any, ...]
-    accs: tuple[Any, ...]
-    slots: tuple[tuple[int, int, tuple[int, ...]], ...]
-    sizes: tuple[int, ...]
+def _buffer_keys(
+    leaves: Sequence[jax.Array], wires: Sequence[Any]
+) -> list[tuple[Any, Any]]:  # fmt: skip
+    """(wire dtype, accumulation dtype) of each leaf: leaves sharing one share a buffer."""
+    return [(jnp.dtype(w), jnp.dtype(_accum_dtype(x.dtype))) for x, w in zip(leaves, wires)]
 
 
-def _packing(leaves: Sequence[jax.Array], wires: Sequence[Any]) -> _Packing:
-    keys: list[tuple[Any, Any]] = []
-    sizes: list[int] = []
-    slots = []
-    for x, wire in zip(leaves, wires):
-        key = (jnp.dtype(wire), jnp.dtype(_accum_dtype(x.dtype)))
-        if key not in keys:
-            keys.append(key)
-            sizes.append(0)
-        b = keys.index(key)
-        slots.append((b, sizes[b], tuple(x.shape)))
-        sizes[b] += int(np.prod(x.shape, dtype=np.int64))
-    return _Packing(tuple(k[0] for k in keys), tuple(k[1] for k in keys), tuple(slots),
-                    tuple(sizes))  # fmt: skip
+def _pack(leaves: Sequence[jax.Array], keys: Sequence[tuple[Any, Any]]) -> list[jax.Array]:
+    """Flat buffers, one per distinct key in order of appearance, in accumulation dtypes."""
+    parts: dict[tuple[Any, Any], list[jax.Array]] = {}
+    for x, key in zip(leaves, keys):
+        parts.setdefault(key, []).append(x.astype(key[1]).reshape(-1))
+    return [jnp.concatenate(p) if len(p) > 1 else p[0] for p in parts.values()]
 
 
-def _pack(leaves: Sequence[jax.Array], packing: _Packing) -> list[jax.Array]:
-    """Flat buffers in the accumulation dtypes, leaves concatenated in order."""
-    parts: list[list[jax.Array]] = [[] for _ in packing.wires]
-    for x, (b, _, _) in zip(leaves, packing.slots):
-        parts[b].append(x.astype(packing.accs[b]).reshape(-1))
-    return [jnp.concatenate(p) if len(p) > 1 else p[0] for p in parts]
-
-
-def _unpack(buffers: Sequence[jax.Array], packing: _Packing) -> list[jax.Array]:
+def _unpack(
+    buffers: Sequence[jax.Array], leaves: Sequence[jax.Array], keys: Sequence[tuple[Any, Any]]
+) -> list[jax.Array]:
+    """Inverse of ``_pack``: arrays shaped like ``leaves``, in accumulation dtypes."""
+    order = list(dict.fromkeys(keys))
+    offsets = [0] * len(order)
     out = []
-    for b, offset, shape in packing.slots:
-        size = int(np.prod(shape, dtype=np.int64))
-        out.append(buffers[b][offset : offset + size].reshape(shape))
+    for x, key in zip(leaves, keys):
+        b = order.index(key)
+        out.append(buffers[b][offsets[b] : offsets[b] + x.size].reshape(x.shape))
+        offsets[b] += x.size
     return out
 
 
@@ -445,28 +430,28 @@ def group_mean(
         leaves = [jnp.where(present, x, jnp.zeros_like(x)) for x in leaves]
         leaves.append(present.astype(jnp.float32))
         wires.append(jnp.float32)
-    # All leaves go into a few flat buffers before the switch, so each branch
-    # holds one collective per exchange step whatever the number of leaves.
-    packing = _packing(leaves, wires)
-    buffers = _pack(leaves, packing)
     n = pool.shape[-1]
     if _own_value_travels(n):
-        # Only the collectives sit in the branches: the message is encoded before
-        # the switch, and the received ones are added in order after it.
-        message = _encode(buffers, packing.wires)
+        # All leaves travel in one message per step, encoded before the switch;
+        # the branches hold only the collectives, and what arrives is added in
+        # order after it, leaf by leaf.
+        sums = [x.astype(_accum_dtype(x.dtype)) for x in leaves]
+        message = _encode(sums, wires)
         branches = [functools.partial(_shifts, axis_name=axis_name, partition=p) for p in pool]
-        sums = list(buffers)
         for received in _switch(index, branches, message):
-            sums = [a + r for a, r in zip(sums, _decode(received, buffers, packing.wires))]
+            sums = [a + r for a, r in zip(sums, _decode(received, sums, wires))]
     else:
+        # Partial sums travel: the branches sum flat buffers, one per
+        # (wire, accumulation) dtype, sending all of them in one message per step.
+        keys = _buffer_keys(leaves, wires)
+        buffer_wires = [w for w, _ in dict.fromkeys(keys)]
         branches = [
             functools.partial(
-                _group_sum_static, wires=packing.wires, axis_name=axis_name, partition=p
+                _butterfly_sum, wires=buffer_wires, axis_name=axis_name, partition=p
             )
             for p in pool
         ]
-        sums = _switch(index, branches, buffers)
-    sums = _unpack(sums, packing)
+        sums = _unpack(_switch(index, branches, _pack(leaves, keys)), leaves, keys)
     if present is None:
         return jax.tree.unflatten(treedef, [v / n for v in sums])
     *sums, count = sums
