@@ -32,12 +32,16 @@ cyclic shifts inside the groups. Each replica therefore sends
 ``exchange_steps(n)`` buffers per exchanged tensor, and receives as many;
 nothing is ever reduced over all N replicas.
 
-Before the switch, ``group_mean`` packs every leaf of the tree into one flat
-buffer per (wire dtype, accumulation dtype), and each exchange step ships all
-buffers in one message. A switch branch thus holds one ``ppermute`` per step
-whatever the number of leaves: compile time and program size grow with the
-pool (N - 1 branches for pairs) but not with the model's structure, and the
-messages are as large as they can be.
+All leaves of the tree travel together: one message per exchange step holds
+every leaf, cast to its wire dtype (raw bits when dtypes differ or narrow), so
+a switch branch holds one ``ppermute`` per step whatever the number of leaves.
+For pairs and cyclic shifts every message carries the sender's own values, so
+the message is built before the switch and what arrives is added after it:
+the branches hold nothing but the collectives. A butterfly of several steps
+sums flat buffers (one per wire and accumulation dtype) inside its branches.
+A pool of more than 32 entries is switched as a two-level tree, which keeps
+XLA's compile time near linear in the pool size. The sums are those of the
+leaf-by-leaf exchange, bit for bit.
 """
 
 from __future__ import annotations
