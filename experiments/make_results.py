@@ -15,7 +15,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SECTIONS = ["table2", "spread_vs_lr", "sweeps", "quadratic_theory", "routing_ablation",
             "dropout", "network_model", "skippipe_schedules", "skippipe_training", "hdee"]
-BENCH = ["bench_overhead", "bench_comm_volume", "bench_scaling", "bench_throughput", "bench_gpu"]
+BENCH = ["bench_overhead", "bench_comm_volume", "bench_scaling", "bench_compile_scale",
+         "bench_throughput", "bench_gpu"]
 
 
 def _nest(markdown: str) -> str:
