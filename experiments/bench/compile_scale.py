@@ -76,11 +76,12 @@ def measure(n: int, params0, tx) -> dict:
 def _row(rec: dict, old: dict | None, with_old: bool) -> list:
     row = [rec["N"]]
     if with_old and old is None:
-        row += ["-"] * 3
+        row += ["-"] * 4
     elif with_old:
         row += [f"{old['lower_s']:.2f}", f"{old['compile_s']:.1f}",
-                f"{old['hlo_bytes'] / 1e6:.2f}"]  # fmt: skip
-    row += [f"{rec['lower_s']:.2f}", f"{rec['compile_s']:.2f}", f"{rec['hlo_bytes'] / 1e6:.3f}"]
+                f"{old['hlo_bytes'] / 1e6:.2f}", f"{old['load']:.1f}"]  # fmt: skip
+    row += [f"{rec['lower_s']:.2f}", f"{rec['compile_s']:.2f}", f"{rec['hlo_bytes'] / 1e6:.3f}",
+            f"{rec['load']:.1f}"]  # fmt: skip
     return row
 
 
@@ -137,23 +138,24 @@ def main() -> None:
         results["rows"].append(rec)
         print(json.dumps(rec), flush=True)
         old_rec = None if baseline is None else baseline.get(n)
-        rows.append(_row(rec, old_rec, baseline is not None) + [f"{rec['load']:.1f}"])
+        rows.append(_row(rec, old_rec, baseline is not None))
     if not (args.smoke or args.no_traffic):
         results["traffic"] = traffic()
     cmd = "python experiments/bench/compile_scale.py" + (" --smoke" if args.smoke else "")
     header = ["N"]
     if baseline is not None:
         old_label = old.get("label", "baseline")
-        header += [f"{old_label}: lower s", f"{old_label}: compile s", f"{old_label}: HLO MB"]
+        header += [f"{old_label}: lower s", f"{old_label}: compile s", f"{old_label}: HLO MB",
+                   f"{old_label}: load"]  # fmt: skip
     header += [f"{args.label}: lower s", f"{args.label}: compile s", f"{args.label}: HLO MB",
-               "load (1 min)"]  # fmt: skip
+               f"{args.label}: load"]  # fmt: skip
     leaves = results["rows"][0]["num_leaves"]
     md = (f"### Compile time of the NoLoCo sync step vs N (issue 16)\n\n`{cmd}` — nano preset "
           f"({leaves} parameter leaves), `local_steps(adam, noloco_outer(), 10)` sync step "
           f"(`sync_step=True`, groups of 2: N - 1 switch branches), N replicas vmapped on one "
           f"device, lowered from ShapeDtypeStructs and compiled once per N "
           f"({results['env']['device']}, 2 shared cores; 'load' is the 1-minute load average "
-          "after the row, from all users of the machine). HLO = `compiled.as_text()`, "
+          "after the row, from all users of the machine: compile times scale with it). HLO = `compiled.as_text()`, "
           "MB = 10^6 bytes. Target: N = 1024 compiles in < 30 s with HLO < 2 MB.\n\n"
           + common.md_table(header, rows))
     if "traffic" in results:
