@@ -1,6 +1,6 @@
 """Compile cost of the NoLoCo sync step as the number of simulated replicas N grows.
 
-    python experiments/bench/compile_scale.py [--smoke] [--baseline OLD.json]
+    python experiments/bench/compile_scale.py [--smoke] [--baseline OLD.json] [--shard-map]
 
 The sync step of ``local_steps(adam, noloco_outer(), H)`` (``sync_step=True``) for the nano
 preset, vmapped over N replicas on one device, is lowered from abstract inputs
@@ -15,6 +15,10 @@ with the code before the change, from another checkout) next to this run's.
 The full run also reports what packing costs at run time, as the overhead benchmark measures it
 (deterministic, from XLA's cost analysis): bytes accessed by the trainer's sync step of the tiny
 model with 8 vmap replicas, relative to a plain-Adam step, and amortized over H = 50.
+
+``--shard-map`` compiles the same step with one replica per (simulated CPU) device instead, as a
+real run would: there every branch's collective-permute lists its N source-target pairs, so the
+HLO holds N (N - 1) pairs whatever the packing. Its results go to bench_compile_scale_shard_map.
 """
 
 from __future__ import annotations
@@ -23,26 +27,38 @@ import argparse
 import json
 import os
 import pathlib
+import sys
 import time
 
-import common
-import jax
-import jax.numpy as jnp
-import optax
+if "--shard-map" in sys.argv:  # one simulated CPU device per replica, set before JAX starts
+    _FLAG = "--xla_force_host_platform_device_count=1024"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
-from noloco_jax import local_steps, models, noloco_outer, replicas
+import common  # noqa: E402
+import jax  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from noloco_jax import local_steps, models, noloco_outer, replicas  # noqa: E402
 
 NS = [8, 16, 32, 64, 128, 256, 512, 1024]
 SMOKE_NS = [8, 16]
 
 
-def abstract_replicated(tree, n: int):
-    """ShapeDtypeStructs of ``tree`` in the replicated layout (shared counters keep no axis)."""
+def abstract_replicated(tree, n: int, mesh=None):
+    """ShapeDtypeStructs of ``tree`` in the replicated layout (shared counters keep no axis).
+
+    With a ``mesh``, per-replica leaves are split over its axis, one replica per device.
+    """
 
     def leaf(x):
         if replicas.is_shared_leaf(x):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype)
-        return jax.ShapeDtypeStruct((n, *x.shape), x.dtype)
+            sharding = None if mesh is None else NamedSharding(mesh, P())
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        spec = P(*mesh.axis_names, *[None] * x.ndim) if mesh is not None else None
+        sharding = None if mesh is None else NamedSharding(mesh, spec)
+        return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding)
 
     return jax.tree.map(leaf, tree)
 
@@ -57,11 +73,12 @@ def sync_step_fn(tx: optax.GradientTransformation):
     return step
 
 
-def measure(n: int, params0, tx) -> dict:
+def measure(n: int, params0, tx, shard_map: bool = False) -> dict:
     """Lower and compile time (s) and compiled HLO text size (bytes) at N = ``n``."""
+    reps = replicas.make_replicas(n, backend="shard_map" if shard_map else "vmap")
     state0 = jax.eval_shape(tx.init, params0)
-    args = [abstract_replicated(t, n) for t in (params0, state0, params0)]
-    fn = jax.jit(replicas.Replicas(n).map(sync_step_fn(tx)))
+    args = [abstract_replicated(t, n, reps.mesh) for t in (params0, state0, params0)]
+    fn = jax.jit(reps.map(sync_step_fn(tx)))
     t0 = time.perf_counter()
     lowered = fn.lower(*args)
     t1 = time.perf_counter()
@@ -117,6 +134,8 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="json of an earlier run to compare")
     parser.add_argument("--label", default="this code", help="name of this run's columns")
     parser.add_argument("--no-traffic", action="store_true", help="skip the run-time traffic")
+    parser.add_argument("--shard-map", action="store_true",
+                        help="one replica per simulated device instead of vmap")  # fmt: skip
     args = parser.parse_args()
     ns = SMOKE_NS if args.smoke else NS
     if args.ns:
@@ -133,15 +152,16 @@ def main() -> None:
                "load_before": os.getloadavg()[0]}  # fmt: skip
     rows = []
     for n in ns:
-        rec = measure(n, params0, tx)
+        rec = measure(n, params0, tx, args.shard_map)
         rec["load"] = os.getloadavg()[0]
         results["rows"].append(rec)
         print(json.dumps(rec), flush=True)
         old_rec = None if baseline is None else baseline.get(n)
         rows.append(_row(rec, old_rec, baseline is not None))
-    if not (args.smoke or args.no_traffic):
+    if not (args.smoke or args.no_traffic or args.shard_map):
         results["traffic"] = traffic()
     cmd = "python experiments/bench/compile_scale.py" + (" --smoke" if args.smoke else "")
+    cmd += " --shard-map" if args.shard_map else ""
     header = ["N"]
     if baseline is not None:
         old_label = old.get("label", "baseline")
@@ -150,13 +170,20 @@ def main() -> None:
     header += [f"{args.label}: lower s", f"{args.label}: compile s", f"{args.label}: HLO MB",
                f"{args.label}: load"]  # fmt: skip
     leaves = results["rows"][0]["num_leaves"]
-    md = (f"### Compile time of the NoLoCo sync step vs N (issue 16)\n\n`{cmd}` — nano preset "
+    if args.shard_map:
+        title, where = ("with one replica per device (shard_map)",
+                        "N replicas on N simulated CPU devices with `jax.shard_map`")  # fmt: skip
+    else:
+        title, where = "vs N (issue 16)", "N replicas vmapped on one device"
+    md = (f"### Compile time of the NoLoCo sync step {title}\n\n`{cmd}` — nano preset "
           f"({leaves} parameter leaves), `local_steps(adam, noloco_outer(), 10)` sync step "
-          f"(`sync_step=True`, groups of 2: N - 1 switch branches), N replicas vmapped on one "
-          f"device, lowered from ShapeDtypeStructs and compiled once per N "
-          f"({results['env']['device']}, 2 shared cores; 'load' is the 1-minute load average "
-          "after the row, from all users of the machine: compile times scale with it). HLO = `compiled.as_text()`, "
-          "MB = 10^6 bytes. Target: N = 1024 compiles in < 30 s with HLO < 2 MB.\n\n"
+          f"(`sync_step=True`, groups of 2: N - 1 switch branches), {where}, lowered from "
+          f"ShapeDtypeStructs and compiled once per N ({results['env']['device']}, 2 shared "
+          "cores; 'load' is the 1-minute load average after the row, from all users of the "
+          "machine: compile times grow with it). HLO = `compiled.as_text()`, MB = 10^6 bytes. "
+          + ("Every branch's collective-permute lists N source-target pairs, so the HLO holds "
+             "N (N - 1) pairs: quadratic in N whatever the packing.\n\n" if args.shard_map else
+             "Target: N = 1024 compiles in < 30 s with HLO < 2 MB.\n\n")
           + common.md_table(header, rows))
     if "traffic" in results:
         old_traffic = None if baseline is None else old.get("traffic")
@@ -165,7 +192,8 @@ def main() -> None:
                "traffic, XLA cost analysis of the compiled trainer step): tiny model, 8 vmap "
                "replicas, relative to a plain-Adam step.\n\n"
                + _traffic_md(results["traffic"], old_traffic, labels))
-    common.write("bench_compile_scale", results, md, pathlib.Path(args.out_dir))
+    name = "bench_compile_scale" + ("_shard_map" if args.shard_map else "")
+    common.write(name, results, md, pathlib.Path(args.out_dir))
 
 
 if __name__ == "__main__":
