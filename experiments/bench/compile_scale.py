@@ -162,6 +162,10 @@ def main() -> None:
         results["traffic"] = traffic()
     cmd = "python experiments/bench/compile_scale.py" + (" --smoke" if args.smoke else "")
     cmd += " --shard-map" if args.shard_map else ""
+    if args.baseline:
+        base = pathlib.Path(args.baseline).resolve()
+        shown = base.relative_to(common.ROOT) if base.is_relative_to(common.ROOT) else base
+        cmd += f" --label '{args.label}' --baseline {shown}"
     header = ["N"]
     if baseline is not None:
         old_label = old.get("label", "baseline")
@@ -185,6 +189,8 @@ def main() -> None:
              "N (N - 1) pairs: quadratic in N whatever the packing.\n\n" if args.shard_map else
              "Target: N = 1024 compiles in < 30 s with HLO < 2 MB.\n\n")
           + common.md_table(header, rows))
+    if baseline is not None and old.get("note"):
+        md += f"\n'{old.get('label', 'baseline')}': {old['note']}\n"
     if "traffic" in results:
         old_traffic = None if baseline is None else old.get("traffic")
         labels = (old.get("label", "baseline") if baseline is not None else "", args.label)
