@@ -55,6 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from noloco_jax import quantize
+
 PyTree = Any
 
 __all__ = [
@@ -67,6 +69,7 @@ __all__ = [
     "groups_for_round",
     "presence_mask",
     "group_mean",
+    "group_mean_codec",
     "all_replica_mean",
     "exchange_steps",
     "noloco_bytes_per_sync",
@@ -475,6 +478,10 @@ def group_mean(
       index: traced, replica-uniform int selecting the partition.
       exchange_dtype: dtype of what travels; ``None`` keeps each leaf's dtype.
         The local contribution and the accumulation stay in at least float32.
+        ``"int8"`` or ``"float8_e4m3fn"``: all leaves travel as one block-wise
+        8-bit message with float32 scales (``noloco_jax.quantize``), and every
+        member adds the quantised value of its own contribution too, so the
+        group agrees on one mean.
       weight: optional per-replica presence (> 0 present). Present replicas
         average over the present members of their group; an absent replica
         gets its own value back, and its value (even NaN) reaches no one. The
@@ -484,6 +491,8 @@ def group_mean(
       A tree like ``tree`` (leaves promoted to at least float32) holding the
       group means.
     """
+    if quantize.is_codec(exchange_dtype):
+        return _group_mean_codec(tree, axis_name, pool, index, exchange_dtype, weight)[0]
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
@@ -528,6 +537,87 @@ def group_mean(
     return jax.tree.unflatten(treedef, means)
 
 
+def _group_mean_codec(
+    tree: PyTree,
+    axis_name: str,
+    pool: np.ndarray,
+    index: jax.typing.ArrayLike,
+    fmt: str,
+    weight: jax.Array | None = None,
+) -> tuple[PyTree, PyTree]:
+    """``group_mean`` with an 8-bit wire format; also returns what this replica sent.
+
+    All leaves form one float32 vector, sent as ``quantize.encode`` bytes (with
+    the presence flag's 4 bytes appended). Each member sums the *decoded*
+    values, its own included, so the members of a group compute one mean.
+    With a butterfly the partial sums are re-quantised at every step.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    if any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
+        raise ValueError(f"exchange_dtype={fmt!r} sends float leaves only.")
+    present = None if weight is None else weight > 0
+    if present is not None:
+        leaves = [jnp.where(present, x, jnp.zeros_like(x)) for x in leaves]
+    flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in leaves])
+    size = flat.size
+    flag = jnp.ones([1], jnp.float32) if present is None else present.astype(jnp.float32)[None]
+
+    def enc(values: jax.Array, count: jax.Array) -> jax.Array:
+        message = quantize.encode(values, fmt)
+        return message if present is None else jnp.concatenate([message, _as_words(count, jnp.uint8)])
+
+    def dec(message: jax.Array) -> tuple[jax.Array, jax.Array]:
+        wire = quantize.wire_bytes(size)
+        count = flag if present is None else _from_words(message[wire:], jnp.float32, 1)
+        return quantize.decode(message[:wire], size, fmt), count
+
+    own = quantize.roundtrip(flat, fmt)
+    n = pool.shape[-1]
+    if _own_value_travels(n):
+        branches = [functools.partial(_shifts, axis_name=axis_name, partition=p) for p in pool]
+        total, count = own, flag
+        for received in _switch(index, branches, enc(flat, flag)):
+            values, c = dec(received)
+            total, count = total + values, count + c
+    else:
+
+        def butterfly(values: jax.Array, count: jax.Array, partition: np.ndarray) -> tuple:
+            for perm in _exchange_perms(partition):
+                got, c = dec(lax.ppermute(enc(values, count), axis_name, perm))
+                values, count = quantize.roundtrip(values, fmt) + got, count + c
+            return values, count
+
+        branches = [functools.partial(butterfly, partition=p) for p in pool]
+        total, count = _switch(index, branches, flat, flag)
+    means, sent, start = [], [], 0
+    for x, orig in zip(leaves, jax.tree.leaves(tree)):
+        stop = start + x.size
+        v = (total[start:stop] / (n if present is None else jnp.maximum(count[0], 1.0)))
+        v = v.reshape(x.shape)
+        if present is not None:
+            v = jnp.where(present, v, orig.astype(v.dtype))
+        means.append(v)
+        sent.append(own[start:stop].reshape(x.shape))
+        start = stop
+    return jax.tree.unflatten(treedef, means), jax.tree.unflatten(treedef, sent)
+
+
+def group_mean_codec(
+    tree: PyTree,
+    axis_name: str,
+    pool: np.ndarray,
+    index: jax.typing.ArrayLike,
+    fmt: str,
+    weight: jax.Array | None = None,
+) -> tuple[PyTree, PyTree]:
+    """``group_mean`` with an 8-bit format, and the dequantised values this replica sent.
+
+    The second output is what error feedback needs: the residual of this
+    replica's message is ``tree - sent``.
+    """
+    return _group_mean_codec(tree, axis_name, pool, index, fmt, weight)
+
+
 def all_replica_mean(tree: PyTree, axis_name: str, weight: jax.Array | None = None) -> PyTree:
     """All-reduce mean over every replica (DiLoCo and data-parallel).
 
@@ -552,6 +642,8 @@ def tree_num_elements(tree: PyTree) -> int:
 
 
 def _tree_bytes(tree: PyTree, dtype: Any) -> int:
+    if quantize.is_codec(dtype):
+        return quantize.wire_bytes(tree_num_elements(tree))
     return sum(
         int(np.prod(x.shape)) * jnp.dtype(dtype or x.dtype).itemsize for x in jax.tree.leaves(tree)
     )
@@ -575,7 +667,9 @@ def noloco_bytes_per_sync(
       params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
       group_size: n.
       gamma_equals_beta: whether ``gamma`` is ``None`` (or equal to beta).
-      exchange_dtype: dtype on the wire; ``None`` means the leaves' dtypes.
+      exchange_dtype: dtype on the wire; ``None`` means the leaves' dtypes;
+        ``"int8"``/``"float8_e4m3fn"``: 8-bit codes plus a float32 scale per
+        ``quantize.BLOCK`` values.
       with_presence: a float32 presence flag travels with each message (drop-out
         or the non-finite guard enabled).
 
@@ -584,7 +678,11 @@ def noloco_bytes_per_sync(
     """
     tensors = 1 if gamma_equals_beta else 2
     flag = 4 if with_presence else 0
-    return exchange_steps(group_size) * (tensors * _tree_bytes(params, exchange_dtype) + flag)
+    if quantize.is_codec(exchange_dtype):  # one message of all values, with block scales
+        payload = quantize.wire_bytes(tensors * tree_num_elements(params))
+    else:
+        payload = tensors * _tree_bytes(params, exchange_dtype)
+    return exchange_steps(group_size) * (payload + flag)
 
 
 def allreduce_bytes_per_replica(params: PyTree, num_replicas: int, *, dtype: Any = None) -> float:
