@@ -173,7 +173,7 @@ def test_cli_and_plot(tmp_path, corpus_dir, data_dir):
     last = json.loads(out.stdout[out.stdout.index("{") :])
     assert last["step"] == 4 and np.isfinite(last["val_ppl"])
     bad = subprocess.run(cmd + ["--config.num_replica=3"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "num_replica" in bad.stderr
+    assert bad.returncode == 2 and "num_replica" in bad.stderr
     png = tmp_path / "curves.png"
     plot = [sys.executable, str(ROOT / "experiments" / "plot.py"), str(workdir), "--out", str(png)]
     assert subprocess.run(plot, capture_output=True, timeout=120).returncode == 0

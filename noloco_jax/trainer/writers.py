@@ -23,9 +23,13 @@ class MetricWriter:
         self._tb = None
         if not enabled:
             return
+        self._tensorboard = tensorboard
+
+    def _open(self) -> None:
+        """Opens the sinks at the first record: a run that writes nothing leaves no new file."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.workdir / "metrics.jsonl", "a", encoding="utf-8")
-        if tensorboard:
+        if self._tensorboard:
             from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional, slow import)
 
             self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
@@ -33,6 +37,8 @@ class MetricWriter:
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        if self._jsonl is None:
+            self._open()
         clean = {k: _jsonable(v) for k, v in values.items()}
         self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
         self._jsonl.flush()
@@ -43,7 +49,7 @@ class MetricWriter:
             self._tb.flush()
 
     def close(self) -> None:
-        if not self.enabled:
+        if self._jsonl is None:
             return
         self._jsonl.close()
         if self._tb is not None:

@@ -1,0 +1,272 @@
+"""The command line: --help, and every bad input of README's table as a short error, exit 2.
+
+The CLI runs in this process (``noloco_jax.train.cli(argv)``) so that the bad-input rows cost
+no interpreter start; one subprocess checks the real exit status and that no traceback shows.
+None of these runs trains except the one finished run the resume rows share.
+"""
+
+import dataclasses
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from pydoc_data.topics import topics
+
+from noloco_jax import train
+from noloco_jax.data import sources
+from noloco_jax.trainer import settings as settings_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from configs import common  # noqa: E402
+
+
+def _leaves(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+# ---------------------------------------------------------------- --help
+
+
+def test_help_lists_every_config_field_with_its_default_and_exits_0(capsys):
+    assert train.cli(["noloco-train", "--help"]) == 0
+    out = capsys.readouterr().out
+    fields = _leaves(common.get_config().to_dict())
+    assert len(fields) > 40
+    for name, default in fields.items():
+        assert re.search(rf"^  --config\.{re.escape(name)}={re.escape(repr(default))}( |$)", out,
+                         re.M), name  # fmt: skip
+    meanings = {name: meaning for name, _, meaning in common.FIELDS}
+    assert set(meanings) == set(fields)  # every field has its one-line meaning
+    assert "Adam beta2." in out and "--workdir=" in out and "--debug" in out
+    # Grouped as in configs/common.py: each section's fields follow its heading.
+    assert out.index(" optim:") < out.index("--config.optim.b1") < out.index(" outer:")
+
+
+def test_help_subprocess_exit_status_is_0():
+    out = subprocess.run([sys.executable, "-m", "noloco_jax.train", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--config.outer.sync_every=50" in out.stdout
+
+
+def test_settings_defaults_are_those_of_configs_common():
+    """The dataclasses' defaults (for library callers) may not drift from configs/common.py."""
+    assert _leaves(settings_lib.TrainSettings().to_dict()) == _leaves(common.get_config().to_dict())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for i, (name, text) in enumerate(sorted(topics.items())[:40]):
+        (d / f"{i:02d}_{name}.txt").write_text(text, encoding="utf-8")
+    return d
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data")
+
+
+def nano_argv(workdir, corpus_dir, data_dir, *extra):
+    """A nano run on local files that would train in seconds."""
+    return [
+        "noloco-train", f"--config={ROOT / 'configs' / 'tiny_noloco.py'}", f"--workdir={workdir}",
+        "--noprogress", "--config.model.preset=nano", "--config.num_replicas=2",
+        "--config.backend=vmap", "--config.global_batch_size=4", "--config.num_steps=4",
+        "--config.log_every=2", "--config.eval_every=2", "--config.checkpoint_every=4",
+        "--config.optim.warmup_steps=1", "--config.data.source=files",
+        f"--config.data.path={corpus_dir}", f"--config.data.data_dir={data_dir}",
+        "--config.data.seq_len=32", "--config.data.eval_windows=4", "--config.outer.sync_every=2",
+        *extra,
+    ]  # fmt: skip
+
+
+def run_cli(argv, capsys):
+    """(exit status, stderr) of one in-process command line."""
+    capsys.readouterr()
+    code = train.cli([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def assert_user_error(code, err, pattern):
+    assert code == train.USAGE_ERROR_EXIT, err
+    assert "Traceback" not in err
+    assert 1 <= len(err.strip().splitlines()) <= 3, err  # message (+ a wrapped line) and a hint
+    assert re.search(pattern, err, re.S), err
+
+
+# README row (the start of its first column) -> cases: (extra flags, expected message pattern).
+# "{corpus}", "{empty}", "{blocked}" are filled in by the test.
+CASES = {
+    "unknown or mistyped config field": [
+        (["--config.num_replica=3"], r"unknown config field --config\.num_replica; did you mean "
+                                     r"--config\.num_replicas\?"),  # fmt: skip
+        (["--config.model.presett=x"], r"--config\.model\.presett; did you mean --config\.model\."
+                                       r"preset\?"),  # fmt: skip
+    ],
+    "out-of-range or inconsistent value": [
+        (["--config.optim.learning_rate=-1"], r"config\.optim\.learning_rate: must be > 0"),
+        (["--config.global_batch_size=5"], r"config\.global_batch_size: 5 is not divisible"),
+        (["--config.eval_every=3"], r"config\.eval_every: must be a multiple of log_every"),
+        (["--config.model.dtype=float16"], r"config\.model\.dtype: must be one of"),
+    ],
+    "unknown method / backend / data source / tokenizer": [
+        (["--config.method=adam"], r"config\.method: must be one of \['noloco'"),
+        (["--config.backend=gpu"], r"config\.backend: must be one of"),
+        (["--config.data.source=web"], r"config\.data\.source: must be one of"),
+        (["--config.data.tokenizer=bpe"], r"config\.data\.tokenizer: must be one of"),
+    ],
+    "unknown model preset": [(["--config.model.preset=huge"], r"huge.*nano")],
+    "stages not dividing the layers": [
+        (["--config.num_stages=3"], r"config\.num_stages=3 must divide the model's 2 layers"),
+    ],
+    "corpus path missing / glob matching nothing / only empty files": [
+        (["--config.data.path={corpus}/missing"], r"corpus path .*missing.* does not exist"),
+        (["--config.data.path={corpus}/*.md"], r"empty: no files match the glob"),
+        (["--config.data.path={empty}"], r"empty: all 1 file\(s\) hold no text"),
+    ],
+    "TFDS dataset not prepared locally": [
+        (["--config.data.source=tfds", "--config.data.tfds_name=tiny_shakespeare"],
+         r"not prepared.*never downloads"),
+    ],
+    "offline corpus cannot be fetched": [
+        (["--config.data.source=shakespeare", "--config.data.data_dir={empty}/cache"],
+         r"shakespeare==0\.6.*--config\.data\.source=files"),
+    ],
+    "model vocabulary ≠ tokenizer vocabulary": [
+        (["--config.model.vocab_size=100"], r"vocab_size=100 does not match .* 256"),
+    ],
+    "more replicas (× stages) than devices with `backend=shard_map`": [
+        (["--config.num_replicas=16", "--config.global_batch_size=16",
+          "--config.backend=shard_map"], r"one device per replica: num_replicas=16.*8 devices"),
+    ],
+    "workdir not writable": [(["--workdir={blocked}/run"], r"--workdir .*is not writable")],
+    "unknown flag, a flag value of the wrong type, a config file that does not exist": [
+        (["--workdri=x"], r"Unknown command line flag 'workdri'. Did you mean: workdir"),
+        (["--config.num_steps=many"], r"--config\.num_steps=many: invalid literal for int"),
+        (["--config=configs/nope.py"], r"--config=configs/nope\.py: no such config file"),
+    ],
+}
+# Rows raised by the Python API only (optimizer transformations), each with its own tests.
+API_ONLY = ("bad optimizer arguments", "a step's phase given wrongly")
+# Rows that need an existing run: test_refused_resumes_are_short_errors.
+NEED_A_RUN = ("restart of a run with different settings", "changed training text under")
+
+
+def readme_rows():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("**Bad input.**") :].split("\n\n")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    return [row.split("|")[1].strip() for row in rows]
+
+
+def test_every_readme_bad_input_row_has_a_cli_case():
+    rows = readme_rows()
+    assert len(rows) >= 15
+    known = tuple(CASES) + API_ONLY + NEED_A_RUN
+    missing = [r for r in rows if not r.startswith(known)]
+    assert not missing, f"README bad-input rows without a case in tests/test_cli.py: {missing}"
+    unlisted = [k for k in known if not any(r.startswith(k) for r in rows)]
+    assert not unlisted, f"cases whose row is not in README's bad-input table: {unlisted}"
+
+
+@pytest.mark.parametrize("row", list(CASES))
+def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_dir, capsys,
+                                                monkeypatch):  # fmt: skip
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("  \n")
+    (tmp_path / "blocked").write_text("a file, not a directory")
+
+    def no_network(cmd, **kwargs):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(sources.subprocess, "run", no_network)
+    for extra, pattern in CASES[row]:
+        fill = {"corpus": corpus_dir, "empty": empty, "blocked": tmp_path / "blocked", "root": ROOT}
+        extra = [e.format(**{k: str(v) for k, v in fill.items()}) for e in extra]
+        argv = nano_argv(tmp_path / "run", corpus_dir, data_dir, *extra)
+        code, err = run_cli(argv, capsys)
+        assert_user_error(code, err, pattern)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+
+
+def test_user_error_subprocess_exit_2_without_traceback(tmp_path):
+    argv = [sys.executable, "-m", "noloco_jax.train", f"--workdir={tmp_path}",
+            "--config.num_replica=3"]  # fmt: skip
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 2
+    assert "did you mean --config.num_replicas?" in out.stderr
+    debug = subprocess.run(argv + ["--debug"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
+    def broken(argv):
+        raise KeyError("a bug, not a user error")
+
+    monkeypatch.setattr(train, "main", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        train.cli(["noloco-train", f"--workdir={tmp_path}", "--config.num_steps=10"])
+
+
+def test_coordinator_without_process_count_is_a_user_error(capsys, tmp_path):
+    code, err = run_cli(["noloco-train", f"--workdir={tmp_path}", "--coordinator_address=h:1"],
+                        capsys)  # fmt: skip
+    assert_user_error(code, err, r"--coordinator_address needs --num_processes and --process_id")
+
+
+# ---------------------------------------------------------------- an existing run
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, corpus_dir, data_dir):
+    """A finished 4-step nano run (its own corpus copy, which one test changes)."""
+    base = tmp_path_factory.mktemp("finished")
+    corpus = base / "corpus"
+    shutil.copytree(corpus_dir, corpus)
+    argv = nano_argv(base / "run", corpus, data_dir)
+    assert train.cli(argv) == 0
+    return argv, base / "run", corpus
+
+
+def _files(d: pathlib.Path) -> dict:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()}
+
+
+def test_refused_resumes_are_short_errors(finished_run, capsys):
+    argv, workdir, corpus = finished_run
+    before = _files(workdir)
+    code, err = run_cli(argv + ["--config.num_replicas=4"], capsys)
+    assert_user_error(code, err, r"cannot resume: .*num_replicas: 2 -> 4.*another --workdir")
+    first = sorted(corpus.glob("*.txt"))[0]
+    original = first.read_bytes()
+    try:  # the same settings on another text
+        first.write_bytes(original + b"\nAnother line changes the tokens.\n")
+        code, err = run_cli(argv, capsys)
+        assert_user_error(code, err, r"tokens_sha256")
+    finally:
+        first.write_bytes(original)
+    assert _files(workdir) == before  # checkpoints, metrics and TensorBoard files untouched
+
+
+def test_dataclass_fields_match_common_groups():
+    """Every section of TrainSettings is a group of configs/common.py, in the same order."""
+    sections = [f.name for f in dataclasses.fields(settings_lib.TrainSettings)
+                if dataclasses.is_dataclass(f.default)]  # fmt: skip
+    assert sections == [s for s, _ in common.GROUPS if s]
