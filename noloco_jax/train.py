@@ -82,9 +82,38 @@ def main(argv: list[str]) -> None:
     from noloco_jax.trainer import from_config  # noqa: PLC0415
     from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
 
-    settings = from_config(flags.FLAGS.config)
+    config = flags.FLAGS.config
+    _fit_warmup(config, explicit="config.optim.warmup_steps" in flags.FLAGS)
+    settings = from_config(config)
     last = train_and_evaluate(settings, flags.FLAGS.workdir, progress=flags.FLAGS.progress)
     print(json.dumps(dict(last), indent=1, sort_keys=True))
+
+
+def _fit_warmup(config: Any, explicit: bool) -> None:
+    """Shortens an inherited warmup that does not fit a shorter run, with a printed note.
+
+    ``--config.num_steps=25`` on a config that warms up for 50 steps means "the same run,
+    shorter": the warmup becomes the config's warmup-to-run ratio of the new length (at
+    least 1 step) and a note says so. A warmup given on the command line is never changed
+    (``settings.validate`` refuses one that does not fit).
+
+    Args:
+      config: the parsed ConfigDict (changed in place).
+      explicit: whether ``--config.optim.warmup_steps`` was given.
+    """
+    from configs import common  # noqa: PLC0415
+
+    steps, warmup = config.num_steps, config.optim.warmup_steps
+    valid = all(isinstance(v, int) and not isinstance(v, bool) for v in (steps, warmup))
+    if explicit or not valid or steps < 2 or warmup < steps:
+        return  # nothing to fit, or validation reports it
+    defaults = common.get_config()
+    ratio = defaults.optim.warmup_steps / defaults.num_steps
+    fitted = max(1, min(steps - 1, int(steps * ratio)))
+    config.optim.warmup_steps = fitted
+    print(f"note: optim.warmup_steps={warmup} does not fit num_steps={steps}; warming up for "
+          f"{fitted} steps ({ratio:.0%} of the run, as the defaults). Set "
+          f"--config.optim.warmup_steps to choose.", file=sys.stderr)  # fmt: skip
 
 
 def _maybe_initialize_distributed() -> None:

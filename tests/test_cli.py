@@ -5,7 +5,10 @@ no interpreter start; one subprocess checks the real exit status and that no tra
 None of these runs trains except the one finished run the resume rows share.
 """
 
+import contextlib
 import dataclasses
+import io
+import json
 import pathlib
 import re
 import shutil
@@ -80,14 +83,14 @@ def data_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("data")
 
 
-def nano_argv(workdir, corpus_dir, data_dir, *extra):
+def nano_argv(workdir, corpus_dir, data_dir, *extra, warmup=("--config.optim.warmup_steps=1",)):
     """A nano run on local files that would train in seconds."""
     return [
         "noloco-train", f"--config={ROOT / 'configs' / 'tiny_noloco.py'}", f"--workdir={workdir}",
         "--noprogress", "--config.model.preset=nano", "--config.num_replicas=2",
         "--config.backend=vmap", "--config.global_batch_size=4", "--config.num_steps=4",
         "--config.log_every=2", "--config.eval_every=2", "--config.checkpoint_every=4",
-        "--config.optim.warmup_steps=1", "--config.data.source=files",
+        *warmup, "--config.data.source=files",
         f"--config.data.path={corpus_dir}", f"--config.data.data_dir={data_dir}",
         "--config.data.seq_len=32", "--config.data.eval_windows=4", "--config.outer.sync_every=2",
         *extra,
@@ -158,6 +161,11 @@ CASES = {
         (["--workdri=x"], r"Unknown command line flag 'workdri'. Did you mean: workdir"),
         (["--config.num_steps=many"], r"--config\.num_steps=many: invalid literal for int"),
         (["--config=configs/nope.py"], r"--config=configs/nope\.py: no such config file"),
+        (["--config={root}/configs/tiny_noloco.py:huge"], r"unknown variant 'huge'.*quick"),
+    ],
+    "a warmup given on the command line that does not fit the run": [
+        (["--config.num_steps=4", "--config.optim.warmup_steps=8"],
+         r"config\.optim\.warmup_steps: must be < num_steps=4, got 8"),
     ],
 }
 # Rows raised by the Python API only (optimizer transformations), each with its own tests.
@@ -234,15 +242,49 @@ def test_coordinator_without_process_count_is_a_user_error(capsys, tmp_path):
 # ---------------------------------------------------------------- an existing run
 
 
+@dataclasses.dataclass
+class Finished:
+    argv: list
+    workdir: pathlib.Path
+    corpus: pathlib.Path
+    stdout: str
+    stderr: str
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, corpus_dir, data_dir):
-    """A finished 4-step nano run (its own corpus copy, which one test changes)."""
+    """A finished 4-step nano run (its own corpus copy, which one test changes).
+
+    It leaves the default warmup (50 steps) to be fitted to the 4-step run.
+    """
     base = tmp_path_factory.mktemp("finished")
     corpus = base / "corpus"
     shutil.copytree(corpus_dir, corpus)
-    argv = nano_argv(base / "run", corpus, data_dir)
-    assert train.cli(argv) == 0
-    return argv, base / "run", corpus
+    argv = nano_argv(base / "run", corpus, data_dir, warmup=())
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert train.cli(argv) == 0
+    return Finished(argv, base / "run", corpus, out.getvalue(), err.getvalue())
+
+
+def test_an_inherited_warmup_is_fitted_to_a_shorter_run_with_a_note(finished_run):
+    note = "note: optim.warmup_steps=50 does not fit num_steps=4; warming up for 1 steps"
+    assert note in finished_run.stderr
+    meta = json.loads(next((finished_run.workdir / "checkpoints").glob("*/meta/metadata"))
+                      .read_text())  # fmt: skip
+    assert meta["settings"]["optim"]["warmup_steps"] == 1
+
+
+@pytest.mark.parametrize("steps,expected", [(25, 2), (400, 40), (50, 5), (5, 1), (2, 1)])
+def test_fit_warmup_keeps_the_defaults_ratio(steps, expected, capsys):
+    config = common.get_config()
+    config.num_steps = steps
+    train._fit_warmup(config, explicit=False)
+    assert config.optim.warmup_steps == (expected if steps <= 50 else 50)
+    assert ("does not fit" in capsys.readouterr().err) == (steps <= 50)
+    config.optim.warmup_steps = 50
+    train._fit_warmup(config, explicit=True)  # given on the command line: left to validation
+    assert config.optim.warmup_steps == 50
 
 
 def _files(d: pathlib.Path) -> dict:
@@ -250,7 +292,7 @@ def _files(d: pathlib.Path) -> dict:
 
 
 def test_refused_resumes_are_short_errors(finished_run, capsys):
-    argv, workdir, corpus = finished_run
+    argv, workdir, corpus = finished_run.argv, finished_run.workdir, finished_run.corpus
     before = _files(workdir)
     code, err = run_cli(argv + ["--config.num_replicas=4"], capsys)
     assert_user_error(code, err, r"cannot resume: .*num_replicas: 2 -> 4.*another --workdir")
@@ -270,3 +312,17 @@ def test_dataclass_fields_match_common_groups():
     sections = [f.name for f in dataclasses.fields(settings_lib.TrainSettings)
                 if dataclasses.is_dataclass(f.default)]  # fmt: skip
     assert sections == [s for s, _ in common.GROUPS if s]
+
+
+def test_quick_preset_is_the_tiny_run_shortened():
+    quick = settings_lib.from_config(train_config("quick"))
+    full = settings_lib.from_config(train_config(""))
+    assert (quick.num_steps, quick.outer.sync_every, quick.optim.warmup_steps) == (100, 25, 10)
+    assert (quick.model, quick.data, quick.num_replicas) == (full.model, full.data,
+                                                             full.num_replicas)  # fmt: skip
+
+
+def train_config(variant):
+    from configs import tiny_noloco  # noqa: PLC0415
+
+    return tiny_noloco.get_config(variant)
