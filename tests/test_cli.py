@@ -291,6 +291,18 @@ def _files(d: pathlib.Path) -> dict:
     return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()}
 
 
+def test_rerunning_a_finished_run_reports_it_and_writes_nothing(finished_run, capsys):
+    before = _files(finished_run.workdir)
+    capsys.readouterr()
+    code = train.cli(finished_run.argv)
+    out = capsys.readouterr().out
+    assert code == 0
+    final = json.loads(finished_run.stdout[finished_run.stdout.index("{"):])
+    assert f"already finished at step 4; final metrics: val_ppl {final['val_ppl']:.4g}, " in out
+    assert json.loads(out[out.index("{"):]) == final  # the same last metrics as the run printed
+    assert _files(finished_run.workdir) == before  # no new TensorBoard event file, no record
+
+
 def test_refused_resumes_are_short_errors(finished_run, capsys):
     argv, workdir, corpus = finished_run.argv, finished_run.workdir, finished_run.corpus
     before = _files(workdir)

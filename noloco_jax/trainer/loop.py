@@ -27,7 +27,7 @@ from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
 from noloco_jax.trainer.pipelined import make_pipeline_runner
 from noloco_jax.trainer.settings import TrainSettings, check_resume_compatible
 from noloco_jax.trainer.step import TrainState, eval_token_losses, sync_positions, train_chunk
-from noloco_jax.trainer.writers import MetricWriter
+from noloco_jax.trainer.writers import MetricWriter, read_jsonl
 
 __all__ = ["DataBundle", "prepare_data", "prepare_model", "train_and_evaluate", "load_run"]
 
@@ -343,6 +343,10 @@ def train_and_evaluate(
     ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints)
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     state, step = _restore_or_init(run, state, ckpt, writer)
+    if step >= settings.num_steps:  # nothing to do: report, write nothing
+        ckpt.close()
+        writer.close()
+        return _already_finished(workdir, step, verbose=jax.process_index() == 0)
     last: dict[str, Any] = {"step": step}
     end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
     bar = _progress(progress and jax.process_index() == 0, settings.num_steps, step)
@@ -367,6 +371,26 @@ def train_and_evaluate(
         if bar is not None:
             bar.close()
     return last
+
+
+def _already_finished(workdir: pathlib.Path, step: int, verbose: bool) -> dict[str, Any]:
+    """The last train and eval records of a finished run, printed in one line."""
+    last: dict[str, Any] = {}
+    path = workdir / "metrics.jsonl"
+    if path.exists():
+        for record in read_jsonl(path):
+            if record.get("kind") in ("train", "eval") and record["step"] <= step:
+                last.update({k: v for k, v in record.items() if k != "kind"})
+    last["step"] = step
+    if verbose:
+        shown = [f"{k} {last[k]:.4g}" for k in _FINAL_METRICS if isinstance(last.get(k), float)]
+        print(f"already finished at step {step}; final metrics: {', '.join(shown) or 'none'} "
+              f"({path}). Nothing was written; a new run needs another --workdir.", flush=True)
+    return last
+
+
+_FINAL_METRICS = ("val_ppl", "val_ppl_avg_model", "val_ppl_ensemble", "replica_spread",
+                  "train_loss")  # fmt: skip
 
 
 def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, last: dict,
