@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from pydoc_data.topics import topics
@@ -338,3 +339,25 @@ def train_config(variant):
     from configs import tiny_noloco  # noqa: PLC0415
 
     return tiny_noloco.get_config(variant)
+
+
+# ---------------------------------------------------------------- the progress bar
+
+
+def test_progress_bar_says_compiling_until_the_first_chunk_and_lines_go_above_it():
+    from noloco_jax.trainer.writers import Progress  # noqa: PLC0415
+
+    buf = io.StringIO()
+    bar = Progress(True, total=100, initial=0, file=buf)
+    time.sleep(0.3)  # "compiling"
+    assert "compiling…" in buf.getvalue() and "step/s" not in buf.getvalue()
+    bar.write("step      0  val ppl  256.000")
+    assert "\nstep      0  val ppl  256.000\n" in "\n" + buf.getvalue().replace("\r", "\n")
+    bar.advance(25, {"train_loss": 3.0})
+    time.sleep(0.1)
+    bar.advance(50, {"train_loss": 2.0, "val_ppl": 9.0})
+    stats = bar._bar.format_dict
+    assert stats["initial"] == 25 and stats["elapsed"] < 0.3  # the clock restarted after compiling
+    assert "compiling…" not in buf.getvalue().rsplit("\r", 1)[-1]
+    assert "50/100" in buf.getvalue().rsplit("\r", 1)[-1] and "val_ppl=9.00" in buf.getvalue()
+    bar.close()

@@ -27,7 +27,7 @@ from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
 from noloco_jax.trainer.pipelined import make_pipeline_runner
 from noloco_jax.trainer.settings import TrainSettings, check_resume_compatible
 from noloco_jax.trainer.step import TrainState, eval_token_losses, sync_positions, train_chunk
-from noloco_jax.trainer.writers import MetricWriter, read_jsonl
+from noloco_jax.trainer.writers import MetricWriter, Progress, read_jsonl
 
 __all__ = ["DataBundle", "prepare_data", "prepare_model", "train_and_evaluate", "load_run"]
 
@@ -349,7 +349,7 @@ def train_and_evaluate(
         return _already_finished(workdir, step, verbose=jax.process_index() == 0)
     last: dict[str, Any] = {"step": step}
     end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
-    bar = _progress(progress and jax.process_index() == 0, settings.num_steps, step)
+    bar = Progress(progress and jax.process_index() == 0, settings.num_steps, step)
     try:
         if step == 0:
             _evaluate(run, state, step, writer, last, bar)
@@ -364,12 +364,11 @@ def train_and_evaluate(
                 _evaluate(run, state, step, writer, last, bar)
             if step % settings.checkpoint_every == 0 or step == settings.num_steps:
                 ckpt.save(step, state, run.meta)
-            _advance(bar, step, last)
+            bar.advance(step, last)
     finally:
         ckpt.close()
         writer.close()
-        if bar is not None:
-            bar.close()
+        bar.close()
     return last
 
 
@@ -394,7 +393,7 @@ _FINAL_METRICS = ("val_ppl", "val_ppl_avg_model", "val_ppl_ensemble", "replica_s
 
 
 def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, last: dict,
-              bar: Any) -> None:
+              bar: Progress) -> None:
     metrics = run.evaluate(state.params)
     writer.write(step, "eval", metrics)
     last.update(metrics)
@@ -404,10 +403,7 @@ def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, las
     )
     if "train_loss" in last:
         line += f"  train loss {last['train_loss']:.3f}  {last['tokens_per_sec']:.0f} tok/s"
-    if bar is not None:
-        bar.write(line)
-    else:
-        print(line, flush=True)
+    bar.write(line)
 
 
 def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any, Any, DataBundle]:
@@ -468,27 +464,9 @@ def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
     return state, step, metrics
 
 
-def _report_reset(writer: MetricWriter, step: int, total: float, bar: Any) -> None:
+def _report_reset(writer: MetricWriter, step: int, total: float, bar: Progress) -> None:
     message = (f"non-finite fast weights caught at a sync by step {step}: the replica was "
                f"excluded from its group and restarted from its slow weights ({total:.0f} so far)")
     writer.write(step, "event", {"event": "nonfinite_reset", "detail": message,
                                  "total": total})  # fmt: skip
-    (bar.write if bar is not None else print)(f"WARNING: {message}")
-
-
-def _progress(enabled: bool, total: int, initial: int):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-
-
-def _advance(bar: Any, step: int, last: dict) -> None:
-    if bar is None:
-        return
-    bar.update(step - bar.n)
-    post = {"loss": f"{last.get('train_loss', float('nan')):.3f}"}
-    if "val_ppl" in last:
-        post["val_ppl"] = f"{last['val_ppl']:.2f}"
-    bar.set_postfix(post)
+    bar.write(f"WARNING: {message}")

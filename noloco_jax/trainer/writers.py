@@ -1,4 +1,4 @@
-"""Metric sinks: a JSONL file, TensorBoard event files and the console."""
+"""Metric sinks: a JSONL file, TensorBoard event files and the console (with its progress bar)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pathlib
 from typing import Any
 
-__all__ = ["MetricWriter", "read_jsonl"]
+__all__ = ["MetricWriter", "Progress", "read_jsonl"]
 
 
 class MetricWriter:
@@ -54,6 +54,63 @@ class MetricWriter:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class Progress:
+    """The console: a progress bar and the lines printed above it.
+
+    The bar says "compiling…" (no rate, no ETA) until the first chunk of steps is done,
+    since that chunk's time is mostly compilation; its rate and ETA count from then on.
+    Lines go through ``write`` (``tqdm.write``), so they never break into the bar.
+
+    Args:
+      enabled: False prints lines only (no bar).
+      total: the run's last step.
+      initial: the step the run starts (or resumes) at.
+      file: the stream of the bar and the lines (default: the bar on stderr, lines on stdout).
+    """
+
+    COMPILING = "compiling…"
+
+    def __init__(self, enabled: bool, total: int, initial: int, file: Any = None) -> None:
+        self._bar = None
+        self._compiling = True
+        self._file = file
+        if enabled:
+            from tqdm.auto import tqdm  # noqa: PLC0415
+
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                             file=file, desc=self.COMPILING,
+                             bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}]")  # fmt: skip
+
+    def write(self, line: str) -> None:
+        """Prints ``line`` above the bar (or alone without one)."""
+        if self._bar is None:
+            print(line, flush=True)
+        else:
+            self._bar.write(line, file=self._file)  # stdout unless a file was given
+
+    def advance(self, step: int, last: dict[str, Any]) -> None:
+        """Moves the bar to ``step`` and shows the last train loss and validation perplexity."""
+        if self._bar is None:
+            return
+        bar = self._bar
+        if self._compiling:  # restart the clock: the rate counts from the first finished chunk
+            self._compiling = False
+            bar.bar_format = None
+            bar.set_description_str("", refresh=False)
+            bar.reset()
+            bar.initial = bar.n = bar.last_print_n = step
+        else:
+            bar.update(step - bar.n)
+        post = {"loss": f"{last.get('train_loss', float('nan')):.3f}"}
+        if "val_ppl" in last:
+            post["val_ppl"] = f"{last['val_ppl']:.2f}"
+        bar.set_postfix(post)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def _jsonable(v: Any) -> Any:
