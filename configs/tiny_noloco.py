@@ -19,6 +19,7 @@ def get_config(variant: str = ""):
         raise ValueError(f"unknown variant {variant!r} of tiny_noloco.py; valid: "
                          f"{[v for v in VARIANTS if v]} (or none).")  # fmt: skip
     c = common.get_config()
+    c.keep_checkpoints = 1  # one tiny checkpoint is ~160 MB (README: what a checkpoint holds)
     if variant == "quick":
         c.num_steps = 100
         c.eval_every = 50

@@ -26,6 +26,8 @@ if (_REPO / "configs").is_dir() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # config files import shared defaults as `configs.common`
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# TensorFlow only reads the data here; without this it logs a oneDNN notice at import.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 from absl import app, flags, logging  # noqa: E402
 

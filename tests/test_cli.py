@@ -304,6 +304,40 @@ def test_rerunning_a_finished_run_reports_it_and_writes_nothing(finished_run, ca
     assert _files(finished_run.workdir) == before  # no new TensorBoard event file, no record
 
 
+def test_each_save_prints_its_size_and_tiny_configs_keep_one(finished_run):
+    ckpt = finished_run.workdir / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["4"]  # saved at step 4 only
+    size = sum(f.stat().st_size for f in (ckpt / "4").rglob("*") if f.is_file())
+    line = re.search(r"checkpoint at step 4: ([\d.]+) MB on disk \(([\d.]+) MB of arrays, zstd\) "
+                     r"in (\S+); the newest 1 kept", finished_run.stdout)  # fmt: skip
+    assert line, finished_run.stdout
+    assert float(line.group(1)) == round(size / 1e6, 1) and line.group(3) == str(ckpt / "4")
+    for name in ("tiny_noloco", "tiny_diloco", "tiny_dp"):
+        config = settings_lib.from_config(_load(name))
+        assert config.keep_checkpoints == 1, name
+    assert settings_lib.from_config(_load("paper_small")).keep_checkpoints == 2
+
+
+def _load(name, *args):
+    import importlib  # noqa: PLC0415
+
+    return importlib.import_module(f"configs.{name}").get_config(*args)
+
+
+def test_readme_checkpoint_sizes_are_the_state_of_each_preset():
+    """README's table: N = 8 replicas x 5 float32 copies of the params (NoLoCo / DiLoCo)."""
+    from noloco_jax import models  # noqa: PLC0415
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for preset in ("nano", "tiny", "mini", "small", "medium", "large"):
+        vocab = 256 if preset in ("nano", "tiny", "mini") else 128_002
+        n = models.param_count(models.get_preset(preset, vocab_size=vocab))
+        raw = 8 * 5 * 4 * n
+        text = f"{raw / 1e6:.1f} MB" if raw < 1e9 else f"{raw / 1e9:.1f} GB"
+        row = rf"^ *\| `{preset}` \|[^|]*\| {re.escape(text)}( \(|\s\|)"
+        assert re.search(row, readme, re.M), (preset, text)
+
+
 def test_refused_resumes_are_short_errors(finished_run, capsys):
     argv, workdir, corpus = finished_run.argv, finished_run.workdir, finished_run.corpus
     before = _files(workdir)

@@ -350,6 +350,8 @@ def train_and_evaluate(
     last: dict[str, Any] = {"step": step}
     end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
     bar = Progress(progress and jax.process_index() == 0, settings.num_steps, step)
+    saves = _SaveReport(ckpt, bar, sum(x.nbytes for x in jax.tree.leaves(state)),
+                        jax.process_index() == 0)  # fmt: skip
     try:
         if step == 0:
             _evaluate(run, state, step, writer, last, bar)
@@ -357,19 +359,55 @@ def train_and_evaluate(
             resets_before = last.get("nonfinite_resets", 0.0)
             state, step, train_metrics = _train_chunk(run, state, step, end)
             writer.write(step, "train", train_metrics)
+            saves.report()  # the saves that finished during this chunk
             if train_metrics["nonfinite_resets"] > resets_before:
                 _report_reset(writer, step, train_metrics["nonfinite_resets"], bar)
             last.update(train_metrics, step=step)
             if step % settings.eval_every == 0 or step == settings.num_steps:
                 _evaluate(run, state, step, writer, last, bar)
             if step % settings.checkpoint_every == 0 or step == settings.num_steps:
+                saves.report(wait=True)  # orbax waits for the previous save here anyway
                 ckpt.save(step, state, run.meta)
+                saves.pending.append(step)
             bar.advance(step, last)
     finally:
         ckpt.close()
+        saves.report(closed=True)
         writer.close()
         bar.close()
     return last
+
+
+@dataclasses.dataclass
+class _SaveReport:
+    """Prints each checkpoint's size on disk once its asynchronous save has finished."""
+
+    ckpt: Checkpointer
+    bar: Progress
+    array_bytes: int
+    enabled: bool
+    pending: list = dataclasses.field(default_factory=list)
+
+    def report(self, wait: bool = False, closed: bool = False) -> None:
+        """Reports the finished saves (``wait``: wait for them; ``closed``: all are done)."""
+        if not self.pending:
+            return
+        if wait:
+            self.ckpt.wait()
+        elif not closed and self.ckpt.saving():
+            return
+        for step in self.pending:
+            size = self.ckpt.size_bytes(step)
+            if self.enabled and size:
+                self.bar.write(
+                    f"checkpoint at step {step}: {_megabytes(size)} on disk "
+                    f"({_megabytes(self.array_bytes)} of arrays, zstd) in "
+                    f"{self.ckpt.directory / str(step)}; the newest {self.ckpt.keep} kept")
+        self.pending.clear()
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.1f} GB"
 
 
 def _already_finished(workdir: pathlib.Path, step: int, verbose: bool) -> dict[str, Any]:
