@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 from pydoc_data.topics import topics
@@ -394,4 +395,24 @@ def test_progress_bar_says_compiling_until_the_first_chunk_and_lines_go_above_it
     assert stats["initial"] == 25 and stats["elapsed"] < 0.3  # the clock restarted after compiling
     assert "compiling…" not in buf.getvalue().rsplit("\r", 1)[-1]
     assert "50/100" in buf.getvalue().rsplit("\r", 1)[-1] and "val_ppl=9.00" in buf.getvalue()
+    time.sleep(0.3)  # a chunk that compiled a program of its own (the first with a sync step)
+    bar.advance(75, {"train_loss": 2.0}, compiled=True)
+    assert bar._bar.format_dict["initial"] == 75 and bar._bar.format_dict["elapsed"] < 0.2
+    bar.advance(100, {"train_loss": 1.9})
+    assert bar._bar.format_dict["n"] == 100
     bar.close()
+
+
+def test_the_loop_tells_the_bar_which_chunks_compiled():
+    from noloco_jax.trainer.loop import _PhasedChunk  # noqa: PLC0415
+
+    class Tokens:
+        shape = (1, 25)
+
+    state = types.SimpleNamespace(opt_state=())  # holds no local_steps counter to check
+    chunk = _PhasedChunk(lambda sync_at: (lambda state, tokens: (state, sync_at)), 50)
+    compiled = []
+    for step in (0, 25, 50, 75):
+        chunk(state, Tokens, step)
+        compiled.append(chunk.compiled)
+    assert compiled == [True, True, False, False]  # two layouts: without and with a sync step

@@ -180,6 +180,7 @@ class _PhasedChunk:
         self._make, self._sync_every, self._max = make, sync_every, max_layouts
         self._fns: dict[Any, Callable] = {}
         self._checked = False
+        self.compiled = False  # whether the last call built (and so compiled) a new program
 
     def __call__(self, state: TrainState, tokens: Any, step: int) -> tuple[TrainState, Any]:
         key = None
@@ -190,7 +191,8 @@ class _PhasedChunk:
             key = sync_positions(step, tokens.shape[1], self._sync_every)
             if key not in self._fns and len(self._fns) >= self._max:
                 key = None
-        if key not in self._fns:
+        self.compiled = key not in self._fns
+        if self.compiled:
             self._fns[key] = self._make(key)
         return self._fns[key](state, tokens)
 
@@ -369,7 +371,7 @@ def train_and_evaluate(
                 saves.report(wait=True)  # orbax waits for the previous save here anyway
                 ckpt.save(step, state, run.meta)
                 saves.pending.append(step)
-            bar.advance(step, last)
+            bar.advance(step, last, compiled=getattr(run.chunk, "compiled", False))
     finally:
         ckpt.close()
         saves.report(closed=True)

@@ -60,7 +60,9 @@ class Progress:
     """The console: a progress bar and the lines printed above it.
 
     The bar says "compiling…" (no rate, no ETA) until the first chunk of steps is done,
-    since that chunk's time is mostly compilation; its rate and ETA count from then on.
+    since that chunk's time is mostly compilation; its rate and ETA count from then on, and
+    restart after any later chunk that compiled a program of its own (e.g. the first chunk
+    that holds a sync step), so that compile time never enters the ETA.
     Lines go through ``write`` (``tqdm.write``), so they never break into the bar.
 
     Args:
@@ -90,12 +92,19 @@ class Progress:
         else:
             self._bar.write(line, file=self._file)  # stdout unless a file was given
 
-    def advance(self, step: int, last: dict[str, Any]) -> None:
-        """Moves the bar to ``step`` and shows the last train loss and validation perplexity."""
+    def advance(self, step: int, last: dict[str, Any], compiled: bool = False) -> None:
+        """Moves the bar to ``step`` and shows the last train loss and validation perplexity.
+
+        Args:
+          step: the step reached.
+          last: the latest metrics (``train_loss``, ``val_ppl``).
+          compiled: whether the chunk that ended here compiled a program; the rate and ETA
+            then count from here.
+        """
         if self._bar is None:
             return
         bar = self._bar
-        if self._compiling:  # restart the clock: the rate counts from the first finished chunk
+        if self._compiling or compiled:  # restart the clock: compile time is not a step's time
             self._compiling = False
             bar.bar_format = None
             bar.set_description_str("", refresh=False)
