@@ -401,6 +401,7 @@ def test_progress_bar_says_compiling_until_the_first_chunk_and_lines_go_above_it
     bar.advance(100, {"train_loss": 1.9})
     assert bar._bar.format_dict["n"] == 100
     bar.close()
+    assert not re.search(r"-[\d.]+step/s|<-", buf.getvalue())  # no negative rate or ETA shown
 
 
 def test_the_loop_tells_the_bar_which_chunks_compiled():

@@ -78,12 +78,18 @@ class Progress:
         self._bar = None
         self._compiling = True
         self._file = file
+        self._total = total
         if enabled:
-            from tqdm.auto import tqdm  # noqa: PLC0415
+            self._bar = self._new(initial, desc=self.COMPILING,
+                                  bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}]")
 
-            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                             file=file, desc=self.COMPILING,
-                             bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}]")  # fmt: skip
+    def _new(self, initial: int, **kwargs: Any) -> Any:
+        """A fresh bar at ``initial``: its clock starts now (``leave=False``: it clears when
+        replaced)."""
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        return tqdm(total=self._total, initial=initial, unit="step", dynamic_ncols=True,
+                    file=self._file, leave=False, **kwargs)  # fmt: skip
 
     def write(self, line: str) -> None:
         """Prints ``line`` above the bar (or alone without one)."""
@@ -106,10 +112,8 @@ class Progress:
         bar = self._bar
         if self._compiling or compiled:  # restart the clock: compile time is not a step's time
             self._compiling = False
-            bar.bar_format = None
-            bar.set_description_str("", refresh=False)
-            bar.reset()
-            bar.initial = bar.n = bar.last_print_n = step
+            bar.close()
+            bar = self._bar = self._new(step)
         else:
             bar.update(step - bar.n)
         post = {"loss": f"{last.get('train_loss', float('nan')):.3f}"}
@@ -119,6 +123,7 @@ class Progress:
 
     def close(self) -> None:
         if self._bar is not None:
+            self._bar.leave = True  # the last bar stays on the console
             self._bar.close()
 
 
