@@ -227,10 +227,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
         _define_flags()
         sys.argv = argv  # ml_collections reads the --config.* overrides from sys.argv
         if any(a in _HELP_ARGS for a in argv[1:]):
-            print(help_text())
-            return 0
+            return _print_help()
         app.run(main, argv=argv, flags_parser=_parse_flags)
     except SystemExit as done:
+        if any(a in ("--helpfull", "-helpfull") for a in argv[1:]):
+            return 0  # absl exits 1 after its full help
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except _user_errors() as err:
         if debug:
@@ -239,6 +240,14 @@ def cli(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR_EXIT
     finally:
         sys.argv = saved
+    return 0
+
+
+def _print_help() -> int:
+    try:
+        print(help_text(), flush=True)
+    except BrokenPipeError:  # `noloco-train --help | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -57,6 +57,11 @@ def test_help_lists_every_config_field_with_its_default_and_exits_0(capsys):
     assert out.index(" optim:") < out.index("--config.optim.b1") < out.index(" outer:")
 
 
+def test_helpfull_exits_0(capsys):
+    assert train.cli(["noloco-train", "--helpfull"]) == 0
+    assert "--verbosity" in capsys.readouterr().out  # absl's own flags too
+
+
 def test_help_subprocess_exit_status_is_0():
     out = subprocess.run([sys.executable, "-m", "noloco_jax.train", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
