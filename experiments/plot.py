@@ -1,6 +1,8 @@
 """Draws loss, validation perplexity and replica spread of one or more runs to a PNG.
 
-    python experiments/plot.py runs/tiny_noloco runs/tiny_diloco --out curves.png
+    python experiments/plot.py runs/tiny_noloco runs/tiny_diloco   # -> runs/tiny_noloco/curves.png
+
+The PNG goes into the first run's workdir unless --out names another file.
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ def plot_runs(workdirs: list[pathlib.Path], out: pathlib.Path) -> pathlib.Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdirs", nargs="+", type=pathlib.Path)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("curves.png"))
+    parser.add_argument("--out", type=pathlib.Path, default=None,
+                        help="PNG to write (default: <first workdir>/curves.png)")
     args = parser.parse_args()
-    print(plot_runs(args.workdirs, args.out))
+    out = args.out or args.workdirs[0] / "curves.png"
+    print(f"wrote {plot_runs(args.workdirs, out)}")
 
 
 if __name__ == "__main__":
