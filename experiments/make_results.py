@@ -16,7 +16,7 @@ RESULTS = HERE / "results"
 SECTIONS = ["table2", "spread_vs_lr", "sweeps", "quadratic_theory", "routing_ablation",
             "dropout", "network_model", "skippipe_schedules", "skippipe_training", "hdee"]
 BENCH = ["bench_overhead", "bench_clip_traffic", "bench_comm_volume", "bench_scaling",
-         "bench_throughput", "bench_gpu"]
+         "bench_compile_scale", "bench_compile_scale_shard_map", "bench_throughput", "bench_gpu"]
 
 
 def _nest(markdown: str) -> str:

@@ -1,6 +1,7 @@
 """Network model of NoLoCo vs all-reduce: the paper's Fig. 5A/5B and a bandwidth + latency table.
 
     python experiments/network_model.py            # full run, about a minute or two
+    python experiments/network_model.py --publish  # ... into experiments/results and figures
     python experiments/network_model.py --smoke --out-dir /tmp/nm/results   # seconds
 
 (a) Fig. 5A: E[tree all-reduce] / E[pairwise averaging] against std(t)/t_c of
@@ -11,7 +12,8 @@
     small / medium / large models over a datacenter and an internet link.
 
 Writes <out-dir>/network_model.json and .md, and network_fig5a.png and
-network_fig5b.png in <fig-dir> (default: the "figures" folder next to out-dir).
+network_fig5b.png in <fig-dir> (default: <out-dir>, which defaults to experiments/runs/results,
+git-ignored; --publish: experiments/results and experiments/figures).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from noloco_jax import netsim  # noqa: E402
+from noloco_jax.experiments import harness  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMAND = "python experiments/network_model.py"
@@ -314,9 +317,9 @@ def write_markdown(result: dict[str, Any], path: pathlib.Path, figs: dict[str, s
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny version, a few seconds")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "experiments" / "results")
+    harness.add_out_flags(parser)
     parser.add_argument("--fig-dir", type=pathlib.Path, default=None,
-                        help="default: the 'figures' folder next to --out-dir")
+                        help="default: --out-dir (experiments/figures with --publish)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -338,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     cfg = SMOKE if args.smoke else FULL
     out_dir = args.out_dir
-    fig_dir = args.fig_dir or out_dir.parent / "figures"
+    publishing = out_dir.resolve() == harness.RESULTS.resolve()
+    fig_dir = args.fig_dir or (harness.FIGURES if publishing else out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fig_dir.mkdir(parents=True, exist_ok=True)
     start = time.time()

@@ -1,6 +1,9 @@
 """Draws loss, validation perplexity and replica spread of one or more runs to a PNG.
 
-    python experiments/plot.py runs/tiny_noloco runs/tiny_diloco --out curves.png
+    python experiments/plot.py runs/tiny_noloco runs/tiny_diloco   # -> runs/tiny_noloco/curves.png
+
+The PNG goes into the first run's workdir unless --out names another file.
+
     python experiments/plot.py runs/tiny_noloco --replicas replicas.png   # per-replica panels
 """
 
@@ -75,13 +78,15 @@ def plot_replicas(workdir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdirs", nargs="+", type=pathlib.Path)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("curves.png"))
+    parser.add_argument("--out", type=pathlib.Path, default=None,
+                        help="PNG to write (default: <first workdir>/curves.png)")
     parser.add_argument("--replicas", type=pathlib.Path, default=None,
                         help="also draw the first run's per-replica loss and distance here")
     args = parser.parse_args()
-    print(plot_runs(args.workdirs, args.out))
+    out = args.out or args.workdirs[0] / "curves.png"
+    print(f"wrote {plot_runs(args.workdirs, out)}")
     if args.replicas is not None:
-        print(plot_replicas(args.workdirs[0], args.replicas))
+        print(f"wrote {plot_replicas(args.workdirs[0], args.replicas)}")
 
 
 if __name__ == "__main__":

@@ -61,8 +61,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
     ax.set_title("Fig. 4 in miniature (no outer steps)")
     ax.legend()
     fig.tight_layout()
-    path = harness.figure_path(args, "routing_ablation")
-    fig.savefig(path, dpi=110)
+    path = harness.save_figure(fig, harness.figure_path(args, "routing_ablation"))
     plt.close(fig)
     pp_rows = []
     for name in sorted(results):

@@ -1,6 +1,7 @@
 """SkipPipe schedules: simulated iteration time of four schedules at 25 / 33 / 50 % skip.
 
     python experiments/skippipe_schedules.py            # full run, about a minute or two
+    python experiments/skippipe_schedules.py --publish  # ... into experiments/results
     python experiments/skippipe_schedules.py --smoke --out-dir /tmp/sp/results   # seconds
 
 For each setting (18 nodes / 4 stages, 20 / 6, 42 / 8; SkipPipe's sizes, stage 0
@@ -17,7 +18,8 @@ w = 0.055 s per sample and layer x 4 layers per stage x 8 samples = 1.76 s,
 activations 8 x 1024 tokens x 1024 dims x 4 bytes = 33.5 MB per message,
 0.35 s host/device overhead per message, 3 activation slots per node.
 
-Writes <out-dir>/skippipe_schedules.json and .md. The JSON's
+Writes <out-dir>/skippipe_schedules.json and .md (default experiments/runs/results,
+git-ignored; --publish: experiments/results). The JSON's
 ``training_iteration_times`` ({"full", "skip25", "skip50"}: simulated seconds
 per iteration, mean over seeds) is the 18-node / 4-stage geo-distributed
 setting with path length 4 / 3 / 2 (``full`` / ``skippipe``), which
@@ -36,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from noloco_jax import skippipe as sp
+from noloco_jax.experiments import harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMAND = "python experiments/skippipe_schedules.py"
@@ -236,7 +239,7 @@ def write_markdown(result: dict[str, Any], path: pathlib.Path) -> None:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny version, a few seconds")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "experiments" / "results")
+    harness.add_out_flags(parser)
     return parser.parse_args(argv)
 
 
@@ -265,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "skippipe_schedules.json").write_text(json.dumps(result, indent=1))
     write_markdown(result, args.out_dir / "skippipe_schedules.md")
+    print(f"wrote {args.out_dir / 'skippipe_schedules.json'} and "
+          f"{args.out_dir / 'skippipe_schedules.md'} in {result['seconds']:.0f} s", flush=True)
     return result
 
 

@@ -4,8 +4,8 @@
 
 Runs (configs/exp_skippipe.py): the full pipeline (no skipping), 25 % and 50 % skip, and 50 %
 skip with the full model every 10th step. Reports validation perplexity of the full model per
-step and per simulated second (iteration times from experiments/results/skippipe_schedules.json,
-geo-distributed setting, when present), and the perplexity increase when 25 % / 50 % of the
+step and per simulated second (iteration times from skippipe_schedules.json in --out-dir, else
+experiments/results; geo-distributed setting, when present), and the perplexity increase when 25 % / 50 % of the
 stages are omitted at inference (stage 0 kept plus a sorted random subset; averaged over
 subsets and replicas) for skip-trained vs normally trained models (paper: +7 % at 50 %).
 """
@@ -16,6 +16,7 @@ import argparse
 import functools
 import json
 import math
+import pathlib
 
 import harness
 import jax
@@ -62,12 +63,15 @@ def _omission(run: harness.Run, args, keep_fraction: float, subsets: int) -> flo
     return math.exp(float(np.mean(losses)))
 
 
-def _iteration_times() -> dict[str, float]:
-    path = harness.RESULTS / "skippipe_schedules.json"
-    if not path.exists():
-        return {}
-    data = json.loads(path.read_text())
-    return data.get("training_iteration_times", {})
+def _iteration_times(out_dir: pathlib.Path) -> dict[str, float]:
+    """The simulated iteration times of skippipe_schedules.py: its run into the same
+    --out-dir if there is one, else the published one."""
+    for folder in (out_dir, harness.RESULTS):
+        path = folder / "skippipe_schedules.json"
+        if path.exists():
+            print(f"simulated iteration times from {path}", flush=True)
+            return json.loads(path.read_text()).get("training_iteration_times", {})
+    return {}
 
 
 def _seconds_per_iteration(run: harness.Run, times: dict[str, float]) -> float | None:
@@ -80,7 +84,7 @@ def _seconds_per_iteration(run: harness.Run, times: dict[str, float]) -> float |
 
 
 def report(results: dict, runs: list[harness.Run], args: argparse.Namespace) -> str:
-    times = _iteration_times()
+    times = _iteration_times(args.out_dir)
     full_evals = results["full"]["eval"]
     rows = []
     for run in runs:

@@ -57,8 +57,7 @@ def report(results: dict, args: argparse.Namespace) -> tuple[dict, str]:
     ax.set_title("Fig. 3B in miniature: spread vs inner learning rate")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = harness.figure_path(args, "spread_vs_lr")
-    fig.savefig(path, dpi=110)
+    path = harness.save_figure(fig, harness.figure_path(args, "spread_vs_lr"))
     plt.close(fig)
     noloco = [v["pearson"] for k, v in stats.items() if k.startswith("noloco")]
     cmd = "python experiments/spread_vs_lr.py" + (" --smoke" if args.smoke else "")

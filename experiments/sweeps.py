@@ -82,8 +82,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
         ax.set_xlabel("inner step")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path = harness.figure_path(args, "sweeps")
-    fig.savefig(path, dpi=110)
+    path = harness.save_figure(fig, harness.figure_path(args, "sweeps"))
     plt.close(fig)
     cmd = "python experiments/sweeps.py" + (" --smoke" if args.smoke else "")
     return (

@@ -5,46 +5,78 @@
 
 Intentionally short: flags in, typed settings out, the loop lives in
 ``noloco_jax.trainer``. Restarting with the same --workdir resumes.
+
+User errors (a ``ValueError``, a missing input file, a bad flag) print the
+message in a line or two and exit with status 2; ``--debug`` shows their
+traceback. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import re
 import sys
+import textwrap
+from typing import Any, Sequence
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 if (_REPO / "configs").is_dir() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))  # config files import shared defaults as `configs.common`
 
-import os  # noqa: E402
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# TensorFlow only reads the data here; without this it logs a oneDNN notice at import.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
-    str(_REPO / "configs" / "tiny_noloco.py"),
-    "Experiment config file (a get_config() returning a ConfigDict).",
-    lock_config=True,
-)
-_WORKDIR = flags.DEFINE_string(
-    "workdir", "runs/tiny_noloco", "Checkpoints and metrics go here; an existing run resumes."
-)
-_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None,
-    "host:port of process 0 for multi-process training (jax.distributed); unset = one process "
-    "(or auto-detected on Slurm/TPU pods with --distributed).")  # fmt: skip
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Call jax.distributed.initialize() with cluster auto-detection.")
+PROG = "noloco-train"
+USAGE_ERROR_EXIT = 2
+_HELP_ARGS = ("--help", "-help", "-h", "--helpshort", "-helpshort", "-?")
+_DEBUG_ARGS = ("--debug", "-debug", "--debug=true", "--debug=True", "--debug=1")
+# Flags of this program, in --help order (absl's own flags: --helpfull).
+_PROJECT_FLAGS = ("config", "workdir", "progress", "debug", "coordinator_address",
+                  "num_processes", "process_id", "distributed")  # fmt: skip
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean bad input, not a bug in the program."""
+    from noloco_jax.data.sources import CorpusUnavailableError  # noqa: PLC0415
+
+    return (ValueError, FileNotFoundError, NotADirectoryError, CorpusUnavailableError,
+            flags.Error)  # fmt: skip
+
+
+def _define_flags() -> None:
+    """Defines the flags once. Deferred to ``run`` because ml_collections parses the
+    ``--config.*`` overrides while defining ``--config``; a misspelt field fails there."""
+    if "workdir" in flags.FLAGS:
+        return
+    from ml_collections import config_flags  # noqa: PLC0415
+
+    config_flags.DEFINE_config_file(
+        "config",
+        str(_REPO / "configs" / "tiny_noloco.py"),
+        "Experiment config file, optionally with a variant: configs/tiny_noloco.py:quick.",
+        lock_config=True,
+    )
+    flags.DEFINE_string(
+        "workdir", "runs/tiny_noloco", "Checkpoints and metrics go here; an existing run resumes.")
+    flags.DEFINE_bool("progress", True, "Show a progress bar.")
+    flags.DEFINE_bool("debug", False, "Show the traceback of a user error too.")
+    flags.DEFINE_string(
+        "coordinator_address", None,
+        "host:port of process 0 for multi-process training (jax.distributed); unset = one "
+        "process (or auto-detected on Slurm/TPU pods with --distributed).")  # fmt: skip
+    flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+    flags.DEFINE_integer("process_id", None, "This process's index.")
+    flags.DEFINE_bool(
+        "distributed", False, "Call jax.distributed.initialize() with cluster auto-detection.")
 
 
 def main(argv: list[str]) -> None:
+    """Trains (or resumes) the configured run and prints its last metrics as JSON."""
     del argv
     if not flags.FLAGS["verbosity"].present:  # orbax/TFDS log every file at INFO
         logging.set_verbosity(logging.WARNING)
@@ -52,36 +84,229 @@ def main(argv: list[str]) -> None:
     from noloco_jax.trainer import from_config  # noqa: PLC0415
     from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
 
-    settings = from_config(_CONFIG.value)
-    last = train_and_evaluate(settings, _WORKDIR.value, progress=_PROGRESS.value)
-    print(json.dumps({k: v for k, v in last.items()}, indent=1, sort_keys=True))
+    config = flags.FLAGS.config
+    _fit_warmup(config, explicit="config.optim.warmup_steps" in flags.FLAGS)
+    settings = from_config(config)
+    last = train_and_evaluate(settings, flags.FLAGS.workdir, progress=flags.FLAGS.progress)
+    print(json.dumps(dict(last), indent=1, sort_keys=True))
+
+
+def _fit_warmup(config: Any, explicit: bool) -> None:
+    """Shortens an inherited warmup that does not fit a shorter run, with a printed note.
+
+    ``--config.num_steps=25`` on a config that warms up for 50 steps means "the same run,
+    shorter": the warmup becomes the config's warmup-to-run ratio of the new length (at
+    least 1 step) and a note says so. A warmup given on the command line is never changed
+    (``settings.validate`` refuses one that does not fit).
+
+    Args:
+      config: the parsed ConfigDict (changed in place).
+      explicit: whether ``--config.optim.warmup_steps`` was given.
+    """
+    from configs import common  # noqa: PLC0415
+
+    steps, warmup = config.num_steps, config.optim.warmup_steps
+    valid = all(isinstance(v, int) and not isinstance(v, bool) for v in (steps, warmup))
+    if explicit or not valid or steps < 2 or warmup < steps:
+        return  # nothing to fit, or validation reports it
+    defaults = common.get_config()
+    ratio = defaults.optim.warmup_steps / defaults.num_steps
+    fitted = max(1, min(steps - 1, int(steps * ratio)))
+    config.optim.warmup_steps = fitted
+    print(f"note: optim.warmup_steps={warmup} does not fit num_steps={steps}; warming up for "
+          f"{fitted} steps ({ratio:.0%} of the run, as the defaults). Set "
+          f"--config.optim.warmup_steps to choose.", file=sys.stderr)  # fmt: skip
 
 
 def _maybe_initialize_distributed() -> None:
     """Joins a multi-process run before JAX touches any device."""
-    if _COORDINATOR.value is None and not _DISTRIBUTED.value:
+    f = flags.FLAGS
+    if f.coordinator_address is None and not f.distributed:
         return
     import jax  # noqa: PLC0415
 
-    if _COORDINATOR.value is None:
+    if f.coordinator_address is None:
         jax.distributed.initialize()  # Slurm, TPU pods, GCE: detected from the environment
         return
-    if _NUM_PROCESSES.value is None or _PROCESS_ID.value is None:
-        raise app.UsageError("--coordinator_address needs --num_processes and --process_id.")
-    if not 0 <= _PROCESS_ID.value < _NUM_PROCESSES.value:
-        raise app.UsageError(
-            f"--process_id={_PROCESS_ID.value} must be in [0, --num_processes="
-            f"{_NUM_PROCESSES.value}).")  # fmt: skip
+    if f.num_processes is None or f.process_id is None:
+        raise ValueError("--coordinator_address needs --num_processes and --process_id.")
+    if not 0 <= f.process_id < f.num_processes:
+        raise ValueError(
+            f"--process_id={f.process_id} must be in [0, --num_processes={f.num_processes}).")
     jax.distributed.initialize(
-        coordinator_address=_COORDINATOR.value,
-        num_processes=_NUM_PROCESSES.value,
-        process_id=_PROCESS_ID.value,
+        coordinator_address=f.coordinator_address,
+        num_processes=f.num_processes,
+        process_id=f.process_id,
     )
+
+
+# ---------------------------------------------------------------- flag parsing and errors
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with bad flags raised as ``ValueError`` (exit 2, no traceback)."""
+    _check_config_file(argv)
+    # A second call in one process (tests) starts afresh: ml_collections defines the
+    # --config.* override flags at each parse.
+    for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+        delattr(flags.FLAGS, name)
+    if flags.FLAGS.is_parsed():
+        flags.FLAGS.unparse_flags()
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        raise ValueError(_clean_flag_error(str(err))) from err
+    except (AttributeError, KeyError) as err:  # ml_collections: an unknown --config.<field>
+        raise ValueError(_unknown_field(err, argv)) from err
+
+
+def _check_config_file(argv: Sequence[str]) -> None:
+    """A --config that names no file is an error now, not at its first use."""
+    for arg in argv:
+        m = re.match(r"^--?config=(.*)$", arg)
+        if m:
+            path = m.group(1).split(":", 1)[0]
+            if not pathlib.Path(path).is_file():
+                raise FileNotFoundError(
+                    f"--config={m.group(1)}: no such config file (the project's configs are "
+                    f"in {_REPO / 'configs'}).")  # fmt: skip
+
+
+def _clean_flag_error(text: str) -> str:
+    """A config file that fails to load: keep the last line of its traceback."""
+    if "Error whilst parsing config file" in text:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        return f"{lines[0].split(':')[0]}: {lines[-1]}" if lines else text
+    return text
+
+
+def _unknown_field(err: BaseException, argv: Sequence[str]) -> str:
+    """``--config.num_replica=3``: name the flag and the closest field."""
+    inner: Any = err
+    while isinstance(inner, BaseException) and inner.args:
+        inner = inner.args[0]
+    text = str(inner)
+    name = re.match(r"'?([\w]+)'?", text)
+    guess = re.search(r'Did you mean "(\w+)"', text)
+    bad = next((a.split("=", 1)[0] for a in argv
+                if name and re.match(rf"^--?(no)?config\.([\w.]+\.)?{name.group(1)}(=|$)", a)),
+               None)  # fmt: skip
+    flag = bad.lstrip("-") if bad else f"config...{name.group(1) if name else text}"
+    message = f"unknown config field --{flag}"
+    if guess:
+        return message + f"; did you mean --{flag.rsplit('.', 1)[0]}.{guess.group(1)}?"
+    return message + "."
+
+
+def _report(err: BaseException) -> None:
+    """The one- or two-line report of a user error."""
+    message = str(err).strip() or type(err).__name__
+    if isinstance(err, FileNotFoundError) and err.filename and str(err.filename) not in message:
+        message = f"{message}: {err.filename}"
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    print(f"({PROG} --help lists the flags and config fields; --debug shows the traceback.)",
+          file=sys.stderr)  # fmt: skip
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line ``argv`` (``sys.argv`` if None); returns the exit status.
+
+    Args:
+      argv: program name and arguments, as ``sys.argv``.
+
+    Returns:
+      0 on success or ``--help``, 2 for a user error. A bug raises its exception.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    debug = any(a in _DEBUG_ARGS for a in argv[1:])
+    if not any(re.match(r"^--?config(=|$)", a) for a in argv[1:]):
+        argv.insert(1, f"--config={_REPO / 'configs' / 'tiny_noloco.py'}")
+    saved = sys.argv
+    try:
+        sys.argv = argv[:1]  # --config's default is read without the overrides
+        _define_flags()
+        sys.argv = argv  # ml_collections reads the --config.* overrides from sys.argv
+        if any(a in _HELP_ARGS for a in argv[1:]):
+            return _print_help()
+        app.run(main, argv=argv, flags_parser=_parse_flags)
+    except SystemExit as done:
+        if any(a in ("--helpfull", "-helpfull") for a in argv[1:]):
+            return 0  # absl exits 1 after its full help
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except _user_errors() as err:
+        if debug:
+            raise
+        _report(err)
+        return USAGE_ERROR_EXIT
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def _print_help() -> int:
+    try:
+        print(help_text(), flush=True)
+    except BrokenPipeError:  # `noloco-train --help | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def run() -> None:
     """Console-script entry point."""
-    app.run(main)
+    sys.exit(cli())
+
+
+# ---------------------------------------------------------------- --help
+
+
+def help_text() -> str:
+    """Usage, this program's flags and every config field with its default and meaning.
+
+    The fields, defaults and meanings come from ``configs/common.py`` (``FIELDS``), the one
+    place they are written, grouped as there.
+    """
+    from configs import common  # noqa: PLC0415
+
+    lines = [
+        f"{PROG}: trains replicas of a Llama with NoLoCo, DiLoCo or data parallel.",
+        "",
+        f"usage: {PROG} --config=configs/tiny_noloco.py[:quick] --workdir=DIR "
+        "[--config.FIELD=VALUE ...]",
+        "       (re-running with the same --workdir resumes the run)",
+        "",
+        "flags:",
+    ]
+    for name in _PROJECT_FLAGS:
+        f = flags.FLAGS[name]
+        lines.append(_entry(f"--{name}", _flag_default(f), f.help))
+    lines.append(_entry("--helpfull", "", "Also list absl's own flags."))
+    lines += ["", "config fields (--config.FIELD=VALUE; defaults of configs/common.py, which a",
+              "config file may change):"]  # fmt: skip
+    for section, title in common.GROUPS:
+        lines += ["", f" {title}"]
+        for name, default, meaning in common.FIELDS:
+            if name.rpartition(".")[0] == section:
+                lines.append(_entry(f"--config.{name}", repr(default), meaning))
+    return "\n".join(lines)
+
+
+def _flag_default(f: Any) -> str:
+    if f.name == "config":
+        return str(pathlib.Path(f.default_as_str.strip("'")).relative_to(_REPO)) \
+            if str(_REPO) in f.default_as_str else f.default_as_str  # fmt: skip
+    return "" if f.default is None else repr(f.default)
+
+
+def _entry(name: str, default: str, meaning: str, width: int = 38, total: int = 100) -> str:
+    """``  --name=default   meaning``, the meaning wrapped into a column from ``width``."""
+    left = f"  {name}={default}" if default else f"  {name}"
+    wrapped = textwrap.wrap(" ".join(meaning.split()), total - width - 1) or [""]
+    rows = [f"{'':<{width}} {w}" for w in wrapped]
+    if len(left) < width:
+        rows[0] = f"{left:<{width}} {wrapped[0]}"
+    else:
+        rows.insert(0, left)
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ BENCH = ROOT / "experiments" / "bench"
 @pytest.mark.parametrize("script", [
     pytest.param("overhead", marks=pytest.mark.slow), "comm_volume",
     pytest.param("scaling", marks=pytest.mark.slow), "throughput", "clip_traffic",
+    "compile_scale",
 ])  # the slow two time ~25 s of repetitions each
 def test_benchmark_smoke(script, tmp_path):
     out = subprocess.run(

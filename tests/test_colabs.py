@@ -1,7 +1,13 @@
 """Every colab runs top to bottom with smoke settings, and is committed without outputs."""
 
+import ast
+import importlib.metadata
+import importlib.util
 import os
 import pathlib
+import shutil
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -51,3 +57,105 @@ def test_colab_executes_with_smoke_settings(path, tmp_path, monkeypatch):
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
     assert os.environ["NOLOCO_COLAB_SMOKE"] == "1"
+
+
+# ---------------------------------------------------------------- the first cell: setup
+
+
+def _first_cell(path=ROOT / "colabs" / "quickstart.ipynb") -> str:
+    nb = nbformat.read(path, as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code")
+
+
+def test_first_cell_is_the_same_runnable_python_in_every_colab():
+    cells = {p.stem: _first_cell(p) for p in NOTEBOOKS}
+    assert len(set(cells.values())) == 1, "the setup cells differ"
+    cell = cells["quickstart"]
+    ast.parse(cell)  # plain Python: no shell (!) or magic (%) lines
+    assert "<" not in cell.replace("<=", "") and "!" not in cell.replace("!=", "")
+    assert "sys.path.insert(0, str(ROOT / \"experiments\"))" not in cell
+
+
+def _setup_functions(monkeypatch, installed: bool, tensorflow: bool) -> tuple[dict, list]:
+    """The first cell's functions, with pip and the installed packages faked."""
+    tree = ast.parse(_first_cell())
+    defs = ast.Module([n for n in tree.body if isinstance(n, (ast.Import, ast.FunctionDef))], [])
+    namespace: dict = {}
+    exec(compile(defs, "first_cell", "exec"), namespace)  # noqa: S102
+    calls: list = []
+
+    def version(name):
+        if installed:
+            return "0.1.0"
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: (object() if tensorflow else None) if n == "tensorflow"
+                        else real_find_spec(n, *a))  # fmt: skip
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    return namespace, calls
+
+
+@pytest.mark.parametrize("installed,tensorflow,expected", [
+    (False, False, "[tf]"), (False, True, ""), (True, False, None), (True, True, None)])
+def test_first_cell_adds_tensorflow_cpu_only_where_no_tensorflow_is(
+        monkeypatch, installed, tensorflow, expected):  # fmt: skip
+    namespace, calls = _setup_functions(monkeypatch, installed, tensorflow)
+    monkeypatch.chdir(ROOT / "colabs")
+    root = namespace["find_repository"]()
+    assert root == ROOT
+    message = namespace["install"](root)
+    if expected is None:
+        assert calls == [] and "is installed" in message
+    else:
+        assert len(calls) == 1 and calls[0][-1] == f"{ROOT}{expected}", calls
+        assert calls[0][1:5] == ["-m", "pip", "install", "-q"]
+
+
+def test_first_cell_says_where_to_put_the_repository(monkeypatch, tmp_path):
+    namespace, _ = _setup_functions(monkeypatch, False, False)
+    monkeypatch.chdir(tmp_path)
+    if pathlib.Path("/content/noloco_jax/setup.cfg").exists():
+        pytest.skip("a repository at /content/noloco_jax")
+    with pytest.raises(FileNotFoundError, match="/content/noloco_jax"):
+        namespace["find_repository"]()
+
+
+@pytest.mark.slow  # a fresh venv: pip installs TensorFlow and the project (minutes, ~2 GB)
+def test_first_cell_keeps_an_installed_tensorflow_in_a_fresh_venv(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    pip = [py, "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "tensorflow"], check=True, timeout=1800)
+
+    def show(name):
+        out = subprocess.run([py, "-m", "pip", "show", name], capture_output=True, text=True)
+        return out.stdout if out.returncode == 0 else None
+
+    before = show("tensorflow")
+    assert before and show("tensorflow-cpu") is None
+    repo = tmp_path / "repo"  # a copy: the editable install writes its egg-info there
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "runs", "*.egg-info", "__pycache__", ".pytest_cache"))  # fmt: skip
+    cell = tmp_path / "first_cell.py"
+    cell.write_text(_first_cell())
+    for attempt in range(2):  # the second run finds the install and does nothing
+        out = subprocess.run([py, str(cell)], cwd=repo / "colabs", capture_output=True, text=True,
+                             timeout=1800)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        expected = "keeping the installed TensorFlow" if attempt == 0 else "is installed"
+        assert expected in out.stdout, out.stdout
+    assert show("tensorflow") == before and show("tensorflow-cpu") is None
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * 200)
+    check = ("import sys, pathlib; from noloco_jax import data; "
+             "c = data.load_corpus('files', path=sys.argv[1], data_dir=pathlib.Path(sys.argv[2]));"
+             " print(len(c.train), len(c.validation))")  # fmt: skip
+    out = subprocess.run([py, "-c", check, str(corpus), str(tmp_path / "data")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.split()[-2:] == ["2", "1"], out.stderr[-3000:]

@@ -1,6 +1,8 @@
 """Group draws, group means and byte counts (noloco_jax.comm)."""
 
+import collections
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -127,3 +129,160 @@ def test_pool_size_bounds():
 def test_unbound_axis_error_names_axis_and_fix():
     with pytest.raises(comm.UnboundAxisError, match=r"'nope'.*jax.vmap.*shard_map"):
         comm.axis_size("nope")
+
+
+# ------------------------------------------- packed exchange (issue 16: scale)
+
+
+def _reference_group_mean(tree, axis_name, partition, exchange_dtype, weight):
+    """Leaf-by-leaf group mean: one ppermute per leaf and step (the unpacked exchange)."""
+    n = partition.shape[1]
+    perms = comm._exchange_perms(partition)
+
+    def send(acc, wire, perm):
+        payload = acc.astype(wire)
+        if jnp.dtype(wire) != acc.dtype:
+            bits = jax.lax.bitcast_convert_type(payload, comm._uint_of(wire))
+            moved = jax.lax.ppermute(bits, axis_name, perm)
+            return jax.lax.bitcast_convert_type(moved, wire).astype(acc.dtype)
+        return jax.lax.ppermute(payload, axis_name, perm).astype(acc.dtype)
+
+    def group_sum(x, wire):
+        acc = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        if n & (n - 1) == 0:  # butterfly: partial sums travel
+            for perm in perms:
+                acc = acc + send(acc, wire, perm)
+            return acc
+        total = acc  # cyclic shifts: the own value travels
+        for perm in perms:
+            total = total + send(acc, wire, perm)
+        return total
+
+    leaves, treedef = jax.tree.flatten(tree)
+    if weight is None:
+        sums = [group_sum(x, exchange_dtype or x.dtype) for x in leaves]
+        return jax.tree.unflatten(treedef, [v / n for v in sums])
+    present = weight > 0
+    count = group_sum(present.astype(jnp.float32), jnp.float32)
+    means = []
+    for x in leaves:
+        v = group_sum(jnp.where(present, x, jnp.zeros_like(x)), exchange_dtype or x.dtype)
+        means.append(jnp.where(present, v / jnp.maximum(count, 1.0), x.astype(v.dtype)))
+    return jax.tree.unflatten(treedef, means)
+
+
+def _mixed_tree(n_replicas):
+    k = jax.random.split(jax.random.key(3), 4)
+    tree = {
+        "a": jax.random.normal(k[0], (n_replicas, 3, 4)),
+        "b": jax.random.normal(k[1], (n_replicas, 5)).astype(jnp.bfloat16),
+        "c": jax.random.normal(k[2], (n_replicas,)),  # a scalar per replica
+        "d": jax.random.normal(k[3], (n_replicas, 2, 1, 3)).astype(jnp.bfloat16),
+    }
+    # A NaN in the values of an absent replica (replica 1) must reach no one.
+    tree["a"] = tree["a"].at[1, 0, 0].set(jnp.nan)
+    return tree
+
+
+@pytest.mark.parametrize("with_weight", [False, True])
+@pytest.mark.parametrize("exchange_dtype", [None, jnp.bfloat16])
+@pytest.mark.parametrize("n_replicas,n", [(4, 2), (6, 3), (8, 4)])
+def test_packed_group_mean_equals_leaf_by_leaf_bit_for_bit(n_replicas, n, exchange_dtype,
+                                                           with_weight):  # fmt: skip
+    tree = _mixed_tree(n_replicas)
+    weight = (jnp.arange(n_replicas) != 1).astype(jnp.float32) if with_weight else None
+    if weight is None:
+        tree["a"] = jnp.nan_to_num(tree["a"])
+    pool = comm.partition_pool(n_replicas, n, seed=1)
+
+    @jax.jit
+    def both(tree, weight, index):
+        def one(t, w):
+            packed = comm.group_mean(t, "r", pool, index, exchange_dtype, w)
+            refs = [_reference_group_mean(t, "r", p, exchange_dtype, w) for p in pool]
+            return packed, jax.lax.switch(index, [lambda r=r: r for r in refs])
+
+        return jax.vmap(one, axis_name="r")(tree, weight)
+
+    for idx in range(min(len(pool), 3)):
+        packed, ref = both(tree, weight, jnp.int32(idx))
+        assert jax.tree.map(lambda x: x.dtype, packed) == jax.tree.map(lambda x: x.dtype, ref)
+        for got, want in zip(jax.tree.leaves(packed), jax.tree.leaves(ref)):
+            got, want = np.asarray(got), np.asarray(want)
+            bits = np.dtype(f"u{got.dtype.itemsize}")
+            np.testing.assert_array_equal(got.view(bits), want.view(bits))  # bit for bit
+        if with_weight:  # the absent replica got its own values back, NaN included
+            assert np.isnan(np.asarray(packed["a"])[1, 0, 0])
+            assert np.isfinite(np.asarray(packed["a"])[np.arange(n_replicas) != 1]).all()
+
+
+def _permutes_per_branch(num_leaves, n, exchange_dtype=None, with_weight=False):
+    from noloco_jax import hlo, replicas
+
+    size = 8 if 8 % n == 0 else 6
+    reps = replicas.make_replicas(size, backend="shard_map", axis_name="r")
+    tree = {f"w{i}": jnp.ones((size, 3 + i)) for i in range(num_leaves)}
+    tree["h"] = jnp.ones((size, 2), jnp.bfloat16)  # a second dtype
+    pool = comm.partition_pool(size, n, seed=0)
+
+    def one(t, w, index):
+        return comm.group_mean(t, "r", pool, index, exchange_dtype, w if with_weight else None)
+
+    f = jax.jit(reps.map(one))
+    text = hlo.compiled_text(f, reps.put(tree), reps.put(jnp.ones(size)), jnp.int32(0))
+    ops = hlo.collective_ops(text)
+    assert {op.kind for op in ops} == {"collective-permute"}
+    counts = collections.Counter(op.computation for op in ops)
+    assert len(counts) == len(pool)  # one switch branch per pool entry
+    return set(counts.values())
+
+
+@pytest.mark.parametrize("n,exchange_dtype,with_weight", [
+    (2, None, False), (2, jnp.bfloat16, True), (4, None, True), (3, jnp.bfloat16, False),
+])  # fmt: skip
+def test_one_collective_per_exchange_step_whatever_the_number_of_leaves(n, exchange_dtype,
+                                                                        with_weight):  # fmt: skip
+    """The compiled branch holds one collective-permute per step, for 2 leaves as for 8."""
+    steps = comm.exchange_steps(n)
+    assert _permutes_per_branch(2, n, exchange_dtype, with_weight) == {steps}
+    assert _permutes_per_branch(8, n, exchange_dtype, with_weight) == {steps}
+
+
+@pytest.mark.parametrize("k", [5, 40, 49, 50])
+def test_many_branches_switch_as_a_tree_picks_the_same_branch(k):
+    """Above 32 branches the switch is two levels deep; every index (and a clamped
+    out-of-range one) still runs the branch a flat lax.switch would run."""
+    branches = [lambda x, i=i: x * 0 + i for i in range(k)]
+    f = jax.jit(lambda index: comm._switch(index, branches, jnp.float32(0)))
+    for index in [-3, 0, 1, k // 2, k - 2, k - 1, k, k + 7]:
+        assert int(f(jnp.int32(index))) == min(max(index, 0), k - 1), index
+
+
+def test_group_mean_with_a_deep_pool_matches_numpy():
+    n_replicas = 80  # 79 matchings: the switch is a tree of switches
+    x = jax.random.normal(jax.random.key(1), (n_replicas, 3))
+    pool = comm.partition_pool(n_replicas, 2, seed=0)
+    mean = jax.jit(jax.vmap(lambda v, i: comm.group_mean(v, "r", pool, i), in_axes=(0, None),
+                            axis_name="r"))  # fmt: skip
+    for idx in [0, 9, 10, 40, 78]:
+        got = mean(x, jnp.int32(idx))
+        np.testing.assert_allclose(got, _numpy_group_mean(np.asarray(x), pool[idx]), rtol=1e-6)
+    # No conditional of more than 32 branches: XLA's copy insertion is quadratic in them.
+    text = mean.lower(x, jnp.int32(0)).compile().as_text()
+    fan_out = [m.count(",") + 1 for m in re.findall(r"branch_computations=\{([^}]*)\}", text)]
+    assert max(fan_out) <= 32 and sum(fan_out) >= len(pool), fan_out
+
+
+@pytest.mark.parametrize("exchange_dtype", [None, jnp.bfloat16])
+def test_memory_traffic_of_group_mean_does_not_grow_with_the_number_of_leaves(exchange_dtype):
+    """Each leaf is sliced out of the received message before it is converted and added, so
+    a model split into 8 leaves moves as many bytes (XLA's cost analysis) as one in 2."""
+    pool = comm.partition_pool(8, 2, seed=0)
+
+    def bytes_accessed(num_leaves):
+        tree = [jnp.ones((8, 4096 // num_leaves)) for _ in range(num_leaves)]
+        f = jax.jit(jax.vmap(lambda t, i: comm.group_mean(t, "r", pool, i, exchange_dtype),
+                             in_axes=(0, None), axis_name="r"))  # fmt: skip
+        return f.lower(tree, jnp.int32(0)).compile().cost_analysis()["bytes accessed"]
+
+    assert bytes_accessed(8) <= 1.1 * bytes_accessed(2)

@@ -3,6 +3,7 @@
 import importlib
 import json
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -86,10 +87,12 @@ def test_skippipe_training_smoke(dirs, monkeypatch):
     assert "50 % of stages" in md
 
 
-def test_skippipe_schedules_smoke(tmp_path):
+def test_skippipe_schedules_smoke(tmp_path, capsys):
     import skippipe_schedules
 
     skippipe_schedules.main(["--smoke", "--out-dir", str(tmp_path)])
+    wrote = f"wrote {tmp_path / 'skippipe_schedules.json'} and {tmp_path / 'skippipe_schedules.md'}"
+    assert wrote in capsys.readouterr().out  # says what it wrote
     results = json.loads((tmp_path / "skippipe_schedules.json").read_text())
     assert set(results["training_iteration_times"]) == {"full", "skip25", "skip50"}
     assert all(v > 0 for v in results["training_iteration_times"].values())
@@ -108,3 +111,35 @@ def test_hdee_smoke(tmp_path):
     assert set(seed["ppl"]) == {"M_Ho-I_Ho", "M_Ho-I_He", "M_He-I_Ho"}
     md = (tmp_path / "hdee.md").read_text()
     assert "python experiments/hdee.py --smoke" in md and "heterogeneous lowest" in md
+
+
+def test_reruns_write_to_experiments_runs_unless_published():
+    import argparse
+
+    import harness
+
+    def parse(*argv):
+        parser = argparse.ArgumentParser()
+        harness.add_common_flags(parser)
+        return parser.parse_args(list(argv))
+
+    scratch = ROOT / "experiments" / "runs" / "results"
+    assert parse().out_dir == scratch == harness.SCRATCH
+    assert harness.figure_path(parse(), "x").parent == scratch
+    published = parse("--publish")
+    assert published.out_dir == ROOT / "experiments" / "results" and published.publish
+    assert harness.figure_path(published, "x") == ROOT / "experiments" / "figures" / "x.png"
+    assert parse("--publish", "--out-dir", "/tmp/o").out_dir == pathlib.Path("/tmp/o")
+    import skippipe_schedules  # a script with its own parser
+
+    assert skippipe_schedules._parse([]).out_dir == scratch
+
+
+def test_untracked_outputs_are_git_ignored():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    outputs = ["experiments/runs/results/table2.json", "experiments/runs/results/sweeps.png",
+               "runs/quick/metrics.jsonl", "curves.png", "runs/colab/tiny_noloco/metrics.jsonl"]
+    out = subprocess.run(["git", "check-ignore", *outputs], cwd=ROOT, capture_output=True,
+                         text=True)  # fmt: skip
+    assert sorted(out.stdout.split()) == sorted(outputs), out.stdout

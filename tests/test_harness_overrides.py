@@ -1,15 +1,14 @@
-"""experiments/harness.py applies overrides with ml_collections' own parsing."""
+"""The experiment harness (noloco_jax.experiments.harness) applies overrides with ml_collections' own parsing."""
 
 from __future__ import annotations
 
 import pathlib
-import sys
 
 import pytest
 
+from noloco_jax.experiments import harness
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import harness  # noqa: E402
 
 CONFIG = ROOT / "configs" / "tiny_noloco.py"
 

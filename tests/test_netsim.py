@@ -192,7 +192,7 @@ def test_network_model_script_smoke(tmp_path):
     assert result["fig5a"]["curves"]["4"]["ratio"][0] == 2.0
     assert (tmp_path / "results" / "network_model.md").read_text().count("```bash") >= 4
     for name in ("network_fig5a.png", "network_fig5b.png"):
-        assert (tmp_path / "figures" / name).stat().st_size > 0
+        assert (tmp_path / "results" / name).stat().st_size > 0  # next to the results
 
 
 # --------------------------------------------------------------------------- bad input

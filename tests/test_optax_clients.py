@@ -481,8 +481,8 @@ def test_user_written_shard_map_loop_equals_vmap():
     mesh = jax.make_mesh((N,), ("replica",))
     params0 = random_tree(jax.random.key(0), N)
     state0 = replicas.make_replicas(N, backend="vmap").init(tx, params0)
-    spec = jax.tree.map(lambda a: P() if a is None else P("replica"),
-                        replicas.replica_axes(state0), is_leaf=lambda x: x is None)  # fmt: skip
+    spec = jax.tree_util.tree_map_with_path(
+        lambda path, x: P() if replicas.is_shared_leaf(x, path) else P("replica"), state0)
 
     def local(p, s, g):  # one replica's view: the leading axis of size 1 is the block
         sq = lambda t, ax: jax.tree.map(lambda x, a: x if a is None else x[0], t, ax,  # noqa: E731

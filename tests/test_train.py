@@ -173,11 +173,13 @@ def test_cli_and_plot(tmp_path, corpus_dir, data_dir):
     last = json.loads(out.stdout[out.stdout.index("{") :])
     assert last["step"] == 4 and np.isfinite(last["val_ppl"])
     bad = subprocess.run(cmd + ["--config.num_replica=3"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "num_replica" in bad.stderr
-    png = tmp_path / "curves.png"
-    plot = [sys.executable, str(ROOT / "experiments" / "plot.py"), str(workdir), "--out", str(png)]
-    assert subprocess.run(plot, capture_output=True, timeout=120).returncode == 0
-    assert png.stat().st_size > 1000
+    assert bad.returncode == 2 and "num_replica" in bad.stderr
+    plot = [sys.executable, str(ROOT / "experiments" / "plot.py"), str(workdir)]
+    drawn = subprocess.run(plot, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    png = workdir / "curves.png"  # next to the run, never into the current folder
+    assert drawn.stdout.strip() == f"wrote {png}" and png.stat().st_size > 1000
+    assert not (tmp_path / "curves.png").exists()
 
 
 # ---------------------------------------------------------------- pipeline stages

@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--extrapolate", type=int, nargs="*", default=[128, 256, 512, 1024],
                         help="larger N from the largest compiled N's (N-independent) HLO bytes")
-    parser.add_argument("--out-dir", default=str(common.RESULTS))
+    common.add_out_flags(parser)
     args = parser.parse_args()
     if args.smoke:
         args.extrapolate = [8]

@@ -23,6 +23,8 @@ RESULTS = ROOT / "experiments" / "results"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from noloco_jax.experiments.harness import SCRATCH, add_out_flags  # noqa: E402,F401
+
 
 def block(x: Any) -> Any:
     return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
@@ -92,11 +94,13 @@ def environment() -> dict[str, str]:
     }  # fmt: skip
 
 
-def write(name: str, results: dict, markdown: str, out_dir: pathlib.Path = RESULTS) -> None:
+def write(name: str, results: dict, markdown: str, out_dir: pathlib.Path = SCRATCH) -> None:
+    out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
     (out_dir / f"{name}.md").write_text(markdown)
     print(markdown)
+    print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.md')}", flush=True)
 
 
 def md_table(header: list[str], rows: list[list[Any]]) -> str:

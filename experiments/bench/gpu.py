@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=50)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the peak")
-    parser.add_argument("--out-dir", default=str(common.RESULTS))
+    common.add_out_flags(parser)
     args = parser.parse_args()
     preset, vocab = ("nano", 256) if args.smoke else ("small", 32000)
     b, t, h, n = ((2, 32, 4, 2) if args.smoke else

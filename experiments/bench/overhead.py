@@ -131,7 +131,7 @@ def traffic_case(preset, vocab, n, b, t, h):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out-dir", default=str(common.RESULTS))
+    common.add_out_flags(parser)
     args = parser.parse_args()
     # preset, vocab, replicas, batch, seq, steps per chunk, reps, chunk contains a sync
     cases = ([("nano", 256, 2, 2, 16, 4, 2, True)] if args.smoke else

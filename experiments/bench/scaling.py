@@ -27,7 +27,7 @@ from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out-dir", default=str(common.RESULTS))
+    common.add_out_flags(parser)
     args = parser.parse_args()
     preset, ns, b, t, k, reps = (("nano", [1, 2, 4], 2, 16, 2, 2) if args.smoke
                                  else ("tiny", [1, 2, 4, 8, 16, 32, 64], 4, 64, 10, 3))  # fmt: skip

@@ -48,7 +48,7 @@ def hand_written(graphdef, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, clip=1.0):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out-dir", default=str(common.RESULTS))
+    common.add_out_flags(parser)
     args = parser.parse_args()
     cases = ([("nano", 2, 16, 4, 2)] if args.smoke else
              [("tiny", 8, 64, 20, 7), ("small", 1, 64, 2, 9)])  # preset, batch, seq, k, reps

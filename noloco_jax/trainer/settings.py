@@ -21,6 +21,10 @@ RESUMABLE = frozenset(
 )  # fmt: skip
 
 
+# The dataclasses' defaults are those of configs/common.py (FIELDS, the one table of defaults and
+# meanings), for library callers; tests/test_cli.py checks that they agree.
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
     preset: str = "tiny"

