@@ -103,8 +103,14 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("outer.momentum", 0.5, "alpha, the outer momentum (paper: 0.5 NoLoCo, 0.3 DiLoCo)."),
     ("outer.gamma", Unset(float), "gamma, the pull towards the group's slow weights; None = beta."),
     ("outer.group_size", 2, "n, replicas per NoLoCo group."),
-    ("outer.nesterov", False, "DiLoCo only: Nesterov instead of heavy-ball momentum."),
-    ("outer.exchange_dtype", "", 'dtype NoLoCo sends: "" = the params\' dtype, or "bfloat16".'),
+    ("outer.nesterov", False, "Nesterov instead of heavy-ball outer momentum (NoLoCo, DiLoCo)."),
+    ("outer.exchange_dtype", "",
+     'What NoLoCo sends: "" = the params\' dtype, "bfloat16", or 8-bit "int8" / '
+     '"float8_e4m3fn" (block scales).'),
+    ("outer.error_feedback", False,
+     "With an 8-bit exchange: add each replica's last quantisation residual to its next send."),
+    # Streaming: fragment p (a run of layers) syncs at t mod H = (p + 1) H / P.
+    ("outer.fragments", 1, "P: split the model into P fragments, each synced H / P steps apart."),
     ("outer.seed", 0, "Seed of the NoLoCo group draws (and of fault.dropout_prob's draws)."),
     # Missing NoLoCo partners step alone; DiLoCo leaves the replica out of its all-reduce.
     ("fault.dropout_prob", 0.0, "Each replica misses each outer round with this probability."),

@@ -46,6 +46,7 @@ __all__ = [
     "tree_allreduce_time",
     "group_exchange_time",
     "sync_report",
+    "streaming_sync",
     "report_markdown",
     "main",
 ]
@@ -579,6 +580,80 @@ def sync_report(
         _row("diloco", h_diloco, ar_bytes, ar_time, step_s),
         _row("noloco", h_noloco, nl_bytes, nl_time, step_s),
     ]
+
+
+def streaming_sync(
+    num_params: float,
+    link: Link,
+    *,
+    step_time_s: float,
+    sync_every: int = 50,
+    fragments: int = 1,
+    delay_steps: int = 0,
+    exchange: str = "float32",
+    group_size: int = 2,
+) -> dict[str, Any]:
+    """One NoLoCo replica's communication with streaming fragments, overlap and 8-bit exchange.
+
+    Every H / P steps one fragment (1/P of the parameters) is exchanged; with an
+    overlap of ``delay_steps`` inner steps the exchange runs behind that many
+    steps of compute, so only what does not fit there stalls the replica.
+
+    Args:
+      num_params: parameters of the model, a whole number >= 1.
+      link: the link between group members.
+      step_time_s: compute time of one inner step, > 0.
+      sync_every: H, >= 1, a multiple of ``fragments``.
+      fragments: P >= 1.
+      delay_steps: tau, 0 <= tau < H / P (the next fragment's exchange must not
+        start before this one is applied).
+      exchange: "float32", "bfloat16", "int8" or "float8_e4m3fn" on the wire
+        (the 8-bit formats with a float32 scale per ``quantize.BLOCK`` values).
+      group_size: n >= 2.
+
+    Returns:
+      A dict with bytes_per_sync (one fragment), sync_time_s, peak_gbps (the
+      bandwidth one exchange uses), exposed_per_step_s (stall per inner step,
+      amortized), comm_fraction (stall / (compute + stall)) and
+      hidden_above_gbps (the bandwidth above which the overlap hides the
+      exchange completely; inf without overlap, nan when even an infinite
+      bandwidth cannot because of latency).
+    """
+    from noloco_jax import comm, quantize
+
+    p = _num_params(num_params)
+    step_s = _positive("step_time_s", step_time_s)
+    h = _int_at_least("sync_every", sync_every, 1)
+    frags = _int_at_least("fragments", fragments, 1)
+    if h % frags:
+        raise ValueError(f"fragments={frags} must divide sync_every={h}.")
+    stride = h // frags
+    tau = _int_at_least("delay_steps", delay_steps, 0)
+    if tau >= stride:
+        raise ValueError(f"delay_steps={tau} must be < sync_every / fragments = {stride}.")
+    if exchange not in ("float32", "bfloat16", *quantize.FORMATS):
+        raise ValueError(f"exchange must be float32, bfloat16, int8 or float8_e4m3fn, "
+                         f"got {exchange!r}.")  # fmt: skip
+    wire = exchange if quantize.is_codec(exchange) else _wire_dtype({"float32": 4,
+                                                                    "bfloat16": 2}[exchange])
+    fragment = _params_tree(-(-p // frags), 4)
+    nbytes = comm.noloco_bytes_per_sync(fragment, group_size=group_size, exchange_dtype=wire)
+    sync_s = group_exchange_time(nbytes, link, group_size=group_size)
+    exposed = max(0.0, sync_s - tau * step_s)
+    per_step = exposed / stride
+    latency = comm.exchange_steps(group_size) * link.latency_s
+    if tau == 0:
+        hidden = math.inf
+    elif latency >= tau * step_s:
+        hidden = math.nan
+    else:
+        hidden = nbytes * 8 / (tau * step_s - latency) / 1e9
+    return {
+        "fragments": frags, "delay_steps": tau, "exchange": exchange,
+        "bytes_per_sync": float(nbytes), "sync_time_s": sync_s,
+        "exposed_per_step_s": per_step, "comm_fraction": per_step / (step_s + per_step),
+        "hidden_above_gbps": hidden,
+    }  # fmt: skip
 
 
 def _fmt(x: float) -> str:

@@ -5,6 +5,8 @@ import json
 import math
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -270,3 +272,41 @@ def test_cli_bad_values_raise_value_error_naming_the_flag(flag, value):
     args = {**_CLI, flag: value}
     with pytest.raises(ValueError, match=rf"^{re.escape(flag)} "):
         netsim.main([x for kv in args.items() for x in kv])
+
+
+def test_streaming_sync_fragments_cut_the_burst_and_overlap_hides_the_exchange():
+    link = netsim.Link(bandwidth_gbps=1.0, latency_ms=50.0)
+    full = netsim.streaming_sync(1e6, link, step_time_s=0.5, sync_every=50)
+    five = netsim.streaming_sync(1e6, link, step_time_s=0.5, sync_every=50, fragments=5)
+    assert five["bytes_per_sync"] == full["bytes_per_sync"] / 5  # the burst falls P-fold
+    assert math.isinf(full["hidden_above_gbps"])  # no overlap: never hidden
+    hid = netsim.streaming_sync(1e6, link, step_time_s=0.5, sync_every=50, fragments=5,
+                                delay_steps=1, exchange="int8")  # fmt: skip
+    # 1e6 int8 values + scales = 1e6 + 4 * 3907 bytes behind 0.5 s - 0.05 s of latency
+    want = (1e6 / 5 + 4 * math.ceil(2e5 / 256)) * 8 / (0.5 - 0.05) / 1e9
+    assert hid["hidden_above_gbps"] == pytest.approx(want)
+    assert hid["comm_fraction"] == 0.0  # 1 Gbit/s is above that
+    slow = netsim.streaming_sync(1e6, netsim.Link(0.001, 50.0), step_time_s=0.5,
+                                 fragments=5, delay_steps=1, exchange="int8")  # fmt: skip
+    assert slow["comm_fraction"] > 0
+    lat = netsim.streaming_sync(1e6, netsim.Link(1.0, 600.0), step_time_s=0.5, delay_steps=1)
+    assert math.isnan(lat["hidden_above_gbps"])  # latency alone exceeds the overlap
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"fragments": 3}, "must divide sync_every"),
+    ({"delay_steps": 50}, "delay_steps=50 must be <"),
+    ({"exchange": "int4"}, "exchange must be"),
+])
+def test_streaming_sync_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        netsim.streaming_sync(1e6, netsim.INTERNET, step_time_s=0.5, sync_every=50, **kwargs)
+
+
+def test_streaming_netsim_script_smoke(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "streaming_netsim.py"), "--smoke",
+         "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "wrote" in out.stdout and (tmp_path / "streaming_netsim.md").exists()

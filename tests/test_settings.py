@@ -87,7 +87,11 @@ def _tiny(**overrides):
         ({"outer.sync_every": 0}, "config.outer.sync_every"),
         ({"outer.momentum": -0.1}, "config.outer.momentum"),
         ({"outer.gamma": -0.5}, "config.outer.gamma"),
-        ({"outer.exchange_dtype": "int8"}, "config.outer.exchange_dtype"),
+        ({"outer.exchange_dtype": "int4"}, "config.outer.exchange_dtype"),
+        ({"outer.error_feedback": True}, "config.outer.error_feedback"),
+        ({"outer.fragments": 0}, "config.outer.fragments"),
+        ({"outer.fragments": 3}, "config.outer.fragments"),  # does not divide H = 50
+        ({"outer.fragments": 2, "num_stages": 2}, "config.outer.fragments"),
     ],
 )
 def test_bad_settings_name_the_field(overrides, field):

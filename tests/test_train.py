@@ -90,6 +90,16 @@ def test_tiny_run_each_method(tmp_path, corpus_dir, data_dir, method, sync):
     assert list((tmp_path / "tensorboard").glob("events.*"))
 
 
+def test_streaming_fragments_with_an_8_bit_exchange_train(tmp_path, corpus_dir, data_dir):
+    s = tiny_settings(corpus_dir, data_dir, outer={"sync_every": 4, "fragments": 2,
+                                                   "exchange_dtype": "int8",
+                                                   "error_feedback": True})  # fmt: skip
+    last = train_and_evaluate(s, tmp_path, progress=False)
+    evals = read_jsonl(tmp_path / "metrics.jsonl", "eval")
+    assert last["step"] == 12 and evals[-1]["val_ppl"] < evals[0]["val_ppl"]
+    assert 0 < evals[-1]["replica_spread"] < 1.0
+
+
 def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, corpus_dir, data_dir):
     s = tiny_settings(corpus_dir, data_dir)
     full = tmp_path / "full"

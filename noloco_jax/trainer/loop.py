@@ -22,6 +22,7 @@ from noloco_jax import data as data_lib
 from noloco_jax import ensemble, models, replicas
 from noloco_jax.metrics import replica_spread
 from noloco_jax.data.token_files import open_token_dir, sharded_batches
+from noloco_jax.optim.fragments import by_layer_blocks
 from noloco_jax.optim.local_steps import find_local_steps_state
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
@@ -131,9 +132,11 @@ class _Run:
 def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     data = prepare_data(s)
     cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
+    spec = by_layer_blocks(params0, s.outer.fragments) if s.outer.fragments > 1 else None
     build_tx = functools.partial(
         optim_lib.build_optimizer, s.method, s.optim, s.outer, num_steps=s.num_steps,
         num_replicas=s.num_replicas, num_stages=s.num_stages, fault=s.fault,
+        fragment_spec=spec,
     )  # fmt: skip
     tx = build_tx()
     single = TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0))
@@ -155,7 +158,8 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         )  # fmt: skip
         make, max_layouts = _chunk_maker(reps, step_kwargs), 2
         aligned = phase_on_host(s.log_every, s.outer.sync_every)
-    host = s.method in ("noloco", "diloco") and aligned  # local_steps: rounds to align with
+    # local_steps: rounds to align with; fragments sync at their own steps (on-device phase)
+    host = s.method in ("noloco", "diloco") and aligned and spec is None
     chunk = _PhasedChunk(make, s.outer.sync_every if host else None, max_layouts)
     evaluate = _make_evaluator(reps, graphdef, data.eval_windows)  # fixed routing
     if s.num_stages > 1 and runner.backend == "shard_map":

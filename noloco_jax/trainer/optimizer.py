@@ -52,6 +52,8 @@ def inner_optimizer(o: OptimSettings, num_steps: int) -> optax.GradientTransform
 
 
 def _exchange_dtype(name: str) -> Any:
+    if name in ("int8", "float8_e4m3fn"):  # 8-bit formats of noloco_jax.quantize
+        return name
     return {"": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
 
 
@@ -65,6 +67,7 @@ def build_optimizer(
     num_stages: int = 1,
     stage: Any = None,
     fault: FaultSettings = FaultSettings(),
+    fragment_spec: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The per-replica transformation for ``method``, collectives on axis "replica".
 
@@ -99,13 +102,16 @@ def build_optimizer(
             seed=outer.seed,
             exchange_dtype=_exchange_dtype(outer.exchange_dtype),
             dropout_prob=fault.dropout_prob,
+            nesterov=outer.nesterov,
+            error_feedback=outer.error_feedback,
         )
     else:
         raise ValueError(f"method must be 'noloco', 'diloco', 'dp' or 'local', got {method!r}.")
     guard = fault.nonfinite_guard and axis is not None
     guard_axis = STAGE_AXIS if stage is not None else None  # a replica spans its stages
     return optax.chain(clip, local_steps(inner, out, outer.sync_every, nonfinite_guard=guard,
-                                         guard_axis_name=guard_axis))  # fmt: skip
+                                         guard_axis_name=guard_axis,
+                                         fragments=fragment_spec))  # fmt: skip
 
 
 def bytes_sent(

@@ -71,6 +71,8 @@ class OuterSettings:
     group_size: int = 2
     nesterov: bool = False
     exchange_dtype: str = ""
+    error_feedback: bool = False
+    fragments: int = 1
     seed: int = 0
 
 
@@ -201,6 +203,9 @@ def validate(s: TrainSettings) -> TrainSettings:
              f"must be in (0, 1), got {s.data.validation_fraction!r}.")
     _validate_optim(s.optim, s.num_steps)
     _validate_outer(s.outer, s.method, s.num_replicas)
+    _require(s.outer.fragments == 1 or (s.num_stages == 1 and s.method in ("noloco", "diloco")),
+             "outer.fragments", "streaming fragments need method noloco or diloco and "
+             "num_stages=1.")  # fmt: skip
     _validate_fault(s.fault, s.num_replicas)
     _validate_skip(s.skip, s.num_stages)
     parse_profile_steps(s.profile_steps)
@@ -275,7 +280,15 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     _nonneg(o.momentum, "outer.momentum")
     if o.gamma is not None:
         _nonneg(o.gamma, "outer.gamma")
-    _choice(o.exchange_dtype, "outer.exchange_dtype", ("", "bfloat16", "float32"))
+    _choice(o.exchange_dtype, "outer.exchange_dtype",
+            ("", "bfloat16", "float32", "int8", "float8_e4m3fn"))  # fmt: skip
+    _require(not o.error_feedback or o.exchange_dtype in ("int8", "float8_e4m3fn"),
+             "outer.error_feedback", "needs an 8-bit outer.exchange_dtype (int8 or "
+             f"float8_e4m3fn), got {o.exchange_dtype!r}.")  # fmt: skip
+    _positive_int(o.fragments, "outer.fragments")
+    _require(o.sync_every % o.fragments == 0, "outer.fragments",
+             f"{o.fragments} must divide outer.sync_every={o.sync_every} (fragment p syncs "
+             "at steps t with t mod H = (p + 1) H / P).")  # fmt: skip
     _positive_int(o.seed, "outer.seed", minimum=0)
     if method == "noloco" and num_replicas > 1:
         _positive_int(o.group_size, "outer.group_size", minimum=2)

@@ -1,0 +1,98 @@
+"""Streaming fragments, overlap and 8-bit exchange in the network model (issue 21).
+
+    python experiments/streaming_netsim.py [--smoke] [--publish]
+
+For the paper's small / medium / large models (float32 params) and a datacenter (100 Gbit/s,
+0.01 ms) and an internet (1 Gbit/s, 50 ms) link: one NoLoCo replica's burst per sync, sync
+time, the share of wall time it stalls, and the bandwidth above which an overlap of tau steps
+hides the exchange, for P in {1, 2, 5} (dividing H = 50), tau in {0, 1, 5} and float32 / bfloat16 / int8 /
+float8 on the wire (H = 50, n = 2; a NoLoCo exchange does not depend on N). This is the cost
+model only: overlapped exchange is not yet built into the optimizer, and the optimizer's
+8-bit exchange and fragments are measured for bytes in the HLO tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from noloco_jax import netsim  # noqa: E402
+from noloco_jax.experiments import harness  # noqa: E402
+
+SIZES = {"small": 125e6, "medium": 1.3e9, "large": 6.8e9}
+STEP_S = {"small": 0.25, "medium": 1.0, "large": 4.0}  # assumed compute per inner step
+LINKS = {"datacenter": netsim.DATACENTER, "internet": netsim.INTERNET}
+COMMAND = "python experiments/streaming_netsim.py"
+
+
+def rows(smoke: bool) -> list[dict]:
+    sizes = ["small"] if smoke else list(SIZES)
+    out = []
+    for size, (link_name, link), frags, tau, wire in itertools.product(
+        sizes, LINKS.items(), (1, 2, 5), (0, 1, 5), ("float32", "bfloat16", "int8",
+                                                     "float8_e4m3fn")):  # fmt: skip
+        r = netsim.streaming_sync(SIZES[size], link, step_time_s=STEP_S[size], sync_every=50,
+                                  fragments=frags, delay_steps=tau, exchange=wire)  # fmt: skip
+        out.append({"size": size, "link": link_name, **r})
+    return out
+
+
+def _fmt_gbps(x: float) -> str:
+    return "never (latency)" if math.isnan(x) else "—" if math.isinf(x) else f"{x:.2f}"
+
+
+def markdown(table: list[dict]) -> str:
+    head = ("| model | link | P | tau | wire | burst (MB) | sync (s) | stall share | "
+            "hidden above (Gbit/s) |\n|---|---|---|---|---|---|---|---|---|\n")  # fmt: skip
+    body = "".join(
+        f"| {r['size']} | {r['link']} | {r['fragments']} | {r['delay_steps']} | {r['exchange']} "
+        f"| {r['bytes_per_sync'] / 1e6:.1f} | {r['sync_time_s']:.3g} | "
+        f"{100 * r['comm_fraction']:.2f} % | {_fmt_gbps(r['hidden_above_gbps'])} |\n"
+        for r in table if r["exchange"] in ("float32", "int8") or r["fragments"] == 1)
+    return (f"### Streaming, overlap and 8-bit exchange in the network model\n\n`{COMMAND}` — "
+            f"H = 50, n = 2, float32 params; assumed compute per inner step: "
+            f"{', '.join(f'{k} {v} s' for k, v in STEP_S.items())}. Burst = bytes one replica "
+            "sends per sync (one fragment). 'hidden above' = the link bandwidth above which an "
+            "overlap of tau steps hides the exchange; 'never (latency)' when the latency alone "
+            "exceeds tau steps. bfloat16 and float8 rows are in the json (shown for P = 1).\n\n"
+            + head + body)
+
+
+def plot(table: list[dict]):
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, link in zip(axes, LINKS):
+        for wire, tau in (("float32", 0), ("int8", 0), ("float32", 5), ("int8", 5)):
+            pts = [(r["fragments"], 100 * r["comm_fraction"]) for r in table
+                   if r["link"] == link and r["exchange"] == wire and r["delay_steps"] == tau
+                   and r["size"] == table[-1]["size"]]  # fmt: skip
+            ax.plot(*zip(*pts), marker="o", label=f"{wire}, tau={tau}")
+        ax.set(title=f"{table[-1]['size']} model, {link}", xlabel="fragments P",
+               ylabel="stall share of wall time (%)", xticks=[1, 2, 5])  # fmt: skip
+    axes[0].legend()
+    fig.tight_layout()
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    harness.add_out_flags(parser)
+    args = parser.parse_args()
+    table = rows(args.smoke)
+    fig_path = harness.figure_path(args, "streaming_netsim")
+    fig = plot(table)
+    harness.save_figure(fig, fig_path)
+    plt.close(fig)
+    rel = "../figures/" if fig_path.parent.name == "figures" else ""
+    md = markdown(table) + f"\n![stall share]({rel}{fig_path.name})\n"
+    harness.write_outputs(args, "streaming_netsim", {"command": COMMAND, "rows": table}, md)
+
+
+if __name__ == "__main__":
+    main()
