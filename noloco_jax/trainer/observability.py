@@ -12,7 +12,11 @@ import numpy as np
 
 from noloco_jax.trainer.settings import TrainSettings, parse_profile_steps
 
-__all__ = ["WandbSink", "Profiler", "make_sinks", "distance_to_mean", "parse_profile_steps"]
+__all__ = ["WandbSink", "Profiler", "check_sinks", "make_sinks", "distance_to_mean", "parse_profile_steps"]
+
+
+_NO_WANDB = ("config.log.wandb=True needs the wandb package: pip install 'noloco-jax[wandb]' "
+             "(or set config.log.wandb=False).")
 
 
 class WandbSink:
@@ -38,10 +42,7 @@ class WandbSink:
         try:
             import wandb  # noqa: PLC0415
         except ImportError as err:
-            raise ValueError(
-                "config.log.wandb=True needs the wandb package: pip install 'noloco-jax[wandb]' "
-                "(or set config.log.wandb=False)."
-            ) from err
+            raise ValueError(_NO_WANDB) from err
         directory = pathlib.Path(workdir)
         (directory / "wandb").mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
@@ -64,6 +65,16 @@ class WandbSink:
 
     def close(self) -> None:
         self._run.finish()
+
+
+def check_sinks(s: TrainSettings) -> None:
+    """Raises ``ValueError`` now (before any data or checkpoint work) if W&B is asked for but
+    not installed."""
+    if s.log.wandb:
+        try:
+            import wandb  # noqa: F401, PLC0415
+        except ImportError as err:
+            raise ValueError(_NO_WANDB) from err
 
 
 def make_sinks(s: TrainSettings, workdir: pathlib.Path) -> list[Any]:
