@@ -8,11 +8,13 @@ raises ``ValueError`` naming the field and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 METHODS = ("noloco", "diloco", "dp", "local")
 BACKENDS = ("auto", "vmap", "shard_map")
 DTYPES = ("float32", "bfloat16")
+MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overflow there
 # Settings that may change when a run resumes; any other change is refused.
 RESUMABLE = frozenset(
     {"backend", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
@@ -123,7 +125,12 @@ def _positive_int(value: Any, field: str, minimum: int = 1) -> None:
 
 def _nonneg(value: Any, field: str) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
-    _require(ok, field, f"must be a number >= 0, got {value!r}.")
+    _require(ok and math.isfinite(value), field, f"must be a finite number >= 0, got {value!r}.")
+
+
+def _seed(value: Any, field: str) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEED
+    _require(ok, field, f"must be an integer in [0, 2**32 - 1], got {value!r}.")
 
 
 def _choice(value: Any, field: str, allowed: tuple[str, ...]) -> None:
@@ -147,7 +154,7 @@ def validate(s: TrainSettings) -> TrainSettings:
     for name in ("num_replicas", "global_batch_size", "num_steps", "log_every", "eval_every",
                  "checkpoint_every", "keep_checkpoints", "num_stages", "routing_pool_size"):
         _positive_int(getattr(s, name), name)
-    _positive_int(s.seed, "seed", minimum=0)
+    _seed(s.seed, "seed")
     _require(
         s.global_batch_size % s.num_replicas == 0,
         "global_batch_size",
@@ -176,6 +183,9 @@ def validate(s: TrainSettings) -> TrainSettings:
              f"must be in (0, 1), got {s.data.validation_fraction!r}.")
     _validate_optim(s.optim, s.num_steps)
     _validate_outer(s.outer, s.method, s.num_replicas)
+    _require(s.method not in ("noloco", "diloco") or s.outer.sync_every <= s.num_steps,
+             "outer.sync_every", f"{s.outer.sync_every} > num_steps={s.num_steps}: the "
+             f"replicas would never sync. Use sync_every <= num_steps (or method='local').")
     _validate_fault(s.fault, s.num_replicas)
     _validate_skip(s.skip, s.num_stages)
     return s
@@ -206,8 +216,8 @@ def _validate_fault(f: FaultSettings, num_replicas: int) -> None:
 
 def _validate_optim(o: OptimSettings, num_steps: int) -> None:
     _require(
-        isinstance(o.learning_rate, (int, float)) and o.learning_rate > 0,
-        "optim.learning_rate", f"must be > 0, got {o.learning_rate!r}.",
+        isinstance(o.learning_rate, (int, float)) and 0 < o.learning_rate < math.inf,
+        "optim.learning_rate", f"must be a finite number > 0, got {o.learning_rate!r}.",
     )
     _positive_int(o.warmup_steps, "optim.warmup_steps", minimum=0)
     _require(o.warmup_steps < num_steps, "optim.warmup_steps",
@@ -219,6 +229,10 @@ def _validate_optim(o: OptimSettings, num_steps: int) -> None:
         _require(0 <= value < 1, f"optim.{name}", f"must be in [0, 1), got {value!r}.")
     for name in ("eps", "weight_decay", "clip_norm"):
         _nonneg(getattr(o, name), f"optim.{name}")
+    # Adam divides by sqrt(v) + eps: with eps = 0 a parameter whose gradient is 0
+    # (an unused embedding row) gets 0 / 0 = NaN on the first step.
+    _require(o.eps > 0, "optim.eps", f"must be > 0 (Adam divides by sqrt(v) + eps), got "
+             f"{o.eps!r}; the usual value is 1e-8.")
 
 
 def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
@@ -228,7 +242,7 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     if o.gamma is not None:
         _nonneg(o.gamma, "outer.gamma")
     _choice(o.exchange_dtype, "outer.exchange_dtype", ("", "bfloat16", "float32"))
-    _positive_int(o.seed, "outer.seed", minimum=0)
+    _seed(o.seed, "outer.seed")
     if method == "noloco" and num_replicas > 1:
         _positive_int(o.group_size, "outer.group_size", minimum=2)
         _require(
