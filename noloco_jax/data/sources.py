@@ -225,7 +225,7 @@ def _shakespeare(data_dir: pathlib.Path) -> Corpus:
 def _resolve_files(path: str) -> list[pathlib.Path]:
     """The files a ``path`` names: a file, every ``*.txt`` under a directory, or a glob."""
     p = pathlib.Path(path).expanduser()
-    if any(ch in path for ch in "*?["):
+    if any(ch in path for ch in "*?[") and not p.exists():  # an existing path is taken literally
         files = [pathlib.Path(f) for f in glob_lib.glob(str(p), recursive=True)]
         what = "no files match the glob"
     elif p.is_dir():
@@ -241,8 +241,11 @@ def _resolve_files(path: str) -> list[pathlib.Path]:
     return files
 
 
-def _files_fingerprint(files: Iterable[pathlib.Path], fraction: float, seed: int) -> str:
-    h = hashlib.sha256(f"{fraction!r}:{seed}".encode())
+def _files_fingerprint(
+    files: Iterable[pathlib.Path], fraction: float, seed: int, encoding: str = "utf-8"
+) -> str:
+    extra = "" if encoding == "utf-8" else f":{encoding}"
+    h = hashlib.sha256(f"{fraction!r}:{seed}{extra}".encode())
     for f in files:
         st = f.stat()
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
@@ -264,11 +267,32 @@ def _split_files(docs: list[tuple[str, str]], fraction: float, seed: int):
     return train, validation
 
 
-def _local_files(path: str, data_dir: pathlib.Path, fraction: float, seed: int) -> Corpus:
+# Share of a file's bytes that may be undecodable (a stray byte in a big file) before
+# the file is refused as not being text in the configured encoding.
+MAX_UNDECODABLE = 0.001
+
+
+def _read_text(f: pathlib.Path, encoding: str) -> str:
+    """``f`` decoded; raises ``ValueError`` when too many bytes are not ``encoding``."""
+    raw = f.read_bytes()
+    text = raw.decode(encoding, errors="replace")
+    bad = text.count("\ufffd") - raw.decode(encoding, errors="ignore").count("\ufffd")
+    if bad > MAX_UNDECODABLE * max(len(raw), 1):
+        raise ValueError(
+            f"corpus file {str(f)!r}: {bad} of {len(raw)} bytes ({bad / len(raw):.1%}) are not "
+            f"valid {encoding}; it is not text in that encoding. Set config.data.encoding "
+            f"(e.g. 'latin-1') or leave the file out."
+        )
+    return text
+
+
+def _local_files(
+    path: str, data_dir: pathlib.Path, fraction: float, seed: int, encoding: str = "utf-8"
+) -> Corpus:
     files = _resolve_files(path)
-    name = "noloco_files_" + _files_fingerprint(files, fraction, seed)
+    name = "noloco_files_" + _files_fingerprint(files, fraction, seed, encoding)
     if not _is_stored(data_dir, name):
-        docs = [(str(f), f.read_text(encoding="utf-8", errors="replace")) for f in files]
+        docs = [(str(f), _read_text(f, encoding)) for f in files]
         docs = [(t, x.replace("\x00", "")) for t, x in docs]
         docs = [(t, x) for t, x in docs if x.strip()]
         if not docs:
@@ -332,6 +356,7 @@ def load_corpus(
     validation_fraction: float = 0.1,
     seed: int = 0,
     max_documents: int | None = None,
+    encoding: str = "utf-8",
 ) -> Corpus:
     """Loads a corpus through TFDS, preparing it once if needed.
 
@@ -346,6 +371,8 @@ def load_corpus(
       seed: seed of the held-out file choice (``"files"``).
       max_documents: for ``"tfds"``: read only the first this many documents of
         each split (large datasets such as ``c4`` do not fit in memory).
+      encoding: text encoding of the files (``"files"``); a file with more than
+        ``MAX_UNDECODABLE`` of its bytes undecodable is refused.
 
     Returns:
       A ``Corpus``; its ``name`` identifies the content (a hash of the files for
@@ -364,7 +391,7 @@ def load_corpus(
             raise ValueError("source='files' needs path= (a file, a directory or a glob).")
         if not 0 < validation_fraction < 1:
             raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}.")
-        return _local_files(str(path), data_dir, validation_fraction, seed)
+        return _local_files(str(path), data_dir, validation_fraction, seed, encoding)
     if source == "tfds":
         if not tfds_name:
             raise ValueError("source='tfds' needs tfds_name= (e.g. 'tiny_shakespeare').")

@@ -55,6 +55,7 @@ def prepare_data(s: TrainSettings) -> DataBundle:
         tfds_name=s.data.tfds_name or None,
         validation_fraction=s.data.validation_fraction,
         seed=s.seed,
+        encoding=s.data.encoding,
     )
     tokenizer = data_lib.make_tokenizer(
         s.data.tokenizer,
@@ -375,8 +376,8 @@ def train_and_evaluate(
 
 def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, progress: bool,
            stop: "_StopSignals") -> dict[str, Any]:
-    run, state = _build(settings)
     ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints, probe=True)
+    run, state = _build(settings)
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     bar = None
     try:

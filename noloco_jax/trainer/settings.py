@@ -7,17 +7,20 @@ raises ``ValueError`` naming the field and what is allowed.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import math
+import os
 from typing import Any
 
 METHODS = ("noloco", "diloco", "dp", "local")
 BACKENDS = ("auto", "vmap", "shard_map")
 DTYPES = ("float32", "bfloat16")
 MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overflow there
-# Settings that may change when a run resumes; any other change is refused.
+# Settings that may change when a run resumes; any other change is refused. log_every is
+# not among them: it sets the fused chunks, and a resume with other chunks is not bit-identical.
 RESUMABLE = frozenset(
-    {"backend", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+    {"backend", "eval_every", "checkpoint_every", "keep_checkpoints",
      "data.eval_windows", "data.data_dir"}
 )  # fmt: skip
 
@@ -41,6 +44,7 @@ class DataSettings:
     seq_len: int = 64
     validation_fraction: float = 0.1
     eval_windows: int = 64
+    encoding: str = "utf-8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +180,9 @@ def validate(s: TrainSettings) -> TrainSettings:
     _require(s.data.source != "tfds" or bool(s.data.tfds_name), "data.tfds_name",
              "must name a TFDS dataset when data.source='tfds'.")
     _choice(s.data.tokenizer, "data.tokenizer", ("byte", "sentencepiece"))
+    _require(_is_codec(s.data.encoding), "data.encoding",
+             f"must be a text encoding Python knows (e.g. 'utf-8', 'latin-1'), got "
+             f"{s.data.encoding!r}.")
     _positive_int(s.data.seq_len, "data.seq_len")
     _positive_int(s.data.eval_windows, "data.eval_windows")
     _positive_int(s.data.tokenizer_vocab_size, "data.tokenizer_vocab_size", minimum=0)
@@ -189,6 +196,13 @@ def validate(s: TrainSettings) -> TrainSettings:
     _validate_fault(s.fault, s.num_replicas)
     _validate_skip(s.skip, s.num_stages)
     return s
+
+
+def _is_codec(name: Any) -> bool:
+    try:
+        return isinstance(name, str) and bool(codecs.lookup(name))
+    except LookupError:
+        return False
 
 
 def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
@@ -285,7 +299,12 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def check_resume_compatible(saved: dict, current: dict) -> None:
     """Refuses to resume when settings that shape the run have changed."""
-    a, b = _flatten(saved), _flatten(current)
+    defaults = _flatten(TrainSettings().to_dict())  # fields added since the checkpoint
+    a = {**defaults, **_flatten(saved)}
+    b = _flatten(current)
+    for d in (a, b):  # "corpus/" and "corpus" name the same corpus
+        if d.get("data.path"):
+            d["data.path"] = os.path.normpath(d["data.path"])
     changed = sorted(k for k in set(a) | set(b) if k not in RESUMABLE and a.get(k) != b.get(k))
     if changed:
         detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed)
