@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -331,7 +332,6 @@ def test_signal_saves_at_the_step_boundary_and_exits_0(tmp_path, corpus_dir, dat
 @pytest.mark.parametrize("overrides,pattern", [
     ({"seed": 2**64}, r"config.seed: must be an integer in \[0, 2\*\*32 - 1\]"),
     ({"outer": {"seed": -1}}, r"config.outer.seed: must be an integer in \[0, 2\*\*32 - 1\]"),
-    ({"outer": {"sync_every": 9}}, "config.outer.sync_every: 9 > num_steps=8"),
 ])  # fmt: skip
 def test_out_of_range_values_are_refused_up_front(corpus_dir, data_dir, overrides, pattern):  # noqa
     with pytest.raises(ValueError, match=pattern):
@@ -406,3 +406,35 @@ def test_path_with_glob_characters_that_exists_is_taken_literally(tmp_path):
 def test_bad_encoding_name_is_refused(corpus_dir, data_dir):  # noqa: F811
     with pytest.raises(ValueError, match="config.data.encoding: must be a text encoding"):
         _settings(corpus_dir, data_dir, data={"encoding": "utf-9"})
+
+
+def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F811
+    s = _settings(corpus_dir, data_dir, outer={"sync_every": 9})
+    assert settings_lib.warnings_for(s) == [
+        "config.outer.sync_every=9 > num_steps=8: the replicas never sync in this run "
+        "(method='noloco' acts as 'local'); use sync_every <= num_steps."]
+    assert settings_lib.warnings_for(_settings(corpus_dir, data_dir)) == []
+
+
+# --- 10. memory -------------------------------------------------------------------------
+
+
+def test_state_that_cannot_fit_is_refused_with_the_estimate(tmp_path, corpus_dir, data_dir):  # noqa
+    s = _settings(corpus_dir, data_dir, model={"preset": "large"})  # ~6.7e9 params x 4 replicas
+    start = time.perf_counter()
+    with pytest.raises(UserError, match=r"needs at least \d+\.\d GiB .* GiB free\. Put fewer "
+                                        r"replicas on each device"):  # fmt: skip
+        train_and_evaluate(s, tmp_path, progress=False)
+    assert time.perf_counter() - start < 60  # refused from shapes, before allocating or compiling
+
+
+def test_memory_estimate_counts_params_and_optimizer_state():
+    import optax
+
+    from noloco_jax.trainer import memory
+
+    params = {"w": jax.ShapeDtypeStruct((1000,), jnp.float32)}
+    adam = optax.adam(1e-3)  # m and v: twice the params, plus a counter
+    one = memory.state_bytes_per_device(params, adam, num_replicas=4, backend="shard_map")
+    assert one == 4000 * 3 + 4
+    assert memory.state_bytes_per_device(params, adam, num_replicas=4, backend="vmap") == 4 * one

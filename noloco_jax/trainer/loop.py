@@ -25,11 +25,12 @@ from noloco_jax import ensemble, models, replicas
 from noloco_jax.errors import CorruptCheckpointError, TrainingDivergedError, UserError
 from noloco_jax.metrics import replica_spread
 from noloco_jax.optim.local_steps import find_local_steps_state
+from noloco_jax.trainer import memory
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
 from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer.pipelined import make_pipeline_runner
-from noloco_jax.trainer.settings import TrainSettings, check_resume_compatible
+from noloco_jax.trainer.settings import TrainSettings, check_resume_compatible, warnings_for
 from noloco_jax.trainer.step import TrainState, eval_token_losses, sync_positions, train_chunk
 from noloco_jax.trainer.writers import MetricWriter
 
@@ -89,15 +90,19 @@ def prepare_model(s: TrainSettings, vocab_size: int) -> tuple[models.LlamaConfig
             f"{s.data.tokenizer!r} tokenizer's vocabulary of {vocab_size}; set it to "
             f"{vocab_size} or to 0 (take the tokenizer's)."
         )
-    cfg = models.get_preset(
+    cfg = _model_config(s, vocab_size)
+    graphdef, params = models.init_params(cfg, s.seed)
+    return cfg, graphdef, params
+
+
+def _model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
+    return models.get_preset(
         s.model.preset,
         vocab_size=vocab_size,
         dtype=s.model.dtype,
         param_dtype=s.model.param_dtype,
         max_seq_len=max(2048, s.data.seq_len),
     )
-    graphdef, params = models.init_params(cfg, s.seed)
-    return cfg, graphdef, params
 
 
 @dataclasses.dataclass
@@ -115,12 +120,13 @@ class _Run:
 
 def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     data = prepare_data(s)
-    cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
     build_tx = functools.partial(
         optim_lib.build_optimizer, s.method, s.optim, s.outer, num_steps=s.num_steps,
         num_replicas=s.num_replicas, num_stages=s.num_stages, fault=s.fault,
     )  # fmt: skip
     tx = build_tx()
+    _check_memory(s, data.tokenizer.vocab_size, tx)
+    cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
     single = TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0))
     if s.num_stages > 1:
         check_stages_or_explain(cfg.num_layers, s.num_stages)
@@ -153,6 +159,20 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         "vocab_size": int(data.tokenizer.vocab_size),
     }
     return _Run(s, data, reps, params0, chunk, evaluate, meta), state
+
+
+def _check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
+    """Refuses a state that cannot fit, from shapes only (nothing is allocated)."""
+    cfg = _model_config(s, vocab_size)
+    abstract = jax.eval_shape(lambda: models.init_params(cfg, s.seed)[1])
+    backend = s.backend
+    if backend == "auto":
+        backend = "shard_map" if 1 < s.num_replicas <= jax.device_count() else "vmap"
+    per_device = memory.state_bytes_per_device(abstract, tx, num_replicas=s.num_replicas,
+                                               backend=backend, num_stages=s.num_stages)
+    used = (1 if backend == "vmap" else s.num_replicas) * s.num_stages
+    memory.check_fits(per_device, min(used, jax.device_count()), preset=s.model.preset,
+                      backend=backend)  # fmt: skip
 
 
 def phase_on_host(log_every: int, sync_every: int) -> bool:
@@ -377,6 +397,9 @@ def train_and_evaluate(
 def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, progress: bool,
            stop: "_StopSignals") -> dict[str, Any]:
     ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints, probe=True)
+    if jax.process_index() == 0:
+        for line in warnings_for(settings):
+            print(f"WARNING: {line}", flush=True)
     run, state = _build(settings)
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     bar = None

@@ -190,12 +190,19 @@ def validate(s: TrainSettings) -> TrainSettings:
              f"must be in (0, 1), got {s.data.validation_fraction!r}.")
     _validate_optim(s.optim, s.num_steps)
     _validate_outer(s.outer, s.method, s.num_replicas)
-    _require(s.method not in ("noloco", "diloco") or s.outer.sync_every <= s.num_steps,
-             "outer.sync_every", f"{s.outer.sync_every} > num_steps={s.num_steps}: the "
-             f"replicas would never sync. Use sync_every <= num_steps (or method='local').")
     _validate_fault(s.fault, s.num_replicas)
     _validate_skip(s.skip, s.num_stages)
     return s
+
+
+def warnings_for(s: TrainSettings) -> list[str]:
+    """Valid but suspicious settings, one line each (the trainer prints them at start)."""
+    out = []
+    if s.method in ("noloco", "diloco") and s.outer.sync_every > s.num_steps:
+        out.append(f"config.outer.sync_every={s.outer.sync_every} > num_steps={s.num_steps}: the "
+                   f"replicas never sync in this run (method={s.method!r} acts as 'local'); use "
+                   f"sync_every <= num_steps.")
+    return out
 
 
 def _is_codec(name: Any) -> bool:
