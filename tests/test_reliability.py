@@ -55,7 +55,8 @@ def _flip_array_bytes(step_dir: pathlib.Path) -> int:
 
 
 def _settings(corpus_dir, data_dir, **overrides):  # noqa: F811
-    return tiny_settings(corpus_dir, data_dir, num_steps=8, checkpoint_every=4, **overrides)
+    return tiny_settings(corpus_dir, data_dir, **{"num_steps": 8, "checkpoint_every": 4,
+                                                  **overrides})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -438,3 +439,25 @@ def test_memory_estimate_counts_params_and_optimizer_state():
     one = memory.state_bytes_per_device(params, adam, num_replicas=4, backend="shard_map")
     assert one == 4000 * 3 + 4
     assert memory.state_bytes_per_device(params, adam, num_replicas=4, backend="vmap") == 4 * one
+
+
+def test_extending_num_steps_is_allowed_only_for_a_constant_schedule():
+    def settings(num_steps, ratio):
+        return settings_lib.TrainSettings(
+            num_steps=num_steps, optim=settings_lib.OptimSettings(min_lr_ratio=ratio)).to_dict()
+
+    settings_lib.check_resume_compatible(settings(100, 1.0), settings(200, 1.0))  # allowed
+    with pytest.raises(ValueError, match=r"num_steps: 100 -> 200.*min_lr_ratio=1"):
+        settings_lib.check_resume_compatible(settings(100, 0.1), settings(200, 0.1))
+    with pytest.raises(ValueError, match=r"num_steps: 200 -> 100"):
+        settings_lib.check_resume_compatible(settings(200, 1.0), settings(100, 1.0))
+
+
+@pytest.mark.slow  # three short runs
+def test_extended_run_equals_one_planned_that_long(tmp_path, corpus_dir, data_dir):  # noqa: F811
+    flat = {"optim": {"min_lr_ratio": 1.0}}
+    train_and_evaluate(_settings(corpus_dir, data_dir, num_steps=4, **flat), tmp_path / "a",
+                       progress=False)  # fmt: skip
+    train_and_evaluate(_settings(corpus_dir, data_dir, **flat), tmp_path / "a", progress=False)
+    train_and_evaluate(_settings(corpus_dir, data_dir, **flat), tmp_path / "b", progress=False)
+    assert _losses(tmp_path / "a") == _losses(tmp_path / "b")

@@ -18,6 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from noloco_jax.errors import CheckpointRestoreError, CheckpointSaveError, CorruptCheckpointError
+from noloco_jax.replicas import to_host
 
 __all__ = ["Checkpointer", "abstract_like", "fingerprint", "is_environment_error"]
 
@@ -87,7 +88,7 @@ def fingerprint(tree: Any) -> dict[str, str]:
     sums = jax.tree_util.tree_flatten_with_path(_fingerprints(tree))[0]
     out = {}
     for path, value in sums:
-        a, b = (int(v) for v in np.asarray(value))
+        a, b = (int(v) for v in np.asarray(to_host(value)).reshape(-1)[:2])
         out[jax.tree_util.keystr(path)] = f"{a:08x}-{b:08x}"
     return out
 

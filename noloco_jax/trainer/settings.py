@@ -304,8 +304,22 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _can_extend(saved: dict, current: dict) -> bool:
+    """A longer run whose learning rate is the same at every step already taken.
+
+    With ``optim.min_lr_ratio == 1`` the schedule is warmup then constant, so it
+    does not depend on ``num_steps``: the extended run continues at the peak rate
+    and equals one planned that long from the start. A cosine schedule would
+    change its rate for the steps already taken, so extending it is refused.
+    """
+    return current["num_steps"] > saved["num_steps"] and saved.get("optim.min_lr_ratio") == 1
+
+
 def check_resume_compatible(saved: dict, current: dict) -> None:
-    """Refuses to resume when settings that shape the run have changed."""
+    """Refuses to resume when settings that shape the run have changed.
+
+    ``num_steps`` may grow when the schedule allows it (``_can_extend``).
+    """
     defaults = _flatten(TrainSettings().to_dict())  # fields added since the checkpoint
     a = {**defaults, **_flatten(saved)}
     b = _flatten(current)
@@ -313,9 +327,17 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
         if d.get("data.path"):
             d["data.path"] = os.path.normpath(d["data.path"])
     changed = sorted(k for k in set(a) | set(b) if k not in RESUMABLE and a.get(k) != b.get(k))
+    if "num_steps" in changed and _can_extend(a, b):
+        changed.remove("num_steps")
     if changed:
         detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed)
+        hint = ""
+        if "num_steps" in changed:
+            hint = (" A run can be extended (num_steps raised) only when its learning-rate "
+                    "schedule does not depend on num_steps: optim.min_lr_ratio=1 (warmup, then "
+                    "constant); a cosine schedule would change the rate of the steps already "
+                    "taken.")
         raise ValueError(
             f"cannot resume: the checkpoint was written with different settings ({detail}). "
-            f"Resume with the original settings, or start a new run in another --workdir."
+            f"Resume with the original settings, or start a new run in another --workdir.{hint}"
         )
