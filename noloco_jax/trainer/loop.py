@@ -400,10 +400,10 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
     if jax.process_index() == 0:
         for line in warnings_for(settings):
             print(f"WARNING: {line}", flush=True)
-    run, state = _build(settings)
-    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
-    bar = None
+    writer = bar = None
     try:
+        run, state = _build(settings)
+        writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
         state, step = _restore_or_init(run, state, ckpt, writer)
         last: dict[str, Any] = {"step": step}
         end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
@@ -430,8 +430,10 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
             _advance(bar, step, last)
         if stop.requested:
             last["stopped_by"] = stop.requested
-            _say(bar, f"{stop.requested}: stopped at step {step} after saving its checkpoint; "
-                      f"run the same command again to resume.")
+            saved = ("after saving its checkpoint" if ckpt.latest_step() == step
+                     else "before training further (nothing new to save)")
+            _say(bar, f"{stop.requested}: stopped at step {step} {saved}; run the same command "
+                      f"again to resume.")
     except BaseException:
         _close_quietly(ckpt, writer, bar)
         raise
@@ -444,7 +446,7 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
 
 def _close_quietly(ckpt: Checkpointer, writer: MetricWriter, bar: Any) -> None:
     """Releases everything while another error is on its way up."""
-    for close in (ckpt.close, writer.close, getattr(bar, "close", None)):
+    for close in (ckpt.close, getattr(writer, "close", None), getattr(bar, "close", None)):
         if close is None:
             continue
         try:
