@@ -44,8 +44,19 @@ def available_bytes(device: Any) -> tuple[int, str]:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), str(device)
-    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(pages), "the host's free memory (CPU devices share it)"
+    return _host_available(), "the host's available memory (CPU devices share it)"
+
+
+def _host_available() -> int:
+    """MemAvailable (free plus reclaimable page cache), else the free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str) -> None:
