@@ -210,6 +210,8 @@ loop.train_and_evaluate(_settings(sys.argv[2], sys.argv[3]), run, progress=False
 """
 
 
+@pytest.mark.slow  # a training subprocess (~20-60 s); the mechanism is covered by
+# test_save_that_cannot_start_raises_and_leaves_no_thread
 def test_failed_save_mid_run_exits_nonzero_promptly(tmp_path, corpus_dir, data_dir):  # noqa: F811
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", _FAILS_MID_RUN, str(ROOT), str(corpus_dir),
