@@ -41,7 +41,10 @@ def state_bytes_per_device(abstract_params: Any, tx: Any, *, num_replicas: int,
 
 def available_bytes(device: Any) -> tuple[int, str]:
     """(free bytes, what was measured) for ``device``: its allocator, or the host's free RAM."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without allocator statistics
+        stats = None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), str(device)
     return _host_available(), "the host's available memory (CPU devices share it)"
@@ -68,7 +71,7 @@ def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str)
       preset: the model preset (named in the message).
       backend: the replica backend (named in the message).
     """
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # this process's (multi-process: others are not addressable)
     free, where = available_bytes(device)
     need = per_device * (devices_used if device.platform == "cpu" else 1)
     if need <= free:
