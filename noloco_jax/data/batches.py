@@ -50,7 +50,12 @@ def load_token_stream(
     key = f"{corpus.name}-{texts_digest(docs)}-{tokenizer.name}-{split}.npy"
     path = pathlib.Path(cache_dir) / "tokens" / key
     if path.exists():
-        return np.load(path).astype(np.int32)
+        try:
+            return np.load(path).astype(np.int32)
+        except (ValueError, EOFError, OSError) as err:  # truncated or damaged cache file
+            print(f"WARNING: token cache {path} is unreadable ({type(err).__name__}: "
+                  f"{str(err)[:200]}); rebuilding it.", flush=True)
+            path.unlink(missing_ok=True)
     tokens = tokenize_documents(docs, tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
