@@ -87,6 +87,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("data.seq_len", 64, "Tokens per training sequence."),
     ("data.validation_fraction", 0.1, "Fraction of documents held out for validation (files)."),
     ("data.eval_windows", 64, "Validation windows evaluated per replica at each evaluation."),
+    ("data.encoding", "utf-8", 'Text encoding of source="files" corpora (e.g. "latin-1").'),
     ("optim.learning_rate", 3e-3,
      "Peak inner learning rate (Adam): linear warmup, then cosine to peak * min_lr_ratio."),
     # noloco-train shortens an inherited warmup that does not fit a shorter run (with a note).

@@ -33,6 +33,7 @@ from absl import app, flags, logging  # noqa: E402
 
 PROG = "noloco-train"
 USAGE_ERROR_EXIT = 2
+RUN_FAILURE_EXIT = 1
 _HELP_ARGS = ("--help", "-help", "-h", "--helpshort", "-helpshort", "-?")
 _DEBUG_ARGS = ("--debug", "-debug", "--debug=true", "--debug=True", "--debug=1")
 # Flags of this program, in --help order (absl's own flags: --helpfull).
@@ -46,6 +47,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (ValueError, FileNotFoundError, NotADirectoryError, CorpusUnavailableError,
             flags.Error)  # fmt: skip
+
+
+def _run_failures() -> tuple[type[BaseException], ...]:
+    """Failures of a run or its environment (failed save, unreadable or diverged run)."""
+    from noloco_jax import errors  # noqa: PLC0415
+
+    return (errors.CheckpointSaveError, errors.CorruptCheckpointError,
+            errors.CheckpointRestoreError, errors.TrainingDivergedError)  # fmt: skip
 
 
 def _define_flags() -> None:
@@ -215,7 +224,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
       argv: program name and arguments, as ``sys.argv``.
 
     Returns:
-      0 on success or ``--help``, 2 for a user error. A bug raises its exception.
+      0 on success or ``--help``, 2 for a user error, 1 for a failed run (a save that
+      could not be written, a diverged run, ...). A bug raises its exception.
     """
     argv = list(sys.argv if argv is None else argv)
     debug = any(a in _DEBUG_ARGS for a in argv[1:])
@@ -238,6 +248,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
             raise
         _report(err)
         return USAGE_ERROR_EXIT
+    except _run_failures() as err:  # the run or its machine failed; the message says what
+        if debug:  # was kept, so a traceback adds nothing
+            raise
+        _report(err)
+        return RUN_FAILURE_EXIT
     finally:
         sys.argv = saved
     return 0

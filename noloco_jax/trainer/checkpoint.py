@@ -1,14 +1,96 @@
-"""Orbax checkpoints of the whole replicated training state plus JSON metadata."""
+"""Orbax checkpoints of the whole replicated training state plus JSON metadata.
+
+Every save records a checksum of each array in the metadata and every restore
+verifies it, so damaged bytes (bit rot, a partial copy) are reported as a
+corrupt checkpoint instead of being trained on. A failed save raises
+``CheckpointSaveError`` at once and leaves no orbax thread behind.
+"""
 
 from __future__ import annotations
 
+import errno
 import pathlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer"]
+from noloco_jax.errors import CheckpointRestoreError, CheckpointSaveError, CorruptCheckpointError
+from noloco_jax.replicas import to_host
+
+__all__ = ["Checkpointer", "abstract_like", "fingerprint", "is_environment_error"]
+
+# Errors of the machine, not of the checkpoint's bytes: restoring stops, nothing is set aside.
+_ENV_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO, errno.ENOSPC, errno.ENOMEM,
+                         errno.EROFS, errno.EDQUOT, errno.ESTALE, errno.ETIMEDOUT,
+                         errno.EMFILE, errno.ENFILE})  # fmt: skip
+_ENV_MARKERS = ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "UNAVAILABLE", "DEADLINE_EXCEEDED",
+                "Out of memory", "out of memory", "Permission denied",
+                "os_error_code='13'", "os_error_code='5'", "os_error_code='28'")  # fmt: skip
+
+
+def is_environment_error(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) is the machine's fault.
+
+    Out of memory, permission and I/O errors say nothing about the checkpoint's
+    data, so a checkpoint that fails with one must not be set aside as corrupt.
+
+    Args:
+      err: the exception raised while reading a checkpoint.
+
+    Returns:
+      True for memory, permission and I/O errors; False for anything else
+      (missing files, bad bytes, a wrong structure), which means corrupt data.
+    """
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, (MemoryError, PermissionError)):
+            return True
+        if isinstance(err, OSError) and err.errno in _ENV_ERRNOS:
+            return True
+        if any(marker in str(err) for marker in _ENV_MARKERS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _leaf_fingerprint(x: jax.Array) -> jax.Array:
+    """Two wrapping uint32 sums of the leaf's raw bits: plain and position-weighted.
+
+    Any single flipped bit changes both sums (the weights are odd), and a
+    permutation of values changes the weighted one.
+    """
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32).reshape(-1)
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) | jnp.uint32(1)
+    return jnp.stack([bits.sum(dtype=jnp.uint32), (bits * weights).sum(dtype=jnp.uint32)])
+
+
+_fingerprints = jax.jit(lambda tree: jax.tree.map(_leaf_fingerprint, tree))
+
+
+def fingerprint(tree: Any) -> dict[str, str]:
+    """Checksums of every array in ``tree``, keyed by its path.
+
+    Args:
+      tree: a pytree of (possibly sharded) arrays.
+
+    Returns:
+      ``{path: "xxxxxxxx-xxxxxxxx"}`` (two hex uint32 sums per leaf).
+    """
+    sums = jax.tree_util.tree_flatten_with_path(_fingerprints(tree))[0]
+    out = {}
+    for path, value in sums:
+        a, b = (int(v) for v in np.asarray(to_host(value)).reshape(-1)[:2])
+        out[jax.tree_util.keystr(path)] = f"{a:08x}-{b:08x}"
+    return out
 
 
 class Checkpointer:
@@ -16,19 +98,32 @@ class Checkpointer:
 
     The state holds every replica's params, slow weights, inner and outer
     optimizer states and the step; "meta" holds the settings, the data
-    batcher's description and bookkeeping. Restores go onto an abstract target
-    (``jax.eval_shape`` of the state), so NamedTuple types and shardings come
-    back as they were saved.
+    batcher's description, bookkeeping and the arrays' checksums. Restores go
+    onto an abstract target (``jax.eval_shape`` of the state), so NamedTuple
+    types and shardings come back as they were saved.
+
+    Args:
+      directory: where the step directories go.
+      keep: how many checkpoints to keep.
+      probe: check at once that ``directory`` is a writable directory (a
+        trainer's first save may be far away); raises ``CheckpointSaveError``.
     """
 
-    def __init__(self, directory: str | pathlib.Path, *, keep: int = 2):
+    def __init__(self, directory: str | pathlib.Path, *, keep: int = 2, probe: bool = False):
         self.directory = pathlib.Path(directory).absolute()
         self.keep = keep
+        if probe:
+            _probe_writable(self.directory)
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True,
+                # Synchronous directory creation: when it fails, save() raises at once
+                # (asynchronous creation left threads waiting 20 minutes for it).
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            ),
             item_names=("state", "meta"),
-        )
+        )  # fmt: skip
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -37,24 +132,73 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict, *, force: bool = True) -> None:
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=force,
+        """Starts an asynchronous save; raises ``CheckpointSaveError`` if it cannot start.
+
+        Errors of the asynchronous part surface in ``check`` or ``close``.
+        """
+        self.check()
+        meta = {**meta, "checksums": fingerprint(state)}
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=force,
+            )
+        except Exception as err:  # noqa: BLE001 - any failure to write is reported the same way
+            raise self._save_error(step, err) from err
+
+    def check(self) -> None:
+        """Raises ``CheckpointSaveError`` if a finished asynchronous save failed."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as err:  # noqa: BLE001
+            raise self._save_error(None, err) from err
+
+    def _save_error(self, step: int | None, err: Exception) -> CheckpointSaveError:
+        good = [s for s in self.all_steps() if s != step]
+        kept = f"the checkpoint of step {good[-1]} is intact" if good else "no earlier checkpoint"
+        what = f"of step {step}" if step is not None else ""
+        return CheckpointSaveError(
+            f"could not write the checkpoint {what} under {self.directory} "
+            f"({type(err).__name__}: {str(err)[:300]}); the run stopped and {kept}. Fix the "
+            f"directory (space, inodes, a file in its place) and run again to resume."
         )
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-            ),
-        )
-        return restored["state"], restored["meta"]
+        """Restores and verifies step ``step``.
+
+        Raises:
+          CorruptCheckpointError: the data is damaged (checksums differ, bad
+            bytes or structure, missing files).
+          CheckpointRestoreError: memory, permission or I/O errors.
+        """
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as err:  # noqa: BLE001 - classified below
+            raise _restore_error(self.directory, step, err) from err
+        state, meta = restored["state"], restored["meta"]
+        _verify(state, meta, step)
+        return state, meta
 
     def read_meta(self, step: int) -> dict:
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return restored["meta"]
+        """The JSON metadata of ``step`` (same errors as ``restore``)."""
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )
+        except Exception as err:  # noqa: BLE001
+            raise _restore_error(self.directory, step, err) from err
+        meta = restored["meta"]
+        if not isinstance(meta, dict):
+            raise CorruptCheckpointError(f"checkpoint {step}: its metadata is not a JSON object.")
+        return meta
 
     def quarantine(self, step: int) -> pathlib.Path:
         """Renames an unreadable step's directory to ``<step>.corrupt[-k]`` and forgets it."""
@@ -75,13 +219,69 @@ class Checkpointer:
     def size_bytes(self, step: int) -> int:
         """Bytes on disk of the checkpoint of ``step`` (0 if there is none)."""
         return sum(f.stat().st_size for f in (self.directory / str(step)).rglob("*") if f.is_file())
+    def set_aside(self) -> list[pathlib.Path]:
+        """Step directories set aside as corrupt by earlier runs."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(p for p in self.directory.iterdir() if ".corrupt" in p.name)
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001
+            raise self._save_error(None, err) from err
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the last save, then releases orbax's threads even when it failed."""
+        error = None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001
+            error = err
+        try:
+            self._manager.close()
+        except Exception as err:  # noqa: BLE001
+            error = error or err
+        if error is not None:
+            raise self._save_error(None, error) from error
+
+
+def _probe_writable(directory: pathlib.Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write_probe_{jax.process_index()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise CheckpointSaveError(
+            f"checkpoints cannot be written under {directory} ({type(err).__name__}: {err}); "
+            f"fix or remove that path and run again."
+        ) from err
+
+
+def _restore_error(directory: pathlib.Path, step: int, err: Exception) -> Exception:
+    if is_environment_error(err):
+        return CheckpointRestoreError(
+            f"could not read the checkpoint of step {step} under {directory} "
+            f"({type(err).__name__}: {str(err)[:300]}). This is an error of the machine "
+            f"(memory, permission, I/O), not of the checkpoint: nothing was changed. Fix it "
+            f"and run again."
+        )
+    return CorruptCheckpointError(f"checkpoint {step}: {type(err).__name__}: {str(err)[:300]}")
+
+
+def _verify(state: Any, meta: dict, step: int) -> None:
+    """Compares the restored arrays' checksums with the saved ones (if recorded)."""
+    saved = meta.get("checksums") if isinstance(meta, dict) else None
+    if saved is None:
+        return  # written before checksums were recorded
+    now = fingerprint(state)
+    bad = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if bad:
+        raise CorruptCheckpointError(
+            f"checkpoint {step}: {len(bad)} array(s) differ from their saved checksums "
+            f"(first: {bad[0]}); its bytes are damaged."
+        )
 
 
 def abstract_like(tree: Any) -> Any:

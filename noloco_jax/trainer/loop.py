@@ -11,6 +11,8 @@ import dataclasses
 import functools
 import math
 import pathlib
+import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -20,16 +22,19 @@ import numpy as np
 
 from noloco_jax import data as data_lib
 from noloco_jax import ensemble, models, replicas
+from noloco_jax.errors import CorruptCheckpointError, TrainingDivergedError, UserError
 from noloco_jax.metrics import replica_spread
 from noloco_jax.data.token_files import open_token_dir, sharded_batches
 from noloco_jax.optim.fragments import by_layer_blocks
 from noloco_jax.optim.local_steps import find_local_steps_state
+from noloco_jax.trainer import memory
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
+from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer.observability import Profiler, check_sinks, distance_to_mean, make_sinks
-from noloco_jax.trainer.resize import check_resume, restore_resized
 from noloco_jax.trainer.pipelined import make_pipeline_runner
-from noloco_jax.trainer.settings import TrainSettings
+from noloco_jax.trainer.resize import check_resume, restore_resized
+from noloco_jax.trainer.settings import TrainSettings, warnings_for
 from noloco_jax.trainer.step import TrainState, eval_token_losses, sync_positions, train_chunk
 from noloco_jax.trainer.writers import MetricWriter, Progress, read_jsonl
 
@@ -57,6 +62,7 @@ def prepare_data(s: TrainSettings) -> DataBundle:
             tfds_name=s.data.tfds_name or None,
             validation_fraction=s.data.validation_fraction,
             seed=s.seed,
+            encoding=s.data.encoding,
         )
     tokenizer = data_lib.make_tokenizer(
         s.data.tokenizer,
@@ -99,6 +105,17 @@ def prepare_model(s: TrainSettings, vocab_size: int) -> tuple[models.LlamaConfig
             f"{s.data.tokenizer!r} tokenizer's vocabulary of {vocab_size}; set it to "
             f"{vocab_size} or to 0 (take the tokenizer's)."
         )
+    cfg = _model_config(s, vocab_size)
+    graphdef, params = models.init_params(cfg, s.seed)
+    return cfg, graphdef, params
+
+
+def _model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
+    if s.model.init_from:  # the checkpoint's config.json replaces the preset
+        from noloco_jax.models.hf import read_config  # noqa: PLC0415
+
+        return read_config(s.model.init_from, dtype=s.model.dtype,
+                           param_dtype=s.model.param_dtype)  # fmt: skip
     cfg = models.get_preset(
         s.model.preset,
         vocab_size=vocab_size,
@@ -111,8 +128,7 @@ def prepare_model(s: TrainSettings, vocab_size: int) -> tuple[models.LlamaConfig
     if cfg.tie_embeddings and s.num_stages > 1:
         raise ValueError("config.model.tie_embeddings=True cannot be split into "
                          "config.num_stages > 1 pipeline stages.")  # fmt: skip
-    graphdef, params = models.init_params(cfg, s.seed)
-    return cfg, graphdef, params
+    return cfg
 
 
 @dataclasses.dataclass
@@ -139,6 +155,8 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         fragment_spec=spec,
     )  # fmt: skip
     tx = build_tx()
+    _check_memory(s, data.tokenizer.vocab_size, tx)
+    cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
     single = TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0))
     if s.num_stages > 1:
         check_stages_or_explain(cfg.num_layers, s.num_stages)
@@ -172,6 +190,20 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         "vocab_size": int(data.tokenizer.vocab_size),
     }
     return _Run(s, data, reps, params0, chunk, evaluate, meta), state
+
+
+def _check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
+    """Refuses a state that cannot fit, from shapes only (nothing is allocated)."""
+    cfg = _model_config(s, vocab_size)
+    abstract = jax.eval_shape(lambda: models.init_params(cfg, s.seed)[1])
+    backend = s.backend
+    if backend == "auto":
+        backend = "shard_map" if 1 < s.num_replicas <= jax.device_count() else "vmap"
+    per_device = memory.state_bytes_per_device(abstract, tx, num_replicas=s.num_replicas,
+                                               backend=backend, num_stages=s.num_stages)
+    used = (1 if backend == "vmap" else s.num_replicas) * s.num_stages
+    memory.check_fits(per_device, min(used, jax.device_count()), preset=s.model.preset,
+                      backend=backend)  # fmt: skip
 
 
 def phase_on_host(log_every: int, sync_every: int) -> bool:
@@ -309,14 +341,20 @@ def _restore_or_init(
 ) -> tuple[TrainState, int]:
     """The newest readable checkpoint, or the fresh state.
 
-    A checkpoint that cannot be read is reported, set aside as
-    ``<step>.corrupt`` (never deleted, never overwritten) and the previous one is
-    used. Settings that differ from the checkpoint's stop the run with an error.
+    A checkpoint whose data is damaged (checksums differ, metadata without the
+    settings, unreadable bytes) is reported, set aside as ``<step>.corrupt``
+    (never deleted, never overwritten) and the previous one is used. An error
+    of the machine (memory, permission, I/O) stops the run and touches nothing
+    (``CheckpointRestoreError``). Settings that differ from the checkpoint's
+    stop the run with an error. When checkpoints existed but none is readable,
+    the run stops instead of silently starting again from step 0.
     """
-    for step in reversed(ckpt.all_steps()):
+    steps = ckpt.all_steps()
+    for step in reversed(steps):
         try:
             meta = ckpt.read_meta(step)
-        except Exception as err:  # noqa: BLE001 - any unreadable metadata
+            _check_meta(meta, step)
+        except CorruptCheckpointError as err:
             _set_aside(ckpt, writer, step, err)
             continue
         # Settings are compared before the arrays are read: a checkpoint of another
@@ -327,7 +365,7 @@ def _restore_or_init(
                 restored, _ = ckpt.restore(step, abstract_like(state))
             else:
                 restored = restore_resized(ckpt, step, state, old_n, run.reps)
-        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint
+        except CorruptCheckpointError as err:
             _set_aside(ckpt, writer, step, err)
             continue
         if old_n is not None:
@@ -337,7 +375,21 @@ def _restore_or_init(
             print(message, flush=True)
             writer.write(step, "event", {"event": "resize", "detail": message})
         return restored, step
+    aside = ckpt.set_aside()
+    if aside:
+        raise UserError(
+            f"no readable checkpoint under {ckpt.directory}: {len(aside)} set aside as corrupt "
+            f"({', '.join(p.name for p in aside[:4])}). Refusing to start again from step 0; "
+            f"to do that, move the *.corrupt directories out of {ckpt.directory} (or use "
+            f"another --workdir)."
+        )
     return state, 0
+
+
+def _check_meta(meta: dict, step: int) -> None:
+    missing = [k for k in ("settings", "batcher") if not isinstance(meta.get(k), dict)]
+    if missing:
+        raise CorruptCheckpointError(f"checkpoint {step}: its metadata lacks {missing}.")
 
 
 def _set_aside(ckpt: Checkpointer, writer: MetricWriter, step: int, err: Exception) -> None:
@@ -377,29 +429,47 @@ def train_and_evaluate(
     """
     workdir = _writable_workdir(workdir)
     check_sinks(settings)
-    run, state = _build(settings)
-    ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints)
-    first = jax.process_index() == 0
-    sinks = make_sinks(settings, workdir) if first else []
-    writer = MetricWriter(workdir, enabled=first, sinks=sinks)
-    profiler = Profiler(settings.profile_steps, workdir)
-    state, step = _restore_or_init(run, state, ckpt, writer)
-    if step >= settings.num_steps:  # nothing to do: report, write nothing
-        ckpt.close()
-        writer.close()
-        return _already_finished(workdir, step, verbose=jax.process_index() == 0)
-    last: dict[str, Any] = {"step": step}
-    end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
-    bar = Progress(progress and jax.process_index() == 0, settings.num_steps, step)
-    saves = _SaveReport(ckpt, bar, sum(x.nbytes for x in jax.tree.leaves(state)),
-                        jax.process_index() == 0)  # fmt: skip
+    lock = WorkdirLock(workdir)
+    if jax.process_index() == 0:  # in a multi-process run, process 0's lock stands for all
+        lock.acquire()
     try:
+        with _StopSignals() as stop:
+            return _train(settings, workdir, stop_at, progress, stop)
+    finally:
+        lock.release()
+
+
+def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, progress: bool,
+           stop: "_StopSignals") -> dict[str, Any]:
+    ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints, probe=True)
+    if jax.process_index() == 0:
+        for line in warnings_for(settings):
+            print(f"WARNING: {line}", flush=True)
+    writer = bar = None
+    profiler = Profiler(settings.profile_steps, workdir)
+    try:
+        run, state = _build(settings)
+        first = jax.process_index() == 0
+        writer = MetricWriter(workdir, enabled=first,
+                              sinks=make_sinks(settings, workdir) if first else [])  # fmt: skip
+        state, step = _restore_or_init(run, state, ckpt, writer)
+        if step >= settings.num_steps:  # nothing to do: report, write nothing
+            ckpt.close()
+            writer.close()
+            return _already_finished(workdir, step, verbose=jax.process_index() == 0)
+        last: dict[str, Any] = {"step": step}
+        end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
+        bar = Progress(progress and jax.process_index() == 0, settings.num_steps, step)
+        saves = _SaveReport(ckpt, bar, sum(x.nbytes for x in jax.tree.leaves(state)),
+                            jax.process_index() == 0)  # fmt: skip
+        guard = _Escalation(run, state, ckpt)
         if step == 0 or run.resized_from:  # after a resize: the loss right after it
             _evaluate(run, state, step, writer, last, bar)
-        while step < end:
+        while step < end and not stop.requested:
             resets_before = last.get("nonfinite_resets", 0.0)
-            chunk_end = min(step - step % settings.log_every + settings.log_every, end)
-            profiler.before_chunk(step, chunk_end)
+            start = step
+            profiler.before_chunk(step, min(step - step % settings.log_every + settings.log_every,
+                                            end))  # fmt: skip
             state, step, train_metrics = _train_chunk(run, state, step, end)
             profiler.after_chunk(step)
             writer.write(step, "train", train_metrics)
@@ -407,19 +477,32 @@ def train_and_evaluate(
             if train_metrics["nonfinite_resets"] > resets_before:
                 _report_reset(writer, step, train_metrics["nonfinite_resets"], bar)
             last.update(train_metrics, step=step)
+            guard.after_chunk(state, start, step)
+            ckpt.check()  # a failed asynchronous save stops the run now
             if step % settings.eval_every == 0 or step == settings.num_steps:
                 _evaluate(run, state, step, writer, last, bar)
-            if step % settings.checkpoint_every == 0 or step == settings.num_steps:
+            scheduled = step % settings.checkpoint_every == 0 or step == settings.num_steps
+            if scheduled or stop.requested:
+                guard.check_savable(state, step)
                 saves.report(wait=True)  # orbax waits for the previous save here anyway
                 ckpt.save(step, state, run.meta)
                 saves.pending.append(step)
             bar.advance(step, last, compiled=getattr(run.chunk, "compiled", False))
-    finally:
+        if stop.requested:
+            last["stopped_by"] = stop.requested
+            saved = ("after saving its checkpoint" if ckpt.latest_step() == step
+                     else "before training further (nothing new to save)")
+            _say(bar, f"{stop.requested}: stopped at step {step} {saved}; run the same command "
+                      f"again to resume.")
+    except BaseException:
         profiler.close()
-        ckpt.close()
-        saves.report(closed=True)
-        writer.close()
-        bar.close()
+        _close_quietly(ckpt, writer, bar)
+        raise
+    profiler.close()
+    ckpt.close()  # raises CheckpointSaveError if the last save failed
+    saves.report(closed=True)
+    writer.close()
+    bar.close()
     return last
 
 
@@ -473,6 +556,136 @@ def _already_finished(workdir: pathlib.Path, step: int, verbose: bool) -> dict[s
 
 _FINAL_METRICS = ("val_ppl", "val_ppl_avg_model", "val_ppl_ensemble", "replica_spread",
                   "train_loss")  # fmt: skip
+
+
+def _close_quietly(ckpt: Checkpointer, writer: MetricWriter, bar: Any) -> None:
+    """Releases everything while another error is on its way up."""
+    for close in (ckpt.close, getattr(writer, "close", None), getattr(bar, "close", None)):
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception as err:  # noqa: BLE001 - the error in flight matters more
+            print(f"WARNING: while stopping: {type(err).__name__}: {str(err)[:300]}", flush=True)
+
+
+def _say(bar: Any, line: str) -> None:
+    (bar.write if bar is not None else functools.partial(print, flush=True))(line)
+
+
+class _StopSignals:
+    """SIGINT/SIGTERM set a flag; the loop saves at the next step boundary and returns.
+
+    A second signal of the same kind acts as it would without this handler
+    (SIGINT: ``KeyboardInterrupt``; SIGTERM: the process ends). Handlers are
+    installed only in the main thread and restored on exit.
+    """
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self._SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None:  # second signal: act as if we were not here
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        self.requested = name
+        print(f"{name} received: saving a checkpoint at the end of the current steps, then "
+              f"stopping (send it again to stop at once).", flush=True)
+
+
+# A replica caught by the guard at this many consecutive syncs stops the run.
+MAX_CONSECUTIVE_RESETS = 3
+
+
+class _Escalation:
+    """Stops runs that cannot learn, reading the guard's per-replica reset counters.
+
+    Escalates (``TrainingDivergedError``, no checkpoint written) when every
+    replica was caught at every sync of a chunk, or one replica at
+    ``MAX_CONSECUTIVE_RESETS`` consecutive syncs. ``check_savable`` refuses to
+    checkpoint weights the guard will not repair, so the last finite
+    checkpoint is never rotated out.
+    """
+
+    def __init__(self, run: _Run, state: TrainState, ckpt: Checkpointer) -> None:
+        s = run.settings
+        self._sync_every = s.outer.sync_every if s.method in ("noloco", "diloco") else None
+        self._guard = s.fault.nonfinite_guard and self._sync_every is not None
+        self._ckpt, self._settings = ckpt, s
+        self._before = _per_replica_resets(state, s.num_replicas)
+        self._streak = np.zeros(s.num_replicas, np.int64)
+        self._finite = jax.jit(_per_replica_finite)
+
+    def after_chunk(self, state: TrainState, start: int, stop: int) -> None:
+        if not self._guard:
+            return
+        now = _per_replica_resets(state, self._settings.num_replicas)
+        caught, self._before = now - self._before, now
+        syncs = stop // self._sync_every - start // self._sync_every
+        if syncs == 0:
+            return
+        every = caught >= syncs
+        self._streak = np.where(every, self._streak + syncs, 0)
+        if every.all():
+            self._fail(stop, f"every replica's weights were non-finite at the sync(s) up to "
+                             f"step {stop}")  # fmt: skip
+        if (self._streak >= MAX_CONSECUTIVE_RESETS).any():
+            worst = int(np.argmax(self._streak))
+            self._fail(stop, f"replica {worst}'s weights were non-finite at "
+                             f"{int(self._streak[worst])} consecutive syncs")  # fmt: skip
+
+    def check_savable(self, state: TrainState, step: int) -> None:
+        """Raises instead of checkpointing weights the guard will not put back."""
+        found = find_local_steps_state(state.opt_state)
+        tree = found.slow_params if (self._guard and found is not None) else state.params
+        ok = np.asarray(replicas.to_host(self._finite(tree))).reshape(-1)
+        if not ok.all():
+            which = "slow weights" if tree is not state.params else "weights"
+            self._fail(step, f"the {which} of replica(s) {np.flatnonzero(~ok).tolist()} are "
+                             f"non-finite at step {step}")  # fmt: skip
+
+    def _fail(self, step: int, what: str) -> None:
+        o = self._settings.optim
+        kept = self._ckpt.latest_step()
+        kept_text = (f"the last checkpoint (step {kept}) is kept" if kept is not None
+                     else "no checkpoint was written")  # fmt: skip
+        guard = "" if self._guard else " or turn on config.fault.nonfinite_guard"
+        raise TrainingDivergedError(
+            f"training diverged: {what}; the run cannot learn and was stopped, {kept_text}. "
+            f"Lower config.optim.learning_rate (now {o.learning_rate}), raise optim.eps "
+            f"(now {o.eps}) or clip harder{guard}."
+        )
+
+
+def _per_replica_resets(state: TrainState, num_replicas: int) -> np.ndarray:
+    found = find_local_steps_state(state.opt_state)
+    if found is None:
+        return np.zeros(num_replicas)
+    counts = np.asarray(replicas.to_host(found.nonfinite_resets), np.float64)
+    return counts.reshape(num_replicas, -1).max(1)
+
+
+def _per_replica_finite(tree: Any) -> jax.Array:
+    """[N] bool: replica i's leaves are all finite (leading axis = replica)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    per_leaf = [jnp.isfinite(x).reshape(x.shape[0], -1).all(1) for x in leaves]
+    return jnp.stack(per_leaf).all(0)
 
 
 def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, last: dict,
@@ -530,9 +743,12 @@ def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
     step += k
     n_tokens = k * s.global_batch_size * s.data.seq_len
     finite = np.isfinite(losses)
+    guarded = s.fault.nonfinite_guard and s.method in ("noloco", "diloco")
     metrics = {
-        # Mean over finite replica losses; a replica the guard is resetting is counted apart.
-        "train_loss": float(losses[finite].mean()) if finite.any() else float("nan"),
+        # With the guard: the mean over finite replica losses (a replica the guard is
+        # resetting is counted apart). Without: a NaN replica makes the loss NaN.
+        "train_loss": (float(losses[finite].mean()) if finite.any() else float("nan"))
+        if guarded else float(losses.mean()),
         "train_loss_last": float(np.nanmean(losses[:, -1])) if finite[:, -1].any() else float("nan"),
         "train_loss_per_replica": [float(x) for x in losses.mean(1)],
         "nonfinite_replica_steps": int((~finite).sum()),

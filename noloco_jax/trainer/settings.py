@@ -7,15 +7,20 @@ raises ``ValueError`` naming the field and what is allowed.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import math
+import os
 from typing import Any
 
 METHODS = ("noloco", "diloco", "dp", "local")
 BACKENDS = ("auto", "vmap", "shard_map")
 DTYPES = ("float32", "bfloat16")
-# Settings that may change when a run resumes; any other change is refused.
+MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overflow there
+# Settings that may change when a run resumes; any other change is refused. log_every is
+# not among them: it sets the fused chunks, and a resume with other chunks is not bit-identical.
 RESUMABLE = frozenset(
-    {"backend", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+    {"backend", "eval_every", "checkpoint_every", "keep_checkpoints",
      "data.eval_windows", "data.data_dir", "profile_steps", "log.wandb", "log.wandb_project",
      "log.wandb_run_name", "allow_resize"}
 )  # fmt: skip
@@ -48,6 +53,7 @@ class DataSettings:
     seq_len: int = 64
     validation_fraction: float = 0.1
     eval_windows: int = 64
+    encoding: str = "utf-8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +150,12 @@ def _positive_int(value: Any, field: str, minimum: int = 1) -> None:
 
 def _nonneg(value: Any, field: str) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
-    _require(ok, field, f"must be a number >= 0, got {value!r}.")
+    _require(ok and math.isfinite(value), field, f"must be a finite number >= 0, got {value!r}.")
+
+
+def _seed(value: Any, field: str) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEED
+    _require(ok, field, f"must be an integer in [0, 2**32 - 1], got {value!r}.")
 
 
 def _choice(value: Any, field: str, allowed: tuple[str, ...]) -> None:
@@ -168,7 +179,7 @@ def validate(s: TrainSettings) -> TrainSettings:
     for name in ("num_replicas", "global_batch_size", "num_steps", "log_every", "eval_every",
                  "checkpoint_every", "keep_checkpoints", "num_stages", "routing_pool_size"):
         _positive_int(getattr(s, name), name)
-    _positive_int(s.seed, "seed", minimum=0)
+    _seed(s.seed, "seed")
     _require(
         s.global_batch_size % s.num_replicas == 0,
         "global_batch_size",
@@ -196,6 +207,9 @@ def validate(s: TrainSettings) -> TrainSettings:
     _choice(s.data.tokenizer, "data.tokenizer", ("byte", "sentencepiece", "hf"))
     _require(s.data.tokenizer != "hf" or bool(s.data.tokenizer_path), "data.tokenizer_path",
              "must name a directory holding tokenizer.json when data.tokenizer='hf'.")
+    _require(_is_codec(s.data.encoding), "data.encoding",
+             f"must be a text encoding Python knows (e.g. 'utf-8', 'latin-1'), got "
+             f"{s.data.encoding!r}.")
     _positive_int(s.data.seq_len, "data.seq_len")
     _positive_int(s.data.eval_windows, "data.eval_windows")
     _positive_int(s.data.tokenizer_vocab_size, "data.tokenizer_vocab_size", minimum=0)
@@ -234,6 +248,23 @@ def parse_profile_steps(text: Any) -> tuple[int, int] | None:
     return a, b
 
 
+def warnings_for(s: TrainSettings) -> list[str]:
+    """Valid but suspicious settings, one line each (the trainer prints them at start)."""
+    out = []
+    if s.method in ("noloco", "diloco") and s.outer.sync_every > s.num_steps:
+        out.append(f"config.outer.sync_every={s.outer.sync_every} > num_steps={s.num_steps}: the "
+                   f"replicas never sync in this run (method={s.method!r} acts as 'local'); use "
+                   f"sync_every <= num_steps.")
+    return out
+
+
+def _is_codec(name: Any) -> bool:
+    try:
+        return isinstance(name, str) and bool(codecs.lookup(name))
+    except LookupError:
+        return False
+
+
 def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
     _positive_int(k.num_stages, "skip.num_stages", minimum=0)
     _positive_int(k.full_every, "skip.full_every", minimum=0)
@@ -259,8 +290,8 @@ def _validate_fault(f: FaultSettings, num_replicas: int) -> None:
 
 def _validate_optim(o: OptimSettings, num_steps: int) -> None:
     _require(
-        isinstance(o.learning_rate, (int, float)) and o.learning_rate > 0,
-        "optim.learning_rate", f"must be > 0, got {o.learning_rate!r}.",
+        isinstance(o.learning_rate, (int, float)) and 0 < o.learning_rate < math.inf,
+        "optim.learning_rate", f"must be a finite number > 0, got {o.learning_rate!r}.",
     )
     _positive_int(o.warmup_steps, "optim.warmup_steps", minimum=0)
     _require(o.warmup_steps < num_steps, "optim.warmup_steps",
@@ -272,6 +303,10 @@ def _validate_optim(o: OptimSettings, num_steps: int) -> None:
         _require(0 <= value < 1, f"optim.{name}", f"must be in [0, 1), got {value!r}.")
     for name in ("eps", "weight_decay", "clip_norm"):
         _nonneg(getattr(o, name), f"optim.{name}")
+    # Adam divides by sqrt(v) + eps: with eps = 0 a parameter whose gradient is 0
+    # (an unused embedding row) gets 0 / 0 = NaN on the first step.
+    _require(o.eps > 0, "optim.eps", f"must be > 0 (Adam divides by sqrt(v) + eps), got "
+             f"{o.eps!r}; the usual value is 1e-8.")
 
 
 def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
@@ -289,7 +324,7 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     _require(o.sync_every % o.fragments == 0, "outer.fragments",
              f"{o.fragments} must divide outer.sync_every={o.sync_every} (fragment p syncs "
              "at steps t with t mod H = (p + 1) H / P).")  # fmt: skip
-    _positive_int(o.seed, "outer.seed", minimum=0)
+    _seed(o.seed, "outer.seed")
     if method == "noloco" and num_replicas > 1:
         _positive_int(o.group_size, "outer.group_size", minimum=2)
         _require(
@@ -331,18 +366,41 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _can_extend(saved: dict, current: dict) -> bool:
+    """A longer run whose learning rate is the same at every step already taken.
+
+    With ``optim.min_lr_ratio == 1`` the schedule is warmup then constant, so it
+    does not depend on ``num_steps``: the extended run continues at the peak rate
+    and equals one planned that long from the start. A cosine schedule would
+    change its rate for the steps already taken, so extending it is refused.
+    """
+    return current["num_steps"] > saved["num_steps"] and saved.get("optim.min_lr_ratio") == 1
+
+
 def check_resume_compatible(saved: dict, current: dict) -> None:
     """Refuses to resume when settings that shape the run have changed.
 
-    A setting the checkpoint does not record (it predates the field) counts as its default.
+    ``num_steps`` may grow when the schedule allows it (``_can_extend``). A setting the
+    checkpoint does not record (it predates the field) counts as its default.
     """
-    defaults = _flatten(dataclasses.asdict(TrainSettings()))
-    a, b = _flatten(saved), _flatten(current)
-    a = {**{k: v for k, v in defaults.items() if k not in a}, **a}
+    defaults = _flatten(TrainSettings().to_dict())  # fields added since the checkpoint
+    a = {**defaults, **_flatten(saved)}
+    b = _flatten(current)
+    for d in (a, b):  # "corpus/" and "corpus" name the same corpus
+        if d.get("data.path"):
+            d["data.path"] = os.path.normpath(d["data.path"])
     changed = sorted(k for k in set(a) | set(b) if k not in RESUMABLE and a.get(k) != b.get(k))
+    if "num_steps" in changed and _can_extend(a, b):
+        changed.remove("num_steps")
     if changed:
         detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed)
+        hint = ""
+        if "num_steps" in changed:
+            hint = (" A run can be extended (num_steps raised) only when its learning-rate "
+                    "schedule does not depend on num_steps: optim.min_lr_ratio=1 (warmup, then "
+                    "constant); a cosine schedule would change the rate of the steps already "
+                    "taken.")
         raise ValueError(
             f"cannot resume: the checkpoint was written with different settings ({detail}). "
-            f"Resume with the original settings, or start a new run in another --workdir."
+            f"Resume with the original settings, or start a new run in another --workdir.{hint}"
         )

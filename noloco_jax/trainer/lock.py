@@ -1,0 +1,61 @@
+"""An exclusive lock on a workdir: one trainer per run directory."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+import socket
+
+from noloco_jax.errors import WorkdirLockedError
+
+__all__ = ["WorkdirLock"]
+
+
+class WorkdirLock:
+    """``flock`` on ``<workdir>/.lock``, holding the owner's pid and host.
+
+    The kernel drops the lock when its process dies, so a lock file left by a
+    dead process is stale by construction and is simply taken over.
+
+    Args:
+      workdir: the run directory (must exist).
+    """
+
+    def __init__(self, workdir: str | pathlib.Path) -> None:
+        self.path = pathlib.Path(workdir) / ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Takes the lock or raises ``WorkdirLockedError`` naming the holder."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise WorkdirLockedError(
+                f"--workdir {str(self.path.parent)!r} is in use by another trainer "
+                f"(pid {holder}); wait for it to finish, stop it, or use another --workdir."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)
+        except OSError:
+            pass
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "WorkdirLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

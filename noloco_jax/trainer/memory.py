@@ -1,0 +1,85 @@
+"""Refuses a run whose training state cannot fit, before anything is allocated."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from noloco_jax.errors import UserError
+
+__all__ = ["state_bytes_per_device", "available_bytes", "check_fits"]
+
+_GIB = 1024**3
+
+
+def _tree_bytes(tree: Any) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def state_bytes_per_device(abstract_params: Any, tx: Any, *, num_replicas: int,
+                           backend: str, num_stages: int = 1) -> int:  # fmt: skip
+    """Bytes of the replicated training state (params + optimizer state) on one device.
+
+    Args:
+      abstract_params: one replica's params (arrays or ``jax.ShapeDtypeStruct``).
+      tx: the optimizer; its state is sized with ``jax.eval_shape(tx.init, ...)``.
+      num_replicas: N.
+      backend: "vmap" (all replicas on one device) or "shard_map" (one per device).
+      num_stages: pipeline stages a replica's layers are split over.
+
+    Returns:
+      A lower bound: gradients and activations come on top.
+    """
+    per_replica = _tree_bytes(abstract_params) + _tree_bytes(jax.eval_shape(tx.init,
+                                                                            abstract_params))
+    on_one_device = num_replicas if backend == "vmap" else 1
+    return per_replica * on_one_device // max(num_stages, 1)
+
+
+def available_bytes(device: Any) -> tuple[int, str]:
+    """(free bytes, what was measured) for ``device``: its allocator, or the host's free RAM."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without allocator statistics
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), str(device)
+    return _host_available(), "the host's available memory (CPU devices share it)"
+
+
+def _host_available() -> int:
+    """MemAvailable (free plus reclaimable page cache), else the free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str) -> None:
+    """Raises ``UserError`` with the estimate, the free memory and the remedy when it cannot fit.
+
+    Args:
+      per_device: ``state_bytes_per_device``.
+      devices_used: devices holding a share of the state.
+      preset: the model preset (named in the message).
+      backend: the replica backend (named in the message).
+    """
+    device = jax.local_devices()[0]  # this process's (multi-process: others are not addressable)
+    free, where = available_bytes(device)
+    need = per_device * (devices_used if device.platform == "cpu" else 1)
+    if need <= free:
+        return
+    raise UserError(
+        f"the training state needs at least {need / _GIB:.1f} GiB ({per_device / _GIB:.1f} GiB "
+        f"per device, model.preset={preset!r}, backend={backend!r}) but {where} has "
+        f"{free / _GIB:.1f} GiB free. Put fewer replicas on each device (backend='shard_map' "
+        f"with one device per replica), split layers over pipeline stages (num_stages), or use "
+        f"fewer replicas, a smaller model.preset or model.param_dtype='bfloat16'."
+    )
