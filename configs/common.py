@@ -63,6 +63,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("data.tfds_name", "", 'For source="tfds": the name of a dataset prepared in the data dir.'),
     ("data.data_dir", "", "Data dir for TFDS datasets and caches; \"\" = $NOLOCO_DATA_DIR or "
      "~/.cache/noloco_jax."),
+    ("data.encoding", "utf-8",
+     "Text encoding of local corpus files; a file with > 0.1 % undecodable bytes is refused."),
     ("data.tokenizer", "byte",
      '"byte" (256 ids, no assets) or "sentencepiece" (trained locally on the training split).'),
     ("data.tokenizer_vocab_size", 0, "SentencePiece vocabulary size (sentencepiece only)."),
