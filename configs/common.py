@@ -79,6 +79,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("data.tfds_name", "", 'For source="tfds": the name of a dataset prepared in the data dir.'),
     ("data.data_dir", "", "Data dir for TFDS datasets and caches; \"\" = $NOLOCO_DATA_DIR or "
      "~/.cache/noloco_jax."),
+    ("data.encoding", "utf-8",
+     "Text encoding of local corpus files; a file with > 0.1 % undecodable bytes is refused."),
     ("data.tokenizer", "byte",
      '"byte" (256 ids), "sentencepiece" (trained locally) or "hf" (tokenizer_path\'s '
      'tokenizer.json).'),
@@ -87,7 +89,6 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("data.seq_len", 64, "Tokens per training sequence."),
     ("data.validation_fraction", 0.1, "Fraction of documents held out for validation (files)."),
     ("data.eval_windows", 64, "Validation windows evaluated per replica at each evaluation."),
-    ("data.encoding", "utf-8", 'Text encoding of source="files" corpora (e.g. "latin-1").'),
     ("optim.learning_rate", 3e-3,
      "Peak inner learning rate (Adam): linear warmup, then cosine to peak * min_lr_ratio."),
     # noloco-train shortens an inherited warmup that does not fit a shorter run (with a note).

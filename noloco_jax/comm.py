@@ -461,6 +461,27 @@ def _unpack(
     return out
 
 
+def _varying_axes(x: jax.Array) -> frozenset:
+    """The ``shard_map`` mesh axes ``x`` is typed as varying over (empty outside shard_map)."""
+    kind = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(kind, "varying", None) or ())
+
+
+def _split_by_varying_axes(tree: PyTree) -> tuple[list, Any, list[list[int]]] | None:
+    """Leaves, treedef and index groups by varying axes; None when all leaves agree.
+
+    Packing leaves of different ``shard_map`` types (e.g. pipeline-stage-sharded
+    blocks and stage-replicated embeddings) into one message would type every
+    result as varying over the union of their axes.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    kinds = [_varying_axes(x) for x in leaves]
+    if len(set(kinds)) <= 1:
+        return None
+    groups = [[i for i, k in enumerate(kinds) if k == kind] for kind in dict.fromkeys(kinds)]
+    return leaves, treedef, groups
+
+
 def group_mean(
     tree: PyTree,
     axis_name: str,
@@ -491,6 +512,16 @@ def group_mean(
       A tree like ``tree`` (leaves promoted to at least float32) holding the
       group means.
     """
+    split = _split_by_varying_axes(tree)
+    if split is not None:  # one message per kind of leaf, so no leaf takes another's type
+        leaves, treedef, groups = split
+        out = [None] * len(leaves)
+        for idx in groups:
+            means = group_mean([leaves[i] for i in idx], axis_name, pool, index, exchange_dtype,
+                               weight)  # fmt: skip
+            for i, v in zip(idx, means):
+                out[i] = v
+        return jax.tree.unflatten(treedef, out)
     if quantize.is_codec(exchange_dtype):
         return _group_mean_codec(tree, axis_name, pool, index, exchange_dtype, weight)[0]
     leaves, treedef = jax.tree.flatten(tree)
@@ -615,7 +646,16 @@ def group_mean_codec(
     The second output is what error feedback needs: the residual of this
     replica's message is ``tree - sent``.
     """
-    return _group_mean_codec(tree, axis_name, pool, index, fmt, weight)
+    split = _split_by_varying_axes(tree)
+    if split is None:
+        return _group_mean_codec(tree, axis_name, pool, index, fmt, weight)
+    leaves, treedef, groups = split
+    means, sent = [None] * len(leaves), [None] * len(leaves)
+    for idx in groups:
+        m, t = _group_mean_codec([leaves[i] for i in idx], axis_name, pool, index, fmt, weight)
+        for i, a, b in zip(idx, m, t):
+            means[i], sent[i] = a, b
+    return jax.tree.unflatten(treedef, means), jax.tree.unflatten(treedef, sent)
 
 
 def all_replica_mean(tree: PyTree, axis_name: str, weight: jax.Array | None = None) -> PyTree:

@@ -129,7 +129,8 @@ CASES = {
                                        r"preset\?"),  # fmt: skip
     ],
     "out-of-range or inconsistent value": [
-        (["--config.optim.learning_rate=-1"], r"config\.optim\.learning_rate: must be > 0"),
+        (["--config.optim.learning_rate=-1"], r"config\.optim\.learning_rate: must be a finite "
+                                              r"number > 0"),  # fmt: skip
         (["--config.global_batch_size=5"], r"config\.global_batch_size: 5 is not divisible"),
         (["--config.eval_every=3"], r"config\.eval_every: must be a multiple of log_every"),
         (["--config.model.dtype=float16"], r"config\.model\.dtype: must be one of"),
@@ -203,6 +204,19 @@ CASES = {
         (["--config.allow_resize=True", "--config.num_stages=2"],
          r"config\.allow_resize: resizing runs with pipeline stages"),
     ],
+    "`optim.learning_rate=inf`/`nan`, `optim.eps=0`, any infinite rate": [
+        (["--config.optim.learning_rate=inf"], r"config\.optim\.learning_rate: must be a finite"),
+        (["--config.optim.eps=0"], r"config\.optim\.eps"),
+    ],
+    "`seed`/`outer.seed` outside [0, 2**32 - 1]": [
+        (["--config.seed=4294967296"], r"config\.seed: must be an integer in \[0, 2\*\*32 - 1\]"),
+    ],
+    "corpus file that is not UTF-8": [
+        (["--config.data.path={latin1}"], r"latin1\.txt.*config\.data\.encoding"),
+    ],
+    "a model and replica count whose training state cannot fit": [
+        (["--config.model.preset=large"], r"the training state needs at least .* GiB"),
+    ],
     "a warmup given on the command line that does not fit the run": [
         (["--config.num_steps=4", "--config.optim.warmup_steps=8"],
          r"config\.optim\.warmup_steps: must be < num_steps=4, got 8"),
@@ -239,6 +253,9 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
     empty.mkdir()
     (empty / "a.txt").write_text("  \n")
     (tmp_path / "blocked").write_text("a file, not a directory")
+    latin1 = tmp_path / "latin1"
+    latin1.mkdir()
+    (latin1 / "latin1.txt").write_bytes("caf\xe9 na\xefve ".encode("latin-1") * 200)
 
     def no_network(directory):
         raise RuntimeError(sources._no_shakespeare("network unreachable"))
@@ -253,12 +270,13 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     for extra, pattern in CASES[row]:
         fill = {"corpus": corpus_dir, "empty": empty, "blocked": tmp_path / "blocked", "root": ROOT,
-                "gpt2": tmp_path / "gpt2", "llama512": tmp_path / "llama512"}
+                "gpt2": tmp_path / "gpt2", "llama512": tmp_path / "llama512", "latin1": latin1}
         extra = [e.format(**{k: str(v) for k, v in fill.items()}) for e in extra]
         argv = nano_argv(tmp_path / "run", corpus_dir, data_dir, *extra)
         code, err = run_cli(argv, capsys)
         assert_user_error(code, err, pattern)
-    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+    ckpts = tmp_path / "run" / "checkpoints"  # may exist: its writability is probed first
+    assert not (ckpts.exists() and any(ckpts.iterdir()))  # nothing trained, nothing saved
 
 
 def test_user_error_subprocess_exit_2_without_traceback(tmp_path):
@@ -337,7 +355,9 @@ def test_fit_warmup_keeps_the_defaults_ratio(steps, expected, capsys):
 
 
 def _files(d: pathlib.Path) -> dict:
-    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()}
+    """Size and mtime of every file, except the workdir lock (each run takes it: issue 17)."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*")
+            if p.is_file() and p.name != ".lock"}  # fmt: skip
 
 
 def test_rerunning_a_finished_run_reports_it_and_writes_nothing(finished_run, capsys):

@@ -52,15 +52,15 @@ def abstract_replicated(tree, n: int, mesh=None):
     With a ``mesh``, per-replica leaves are split over its axis, one replica per device.
     """
 
-    def leaf(x):
-        if replicas.is_shared_leaf(x):
+    def leaf(path, x):
+        if replicas.is_shared_leaf(x, path):
             sharding = None if mesh is None else NamedSharding(mesh, P())
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         spec = P(*mesh.axis_names, *[None] * x.ndim) if mesh is not None else None
         sharding = None if mesh is None else NamedSharding(mesh, spec)
         return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding)
 
-    return jax.tree.map(leaf, tree)
+    return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 def sync_step_fn(tx: optax.GradientTransformation):

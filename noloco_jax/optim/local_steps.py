@@ -87,6 +87,26 @@ def _counters_from(new: Any, kept: Any) -> Any:
     return jax.tree.map(lambda n, k: n if jnp.issubdtype(n.dtype, jnp.integer) else k, new, kept)
 
 
+def _same_varying_axes(a: Any, b: Any) -> tuple[Any, Any]:
+    """``a`` and ``b`` with each leaf marked varying over the union of both's manual axes.
+
+    Under ``shard_map`` a value computed from a per-shard quantity is typed as
+    varying over that mesh axis; ``lax.cond`` needs both branches typed alike.
+    Outside ``shard_map`` (no manual axes) this returns its inputs.
+    """
+
+    def axes(x: Any) -> frozenset:
+        kind = getattr(jax.typeof(x), "manual_axis_type", None)
+        return frozenset(getattr(kind, "varying", None) or ())
+
+    def cast(x: Any, want: frozenset) -> Any:
+        missing = tuple(sorted(want - axes(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    want = jax.tree.map(lambda x, y: axes(x) | axes(y), a, b)
+    return jax.tree.map(cast, a, want), jax.tree.map(cast, b, want)
+
+
 def _landing(new_slow: Any, params: Any, updates: Any) -> Any:
     """Updates that move each float param exactly onto phi (rounded to its dtype).
 
@@ -293,6 +313,7 @@ def local_steps(
             new_slow = optax.tree.where(ok, optax.apply_updates(slow_p, delta), slow_p)
             # A cond, not a select: selecting between the two outer states made XLA
             # copy phi, the moments and the outer state on every step, sync or not.
+            new_outer, outer_state = _same_varying_axes(new_outer, outer_state)
             kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
             outer_state = _counters_from(new_outer, kept)
             fresh = inner.init(_theta_like(merge(slow, new_slow, p), params))  # counts too
