@@ -482,6 +482,25 @@ def _split_by_varying_axes(tree: PyTree) -> tuple[list, Any, list[list[int]]] | 
     return leaves, treedef, groups
 
 
+def _per_kind(fn: Any, tree: PyTree) -> tuple | None:
+    """``fn`` (leaf list -> tuple of leaf lists) per kind of leaf, reassembled into trees.
+
+    None when all leaves are of one kind (then call ``fn`` on the tree itself).
+    """
+    split = _split_by_varying_axes(tree)
+    if split is None:
+        return None
+    leaves, treedef, groups = split
+    outs: list[list[Any]] = []
+    for idx in groups:
+        results = fn([leaves[i] for i in idx])
+        outs = outs or [[None] * len(leaves) for _ in results]
+        for out, result in zip(outs, results):
+            for i, v in zip(idx, result):
+                out[i] = v
+    return tuple(jax.tree.unflatten(treedef, out) for out in outs)
+
+
 def group_mean(
     tree: PyTree,
     axis_name: str,
@@ -512,16 +531,10 @@ def group_mean(
       A tree like ``tree`` (leaves promoted to at least float32) holding the
       group means.
     """
-    split = _split_by_varying_axes(tree)
-    if split is not None:  # one message per kind of leaf, so no leaf takes another's type
-        leaves, treedef, groups = split
-        out = [None] * len(leaves)
-        for idx in groups:
-            means = group_mean([leaves[i] for i in idx], axis_name, pool, index, exchange_dtype,
-                               weight)  # fmt: skip
-            for i, v in zip(idx, means):
-                out[i] = v
-        return jax.tree.unflatten(treedef, out)
+    per_kind = _per_kind(lambda part: (group_mean(part, axis_name, pool, index, exchange_dtype,
+                                                  weight),), tree)  # fmt: skip
+    if per_kind is not None:  # one message per kind of leaf, so no leaf takes another's type
+        return per_kind[0]
     if quantize.is_codec(exchange_dtype):
         return _group_mean_codec(tree, axis_name, pool, index, exchange_dtype, weight)[0]
     leaves, treedef = jax.tree.flatten(tree)
@@ -646,16 +659,10 @@ def group_mean_codec(
     The second output is what error feedback needs: the residual of this
     replica's message is ``tree - sent``.
     """
-    split = _split_by_varying_axes(tree)
-    if split is None:
-        return _group_mean_codec(tree, axis_name, pool, index, fmt, weight)
-    leaves, treedef, groups = split
-    means, sent = [None] * len(leaves), [None] * len(leaves)
-    for idx in groups:
-        m, t = _group_mean_codec([leaves[i] for i in idx], axis_name, pool, index, fmt, weight)
-        for i, a, b in zip(idx, m, t):
-            means[i], sent[i] = a, b
-    return jax.tree.unflatten(treedef, means), jax.tree.unflatten(treedef, sent)
+    run = functools.partial(_group_mean_codec, axis_name=axis_name, pool=pool, index=index,
+                            fmt=fmt, weight=weight)  # fmt: skip
+    per_kind = _per_kind(run, tree)
+    return run(tree) if per_kind is None else per_kind
 
 
 def all_replica_mean(tree: PyTree, axis_name: str, weight: jax.Array | None = None) -> PyTree:

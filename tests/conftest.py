@@ -12,3 +12,23 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    """A small local corpus the project makes itself: Python's bundled help topics."""
+    from pydoc_data.topics import topics  # noqa: PLC0415
+
+    d = tmp_path_factory.mktemp("corpus")
+    for i, (name, text) in enumerate(sorted(topics.items())[:40]):
+        (d / f"{i:02d}_{name}.txt").write_text(text, encoding="utf-8")
+    return d
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A TFDS data dir and cache of one test module's own."""
+    return tmp_path_factory.mktemp("data")

@@ -18,7 +18,6 @@ import time
 import types
 
 import pytest
-from pydoc_data.topics import topics
 
 from noloco_jax import models, train
 from noloco_jax.data import sources
@@ -76,19 +75,6 @@ def test_settings_defaults_are_those_of_configs_common():
 
 
 # ---------------------------------------------------------------- bad input
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    for i, (name, text) in enumerate(sorted(topics.items())[:40]):
-        (d / f"{i:02d}_{name}.txt").write_text(text, encoding="utf-8")
-    return d
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("data")
 
 
 def nano_argv(workdir, corpus_dir, data_dir, *extra, warmup=("--config.optim.warmup_steps=1",)):

@@ -36,7 +36,7 @@ from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like, is_enviro
 from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer.loop import load_run, train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
-from tests.test_train import _losses, corpus_dir, data_dir, tiny_settings  # noqa: F401
+from tests.test_train import _losses, tiny_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}

@@ -9,7 +9,7 @@ from noloco_jax import models
 from noloco_jax.trainer import skipping
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.step import loss_fn
-from tests.test_train import corpus_dir, data_dir, tiny_settings  # noqa: F401
+from tests.test_train import tiny_settings
 
 CFG = models.get_preset("nano", vocab_size=64, num_layers=4, max_seq_len=64)
 

@@ -7,7 +7,6 @@ import sys
 
 import numpy as np
 import pytest
-from pydoc_data.topics import topics
 
 from noloco_jax.trainer import settings as settings_lib
 from noloco_jax.trainer.checkpoint import Checkpointer
@@ -15,20 +14,6 @@ from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory):
-    """A small local corpus the project makes itself: Python's bundled help topics."""
-    d = tmp_path_factory.mktemp("corpus")
-    for i, (name, text) in enumerate(sorted(topics.items())[:40]):
-        (d / f"{i:02d}_{name}.txt").write_text(text, encoding="utf-8")
-    return d
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("data")
 
 
 def tiny_settings(corpus_dir, data_dir, **overrides):

@@ -8,7 +8,7 @@ import pytest
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
-from tests.test_train import _losses, corpus_dir, data_dir, tiny_settings  # noqa: F401
+from tests.test_train import _losses, tiny_settings
 
 
 def test_injected_nan_is_caught_reset_and_logged(tmp_path, corpus_dir, data_dir):  # noqa: F811
