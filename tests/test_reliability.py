@@ -327,6 +327,13 @@ def test_signal_saves_at_the_step_boundary_and_exits_0(tmp_path, corpus_dir, dat
     assert out.count(f"{sig.name} received") == 1
     last_logged = max(r["step"] for r in read_jsonl(run / "metrics.jsonl", "train"))
     assert Checkpointer(run / "checkpoints").latest_step() == last_logged
+    if sig == signal.SIGTERM:  # preemption (issue 22): the restart continues bit for bit
+        s = tiny_settings(corpus_dir, data_dir, num_steps=100000, checkpoint_every=1000,
+                          eval_every=1000)  # fmt: skip
+        straight = tmp_path / "straight"
+        train_and_evaluate(s, run, stop_at=last_logged + 4, progress=False)
+        train_and_evaluate(s, straight, stop_at=last_logged + 4, progress=False)
+        assert _losses(run) == _losses(straight) and len(_losses(straight)) >= 3
 
 
 # --- 8. small holes ---------------------------------------------------------------------
