@@ -70,6 +70,7 @@ __all__ = [
     "presence_mask",
     "group_mean",
     "group_mean_codec",
+    "varying_axes",
     "all_replica_mean",
     "exchange_steps",
     "noloco_bytes_per_sync",
@@ -461,7 +462,7 @@ def _unpack(
     return out
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
+def varying_axes(x: jax.Array) -> frozenset:
     """The ``shard_map`` mesh axes ``x`` is typed as varying over (empty outside shard_map)."""
     kind = getattr(jax.typeof(x), "manual_axis_type", None)
     return frozenset(getattr(kind, "varying", None) or ())
@@ -475,7 +476,7 @@ def _split_by_varying_axes(tree: PyTree) -> tuple[list, Any, list[list[int]]] | 
     result as varying over the union of their axes.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    kinds = [_varying_axes(x) for x in leaves]
+    kinds = [varying_axes(x) for x in leaves]
     if len(set(kinds)) <= 1:
         return None
     groups = [[i for i, k in enumerate(kinds) if k == kind] for kind in dict.fromkeys(kinds)]

@@ -95,15 +95,11 @@ def _same_varying_axes(a: Any, b: Any) -> tuple[Any, Any]:
     Outside ``shard_map`` (no manual axes) this returns its inputs.
     """
 
-    def axes(x: Any) -> frozenset:
-        kind = getattr(jax.typeof(x), "manual_axis_type", None)
-        return frozenset(getattr(kind, "varying", None) or ())
-
     def cast(x: Any, want: frozenset) -> Any:
-        missing = tuple(sorted(want - axes(x)))
+        missing = tuple(sorted(want - comm.varying_axes(x)))
         return lax.pcast(x, missing, to="varying") if missing else x
 
-    want = jax.tree.map(lambda x, y: axes(x) | axes(y), a, b)
+    want = jax.tree.map(lambda x, y: comm.varying_axes(x) | comm.varying_axes(y), a, b)
     return jax.tree.map(cast, a, want), jax.tree.map(cast, b, want)
 
 
@@ -153,11 +149,9 @@ def _check_phase(count: jax.Array, sync_every: int, sync_step: Any, num_frags: i
     one device's callback would abort a multi-device program mid-collective.
     The count goes to ``LocalStepsState.phase_errors``.
     """
-    if num_frags == 1:
-        wrong = (count % sync_every == 0) != sync_step
-    else:
-        due = frag.sync_fragment(count, sync_every, num_frags)
-        wrong = due != (-1 if sync_step is False else sync_step)
+    # The fragment the counter says ends its round (-1: none; one fragment is fragment 0).
+    want = -1 if sync_step is False else 0 if sync_step is True else sync_step
+    wrong = frag.sync_fragment(count, sync_every, num_frags) != want
 
     def report() -> None:
         jax.debug.print(
