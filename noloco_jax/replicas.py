@@ -148,29 +148,41 @@ def _stacked_axes(tree: PyTree, num_replicas: int) -> PyTree:
 
 @dataclasses.dataclass(frozen=True)
 class Replicas:
-    """Runs per-replica functions over N replicas.
+    """Runs per-replica functions over N replicas: the run's topology.
 
     Attributes:
       num_replicas: N.
       axis_name: the name collectives use (``noloco_outer(axis_name=...)``).
       mesh: ``None`` for simulation with ``vmap`` on one device; otherwise a
-        1-D mesh whose single axis is ``axis_name`` with N devices.
+        mesh whose first axis is ``axis_name`` (N devices along it). Further
+        axes split each replica over several devices (e.g. pipeline stages).
+      leaf_axes: for meshes with intra-replica axes, ``leaf_axes(path, leaf)``
+        gives the mesh axes of the leading dims of one replica's leaf (``()``:
+        the leaf is whole on every device of its replica).
     """
 
     num_replicas: int
     axis_name: str = "replica"
     mesh: jax.sharding.Mesh | None = None
+    leaf_axes: Callable[[tuple, Any], tuple] | None = None
 
     @property
     def backend(self) -> str:
         return "vmap" if self.mesh is None else "shard_map"
+
+    @property
+    def intra_axes(self) -> tuple[str, ...]:
+        """The mesh axes inside one replica (none for vmap or a 1-D mesh)."""
+        names = () if self.mesh is None else tuple(self.mesh.axis_names)
+        return tuple(n for n in names if n != self.axis_name)
 
     def map(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Lifts ``fn`` (one replica's view) to trees in the replicated layout.
 
         Args:
           fn: a function of single-replica trees that may use collectives over
-            ``axis_name``. Outputs follow the same shared/per-replica rule.
+            ``axis_name`` (and the intra-replica axes). Outputs follow the same
+            shared/per-replica rule.
 
         Returns:
           A function of replicated trees (wrap it in ``jax.jit`` yourself).
@@ -178,6 +190,12 @@ class Replicas:
         if self.mesh is None:
             return self._vmap(fn)
         return self._shard_map(fn)
+
+    def spec(self, path: tuple, local: Any, full_rank: bool = False) -> P:
+        """The spec of a per-replica leaf, given one replica's view of it (``local``)."""
+        inner = tuple(self.leaf_axes(path, local)) if self.leaf_axes else ()
+        pad = [None] * (len(local.shape) - len(inner)) if full_rank else []
+        return P(self.axis_name, *inner, *pad)
 
     def _out_axes(self, fn: Callable[..., Any], in_axes: Any, args: Any) -> Any:
         # Shapes only, without shardings: a sharded operand would make the vmap
@@ -200,10 +218,8 @@ class Replicas:
             in_axes = tuple(_stacked_axes(a, self.num_replicas) for a in args)
             out_axes = self._out_axes(fn, in_axes, args)
             if self.num_replicas == 1:
-                # One replica: drop its axis and map over nothing, so the axis name
-                # is bound (collectives reduce to identities) but no op is batched.
-                # A size-1 batch axis on every weight made XLA:CPU's matmuls and
-                # optimizer updates ~1.5x slower than the unbatched program.
+                # One replica: no batched ops (a size-1 batch axis made XLA:CPU ~1.5x
+                # slower), but the axis name stays bound for the collectives.
                 local = jax.tree.map(
                     lambda x, a: x if a is None else x[0], args, in_axes, is_leaf=_is_none
                 )
@@ -221,29 +237,30 @@ class Replicas:
         return run
 
     def _shard_map(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        axis = self.axis_name
-
-        def spec(a: Any) -> P:
-            return P() if a is None else P(axis)
+        def specs(tree: Any, axes: Any, lead: int) -> Any:
+            return jax.tree_util.tree_map_with_path(
+                lambda p, x, a: P() if a is None else self.spec(p, _drop(x, lead)), tree, axes)
 
         def run(*args: Any) -> Any:
             in_axes = tuple(_stacked_axes(a, self.num_replicas) for a in args)
-            out_axes = self._out_axes(fn, in_axes, args)
+            in_specs = specs(args, in_axes, 1)
+
+            def call(*local: Any) -> Any:
+                return fn(*jax.tree.map(lambda x, a: x if a is None else x[0], local, in_axes,
+                                        is_leaf=_is_none))  # fmt: skip
+
+            # One device's view of the outputs, to apply the layout rule to.
+            view = jax.eval_shape(jax.shard_map(call, mesh=self.mesh, in_specs=in_specs,
+                                                out_specs=P(), check_vma=False), *args)  # fmt: skip
+            out_axes = jax.tree_util.tree_map_with_path(
+                lambda p, s: None if is_shared_leaf(s, p) else 0, view)
 
             def body(*local: Any) -> Any:
-                squeezed = jax.tree.map(
-                    lambda x, a: x if a is None else x[0], local, in_axes, is_leaf=_is_none
-                )
-                out = fn(*squeezed)
-                return jax.tree.map(
-                    lambda x, a: x if a is None else x[None], out, out_axes, is_leaf=_is_none
-                )
+                return jax.tree.map(lambda x, a: x if a is None else x[None], call(*local),
+                                    out_axes, is_leaf=_is_none)  # fmt: skip
 
-            in_specs = jax.tree.map(spec, in_axes, is_leaf=_is_none)
-            out_specs = jax.tree.map(spec, out_axes, is_leaf=_is_none)
-            return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(
-                *args
-            )
+            return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                                 out_specs=specs(view, out_axes, 0))(*args)  # fmt: skip
 
         return run
 
@@ -277,18 +294,19 @@ class Replicas:
         if self.mesh is None:
             return tree
 
-        def place(shared: bool, x: Any) -> Any:
+        def place(path: tuple, x: Any) -> Any:
             # Full-rank specs, as shard_map outputs carry them: P('r') and
             # P('r', None) are different types on an explicit mesh and would
             # make the first call compile twice.
-            spec = P() if shared else P(self.axis_name, *[None] * (x.ndim - 1))
+            shared = is_shared_leaf(x, path)
+            spec = P() if shared else self.spec(path, _drop(x, 1), full_rank=True)
             sharding = NamedSharding(self.mesh, spec)
             if jax.process_count() == 1:
                 return jax.device_put(x, sharding)
             host = np.asarray(x)
             return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
-        return _map_shared(place, tree)
+        return jax.tree_util.tree_map_with_path(place, tree)
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -298,6 +316,11 @@ def to_host(x: Any) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
+
+
+def _drop(x: Any, lead: int) -> jax.ShapeDtypeStruct:
+    """``x``'s shape without its first ``lead`` dims."""
+    return jax.ShapeDtypeStruct(tuple(x.shape[lead:]), x.dtype)
 
 
 def _is_none(x: Any) -> bool:

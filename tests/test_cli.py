@@ -17,6 +17,7 @@ import sys
 import time
 import types
 
+import numpy as np
 import pytest
 
 from noloco_jax import models, train
@@ -463,15 +464,17 @@ def test_progress_bar_says_compiling_until_the_first_chunk_and_lines_go_above_it
 
 
 def test_the_loop_tells_the_bar_which_chunks_compiled():
-    from noloco_jax.trainer.loop import _PhasedChunk  # noqa: PLC0415
+    from noloco_jax.trainer import loop  # noqa: PLC0415
 
-    class Tokens:
-        shape = (1, 25)
+    def program(state, tokens, count):
+        return state, np.zeros((1, tokens.shape[1]), np.float32)
 
-    state = types.SimpleNamespace(opt_state=())  # holds no local_steps counter to check
-    chunk = _PhasedChunk(lambda sync_at: (lambda state, tokens: (state, sync_at)), 50)
+    data = types.SimpleNamespace(batcher=types.SimpleNamespace(batch=lambda t: np.zeros((1, 1, 2))))
+    run = types.SimpleNamespace(inner=program, sync=program, block=25, period=50, calls=set(),
+                                data=data, reps=types.SimpleNamespace(put=lambda x: x))
     compiled = []
     for step in (0, 25, 50, 75):
-        chunk(state, Tokens, step)
-        compiled.append(chunk.compiled)
-    assert compiled == [True, True, False, False]  # two layouts: without and with a sync step
+        before = len(run.calls)
+        loop._run_blocks(run, None, step, 25)
+        compiled.append(len(run.calls) > before)
+    assert compiled == [True, True, False, False]  # two programs: inner steps, then the sync

@@ -1,11 +1,13 @@
-"""Phase known on the host: local_steps(sync_step=...) and train_chunk(sync_at=...).
+"""Phase known on the host: local_steps(sync_step=...) and the trainer's two programs.
 
-The static phase must give exactly the on-device ``lax.cond`` trajectory, and
-an inner step compiled with it must be the inner optimizer's step alone.
+The static phase must give the on-device ``lax.cond`` trajectory, an inner step
+compiled with it must be the inner optimizer's step alone, and the loop must
+compile exactly two programs (inner steps, sync step) whatever the chunk layout.
 """
 
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -15,18 +17,12 @@ import pytest
 
 from noloco_jax import hlo, local_steps, models, noloco_outer, replicas
 from noloco_jax.trainer import loop
-from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk, train_step
+from noloco_jax.trainer import grads
+from noloco_jax.trainer.step import TrainState, make_program, run_steps, train_step
 from tests.helpers import assert_trees_close, random_tree
 
 CFG = models.get_preset("nano", vocab_size=64, max_seq_len=16, hidden_size=16, num_heads=2,
                          num_layers=1, mlp_hidden_size=32)
-
-
-def test_sync_positions_golden():
-    assert sync_positions(0, 5, 3) == (2,)  # after steps 3
-    assert sync_positions(3, 7, 3) == (2, 5)  # after steps 6 and 9
-    assert sync_positions(4, 1, 5) == (0,)  # the chunk's only step ends a round
-    assert sync_positions(0, 2, 50) == ()
 
 
 def test_static_phase_equals_on_device_phase():
@@ -86,49 +82,44 @@ def _model_setup(h):
     return graphdef, tx, TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
 
 
-def test_phased_chunks_equal_on_device_phase_across_unaligned_chunks():
-    n, h, lengths = 2, 2, (3, 3)  # layouts (1,) then (0, 2): one and two syncs per chunk
+def _fake_run(reps, graphdef, tx, n, log_every, period, **kwargs):
+    """A ``loop._Run`` with only what ``loop._run_blocks`` reads; batches from a seeded RNG."""
+    def batch(t):
+        return np.random.default_rng(t).integers(0, CFG.vocab_size, (n, 2, 9)).astype(np.int32)
+
+    inner, sync = loop._programs(reps, dict(grads_fn=grads.plain(graphdef), tx=tx, **kwargs),
+                                 rounds=True, fragments=False)  # fmt: skip
+    data = types.SimpleNamespace(batcher=types.SimpleNamespace(batch=batch))
+    return types.SimpleNamespace(inner=inner, sync=sync, block=np.gcd(log_every, period),
+                                 period=period, reps=reps, data=data, calls=set()), batch
+
+
+@pytest.mark.parametrize("log_every,h,start", [(2, 4, 0), (4, 2, 0), (3, 3, 1)])
+def test_two_programs_equal_on_device_phase(log_every, h, start):
+    """Blocks of inner steps and lone sync steps (any start: a resume) = the on-device cond."""
+    n, steps = 2, 8
     graphdef, tx, single = _model_setup(h)
-    state0 = replicas.replicate(single, n)
     reps = replicas.make_replicas(n, backend="vmap")
-    kwargs = dict(graphdef=graphdef, tx=tx)
-    phased = loop._PhasedChunk(loop._chunk_maker(reps, kwargs), h)
-    dynamic = loop._PhasedChunk(loop._chunk_maker(reps, kwargs), None)
-    rng = np.random.default_rng(0)
-    a, b, step = jax.tree.map(jnp.copy, state0), jax.tree.map(jnp.copy, state0), 0
-    for k in lengths:
-        tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (n, k, 2, 9)), jnp.int32)
-        a, loss_a = phased(a, tokens, step)
-        b, loss_b = dynamic(b, tokens, step)
-        step += k
-        np.testing.assert_allclose(np.asarray(loss_a), np.asarray(loss_b), rtol=1e-6)
+    run, batch = _fake_run(reps, graphdef, tx, n, log_every, h)
+    dynamic = jax.jit(reps.map(functools.partial(train_step, grads_fn=grads.plain(graphdef), tx=tx)))
+    b = replicas.replicate(single, n)
+    for t in range(start):  # a resume mid-block
+        b, _ = dynamic(b, jnp.asarray(batch(t)))
+    a = jax.tree.map(jnp.copy, b)
+    step = start
+    while step < start + steps:
+        k = min(log_every - step % log_every, start + steps - step)
+        a, loss_a = loop._run_blocks(run, a, step, k)
+        loss_b = []
+        for t in range(step, step + k):
+            b, loss = dynamic(b, jnp.asarray(batch(t)))
+            loss_b.append(loss)
+        np.testing.assert_allclose(loss_a, np.stack(loss_b, 1), rtol=1e-6)
         assert_trees_close(a, b, rtol=1e-5, atol=1e-6)  # rounding, compounded over steps
-    assert set(phased._fns) == {(1,), (0, 2)}
-    assert int(a.opt_state[1].count) == sum(lengths)
-
-
-def test_layouts_beyond_the_cap_use_the_on_device_phase(monkeypatch):
-    made = []
-
-    def make(sync_at):
-        made.append(sync_at)
-        return lambda state, tokens: (state, sync_at)
-
-    monkeypatch.setattr(loop, "_check_counter", lambda state, step: None)
-    chunk = loop._PhasedChunk(make, 3, max_layouts=2)
-    tokens = np.zeros((1, 2, 1, 9))  # [N, k, B, T + 1], chunks of 2 steps
-    got = [chunk(None, tokens, step)[1] for step in (0, 2, 4, 6, 0)]
-    # steps 0-1: none; 2-3: step 3 ends a round; 4-5: step 6 does; 6-7: none; cached ()
-    assert got == [(), (0,), None, (), ()]
-    assert made == [(), (0,), None]
-
-
-def test_sync_at_must_be_positions_in_the_chunk():
-    graphdef, tx, state = _model_setup(2)
-    tokens = jnp.zeros((3, 1, 9), jnp.int32)
-    for bad in [(3,), (-1,), (1, 1), (0.5,)]:
-        with pytest.raises(ValueError, match="sync_at must hold distinct chunk positions"):
-            train_chunk(state, tokens, sync_at=bad, graphdef=graphdef, tx=tx)
+        step += k
+    assert int(a.opt_state[1].count) == start + steps
+    # Exactly two programs, each compiled once, whatever the layout of the chunks.
+    assert run.inner._cache_size() == 1 and run.sync._cache_size() == 1
 
 
 def test_counter_out_of_step_with_the_run_is_refused():
@@ -138,7 +129,7 @@ def test_counter_out_of_step_with_the_run_is_refused():
         loop._check_counter(state, 5)
 
 
-def test_phased_chunk_needs_no_more_memory_than_on_device_phase():
+def test_sync_program_needs_no_more_memory_than_on_device_phase():
     # Weights dominate this model's footprint, as in real training. A sync step compiled as
     # straight-line code kept ~2 more weight-sized temporaries than one inside a loop.
     cfg = models.get_preset("nano", vocab_size=64, max_seq_len=16, hidden_size=128, num_heads=2,
@@ -149,19 +140,14 @@ def test_phased_chunk_needs_no_more_memory_than_on_device_phase():
     tokens = jax.ShapeDtypeStruct((3, 1, 9), jnp.int32)
     weight_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
 
-    def temp_bytes(sync_at):
-        f = functools.partial(train_chunk, graphdef=graphdef, tx=tx, sync_at=sync_at)
-        m = jax.jit(f, donate_argnums=0).lower(state, tokens).compile().memory_analysis()
+    def temp_bytes(sync_step):
+        step_fn = functools.partial(train_step, grads_fn=grads.plain(graphdef), tx=tx,
+                                    sync_step=sync_step)  # fmt: skip
+        f = jax.jit(functools.partial(run_steps, step_fn=step_fn), donate_argnums=0)
+        m = f.lower(state, tokens, jnp.int32(1)).compile().memory_analysis()
         return m.temp_size_in_bytes
 
-    # (0, 2): a sync step, a lone inner step, a sync step; straight-line it was ~4x the temp
-    assert temp_bytes((0, 2)) <= temp_bytes(None) + 0.25 * weight_bytes
-
-
-def test_phase_on_host_only_when_chunks_stay_aligned_with_rounds():
-    assert loop.phase_on_host(25, 50) and loop.phase_on_host(50, 50)
-    assert loop.phase_on_host(100, 50) and loop.phase_on_host(2, 2)
-    assert not loop.phase_on_host(2, 3) and not loop.phase_on_host(25, 10)
+    assert temp_bytes(True) <= temp_bytes(None) + 0.25 * weight_bytes
 
 
 def test_guard_repairs_on_sync_steps_and_ends_the_round_in_the_same_state():
@@ -176,12 +162,14 @@ def test_guard_repairs_on_sync_steps_and_ends_the_round_in_the_same_state():
     state0 = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), n)
     reps = replicas.make_replicas(n, backend="vmap")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (n, 2, 2, 9)), jnp.int32)
-    out = {}
-    for sync_at in ((1,), None):
-        chunk = functools.partial(train_chunk, sync_at=sync_at, graphdef=graphdef, tx=tx,
-                                  nonfinite_guard=True, inject_nan_step=0,
-                                  inject_nan_replica=1)  # fmt: skip
-        out[sync_at] = jax.jit(reps.map(chunk))(jax.tree.map(jnp.copy, state0), tokens)
+    corrupt = loop._nan_drill(types.SimpleNamespace(inject_nan_step=0, inject_nan_replica=1))
+    kwargs = dict(grads_fn=grads.plain(graphdef), tx=tx, nonfinite_guard=True, corrupt=corrupt)
+    inner, sync = (make_program(reps, sync_step=p, **kwargs) for p in (False, True))
+    host, loss_i = inner(jax.tree.map(jnp.copy, state0), tokens[:, :1], np.int32(1))
+    host, loss_s = sync(host, tokens[:, 1:], np.int32(1))
+    loss_host = jnp.concatenate([loss_i, loss_s], 1)
+    device, loss_device = make_program(reps, sync_step=None, **kwargs)(
+        jax.tree.map(jnp.copy, state0), tokens, np.int32(2))
     (host, loss_host), (device, loss_device) = out[(1,)], out[None]
     assert np.isfinite(loss_host[0]).all() and np.isnan(loss_host[1]).all()
     assert np.isnan(loss_device[1, 0]) and np.isfinite(loss_device[1, 1])
@@ -200,7 +188,8 @@ def test_static_inner_step_moves_no_more_bytes_than_plain_adam():
     def step_bytes(tx, sync_step):
         state = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), 2)
         f = jax.jit(replicas.Replicas(2).map(functools.partial(
-            train_step, graphdef=graphdef, tx=tx, nonfinite_guard=True, sync_step=sync_step)),
+            train_step, grads_fn=grads.plain(graphdef), tx=tx, nonfinite_guard=True,
+            sync_step=sync_step)),
             donate_argnums=0)  # as the trainer: phi passes through without a copy
         cost = f.lower(state, tokens).compile().cost_analysis()
         return float((cost[0] if isinstance(cost, list) else cost)["bytes accessed"])

@@ -109,55 +109,68 @@ def test_stage_gradients_only_come_from_microbatches_routed_through_it(setup):
         assert {k for k in range(N) if emb[k]} == starts
 
 
-def test_device_mesh_equals_simulation(setup):
+def _mesh_reps():
+    return replicas.Replicas(N, mesh=pl.make_pipeline_mesh(N, S), leaf_axes=pl.stage_leaf_axes)
+
+
+def _routed_grads(reps, graphdef, pool, idx, on_mesh):
+    """Loss and grads of every replica with the routing ``idx``, via ``reps.map``."""
+    def one(p, tok):
+        if not on_mesh:
+            f = lambda q: pl.routed_loss(q, tok, idx, graphdef=graphdef, pool=pool, num_stages=S)  # noqa
+            return jax.value_and_grad(f)(p)
+
+        def total(q):
+            local = pl.routed_loss_on_mesh(q, tok, idx, graphdef=graphdef, pool=pool, num_stages=S)
+            return jax.lax.psum(local, ("replica", "stage")), jax.lax.psum(local, "stage")
+
+        (_, loss), g = jax.value_and_grad(total, has_aux=True)(p)
+        return loss, g
+
+    return jax.jit(reps.map(one))
+
+
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_per_replica_routing_equals_the_gather_simulation(setup, on_mesh):
+    """routed_loss (ppermute over replicas, vmap) and routed_loss_on_mesh equal routed_losses."""
     graphdef, params, tokens, pool, idx, perms = setup
     sim = lambda p: pl.routed_losses(p, tokens, perms, graphdef=graphdef, num_stages=S)  # noqa
-    mesh = pl.PipelineMesh(pl.make_pipeline_mesh(N, S), graphdef, pool)
-    losses, grads = mesh.loss_and_grads()(mesh.put(params), mesh.put(tokens), idx)
+    reps = _mesh_reps() if on_mesh else replicas.Replicas(N)
+    losses, grads = _routed_grads(reps, graphdef, pool, idx, on_mesh)(reps.put(params),
+                                                                       reps.put(tokens))
     np.testing.assert_allclose(losses, sim(params), rtol=1e-6)
     assert_trees_close(grads, jax.grad(lambda p: sim(p).sum())(params), rtol=1e-5, atol=1e-7)
 
 
 def test_training_with_noloco_per_stage_matches_on_mesh_and_in_simulation(setup):
+    from noloco_jax import local_steps
+    from noloco_jax.trainer import grads as grads_lib
+    from noloco_jax.trainer.step import TrainState, train_step
+
     graphdef, params, tokens, pool, _, _ = setup
-    params = replicas.replicate(jax.tree.map(lambda x: x[0], params), N)  # identical init
+    single = jax.tree.map(lambda x: x[0], params)  # identical init
     # SGD: equal gradients must give equal trajectories. (Adam divides near-zero
     # gradients by their own magnitude, so 1e-8 differences in summation order
     # would show up as 1e-5 differences in the parameters.)
-    inner = optax.sgd(0.5, momentum=0.9)
-    outer = noloco_outer(seed=2)
-    from noloco_jax import local_steps
-
-    sim_tx = optax.chain(pl.clip_by_stage_norm(0.5, S), local_steps(inner, outer, 2))
-    reps = replicas.make_replicas(N, backend="vmap")
-    single = jax.tree.map(lambda x: x[0], params)
-    sim_state = replicas.replicate(sim_tx.init(single), N)
-    update = reps.map(sim_tx.update)
-
-    @jax.jit
-    def sim_step(p, s, tok, step):
-        idx = pl.route_indices(step, num_boundaries=S - 1, num_microbatches=B,
-                               pool_size=len(pool), seed=0)  # fmt: skip
-        perms = pl.route_perms(pool, idx)
-        grads = jax.grad(lambda q: pl.routed_losses(q, tok, perms, graphdef=graphdef,
-                                                    num_stages=S).sum())(p)  # fmt: skip
-        u, s = update(grads, s, p)
-        return optax.apply_updates(p, u), s
-
-    mesh = pl.PipelineMesh(pl.make_pipeline_mesh(N, S), graphdef, pool)
-    spmd_step = mesh.train_step(
-        lambda stage: optax.chain(pl.clip_by_stage_norm(0.5, S, stage=stage),
-                                  local_steps(inner, outer, 2)))  # fmt: skip
-    p_sim, s_sim = params, sim_state
-    p_mesh, s_mesh = mesh.put(params), mesh.put(sim_state)
-    for step in range(5):  # two NoLoCo syncs
-        tok = jax.random.randint(jax.random.key(10 + step), (N, B, T + 1), 1, 64)
-        idx = pl.route_indices(step, num_boundaries=S - 1, num_microbatches=B,
-                               pool_size=len(pool), seed=0)  # fmt: skip
-        p_sim, s_sim = sim_step(p_sim, s_sim, tok, step)
-        p_mesh, s_mesh, _ = spmd_step(p_mesh, s_mesh, mesh.put(tok), idx)
-    assert_trees_close(p_mesh, p_sim, rtol=1e-4, atol=1e-6)
-    assert not np.allclose(p_sim["lm_head"][...][0], p_sim["lm_head"][...][1])
+    make_tx = lambda stage=None: optax.chain(  # noqa: E731
+        pl.clip_by_stage_norm(0.5, S, stage=stage),
+        local_steps(optax.sgd(0.5, momentum=0.9), noloco_outer(seed=2), 2))
+    state0 = TrainState(jnp.zeros([], jnp.int32), single, make_tx().init(single))
+    runs = {
+        "sim": (replicas.Replicas(N), grads_lib.routed(graphdef, pool, S, seed=0), make_tx()),
+        "mesh": (_mesh_reps(), grads_lib.routed_on_mesh(graphdef, pool, S, seed=0),
+                 grads_lib.per_stage(make_tx)),
+    }
+    out = {}
+    for name, (reps, grads_fn, tx) in runs.items():
+        step = jax.jit(reps.map(functools.partial(train_step, grads_fn=grads_fn, tx=tx)))
+        state = reps.put(replicas.replicate(state0, N))
+        for k in range(5):  # two NoLoCo syncs
+            tok = jax.random.randint(jax.random.key(10 + k), (N, B, T + 1), 1, 64)
+            state, _ = step(state, reps.put(tok))
+        out[name] = jax.tree.map(np.asarray, state.params)
+    assert_trees_close(out["mesh"], out["sim"], rtol=1e-4, atol=1e-6)
+    assert not np.allclose(out["sim"]["lm_head"][...][0], out["sim"]["lm_head"][...][1])
 
 
 def test_clip_by_stage_norm_clips_each_stage_on_its_own(setup):
@@ -190,68 +203,30 @@ def test_nonfinite_guard_on_the_mesh_resets_every_stage_of_the_replica(setup):
     """A NaN in one stage's blocks resets that replica on all its devices, no one else."""
     graphdef, params, tokens, pool, idx, _ = setup
     from noloco_jax import local_steps
+    from noloco_jax.trainer import grads as grads_lib
     from noloco_jax.trainer.optimizer import STAGE_AXIS
+    from noloco_jax.trainer.step import TrainState, train_step
 
-    mesh = pl.PipelineMesh(pl.make_pipeline_mesh(N, S), graphdef, pool)
+    reps = _mesh_reps()
     single = jax.tree.map(lambda x: x[0], params)
-    make_tx = lambda stage: local_steps(  # noqa: E731
+    make_tx = lambda stage=None: local_steps(  # noqa: E731
         optax.sgd(0.1), noloco_outer(seed=1), 2, nonfinite_guard=True, guard_axis_name=STAGE_AXIS)
-    state = replicas.replicate(make_tx(None).init(single), N)
-    step = mesh.train_step(make_tx, nonfinite_guard=True)
+    opt_state = replicas.replicate(make_tx().init(single), N)
+    step = jax.jit(reps.map(functools.partial(
+        train_step, grads_fn=grads_lib.routed_on_mesh(graphdef, pool, S, seed=0),
+        tx=grads_lib.per_stage(make_tx), nonfinite_guard=True, guard_axis=STAGE_AXIS)))
     bad = 1
     # NaN only in the blocks of the last layer (stage S - 1's slice), replica `bad`.
     poisoned = jax.tree_util.tree_map_with_path(
         lambda path, x: x.at[bad, -1].set(jnp.nan) if "blocks" in jax.tree_util.keystr(path)
         else x, params)  # fmt: skip
-    p, s, losses = step(mesh.put(poisoned), mesh.put(state), mesh.put(tokens), idx)
-    p = jax.tree.map(np.asarray, p)
-    slow = jax.tree.map(np.asarray, state.slow_params)
+    state = TrainState(jnp.int32(3), poisoned, opt_state)  # step 3: the routing of ``idx``
+    new, losses = step(reps.put(state), reps.put(tokens))
+    p = jax.tree.map(np.asarray, new.params)
+    slow = jax.tree.map(np.asarray, opt_state.slow_params)
     for leaf, ref in zip(jax.tree.leaves(p), jax.tree.leaves(slow)):
         np.testing.assert_array_equal(leaf[bad], ref[bad])  # whole replica back on phi
         assert np.isfinite(leaf).all()
     moved = [not np.array_equal(a[0], b[0]) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(slow))]
     assert any(moved)  # healthy replicas took their SGD step
     assert not np.isfinite(np.asarray(losses)[bad]) and np.isfinite(np.delete(np.asarray(losses), bad)).all()
-
-
-@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
-def test_pipelined_chunks_with_the_phase_from_the_host_equal_the_on_device_phase(setup, backend):
-    # The trainer's pipelined runners, simulated and on the (replica, stage) mesh:
-    # a chunk of 3 steps with H = 2 (inner step, sync step, inner step) compiled
-    # with the sync position known on the host equals the on-device lax.cond.
-    from noloco_jax.optim.local_steps import find_local_steps_state
-    from noloco_jax.trainer import optimizer as optim_lib
-    from noloco_jax.trainer.pipelined import make_pipeline_runner
-    from noloco_jax.trainer.settings import OuterSettings, TrainSettings
-    from noloco_jax.trainer.step import TrainState, sync_positions
-
-    graphdef, params, *_ = setup
-    s = TrainSettings(num_replicas=N, num_stages=S, backend=backend, global_batch_size=N * B,
-                      num_steps=10, outer=OuterSettings(sync_every=2))  # fmt: skip
-    build_tx = functools.partial(optim_lib.build_optimizer, s.method, s.optim, s.outer,
-                                 num_steps=s.num_steps, num_replicas=N, num_stages=S,
-                                 fault=s.fault)  # fmt: skip
-    runner = make_pipeline_runner(s, graphdef, build_tx)
-    assert runner.backend == backend
-    single = jax.tree.map(lambda x: x[0], params)
-    state0 = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), single,
-                                           build_tx().init(single)), N)  # fmt: skip
-    tokens = jax.random.randint(jax.random.key(5), (N, 3, B, T + 1), 1, 64)
-    sync_at = sync_positions(0, 3, 2)
-    assert sync_at == (1,)
-    out = {}
-    for key in (sync_at, None):
-        state = runner.put(jax.tree.map(jnp.copy, state0))
-        out[key] = jax.tree.map(np.asarray, runner.make_chunk(key)(state, tokens))
-    (a, loss_a), (b, loss_b) = out[sync_at], out[None]
-    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
-    assert_trees_close(a, b, rtol=1e-5, atol=1e-7)
-    # A wrong layout is honoured (different params) - and counted: local_steps checks the
-    # phase it is given against its counter.
-    wrong, _ = runner.make_chunk((0,))(runner.put(jax.tree.map(jnp.copy, state0)), tokens)
-    wrong_head = jax.tree.leaves(wrong.params["lm_head"])[0]
-    assert not np.allclose(wrong_head, jax.tree.leaves(a.params["lm_head"])[0])
-    assert set(np.ravel(find_local_steps_state(wrong.opt_state).phase_errors)) == {2}
-    assert set(np.ravel(find_local_steps_state(a.opt_state).phase_errors)) == {0}
-    found = find_local_steps_state(a.opt_state)  # 3 steps taken, one round ended
-    assert set(np.ravel(found.count)) == {3} and set(np.ravel(found.outer_state.round)) == {1}

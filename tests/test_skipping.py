@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from noloco_jax import models
-from noloco_jax.trainer import skipping
+from noloco_jax.skippipe import training as skipping
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.step import loss_fn
 from tests.test_train import tiny_settings

@@ -39,7 +39,6 @@ __all__ = [
     "data_parallel",
     "restore_nonfinite",
     "find_local_steps_state",
-    "update_and_apply",
     "check_composition",
 ]
 
@@ -399,40 +398,6 @@ def restore_nonfinite(
     ok = _all_finite(params, axis_name)
     _, params = lax.while_loop(lambda c: jnp.logical_not(c[0]), put_back, (ok, params))
     return params
-
-
-def update_and_apply(
-    tx: optax.GradientTransformation,
-    grads: optax.Updates,
-    opt_state: optax.OptState,
-    params: optax.Params,
-    *,
-    sync_step: bool | None = None,
-    nonfinite_guard: bool = False,
-    axis_name: AxisName | None = None,
-) -> tuple[optax.Params, optax.OptState]:
-    """One optimizer step: ``tx.update``, ``apply_updates`` and the guard's repair.
-
-    Args:
-      tx: the optimizer (e.g. a chain holding ``local_steps``).
-      grads, opt_state, params: as for ``tx.update``.
-      sync_step: None (``local_steps`` decides the phase on the device), or
-        True/False, passed to ``local_steps`` as the step's phase. With False
-        the repair is skipped: the guard acts at the sync, and until then a
-        broken replica's inner state keeps its updates non-finite anyway, so an
-        earlier repair would change only the logged loss.
-      nonfinite_guard: run ``restore_nonfinite`` after the update.
-      axis_name: passed to ``restore_nonfinite`` (model-parallel shards).
-
-    Returns:
-      The new params and optimizer state.
-    """
-    phase = {} if sync_step is None else {"sync_step": sync_step}
-    updates, opt_state = tx.update(grads, opt_state, params, **phase)
-    params = optax.apply_updates(params, updates)
-    if nonfinite_guard and sync_step is not False:
-        params = restore_nonfinite(params, opt_state, axis_name)
-    return params, opt_state
 
 
 def check_composition(opt_state: optax.OptState) -> None:

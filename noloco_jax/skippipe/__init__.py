@@ -1,7 +1,7 @@
 """SkipPipe in miniature: path rules, a scheduler and an iteration-time simulator.
 
-Pure Python/NumPy (no JAX), deterministic given seeds. Training with skipped
-stages lives in ``noloco_jax.trainer.skipping``.
+The scheduler and simulator are pure Python/NumPy, deterministic given seeds. Training with skipped
+stages lives in ``noloco_jax.skippipe.training``.
 
     net = skippipe.geo_distributed(18, forward_s=1.76)
     part = skippipe.partition_nodes(net, skippipe.default_stage_sizes(18, 4), message_bytes=16e6)

@@ -5,13 +5,13 @@ demand: it pulls in the data layer).
 """
 
 from noloco_jax.trainer.settings import TrainSettings, from_config
-from noloco_jax.trainer.step import TrainState, eval_window_losses, train_chunk, train_step
+from noloco_jax.trainer.step import TrainState, eval_window_losses, run_steps, train_step
 
 __all__ = [
     "TrainSettings",
     "TrainState",
     "eval_window_losses",
     "from_config",
-    "train_chunk",
+    "run_steps",
     "train_step",
 ]

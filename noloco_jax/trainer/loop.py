@@ -19,9 +19,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from noloco_jax import data as data_lib
 from noloco_jax import ensemble, models, replicas
+from noloco_jax import pipeline as pl
 from noloco_jax.errors import CorruptCheckpointError, TrainingDivergedError, UserError
 from noloco_jax.metrics import replica_spread
 from noloco_jax.data.token_files import open_token_dir, sharded_batches
@@ -32,10 +34,12 @@ from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
 from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer.observability import Profiler, check_sinks, distance_to_mean, make_sinks
-from noloco_jax.trainer.pipelined import make_pipeline_runner
+from noloco_jax.pipeline.routed import STAGE
+from noloco_jax.skippipe.training import SkipConfig
+from noloco_jax.trainer import grads
 from noloco_jax.trainer.resize import check_resume, restore_resized
 from noloco_jax.trainer.settings import TrainSettings, warnings_for
-from noloco_jax.trainer.step import TrainState, eval_token_losses, sync_positions, train_chunk
+from noloco_jax.trainer.step import TrainState, eval_token_losses, make_program
 from noloco_jax.trainer.writers import MetricWriter, Progress, read_jsonl
 
 __all__ = ["DataBundle", "prepare_data", "prepare_model", "train_and_evaluate", "load_run"]
@@ -133,16 +137,25 @@ def _model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
 
 @dataclasses.dataclass
 class _Run:
-    """Everything compiled and built for one run."""
+    """Everything compiled and built for one run.
+
+    ``inner(state, tokens [N, block, ...], count)`` runs ``count`` inner steps;
+    ``sync(state, tokens [N, 1, ...], 1)`` runs the step that ends a round
+    (``None`` for methods without rounds). These are the run's two programs.
+    """
 
     settings: TrainSettings
     data: DataBundle
     reps: replicas.Replicas
     params0: Any
-    chunk: Callable
+    inner: Callable
+    sync: Callable | None
+    block: int  # steps per call of ``inner``; the sync steps fall on block ends
+    period: int | None  # steps between sync steps (H, or H / fragments)
     evaluate: Callable
     meta: dict
     resized_from: int | None = None  # the checkpoint's replica count after a resize
+    calls: set = dataclasses.field(default_factory=set)  # programs called (so compiled) so far
 
 
 def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
@@ -154,42 +167,72 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         num_replicas=s.num_replicas, num_stages=s.num_stages, fault=s.fault,
         fragment_spec=spec,
     )  # fmt: skip
-    tx = build_tx()
-    _check_memory(s, data.tokenizer.vocab_size, tx)
-    cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
-    single = TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0))
-    if s.num_stages > 1:
-        check_stages_or_explain(cfg.num_layers, s.num_stages)
-        runner = make_pipeline_runner(s, graphdef, build_tx)
-        reps = replicas.make_replicas(s.num_replicas, backend="vmap")
-        state = runner.put(replicas.replicate(single, s.num_replicas))
-        make, max_layouts = runner.make_chunk, runner.max_layouts
-        # The mesh runner compiles per step, so its layouts never drift into new programs.
-        aligned = runner.backend == "shard_map" or phase_on_host(s.log_every, s.outer.sync_every)
-    else:
-        reps = replicas.make_replicas(s.num_replicas, backend=s.backend)
-        state = reps.put(replicas.replicate(single, s.num_replicas))
-        step_kwargs = dict(
-            graphdef=graphdef, tx=tx, nonfinite_guard=s.fault.nonfinite_guard,
-            inject_nan_step=s.fault.inject_nan_step, inject_nan_replica=s.fault.inject_nan_replica,
-            skip=_skip_config(s, cfg.num_layers),
-        )  # fmt: skip
-        make, max_layouts = _chunk_maker(reps, step_kwargs), 2
-        aligned = phase_on_host(s.log_every, s.outer.sync_every)
-    # local_steps: rounds to align with; fragments sync at their own steps (on-device phase)
-    host = s.method in ("noloco", "diloco") and aligned and spec is None
-    chunk = _PhasedChunk(make, s.outer.sync_every if host else None, max_layouts)
-    evaluate = _make_evaluator(reps, graphdef, data.eval_windows)  # fixed routing
-    if s.num_stages > 1 and runner.backend == "shard_map":
-        # Evaluate a host copy: the evaluator vmaps over replicas on one device.
-        # (Fine at CPU scale; a sharded evaluation would be needed for big models.)
-        evaluate = functools.partial(lambda f, p: f(jax.device_get(p)), evaluate)
+    _check_memory(s, data.tokenizer.vocab_size, build_tx())
+    reps, step_kwargs = _topology(s, cfg, graphdef, build_tx)
+    single = TrainState(jnp.zeros([], jnp.int32), params0, build_tx().init(params0))
+    state = reps.put(replicas.replicate(single, s.num_replicas))
+    rounds = s.method in ("noloco", "diloco")
+    period = s.outer.sync_every // s.outer.fragments if rounds else None
+    block = math.gcd(s.log_every, period) if rounds else s.log_every
+    inner, sync = _programs(reps, step_kwargs, rounds, fragments=spec is not None)
+    evaluate = _make_evaluator(reps, graphdef, data.eval_windows)
     meta = {
         "settings": s.to_dict(),
         "batcher": data.batcher.state(),
         "vocab_size": int(data.tokenizer.vocab_size),
     }
-    return _Run(s, data, reps, params0, chunk, evaluate, meta), state
+    return _Run(s, data, reps, params0, inner, sync, block, period, evaluate, meta), state
+
+
+def _topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
+              ) -> tuple[replicas.Replicas, dict]:  # fmt: skip
+    """Where the replicas run, and how one replica's step computes its gradients."""
+    kwargs = dict(tx=build_tx(), nonfinite_guard=s.fault.nonfinite_guard,
+                  corrupt=_nan_drill(s.fault))  # fmt: skip
+    if s.num_stages == 1:
+        skip = _skip_config(s, cfg.num_layers)
+        grads_fn = grads.plain(graphdef) if skip is None else grads.skipping(graphdef, skip)
+        return replicas.make_replicas(s.num_replicas, backend=s.backend), {
+            **kwargs, "grads_fn": grads_fn}
+    check_stages_or_explain(cfg.num_layers, s.num_stages)
+    pool = pl.permutation_pool(s.num_replicas, s.routing_pool_size, s.seed)
+    route = dict(seed=s.seed, fixed=s.routing == "fixed")
+    if not _stage_mesh(s):
+        return replicas.Replicas(s.num_replicas), {
+            **kwargs, "grads_fn": grads.routed(graphdef, pool, s.num_stages, **route)}
+    mesh = pl.make_pipeline_mesh(s.num_replicas, s.num_stages)
+    reps = replicas.Replicas(s.num_replicas, mesh=mesh, leaf_axes=pl.stage_leaf_axes)
+    return reps, {**kwargs, "tx": grads.per_stage(build_tx), "guard_axis": STAGE,
+                  "grads_fn": grads.routed_on_mesh(graphdef, pool, s.num_stages, **route)}
+
+
+def _stage_mesh(s: TrainSettings) -> bool:
+    """Whether a pipelined run gets a ``(replica, stage)`` mesh (else it is simulated)."""
+    need = s.num_replicas * s.num_stages
+    return s.backend == "shard_map" or (s.backend == "auto" and jax.device_count() >= need)
+
+
+def _nan_drill(fault: Any) -> Callable | None:
+    """NaN weights for one replica at one step (a fault drill for tests and demos), or None."""
+    if fault.inject_nan_step < 0:
+        return None
+
+    def corrupt(params: Any, step: jax.Array) -> Any:
+        hit = (step == fault.inject_nan_step) & (lax.axis_index("replica") == fault.inject_nan_replica)
+        return jax.tree.map(lambda p: jnp.where(hit, jnp.full_like(p, jnp.nan), p), params)
+
+    return corrupt
+
+
+def _programs(reps: replicas.Replicas, step_kwargs: dict, rounds: bool, fragments: bool
+              ) -> tuple[Callable, Callable | None]:  # fmt: skip
+    """The run's two jitted programs over replicas (state donated): inner steps and sync step."""
+
+    program = functools.partial(make_program, reps, **step_kwargs)
+    if not rounds:
+        return program(sync_step=None), None
+    # With fragments the sync step picks its fragment from the step counter.
+    return program(sync_step=False), program(sync_step=None if fragments else True)
 
 
 def _check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
@@ -206,63 +249,6 @@ def _check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
                       backend=backend)  # fmt: skip
 
 
-def phase_on_host(log_every: int, sync_every: int) -> bool:
-    """Whether the trainer passes sync positions to its chunks (``train_chunk(sync_at=...)``).
-
-    Only when chunk boundaries stay aligned with the rounds (one of the two
-    divides the other): then at most two chunk layouts exist and each compiles
-    once. Otherwise the layouts drift and the on-device phase (one program)
-    is cheaper to compile than the inner steps it would speed up.
-    """
-    return log_every % sync_every == 0 or sync_every % log_every == 0
-
-
-class _PhasedChunk:
-    """The chunk function, one program per layout of sync steps in the chunk.
-
-    With ``sync_every`` the host passes each chunk's sync positions, so inner
-    steps compile without the on-device phase ``lax.cond``. Chunk boundaries
-    that drift against the rounds would compile a program per offset; after
-    ``max_layouts`` layouts the remaining chunks use the on-device phase.
-
-    Args:
-      make: ``make(sync_at)`` -> ``chunk(state, tokens)`` (``sync_at`` None: the
-        phase on the device).
-      sync_every: H, or None to always decide the phase on the device.
-      max_layouts: the most ``sync_at`` layouts given a program each.
-    """
-
-    def __init__(self, make: Callable, sync_every: int | None, max_layouts: int = 2) -> None:
-        self._make, self._sync_every, self._max = make, sync_every, max_layouts
-        self._fns: dict[Any, Callable] = {}
-        self._checked = False
-        self.compiled = False  # whether the last call built (and so compiled) a new program
-
-    def __call__(self, state: TrainState, tokens: Any, step: int) -> tuple[TrainState, Any]:
-        key = None
-        if self._sync_every is not None:
-            if not self._checked:  # the host's step must be the optimizer's step counter
-                _check_counter(state, step)
-                self._checked = True
-            key = sync_positions(step, tokens.shape[1], self._sync_every)
-            if key not in self._fns and len(self._fns) >= self._max:
-                key = None
-        self.compiled = key not in self._fns
-        if self.compiled:
-            self._fns[key] = self._make(key)
-        return self._fns[key](state, tokens)
-
-
-def _chunk_maker(reps: replicas.Replicas, step_kwargs: dict) -> Callable:
-    """``make(sync_at)``: the jitted ``train_chunk`` over replicas, state donated."""
-
-    def make(sync_at: tuple[int, ...] | None) -> Callable:
-        fn = functools.partial(train_chunk, sync_at=sync_at, **step_kwargs)
-        return jax.jit(reps.map(fn), donate_argnums=0)
-
-    return make
-
-
 def _check_counter(state: TrainState, step: int) -> None:
     found = find_local_steps_state(state.opt_state)
     if found is None:
@@ -276,8 +262,6 @@ def _check_counter(state: TrainState, step: int) -> None:
 def _skip_config(s: TrainSettings, num_layers: int) -> Any:
     if s.skip.num_stages == 0:
         return None
-    from noloco_jax.trainer.skipping import SkipConfig  # noqa: PLC0415
-
     if num_layers % s.skip.num_stages:
         raise ValueError(
             f"config.skip.num_stages={s.skip.num_stages} must divide the model's {num_layers} "
@@ -304,6 +288,9 @@ def _eval_batch_size(num_windows: int, limit: int = 16) -> int:
 
 
 def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) -> Callable:
+    if reps.intra_axes:  # replicas split over devices: evaluate a host copy, simulated
+        evaluate = _make_evaluator(replicas.Replicas(reps.num_replicas), graphdef, windows)
+        return lambda params: evaluate(jax.device_get(params))
     n = reps.num_replicas
     token_losses = functools.partial(
         eval_token_losses, graphdef=graphdef, batch_size=_eval_batch_size(len(windows))
@@ -453,6 +440,7 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
         writer = MetricWriter(workdir, enabled=first,
                               sinks=make_sinks(settings, workdir) if first else [])  # fmt: skip
         state, step = _restore_or_init(run, state, ckpt, writer)
+        _check_counter(state, step)  # the host's step must be the optimizer's step counter
         if step >= settings.num_steps:  # nothing to do: report, write nothing
             ckpt.close()
             writer.close()
@@ -470,6 +458,7 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
             start = step
             profiler.before_chunk(step, min(step - step % settings.log_every + settings.log_every,
                                             end))  # fmt: skip
+            programs = len(run.calls)
             state, step, train_metrics = _train_chunk(run, state, step, end)
             profiler.after_chunk(step)
             writer.write(step, "train", train_metrics)
@@ -487,7 +476,7 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
                 saves.report(wait=True)  # orbax waits for the previous save here anyway
                 ckpt.save(step, state, run.meta)
                 saves.pending.append(step)
-            bar.advance(step, last, compiled=getattr(run.chunk, "compiled", False))
+            bar.advance(step, last, compiled=len(run.calls) > programs)
         if stop.requested:
             last["stopped_by"] = stop.requested
             saved = ("after saving its checkpoint" if ckpt.latest_step() == step
@@ -732,13 +721,32 @@ def _nonfinite_resets(state: TrainState) -> float:
     return float(replicas.to_host(found.nonfinite_resets).sum()) if found is not None else 0.0
 
 
+def _run_blocks(run: _Run, state: TrainState, step: int, k: int) -> tuple[TrainState, Any]:
+    """``k`` steps from ``step`` as calls of the two programs; returns the state and [N, k] losses."""
+    losses, end = [], step + k
+    while step < end:
+        size = min(run.block - step % run.block, end - step)
+        sync = run.period is not None and (step + size) % run.period == 0
+        if size > sync:  # the inner steps of the block
+            state, out = _call(run, "inner", state, _next_tokens(run, step, run.block), size - sync)
+            losses.append(out[:, : size - sync])
+        if sync:
+            state, out = _call(run, "sync", state, _next_tokens(run, step + size - 1, 1), 1)
+            losses.append(out)
+        step += size
+    return state, np.concatenate([replicas.to_host(x) for x in losses], axis=1)
+
+
+def _call(run: _Run, name: str, state: TrainState, tokens: Any, count: int):
+    run.calls.add(name)
+    return getattr(run, name)(state, tokens, np.int32(count))
+
+
 def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
     s = run.settings
     k = min(s.log_every - step % s.log_every, end - step)
-    tokens = _next_tokens(run, step, k)
     t0 = time.perf_counter()
-    state, losses = run.chunk(state, tokens, step)
-    losses = replicas.to_host(losses)  # [N, k]; waits for the device
+    state, losses = _run_blocks(run, state, step, k)  # [N, k]; waits for the device
     seconds = time.perf_counter() - t0
     step += k
     n_tokens = k * s.global_batch_size * s.data.seq_len

@@ -15,7 +15,7 @@ from noloco_jax.optim import (
     local_steps,
     noloco_outer,
 )
-from noloco_jax.pipeline.spmd import STAGE as STAGE_AXIS
+from noloco_jax.pipeline.routed import STAGE as STAGE_AXIS
 from noloco_jax.pipeline.stages import clip_by_stage_norm
 from noloco_jax.trainer.settings import FaultSettings, OptimSettings, OuterSettings
 

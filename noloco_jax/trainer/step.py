@@ -1,12 +1,14 @@
-"""Pure, module-level training and evaluation steps for one replica.
+"""Pure training and evaluation steps for one replica.
 
 They see one replica's view (no replica axis); ``noloco_jax.replicas`` maps
-them over N replicas with ``vmap`` or ``shard_map``. Collectives, if any, live
-inside the optimizer on the axis "replica".
+them over the replicas (``vmap``, or ``shard_map`` on a device mesh).
+Collectives live inside the optimizer and the gradient functions, on named
+axes.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -15,15 +17,14 @@ import optax
 from jax import lax
 
 from noloco_jax.models import apply, cross_entropy
-from noloco_jax.optim.local_steps import update_and_apply
+from noloco_jax.optim.local_steps import restore_nonfinite
 
 __all__ = [
     "TrainState",
     "loss_fn",
     "train_step",
-    "train_chunk",
-    "phased_scan",
-    "sync_positions",
+    "run_steps",
+    "make_program",
     "eval_token_losses",
     "eval_window_losses",
 ]
@@ -49,157 +50,87 @@ def loss_fn(params: Any, tokens_BxT1: jax.Array, *, graphdef: Any) -> jax.Array:
     return cross_entropy(logits_BxTxV, tokens_BxT1[:, 1:]).mean()
 
 
-def _inject_nan(params: Any, step: jax.Array, at_step: int, replica: int, axis: str) -> Any:
-    """NaN weights for ``replica`` at ``at_step`` (a fault drill for tests and demos)."""
-    hit = (step == at_step) & (lax.axis_index(axis) == replica)
-    return jax.tree.map(lambda p: jnp.where(hit, jnp.full_like(p, jnp.nan), p), params)
+GradsFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
 def train_step(
     state: TrainState,
     tokens_BxT1: jax.Array,
     *,
-    graphdef: Any,
+    grads_fn: GradsFn,
     tx: optax.GradientTransformation,
-    nonfinite_guard: bool = False,
-    inject_nan_step: int = -1,
-    inject_nan_replica: int = 0,
-    axis_name: str = "replica",
-    skip: Any = None,
     sync_step: bool | None = None,
+    nonfinite_guard: bool = False,
+    guard_axis: str | None = None,
+    corrupt: Callable[[Any, jax.Array], Any] | None = None,
 ) -> tuple[TrainState, jax.Array]:
     """One optimizer step on one replica's batch; returns the new state and the loss.
 
-    With ``nonfinite_guard`` the params of a replica the optimizer's guard
-    caught are put back on its slow weights (``restore_nonfinite``). With ``skip`` (a
-    ``skipping.SkipConfig``) every sequence runs through a random subset of the stages.
-    ``sync_step`` (True/False) tells ``local_steps`` the step's phase statically; the
-    repair then runs on sync steps only (``update_and_apply``). With ``sync_step=None``
-    it runs after every step.
-    """
-    params = state.params
-    if inject_nan_step >= 0:
-        params = _inject_nan(params, state.step, inject_nan_step, inject_nan_replica, axis_name)
-    if skip is None:
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BxT1, graphdef=graphdef)
-    else:
-        from noloco_jax.trainer.skipping import skip_value_and_grad  # noqa: PLC0415
+    Args:
+      state: one replica's state.
+      tokens_BxT1: its batch.
+      grads_fn: ``grads_fn(params, tokens, step) -> (loss, grads)``
+        (``trainer.grads``: plain, stage skipping, routed pipeline).
+      tx: the optimizer.
+      sync_step: the step's phase for ``local_steps`` (True: it ends a round),
+        or None to let it decide on the device.
+      nonfinite_guard: put the params of a replica the optimizer's guard caught
+        back on its slow weights (``restore_nonfinite``; on sync steps only).
+      guard_axis: intra-replica axis for the guard (a replica's stages).
+      corrupt: ``corrupt(params, step)`` before the step (fault drills).
 
-        loss, grads = skip_value_and_grad(params, tokens_BxT1, state.step, graphdef=graphdef,
-                                          cfg=skip, full_loss=loss_fn, axis_name=axis_name)
-    params, opt_state = update_and_apply(tx, grads, state.opt_state, params, sync_step=sync_step,
-                                         nonfinite_guard=nonfinite_guard)  # fmt: skip
+    Returns:
+      The new state and the loss.
+    """
+    params = state.params if corrupt is None else corrupt(state.params, state.step)
+    loss, grads = grads_fn(params, tokens_BxT1, state.step)
+    phase = {} if sync_step is None else {"sync_step": sync_step}
+    updates, opt_state = tx.update(grads, state.opt_state, params, **phase)
+    params = optax.apply_updates(params, updates)
+    if nonfinite_guard and sync_step is not False:
+        params = restore_nonfinite(params, opt_state, guard_axis)
     return TrainState(state.step + 1, params, opt_state), loss
 
 
-def sync_positions(first_step: int, num_steps: int, sync_every: int) -> tuple[int, ...]:
-    """Positions in a chunk of ``num_steps`` steps from ``first_step`` that end a round.
-
-    A step ends a round (runs ``local_steps``' outer update) when the number of
-    steps taken after it is a multiple of ``sync_every``.
-    """
-    return tuple(p for p in range(num_steps) if (first_step + p + 1) % sync_every == 0)
-
-
-def train_chunk(
+def run_steps(
     state: TrainState,
     tokens_KxBxT1: jax.Array,
+    count: jax.Array,
     *,
-    sync_at: tuple[int, ...] | None = None,
-    **step_kwargs: Any,
+    step_fn: Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]],
 ) -> tuple[TrainState, jax.Array]:
-    """K consecutive ``train_step``s fused with ``lax.scan``; returns the K losses.
+    """``step_fn`` on the first ``count`` of the K batches, in one loop.
 
-    Args:
-      state: one replica's state.
-      tokens_KxBxT1: the K batches.
-      sync_at: the chunk positions whose step is a sync step of ``local_steps``
-        (``sync_positions``), known on the host. The chunk is then compiled as
-        scans of inner-only steps around the sync steps, so an inner step is
-        exactly the inner optimizer's step: no ``lax.cond``, no extra pass over
-        the weights. ``None`` decides the phase on the device every step.
-      **step_kwargs: passed to ``train_step``.
+    ``count`` is a runtime value, so one program serves every count up to K
+    (a block cut short by the end of the run or a resume included).
 
     Returns:
-      The new state and the K losses.
+      The new state and K losses (zeros after ``count``).
     """
+    loss = jax.eval_shape(lambda s, t: step_fn(s, t)[1], state, tokens_KxBxT1[0])
+    # Derived from the tokens, so that under shard_map it varies over replicas as the loss does.
+    zero = (tokens_KxBxT1.ravel()[0] * 0).astype(loss.dtype)
+    losses = jnp.zeros((tokens_KxBxT1.shape[0],), loss.dtype) + zero
 
-    def step(s: TrainState, tokens: jax.Array, sync_step: bool | None):
-        return train_step(s, tokens, sync_step=sync_step, **step_kwargs)
+    def body(i: jax.Array, carry: tuple) -> tuple:
+        s, out = carry
+        s, value = step_fn(s, tokens_KxBxT1[i])
+        return s, out.at[i].set(value)
 
-    return phased_scan(step, state, tokens_KxBxT1, sync_at)
+    return lax.fori_loop(0, count, body, (state, losses))
 
 
-def phased_scan(
-    step: Callable[[Any, Any, bool | None], tuple[Any, jax.Array]],
-    carry: Any,
-    xs: Any,
-    sync_at: tuple[int, ...] | None,
-) -> tuple[Any, jax.Array]:
-    """``lax.scan`` of ``step(carry, x, sync_step)`` with the sync steps known on the host.
+def make_program(reps: Any, *, sync_step: bool | None, **step_kwargs: Any) -> Callable:
+    """``program(state, tokens [N, K, B, T + 1], count)``: ``run_steps`` of ``train_step`` over
+    the replicas of ``reps`` (a ``replicas.Replicas``), jitted with the state donated.
 
     Args:
-      step: one training step; ``sync_step`` is None (phase decided on the
-        device), or True/False (the step does / does not end a round).
-      carry: the state.
-      xs: the K steps' inputs, stacked on the leading axis of every leaf.
-      sync_at: positions in ``[0, K)`` of the sync steps, or None.
-
-    Returns:
-      The final carry and the K stacked outputs.
+      reps: the topology.
+      sync_step: the phase of every step it runs (see ``train_step``).
+      **step_kwargs: the rest of ``train_step``'s arguments (``grads_fn``, ``tx``, ...).
     """
-    k = jax.tree.leaves(xs)[0].shape[0]
-    at = lambda i, j: jax.tree.map(lambda x: x[i:j], xs)  # noqa: E731
-
-    def scan(c: Any, part: Any, sync_step: bool | None):
-        return lax.scan(lambda c, x: step(c, x, sync_step), c, part)
-
-    if sync_at is None:
-        return scan(carry, xs, None)
-    valid = all(isinstance(p, int) and 0 <= p < k for p in sync_at)
-    if not valid or len(set(sync_at)) != len(sync_at):
-        raise ValueError(f"sync_at must hold distinct chunk positions in [0, {k}), "
-                         f"got {sync_at!r}.")  # fmt: skip
-    outs, start = [], 0
-    for p in sorted(sync_at) + [k]:
-        if p - start > 1:
-            carry, out = scan(carry, at(start, p), False)
-            outs.append(out)
-        elif p - start == 1:
-            carry, out = _step_in_a_loop(step, carry, at(start, p), False)
-            outs.append(out)
-        if p < k:
-            carry, out = _step_in_a_loop(step, carry, at(p, p + 1), True)
-            outs.append(out)
-        start = p + 1
-    return carry, jnp.concatenate(outs)
-
-
-def _step_in_a_loop(
-    step: Callable, carry: Any, x_1: Any, sync_step: bool
-) -> tuple[Any, jax.Array]:
-    """``step`` on the one input in ``x_1`` (leading axis 1), as a loop body run once.
-
-    XLA updates a loop's carried state in place; the same step as straight-line
-    code kept about two more weight-sized temporaries (measured on paper-small).
-    The trip count goes through an optimization barrier, so XLA cannot see it
-    is 1 and inline the loop (as it does with a length-1 ``lax.scan``).
-    Returns the carry and the output with a leading axis of 1.
-    """
-    once = lax.optimization_barrier(jnp.int32(1))
-    x = jax.tree.map(lambda v: v[0], x_1)
-    shape = jax.eval_shape(lambda c: step(c, x, sync_step)[1], carry)
-    # Derived from the input, so that under shard_map it varies over replicas like the output.
-    seed = jax.tree.leaves(x)[0].ravel()[0]
-    out0 = jnp.zeros(shape.shape, shape.dtype) + (seed * 0).astype(shape.dtype)
-
-    def body(c):
-        i, s, _ = c
-        s, out = step(s, x, sync_step)
-        return i + 1, s, out.astype(shape.dtype)
-
-    _, carry, out = lax.while_loop(lambda c: c[0] < once, body, (jnp.int32(0), carry, out0))
-    return carry, out[None]
+    step_fn = functools.partial(train_step, sync_step=sync_step, **step_kwargs)
+    return jax.jit(reps.map(functools.partial(run_steps, step_fn=step_fn)), donate_argnums=0)
 
 
 def eval_token_losses(

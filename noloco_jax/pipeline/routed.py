@@ -1,0 +1,123 @@
+"""One replica's routed-pipeline loss, with the routing as ``ppermute`` over named axes.
+
+At every stage boundary each micro-batch's activations (and labels) move from
+replica k to replica ``perm[k]``, the bijection drawn per micro-batch from the
+shared pool (``routing.permutation_pool``) and chosen with ``lax.switch``, as
+NoLoCo's groups are. Autodiff transposes each ``ppermute``, so gradients retrace
+the path their micro-batch took.
+
+Two views of the same math:
+
+* ``routed_loss``: a replica holds all its stages (simulation under ``vmap``,
+  or one replica per device); routing is over the ``replica`` axis.
+* ``routed_loss_on_mesh``: device (r, s) of a ``(replica, stage)`` mesh holds
+  stage s of replica r (the stacked blocks split over "stage"); the forward
+  pass takes S ticks and routing goes from (k, s) to (perm[k], s + 1).
+  Simulation-grade: every device computes every tick and keeps its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from noloco_jax.models import cross_entropy
+from noloco_jax.pipeline.stages import stage_layer_ids
+
+__all__ = ["REPLICA", "STAGE", "routed_loss", "routed_loss_on_mesh", "stage_leaf_axes",
+           "make_pipeline_mesh"]  # fmt: skip
+
+REPLICA, STAGE = "replica", "stage"
+
+
+def _route(x_BxD: jax.Array, idx_B: jax.Array, pool: np.ndarray, axes: Any,
+           pairs: Callable[[np.ndarray], list]) -> jax.Array:  # fmt: skip
+    """Sends micro-batch b along ``pairs(pool[idx_B[b]])`` (a static permutation per branch)."""
+    branches = [functools.partial(lambda p, v: lax.ppermute(v, axes, p), pairs(perm))
+                for perm in pool]  # fmt: skip
+    return jnp.stack([lax.switch(idx_B[b], branches, x_BxD[b]) for b in range(x_BxD.shape[0])])
+
+
+def routed_loss(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Array, *, graphdef: Any,
+                pool: np.ndarray, num_stages: int, axis_name: str = REPLICA) -> jax.Array:  # fmt: skip
+    """Mean loss of the micro-batches this replica finishes as a last stage.
+
+    Args:
+      params: this replica's whole model.
+      tokens_BxT1: this replica's stage-0 micro-batches (one sequence each).
+      idx_Sm1xB: pool index of every boundary's and micro-batch's bijection
+        (``routing.route_indices``; shared by all replicas).
+      graphdef: the model's graphdef.
+      pool: the routing pool, [K, N].
+      num_stages: S; must divide the model's layers.
+      axis_name: the replica axis.
+
+    Returns:
+      The scalar loss. Under ``vmap``/``shard_map`` over replicas, the gradient
+      each replica receives is that of the sum of all replicas' losses.
+    """
+    model = nnx.merge(graphdef, params)
+    num_layers = jax.tree.leaves(params["blocks"])[0].shape[0]
+    pairs = lambda perm: [(k, int(perm[k])) for k in range(len(perm))]  # noqa: E731
+    x, y = model.embed(tokens_BxT1[:, :-1]), tokens_BxT1[:, 1:]
+    for s, ids in enumerate(stage_layer_ids(num_layers, num_stages)):
+        x = model.run_layers(x, ids)
+        if s < num_stages - 1:
+            x, y = _route(x, idx_Sm1xB[s], pool, axis_name, pairs), \
+                _route(y, idx_Sm1xB[s], pool, axis_name, pairs)
+    return cross_entropy(model.head(x), y).mean()
+
+
+def routed_loss_on_mesh(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Array, *,
+                        graphdef: Any, pool: np.ndarray, num_stages: int) -> jax.Array:  # fmt: skip
+    """``routed_loss`` on device (r, s) of a ``(replica, stage)`` mesh.
+
+    Args: as ``routed_loss``; ``params`` hold this stage's blocks only.
+
+    Returns:
+      This device's share: its replica's loss on the last stage, 0 on the
+      others (``lax.psum`` over "stage" gives the replica's loss).
+    """
+    stage = lax.axis_index(STAGE)
+    model = nnx.merge(graphdef, params)
+
+    def pairs(perm: np.ndarray, t: int) -> list:  # linear device index: replica * S + stage
+        return [(k * num_stages + t, int(perm[k]) * num_stages + t + 1) for k in range(len(perm))]
+
+    # Inputs and embedding are the same on every stage of a replica; what flows
+    # through the pipeline differs per stage, so mark it stage-varying.
+    x = lax.pcast(model.embed(tokens_BxT1[:, :-1]), (STAGE,), to="varying")
+    y = lax.pcast(tokens_BxT1[:, 1:], (STAGE,), to="varying")
+    for t in range(num_stages):
+        x = jnp.where(stage == t, model.run_layers(x), x)
+        if t < num_stages - 1:
+            route = functools.partial(_route, idx_B=idx_Sm1xB[t], pool=pool, axes=(REPLICA, STAGE),
+                                      pairs=functools.partial(pairs, t=t))  # fmt: skip
+            x, y = route(x), route(y)
+    return jnp.where(stage == num_stages - 1, cross_entropy(model.head(x), y).mean(), 0.0)
+
+
+def stage_leaf_axes(path: tuple, local: Any) -> tuple[str, ...]:
+    """Mesh axes of a replica's leaf on a ``(replica, stage)`` mesh: blocks split by layer."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    return (STAGE,) if "blocks" in names else ()
+
+
+def make_pipeline_mesh(num_replicas: int, num_stages: int, devices: Any = None) -> jax.sharding.Mesh:
+    """A (replica, stage) mesh of N x S devices; a clear error when too few exist."""
+    devices = list(jax.devices() if devices is None else devices)
+    need = num_replicas * num_stages
+    if len(devices) < need:
+        raise ValueError(
+            f"a {num_replicas} x {num_stages} (replica x stage) mesh needs {need} devices, "
+            f"{len(devices)} are visible (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count"
+            f"={need})."
+        )
+    arr = np.asarray(devices[:need]).reshape(num_replicas, num_stages)
+    return jax.make_mesh((num_replicas, num_stages), (REPLICA, STAGE), devices=arr.ravel())

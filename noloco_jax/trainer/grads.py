@@ -1,0 +1,102 @@
+"""Gradient functions ``grads_fn(params, tokens, step) -> (loss, grads)`` for ``train_step``.
+
+Each is written for one replica (one device's view on a mesh), with any
+communication as collectives over named axes:
+
+* ``plain``: the model's loss on the batch;
+* ``skipping``: every sequence through a random subset of stages (SkipPipe);
+* ``routed``: a pipeline with random routing between replicas, simulated
+  (each replica holds all its stages; routing over "replica");
+* ``routed_on_mesh``: the same on a ``(replica, stage)`` device mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from jax import lax
+
+from noloco_jax import pipeline as pl
+from noloco_jax.pipeline.routed import REPLICA, STAGE
+from noloco_jax.skippipe.training import SkipConfig, skip_value_and_grad
+from noloco_jax.trainer.step import GradsFn, loss_fn
+
+__all__ = ["plain", "skipping", "routed", "routed_on_mesh", "per_stage"]
+
+
+def plain(graphdef: Any) -> GradsFn:
+    """Loss and gradients of the whole model on the batch."""
+
+    def grads_fn(params: Any, tokens: jax.Array, step: jax.Array):
+        return jax.value_and_grad(loss_fn)(params, tokens, graphdef=graphdef)
+
+    return grads_fn
+
+
+def skipping(graphdef: Any, cfg: SkipConfig) -> GradsFn:
+    """Each sequence through its own random stage path (drawn per step and replica)."""
+
+    def grads_fn(params: Any, tokens: jax.Array, step: jax.Array):
+        return skip_value_and_grad(params, tokens, step, graphdef=graphdef, cfg=cfg,
+                                   full_loss=loss_fn, axis_name=REPLICA)  # fmt: skip
+
+    return grads_fn
+
+
+def _route_idx(step: jax.Array, *, num_stages: int, batch: int, pool_size: int, seed: int,
+               fixed: bool) -> jax.Array:  # fmt: skip
+    if fixed:  # pool row 0 is the identity
+        return jax.numpy.zeros((num_stages - 1, batch), jax.numpy.int32)
+    return pl.route_indices(step, num_boundaries=num_stages - 1, num_microbatches=batch,
+                            pool_size=pool_size, seed=seed)  # fmt: skip
+
+
+def routed(graphdef: Any, pool: np.ndarray, num_stages: int, *, seed: int,
+           fixed: bool = False) -> GradsFn:  # fmt: skip
+    """The routed pipeline, every replica holding all its stages (routing over "replica")."""
+
+    def grads_fn(params: Any, tokens: jax.Array, step: jax.Array):
+        idx = _route_idx(step, num_stages=num_stages, batch=tokens.shape[0], pool_size=len(pool),
+                         seed=seed, fixed=fixed)  # fmt: skip
+        loss = functools.partial(pl.routed_loss, graphdef=graphdef, pool=pool,
+                                 num_stages=num_stages)  # fmt: skip
+        return jax.value_and_grad(loss)(params, tokens, idx)
+
+    return grads_fn
+
+
+def routed_on_mesh(graphdef: Any, pool: np.ndarray, num_stages: int, *, seed: int,
+                   fixed: bool = False) -> GradsFn:  # fmt: skip
+    """The routed pipeline on a ``(replica, stage)`` mesh; the loss is the replica's."""
+
+    def grads_fn(params: Any, tokens: jax.Array, step: jax.Array):
+        idx = _route_idx(step, num_stages=num_stages, batch=tokens.shape[0], pool_size=len(pool),
+                         seed=seed, fixed=fixed)  # fmt: skip
+
+        def total(p):
+            local = pl.routed_loss_on_mesh(p, tokens, idx, graphdef=graphdef, pool=pool,
+                                           num_stages=num_stages)  # fmt: skip
+            return lax.psum(local, (REPLICA, STAGE)), lax.psum(local, STAGE)
+
+        (_, loss), grads = jax.value_and_grad(total, has_aux=True)(params)
+        return loss, grads
+
+    return grads_fn
+
+
+def per_stage(build_tx: Callable[..., Any]) -> optax.GradientTransformationExtraArgs:
+    """The local stage's optimizer on a ``(replica, stage)`` mesh (per-stage clipping).
+
+    Args:
+      build_tx: ``build_tx(stage=None | traced stage index)`` -> the optimizer;
+        its state must not depend on the stage.
+    """
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any):
+        return build_tx(stage=lax.axis_index(STAGE)).update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(build_tx().init, update)
