@@ -40,7 +40,7 @@ def _omission(run: harness.Run, args, keep_fraction: float, subsets: int) -> flo
     """Mean perplexity with only a fraction of the 4 stages (stage 0 always kept)."""
     from noloco_jax.trainer import from_config
     from noloco_jax.trainer.loop import load_run
-    from noloco_jax.trainer.skipping import omitted_stage_loss
+    from noloco_jax.skippipe.training import omitted_stage_loss
 
     over = {**run.overrides, **(harness.smoke_overrides(args) if args.smoke else {}),
             **harness.data_overrides(args)}  # fmt: skip
