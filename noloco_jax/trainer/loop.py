@@ -27,6 +27,7 @@ from noloco_jax.metrics import replica_spread
 from noloco_jax.data.token_files import open_token_dir, sharded_batches
 from noloco_jax.optim.fragments import by_layer_blocks
 from noloco_jax.optim.local_steps import find_local_steps_state
+from noloco_jax.pipeline.stages import check_stages
 from noloco_jax.trainer import memory
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
@@ -159,7 +160,7 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
     single = TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0))
     if s.num_stages > 1:
-        check_stages_or_explain(cfg.num_layers, s.num_stages)
+        check_stages(cfg.num_layers, s.num_stages, field="config.num_stages")
         runner = make_pipeline_runner(s, graphdef, build_tx)
         reps = replicas.make_replicas(s.num_replicas, backend="vmap")
         state = runner.put(replicas.replicate(single, s.num_replicas))
@@ -278,20 +279,9 @@ def _skip_config(s: TrainSettings, num_layers: int) -> Any:
         return None
     from noloco_jax.trainer.skipping import SkipConfig  # noqa: PLC0415
 
-    if num_layers % s.skip.num_stages:
-        raise ValueError(
-            f"config.skip.num_stages={s.skip.num_stages} must divide the model's {num_layers} "
-            f"layers.")  # fmt: skip
+    check_stages(num_layers, s.skip.num_stages, field="config.skip.num_stages")
     return SkipConfig(s.skip.num_stages, s.skip.path_length, num_layers // s.skip.num_stages,
                       s.skip.full_every, s.skip.swaps, s.seed)  # fmt: skip
-
-
-def check_stages_or_explain(num_layers: int, num_stages: int) -> None:
-    if num_layers % num_stages:
-        raise ValueError(
-            f"config.num_stages={num_stages} must divide the model's {num_layers} layers "
-            f"(choose a divisor of {num_layers} or another model.preset)."
-        )
 
 
 def _ppl(loss: float) -> float:
