@@ -14,7 +14,7 @@ from configs import common
 def get_config():
     c = common.get_config()
     c.num_steps = 600
-    c.log_every = 25
+    c.log_every = 10  # divides both H (10, 20) and the eval cadence: rounds fit the chunks
     c.eval_every = 50
     c.checkpoint_every = 600
     c.keep_checkpoints = 1

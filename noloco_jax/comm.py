@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from noloco_jax import quantize
+from noloco_jax import errors, quantize
 
 PyTree = Any
 
@@ -108,15 +108,24 @@ def axis_size(axis_name: str) -> int:
         ) from err
 
 
-def check_group_size(num_replicas: int, group_size: int) -> None:
-    """Raises ``ValueError`` unless ``2 <= group_size`` and it divides N."""
-    if group_size < 2:
-        raise ValueError(f"group_size must be >= 2, got {group_size}.")
-    if num_replicas < group_size or num_replicas % group_size:
-        raise ValueError(
-            f"group_size={group_size} must divide the number of replicas "
-            f"num_replicas={num_replicas} (and not exceed it)."
-        )
+def check_group_size(num_replicas: int | None, group_size: int, *, field: str = "group_size",
+                     replicas_field: str = "num_replicas") -> None:  # fmt: skip
+    """The group-size rule: n is an integer >= 2 that divides N (the one check of it).
+
+    Args:
+      num_replicas: N; None checks n alone (N is not known yet).
+      group_size: n.
+      field: the name the message gives n ("config.outer.group_size" in the settings).
+      replicas_field: the name the message gives N.
+
+    Raises:
+      UserError (a ``ValueError``): naming both fields and the allowed values.
+    """
+    errors.check_int(field, group_size, minimum=2)
+    if num_replicas is not None and num_replicas % group_size:
+        allowed = [d for d in range(2, num_replicas + 1) if num_replicas % d == 0]
+        raise errors.UserError(f"{field}={group_size} must divide {replicas_field}="
+                               f"{num_replicas}; allowed: {allowed}.")  # fmt: skip
 
 
 def _round_robin_matchings(n: int) -> np.ndarray:

@@ -112,14 +112,13 @@ def _fit_warmup(config: Any, explicit: bool) -> None:
       config: the parsed ConfigDict (changed in place).
       explicit: whether ``--config.optim.warmup_steps`` was given.
     """
-    from configs import common  # noqa: PLC0415
+    from noloco_jax import defaults  # noqa: PLC0415
 
     steps, warmup = config.num_steps, config.optim.warmup_steps
     valid = all(isinstance(v, int) and not isinstance(v, bool) for v in (steps, warmup))
     if explicit or not valid or steps < 2 or warmup < steps:
         return  # nothing to fit, or validation reports it
-    defaults = common.get_config()
-    ratio = defaults.optim.warmup_steps / defaults.num_steps
+    ratio = defaults.default("optim.warmup_steps") / defaults.default("num_steps")
     fitted = max(1, min(steps - 1, int(steps * ratio)))
     config.optim.warmup_steps = fitted
     print(f"note: optim.warmup_steps={warmup} does not fit num_steps={steps}; warming up for "
@@ -277,10 +276,10 @@ def run() -> None:
 def help_text() -> str:
     """Usage, this program's flags and every config field with its default and meaning.
 
-    The fields, defaults and meanings come from ``configs/common.py`` (``FIELDS``), the one
+    The fields, defaults and meanings come from ``noloco_jax.defaults.FIELDS``, the one
     place they are written, grouped as there.
     """
-    from configs import common  # noqa: PLC0415
+    from noloco_jax import defaults  # noqa: PLC0415
 
     lines = [
         f"{PROG}: trains replicas of a Llama with NoLoCo, DiLoCo or data parallel.",
@@ -295,11 +294,11 @@ def help_text() -> str:
         f = flags.FLAGS[name]
         lines.append(_entry(f"--{name}", _flag_default(f), f.help))
     lines.append(_entry("--helpfull", "", "Also list absl's own flags."))
-    lines += ["", "config fields (--config.FIELD=VALUE; defaults of configs/common.py, which a",
-              "config file may change):"]  # fmt: skip
-    for section, title in common.GROUPS:
+    lines += ["", "config fields (--config.FIELD=VALUE; defaults of noloco_jax/defaults.py, which",
+              "a config file may change):"]  # fmt: skip
+    for section, title in defaults.GROUPS:
         lines += ["", f" {title}"]
-        for name, default, meaning in common.FIELDS:
+        for name, default, meaning in defaults.FIELDS:
             if name.rpartition(".")[0] == section:
                 lines.append(_entry(f"--config.{name}", repr(default), meaning))
     return "\n".join(lines)

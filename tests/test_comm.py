@@ -111,7 +111,7 @@ def test_byte_helpers():
 
 @pytest.mark.parametrize(
     "n_replicas,n,match",
-    [(8, 1, "group_size must be >= 2"), (8, 3, "must divide"), (4, 8, "must divide")],
+    [(8, 1, "group_size: must be an integer >= 2"), (8, 3, "must divide"), (4, 8, "must divide")],
 )
 def test_bad_group_sizes(n_replicas, n, match):
     with pytest.raises(ValueError, match=match):

@@ -102,9 +102,9 @@ def test_error_feedback_keeps_the_residual_bounded_and_the_average_unbiased():
 
 
 def test_bad_exchange_settings():
-    with pytest.raises(ValueError, match="exchange_dtype must be None, a float dtype"):
+    with pytest.raises(ValueError, match="exchange_dtype: must be None, a float dtype"):
         noloco_outer(exchange_dtype="int4")
-    with pytest.raises(ValueError, match="exchange_dtype must be None, a float dtype"):
+    with pytest.raises(ValueError, match="exchange_dtype: must be None, a float dtype"):
         noloco_outer(exchange_dtype=jnp.int8)
     with pytest.raises(ValueError, match="error_feedback needs an 8-bit exchange_dtype"):
         noloco_outer(exchange_dtype=jnp.bfloat16, error_feedback=True)

@@ -46,7 +46,7 @@ def test_by_layer_blocks_spec_and_validation():
     assert frag.check_spec(spec, _params(), 4) == 2
     with pytest.raises(ValueError, match="fragments=5 exceeds the model's 4 layers"):
         frag.by_layer_blocks(_params(), 5)
-    with pytest.raises(ValueError, match="fragments must be an integer >= 1"):
+    with pytest.raises(ValueError, match="fragments: must be an integer >= 1"):
         frag.by_layer_blocks(_params(), 0)
     with pytest.raises(ValueError, match="sync_every=3 must be a multiple of the number of "):
         local_steps(optax.sgd(0.1), noloco_outer(), 3, fragments=spec)

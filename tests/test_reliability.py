@@ -419,9 +419,9 @@ def test_bad_encoding_name_is_refused(corpus_dir, data_dir):  # noqa: F811
 
 
 def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F811
-    s = _settings(corpus_dir, data_dir, outer={"sync_every": 9})
+    s = _settings(corpus_dir, data_dir, outer={"sync_every": 10})  # a multiple of log_every
     assert settings_lib.warnings_for(s) == [
-        "config.outer.sync_every=9 > num_steps=8: the replicas never sync in this run "
+        "config.outer.sync_every=10 > num_steps=8: the replicas never sync in this run "
         "(method='noloco' acts as 'local'); use sync_every <= num_steps."]
     assert settings_lib.warnings_for(_settings(corpus_dir, data_dir)) == []
 

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from noloco_jax import defaults
 from noloco_jax.trainer import settings as settings_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -92,11 +93,53 @@ def _tiny(**overrides):
         ({"outer.fragments": 0}, "config.outer.fragments"),
         ({"outer.fragments": 3}, "config.outer.fragments"),  # does not divide H = 50
         ({"outer.fragments": 2, "num_stages": 2}, "config.outer.fragments"),
+        ({"outer.sync_every": 10}, "config.log_every=25 and config.outer.sync_every=10"),
+        ({"method": "diloco", "outer.sync_every": 30}, "config.log_every=25 and config.outer"),
+        ({"fault.dropout_prob": 1.0}, "config.fault.dropout_prob"),
+        ({"skip.num_stages": 2, "skip.path_length": 3}, "config.skip.path_length"),
     ],
 )
 def test_bad_settings_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         settings_lib.from_config(_tiny(**overrides))
+
+
+@pytest.mark.parametrize("log,sync,method", [(25, 50, "noloco"), (50, 25, "diloco"),
+                                              (4, 4, "noloco"), (2, 3, "dp"), (2, 3, "local")])
+def test_log_every_and_sync_every_must_divide_one_another(log, sync, method):
+    """Methods with rounds need one of the two to divide the other; others ignore sync_every."""
+    ok = _tiny(method=method, log_every=log, eval_every=100, checkpoint_every=100,
+               **{"outer.sync_every": sync})
+    assert settings_lib.from_config(ok).outer.sync_every == sync
+    bad = _tiny(log_every=2, eval_every=4, checkpoint_every=8, **{"outer.sync_every": 3})
+    with pytest.raises(ValueError, match=r"config\.log_every=2 and config\.outer\.sync_every=3 "
+                                         r"must divide one another \(one a multiple of the "
+                                         r"other\), e\.g\. log_every=1 or outer\.sync_every=4"):
+        settings_lib.from_config(bad)
+    # The suggested log_every keeps eval_every and checkpoint_every its multiples.
+    with pytest.raises(ValueError, match=r"e\.g\. log_every=6 or outer\.sync_every=16"):
+        settings_lib.from_config(_tiny(log_every=8, eval_every=24, checkpoint_every=48,
+                                       **{"outer.sync_every": 18}))
+
+
+def test_defaults_come_from_the_one_table(monkeypatch):
+    """A default changed in noloco_jax.defaults.FIELDS is what the settings (and configs) get."""
+    rows = [(n, 7 if n == "outer.sync_every" else d, m) for n, d, m in defaults.FIELDS]
+    monkeypatch.setattr(defaults, "FIELDS", tuple(rows))
+    assert settings_lib.TrainSettings().outer.sync_every == 7
+    assert settings_lib.OuterSettings(momentum=0.1).sync_every == 7
+    partial = {"log_every": 7, "eval_every": 7, "checkpoint_every": 7, "outer": {"momentum": 0.1}}
+    assert settings_lib.from_config(partial).outer.sync_every == 7
+    assert defaults.get_config().outer.sync_every == 7
+
+
+def test_a_settings_field_needs_a_row_of_the_table():
+    with pytest.raises(TypeError, match=r"OuterSettings fields .*'typo'.* differ"):
+
+        @settings_lib._table_defaults("outer")
+        class OuterSettings:  # noqa: F841
+            typo: int
+    assert settings_lib.from_config({}) == settings_lib.TrainSettings()
 
 
 def test_unknown_fields_are_refused():

@@ -18,7 +18,7 @@ def test_injected_nan_is_caught_reset_and_logged(tmp_path, corpus_dir, data_dir)
     # its weights back on its slow weights (restore_nonfinite on the sync step; the
     # loop passes the phase from the host, as log_every = sync_every).
     s = tiny_settings(corpus_dir, data_dir, num_steps=12, log_every=3, eval_every=6,
-                      checkpoint_every=6,
+                      checkpoint_every=6, outer={"sync_every": 3},
                       fault={"inject_nan_step": 4, "inject_nan_replica": 1})  # fmt: skip
     last = train_and_evaluate(s, tmp_path, progress=False)
     events = read_jsonl(tmp_path / "metrics.jsonl", "event")

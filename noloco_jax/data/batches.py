@@ -21,6 +21,7 @@ import numpy as np
 
 from noloco_jax.data.sources import texts_digest
 from noloco_jax.data.token_files import TokenFile, write_tokens
+from noloco_jax.errors import check_int
 
 __all__ = ["tokenize_documents", "load_token_stream", "ReplicaBatcher", "eval_windows"]
 
@@ -75,11 +76,6 @@ def _open_cache(path: pathlib.Path, on_disk: bool) -> np.ndarray | TokenFile:
     return TokenFile(path) if on_disk else np.load(path).astype(np.int32)
 
 
-def _check_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-
-
 class ReplicaBatcher:
     """Per-replica training batches from one token stream.
 
@@ -108,8 +104,8 @@ class ReplicaBatcher:
     ):
         for name, value in [("num_replicas", num_replicas), ("batch_size", batch_size),
                             ("seq_len", seq_len)]:  # fmt: skip
-            _check_int(name, value)
-        _check_int("seed", seed, minimum=0)
+            check_int(name, value)
+        check_int("seed", seed, minimum=0)
         self.tokens = tokens if isinstance(tokens, TokenFile) else np.asarray(tokens, np.int32)
         self.num_replicas, self.batch_size, self.seq_len, self.seed = (
             num_replicas, batch_size, seq_len, seed)  # fmt: skip
@@ -139,7 +135,7 @@ class ReplicaBatcher:
 
     def shard(self, replica: int) -> np.ndarray:
         """Window ids owned by ``replica`` (sorted)."""
-        _check_int("replica", replica, minimum=0)
+        check_int("replica", replica, minimum=0)
         if replica >= self.num_replicas:
             raise ValueError(f"replica must be < num_replicas={self.num_replicas}, got {replica}.")
         return np.sort(self._shards[replica])
@@ -156,7 +152,7 @@ class ReplicaBatcher:
 
     def window_ids(self, step: int, replicas: Sequence[int] | None = None) -> np.ndarray:
         """Window ids of every (or each listed) replica's batch at ``step``: [N, B]."""
-        _check_int("step", step, minimum=0)
+        check_int("step", step, minimum=0)
         epoch, k = divmod(step, self.steps_per_epoch)
         sl = slice(k * self.batch_size, (k + 1) * self.batch_size)
         rows = range(self.num_replicas) if replicas is None else replicas
@@ -214,9 +210,9 @@ def eval_windows(tokens: np.ndarray, *, seq_len: int, max_windows: int | None = 
     held-out play) is represented. Deterministic; empty when the stream holds
     fewer than ``seq_len + 1`` tokens.
     """
-    _check_int("seq_len", seq_len)
+    check_int("seq_len", seq_len)
     if max_windows is not None:
-        _check_int("max_windows", max_windows)
+        check_int("max_windows", max_windows)
     if not isinstance(tokens, TokenFile):
         tokens = np.asarray(tokens, np.int32)
     total = max(len(tokens) - 1, 0) // seq_len

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from noloco_jax import comm
-from noloco_jax.optim.noloco import check_nonnegative, check_rate, check_static_args
+from noloco_jax.optim.noloco import check_dropout_prob, check_rate, check_static_args
 from noloco_jax.optim.trees import float_leaves, zeros_where_none
 
 __all__ = ["DiLoCoOuterState", "diloco_outer"]
@@ -84,9 +84,7 @@ def diloco_outer(
     beta = check_rate("learning_rate", learning_rate)
     alpha = check_rate("momentum", momentum)
     sgd = optax.sgd(beta, momentum=alpha, nesterov=bool(nesterov))
-    dropout_prob = check_nonnegative("dropout_prob", dropout_prob)
-    if dropout_prob >= 1:
-        raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}.")
+    dropout_prob = check_dropout_prob(dropout_prob)
 
     def init_fn(params: optax.Params) -> DiLoCoOuterState:
         return DiLoCoOuterState(jnp.zeros([], jnp.int32), sgd.init(float_leaves(params)))

@@ -24,7 +24,10 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-__all__ = ["by_layer_blocks", "num_fragments", "take", "put", "check_spec", "sync_fragment"]
+from noloco_jax import errors
+
+__all__ = ["by_layer_blocks", "num_fragments", "take", "put", "check_spec", "check_fragments",
+           "sync_fragment"]
 
 PyTree = Any
 
@@ -55,8 +58,7 @@ def by_layer_blocks(
     Raises:
       ValueError: if P is out of range or no leaf is stacked.
     """
-    if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
-        raise ValueError(f"fragments must be an integer >= 1, got {num_fragments!r}.")
+    check_fragments(num_fragments)
     layers = {x.shape[0] for p, x in _leaves_with_path(params) if stacked in _names(p)}
     if not layers:
         raise ValueError(f"no parameter sits under a '{stacked}' key: nothing to split by layer.")
@@ -126,12 +128,32 @@ def check_spec(spec: PyTree, params: PyTree, sync_every: int) -> int:
     missing = sorted(set(range(p_count)) - seen)
     if missing:
         raise ValueError(f"fragments {missing} hold no parameters; number them 0..P-1 densely.")
-    if sync_every % p_count:
-        raise ValueError(
-            f"sync_every={sync_every} must be a multiple of the number of fragments P={p_count} "
-            f"(fragment p syncs at steps t with t mod H = (p + 1) H / P)."
-        )
+    check_fragments(p_count, sync_every)
     return p_count
+
+
+def check_fragments(num_fragments: int, sync_every: int | None = None, *,
+                    field: str = "fragments", sync_field: str = "sync_every") -> None:  # fmt: skip
+    """The fragment rule: P is an integer >= 1 and divides H (the one check of it).
+
+    Fragment p syncs at the steps t with t mod H = (p + 1) H / P, so H / P must be whole.
+
+    Args:
+      num_fragments: P.
+      sync_every: H; None checks P alone.
+      field: the name the message gives P ("config.outer.fragments" in the settings).
+      sync_field: the name the message gives H.
+
+    Raises:
+      UserError (a ``ValueError``): naming both fields and the allowed values.
+    """
+    errors.check_int(field, num_fragments)
+    if sync_every is not None and sync_every % num_fragments:
+        allowed = [d for d in range(1, sync_every + 1) if sync_every % d == 0]
+        raise errors.UserError(
+            f"{sync_field}={sync_every} must be a multiple of the number of fragments "
+            f"{field}={num_fragments} (fragment p syncs at steps t with t mod H = (p + 1) H / P); "
+            f"allowed {field}: {allowed}.")  # fmt: skip
 
 
 def take(tree: PyTree, spec: PyTree, p: int) -> PyTree:

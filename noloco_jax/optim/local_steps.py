@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from noloco_jax import comm
+from noloco_jax import comm, errors
 from noloco_jax.optim import fragments as frag
 from noloco_jax.optim.trees import BATCHED_COUNTER_FIX, float_leaves, is_batched, is_float
 
@@ -40,6 +40,7 @@ __all__ = [
     "restore_nonfinite",
     "find_local_steps_state",
     "check_composition",
+    "check_sync_every",
 ]
 
 
@@ -165,6 +166,11 @@ def _check_phase(count: jax.Array, sync_every: int, sync_step: Any, num_frags: i
     return wrong.astype(jnp.int32)
 
 
+def check_sync_every(sync_every: int, field: str = "sync_every") -> int:
+    """H, the inner steps per outer step: an integer >= 1; returns it."""
+    return errors.check_int(field, sync_every)
+
+
 def _check_accumulation(inner: Any, sync_every: int) -> None:
     """An ``optax.MultiSteps`` inner optimizer must end its accumulations on sync steps."""
     owner = getattr(getattr(inner, "update", None), "__self__", None)
@@ -251,18 +257,13 @@ def local_steps(
       Kolehmainen et al., 2025, https://arxiv.org/abs/2506.10911;
       Douillard et al., 2023, https://arxiv.org/abs/2311.08105.
     """
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}.")
+    check_sync_every(sync_every)
     if slow_dtype is not None and not jnp.issubdtype(slow_dtype, jnp.floating):
         raise ValueError(f"slow_dtype must be None or a float dtype, got {slow_dtype!r}.")
     _check_accumulation(inner, sync_every)
     num_frags, spec = frag.num_fragments(fragments), fragments
     fragments = None if num_frags == 1 else fragments  # one fragment: today's update
-    if fragments is not None and sync_every % num_frags:
-        raise ValueError(
-            f"sync_every={sync_every} must be a multiple of the number of fragments "
-            f"P={num_frags} (fragment p syncs at steps t with t mod H = (p + 1) H / P)."
-        )
+    frag.check_fragments(num_frags, sync_every)
     inner = optax.with_extra_args_support(inner)
     outer = optax.with_extra_args_support(outer)
 

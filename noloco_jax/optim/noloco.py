@@ -28,9 +28,6 @@ convention: positive means "descend"), so theta_i = phi_i - outer_grad.
 
 from __future__ import annotations
 
-import functools
-import math
-import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -38,13 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from noloco_jax import comm, quantize
+from noloco_jax import comm, errors, quantize
 from noloco_jax.optim.trees import BATCHED_COUNTER_FIX, float_leaves, is_batched, zeros_where_none
 
 __all__ = [
     "NoLoCoOuterState",
     "noloco_outer",
-    "check_nonnegative",
+    "check_dropout_prob",
+    "check_error_feedback",
     "check_rate",
     "check_static_args",
     "rate_at",
@@ -69,25 +67,38 @@ class NoLoCoOuterState(NamedTuple):
     residual: Any = None
 
 
-def check_nonnegative(name: str, value: Any) -> float:
-    """Returns ``float(value)`` or raises ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a non-negative real number, got {value!r}.")
-    if not value >= 0 or not math.isfinite(value):  # also rejects NaN and inf
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}.")
-    return float(value)
-
-
 def check_rate(name: str, value: Any) -> Any:
-    """A Python number is checked (``check_nonnegative``); arrays and schedules pass.
+    """An outer rate (beta, alpha, gamma): a finite number >= 0; arrays and schedules pass.
 
     Arrays and callables come from ``optax.inject_hyperparams`` and optax
     schedules (``ScalarOrSchedule``); they are values on the device, which a
-    Python check cannot see.
+    Python check cannot see. ``name`` is the field the message names.
     """
     if callable(value) or isinstance(value, (jax.Array, np.ndarray, np.generic)):
         return value
-    return check_nonnegative(name, value)
+    return errors.check_number(name, value)
+
+
+def check_dropout_prob(value: Any, field: str = "dropout_prob") -> float:
+    """The drop-out rule: a probability in [0, 1) (1 would leave no round); returns it."""
+    return errors.check_number(field, value, 0, 1, open_high=True)
+
+
+def check_error_feedback(error_feedback: bool, exchange_dtype: Any, *,
+                         field: str = "error_feedback",
+                         dtype_field: str = "exchange_dtype") -> None:  # fmt: skip
+    """Error feedback needs an 8-bit exchange (only quantisation leaves a residual).
+
+    Args:
+      error_feedback: whether it is asked for.
+      exchange_dtype: what travels (a dtype, or a name such as "int8").
+      field: the name the message gives ``error_feedback``.
+      dtype_field: the name the message gives ``exchange_dtype``.
+    """
+    if error_feedback and not quantize.is_codec(exchange_dtype):
+        raise errors.UserError(
+            f"{field} needs an 8-bit {dtype_field} ({', '.join(quantize.FORMATS)}), got "
+            f"{dtype_field}={exchange_dtype!r}.")  # fmt: skip
 
 
 def rate_at(value: Any, round_index: jax.Array) -> Any:
@@ -159,11 +170,8 @@ def check_exchange_dtype(exchange_dtype: Any) -> None:
         ok = jnp.issubdtype(jnp.dtype(exchange_dtype), jnp.floating)
     except TypeError:
         ok = False
-    if not ok:
-        raise ValueError(
-            f"exchange_dtype must be None, a float dtype (e.g. jnp.bfloat16) or one of "
-            f"{sorted(quantize.FORMATS)}, got {exchange_dtype!r}."
-        )
+    errors.require(ok, "exchange_dtype", f"must be None, a float dtype (e.g. jnp.bfloat16) or "
+                   f"one of {sorted(quantize.FORMATS)}, got {exchange_dtype!r}.")  # fmt: skip
 
 
 INJECT_STATIC_ARGS = ("group_size", "seed", "dropout_prob", "pool_size")
@@ -289,18 +297,11 @@ def noloco_outer(
     gamma_over_beta = _gamma_over_beta(gamma, beta)
     check_static_args(group_size=group_size, seed=seed, dropout_prob=dropout_prob)
     check_exchange_dtype(exchange_dtype)
-    if error_feedback and not quantize.is_codec(exchange_dtype):
-        raise ValueError(
-            f"error_feedback needs an 8-bit exchange_dtype ({', '.join(quantize.FORMATS)}), "
-            f"got exchange_dtype={exchange_dtype!r}."
-        )
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(f"group_size must be an integer >= 2, got {group_size!r}.")
-    if pool_size is not None and pool_size < 1:
-        raise ValueError(f"pool_size must be None or >= 1, got {pool_size}.")
-    dropout_prob = check_nonnegative("dropout_prob", dropout_prob)
-    if dropout_prob >= 1:
-        raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}.")
+    check_error_feedback(error_feedback, exchange_dtype)
+    comm.check_group_size(None, group_size)  # N is the axis size, known when traced
+    if pool_size is not None:
+        errors.check_int("pool_size", pool_size)
+    dropout_prob = check_dropout_prob(dropout_prob)
     sgd = optax.sgd(beta, momentum=alpha, nesterov=bool(nesterov))
 
     def init_fn(params: optax.Params) -> NoLoCoOuterState:

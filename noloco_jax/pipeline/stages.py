@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from noloco_jax import errors
+
 __all__ = ["check_stages", "stage_layer_ids", "leaf_owner", "clip_by_stage_norm"]
 
 FIRST_STAGE_LEAVES = ("embedding",)
@@ -23,12 +25,22 @@ LAST_STAGE_LEAVES = ("final_norm", "lm_head")
 BLOCK_LEAVES = ("blocks",)
 
 
-def check_stages(num_layers: int, num_stages: int) -> None:
-    """Raises ``ValueError`` unless ``num_stages`` >= 1 divides ``num_layers``."""
-    if num_stages < 1 or num_layers % num_stages:
-        raise ValueError(
-            f"num_stages={num_stages} must be >= 1 and divide the model's num_layers={num_layers}."
-        )
+def check_stages(num_layers: int, num_stages: int, field: str = "num_stages") -> None:
+    """The stage rule: S is an integer >= 1 that divides the L layers (the one check of it).
+
+    Args:
+      num_layers: L, the model's blocks.
+      num_stages: S.
+      field: the name the message gives S ("config.num_stages", "config.skip.num_stages").
+
+    Raises:
+      UserError (a ``ValueError``): naming the field and the allowed values.
+    """
+    errors.check_int(field, num_stages)
+    if num_layers % num_stages:
+        allowed = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        raise errors.UserError(f"{field}={num_stages} must divide the model's {num_layers} "
+                               f"layers; allowed: {allowed}.")  # fmt: skip
 
 
 def stage_layer_ids(num_layers: int, num_stages: int) -> list[np.ndarray]:

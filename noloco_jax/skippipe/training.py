@@ -19,10 +19,12 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from noloco_jax import errors
 from noloco_jax.models import cross_entropy
 
 __all__ = [
     "SkipConfig",
+    "check_path_length",
     "sample_stage_paths",
     "layer_ids_for",
     "skip_loss_fn",
@@ -52,6 +54,12 @@ class SkipConfig:
     seed: int = 0
 
 
+def check_path_length(path_length: int, num_stages: int, *, field: str = "path_length",
+                      stages_field: str = "num_stages") -> None:  # fmt: skip
+    """The path rule: a path visits 1 to S stages (stage 0 included); the one check of it."""
+    errors.check_int(field, path_length, 1, num_stages, f"{stages_field}={num_stages}")
+
+
 def sample_stage_paths(
     key: jax.Array, *, num_stages: int, path_length: int, num_paths: int, swaps: bool = False
 ) -> jax.Array:
@@ -67,8 +75,7 @@ def sample_stage_paths(
     Returns:
       The paths (skip ratio = (S - path_length) / S).
     """
-    if not 1 <= path_length <= num_stages:
-        raise ValueError(f"path_length must be in [1, num_stages={num_stages}], got {path_length}.")
+    check_path_length(path_length, num_stages)
     k_pick, k_swap = jax.random.split(key)
 
     def one(k: jax.Array) -> jax.Array:

@@ -29,6 +29,7 @@ from noloco_jax.metrics import replica_spread
 from noloco_jax.data.token_files import open_token_dir, sharded_batches
 from noloco_jax.optim.fragments import by_layer_blocks
 from noloco_jax.optim.local_steps import find_local_steps_state
+from noloco_jax.pipeline.stages import check_stages
 from noloco_jax.trainer import memory
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
@@ -194,7 +195,7 @@ def _topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
         grads_fn = grads.plain(graphdef) if skip is None else grads.skipping(graphdef, skip)
         return replicas.make_replicas(s.num_replicas, backend=s.backend), {
             **kwargs, "grads_fn": grads_fn}
-    check_stages_or_explain(cfg.num_layers, s.num_stages)
+    check_stages(cfg.num_layers, s.num_stages, field="config.num_stages")
     pool = pl.permutation_pool(s.num_replicas, s.routing_pool_size, s.seed)
     route = dict(seed=s.seed, fixed=s.routing == "fixed")
     if not _stage_mesh(s):
@@ -262,20 +263,9 @@ def _check_counter(state: TrainState, step: int) -> None:
 def _skip_config(s: TrainSettings, num_layers: int) -> Any:
     if s.skip.num_stages == 0:
         return None
-    if num_layers % s.skip.num_stages:
-        raise ValueError(
-            f"config.skip.num_stages={s.skip.num_stages} must divide the model's {num_layers} "
-            f"layers.")  # fmt: skip
+    check_stages(num_layers, s.skip.num_stages, field="config.skip.num_stages")
     return SkipConfig(s.skip.num_stages, s.skip.path_length, num_layers // s.skip.num_stages,
                       s.skip.full_every, s.skip.swaps, s.seed)  # fmt: skip
-
-
-def check_stages_or_explain(num_layers: int, num_stages: int) -> None:
-    if num_layers % num_stages:
-        raise ValueError(
-            f"config.num_stages={num_stages} must divide the model's {num_layers} layers "
-            f"(choose a divisor of {num_layers} or another model.preset)."
-        )
 
 
 def _ppl(loss: float) -> float:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 
 from noloco_jax import comm
+from noloco_jax.errors import check_choice
 from noloco_jax.optim import (
     clip_by_global_norm_fused,
     data_parallel,
@@ -17,7 +18,7 @@ from noloco_jax.optim import (
 )
 from noloco_jax.pipeline.routed import STAGE as STAGE_AXIS
 from noloco_jax.pipeline.stages import clip_by_stage_norm
-from noloco_jax.trainer.settings import FaultSettings, OptimSettings, OuterSettings
+from noloco_jax.trainer.settings import METHODS, FaultSettings, OptimSettings, OuterSettings
 
 __all__ = ["learning_rate_schedule", "inner_optimizer", "build_optimizer", "bytes_sent"]
 
@@ -77,6 +78,7 @@ def build_optimizer(
     clips only its own parameters. ``stage`` is the local stage index on a
     (replica, stage) device mesh.
     """
+    check_choice("method", method, METHODS)
     inner = inner_optimizer(optim, num_steps)
     if optim.clip_norm <= 0:
         clip = optax.identity()
@@ -92,7 +94,7 @@ def build_optimizer(
     if method == "diloco":
         out = diloco_outer(outer.learning_rate, outer.momentum, outer.nesterov, axis_name=axis,
                            dropout_prob=fault.dropout_prob, seed=outer.seed)  # fmt: skip
-    elif method == "noloco":
+    else:  # noloco
         out = noloco_outer(
             outer.learning_rate,
             outer.momentum,
@@ -105,8 +107,6 @@ def build_optimizer(
             nesterov=outer.nesterov,
             error_feedback=outer.error_feedback,
         )
-    else:
-        raise ValueError(f"method must be 'noloco', 'diloco', 'dp' or 'local', got {method!r}.")
     guard = fault.nonfinite_guard and axis is not None
     guard_axis = STAGE_AXIS if stage is not None else None  # a replica spans its stages
     return optax.chain(clip, local_steps(inner, out, outer.sync_every, nonfinite_guard=guard,

@@ -1,19 +1,31 @@
 """Typed run settings: the one place that turns an ``ml_collections.ConfigDict`` into values.
 
 Everything below the CLI takes these frozen dataclasses (or plain keyword
-arguments), never the ConfigDict. ``from_config`` validates every field and
-raises ``ValueError`` naming the field and what is allowed.
+arguments), never the ConfigDict. Their defaults are the rows of
+``noloco_jax.defaults.FIELDS``, the one table of defaults (the config files build
+on it too). ``from_config`` validates every field and raises ``ValueError`` naming
+the field and what is allowed; a rule shared with the optimizer API (group size,
+fragments, drop-out, ...) is the one function of the module that needs it.
 """
 
 from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import math
 import os
-from typing import Any
+from typing import Any, Callable
+
+from noloco_jax import comm, defaults
+from noloco_jax.errors import UserError, check_bool, check_choice, check_int, check_number, require
+from noloco_jax.optim.fragments import check_fragments
+from noloco_jax.optim.local_steps import check_sync_every
+from noloco_jax.optim.noloco import check_dropout_prob, check_error_feedback, check_rate
+from noloco_jax.skippipe.training import check_path_length
 
 METHODS = ("noloco", "diloco", "dp", "local")
+ROUND_METHODS = ("noloco", "diloco")  # methods with outer rounds of outer.sync_every steps
 BACKENDS = ("auto", "vmap", "shard_map")
 DTYPES = ("float32", "bfloat16")
 MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overflow there
@@ -25,110 +37,137 @@ RESUMABLE = frozenset(
      "log.wandb_run_name", "allow_resize"}
 )  # fmt: skip
 
-
-# The dataclasses' defaults are those of configs/common.py (FIELDS, the one table of defaults and
-# meanings), for library callers; tests/test_cli.py checks that they agree.
+_SECTIONS: dict[str, type] = {}  # section name -> its settings class, in GROUPS order
 
 
-@dataclasses.dataclass(frozen=True)
+def _table_defaults(section: str) -> Callable[[type], type]:
+    """A frozen dataclass whose fields default to the ``section`` rows of ``defaults.FIELDS``.
+
+    The defaults are read from the table at each construction, so the table is their only
+    source. A field without a row, or a row without a field, is a ``TypeError`` at import.
+    """
+    prefix = f"{section}." if section else ""
+
+    def wrap(cls: type) -> type:
+        names = list(cls.__annotations__)
+        own = [n for n in names if section or n not in _SECTIONS]
+        rows = [n[len(prefix):] for n, _, _ in defaults.FIELDS if n.rpartition(".")[0] == section]
+        if sorted(own) != sorted(rows):
+            raise TypeError(f"{cls.__name__} fields {sorted(own)} differ from the "
+                            f"{section or 'top-level'} rows of defaults.FIELDS {sorted(rows)}.")
+        for name in names:
+            factory = (functools.partial(defaults.default, prefix + name) if name in own
+                       else _SECTIONS[name])  # fmt: skip
+            setattr(cls, name, dataclasses.field(default_factory=factory))
+        out = dataclasses.dataclass(frozen=True)(cls)
+        if section:
+            _SECTIONS[section] = out
+        return out
+
+    return wrap
+
+
+@_table_defaults("model")
 class ModelSettings:
-    preset: str = "tiny"
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    vocab_size: int = 0  # 0: take the tokenizer's
-    init_from: str = ""  # a Hugging Face Llama directory: its shape and weights
-    num_kv_heads: int = 0  # 0: as many as num_heads; fewer: grouped-query attention
-    tie_embeddings: bool = False
+    preset: str
+    dtype: str
+    param_dtype: str
+    vocab_size: int
+    num_kv_heads: int
+    tie_embeddings: bool
+    init_from: str
 
 
-@dataclasses.dataclass(frozen=True)
+@_table_defaults("data")
 class DataSettings:
-    source: str = "shakespeare"
-    path: str = ""
-    tfds_name: str = ""
-    data_dir: str = ""
-    tokenizer: str = "byte"
-    tokenizer_vocab_size: int = 0
-    tokenizer_path: str = ""  # tokenizer="hf": the directory holding tokenizer.json
-    seq_len: int = 64
-    validation_fraction: float = 0.1
-    eval_windows: int = 64
-    encoding: str = "utf-8"
+    source: str
+    path: str
+    tfds_name: str
+    data_dir: str
+    encoding: str
+    tokenizer: str
+    tokenizer_vocab_size: int
+    tokenizer_path: str
+    seq_len: int
+    validation_fraction: float
+    eval_windows: int
 
 
-@dataclasses.dataclass(frozen=True)
+@_table_defaults("optim")
 class OptimSettings:
-    learning_rate: float = 3e-3
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    clip_norm: float = 1.0
+    learning_rate: float
+    warmup_steps: int
+    min_lr_ratio: float
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    clip_norm: float
 
 
-@dataclasses.dataclass(frozen=True)
+@_table_defaults("outer")
 class OuterSettings:
-    sync_every: int = 50
-    learning_rate: float = 0.7
-    momentum: float = 0.5
-    gamma: float | None = None
-    group_size: int = 2
-    nesterov: bool = False
-    exchange_dtype: str = ""
-    error_feedback: bool = False
-    fragments: int = 1
-    seed: int = 0
+    sync_every: int
+    learning_rate: float
+    momentum: float
+    gamma: float | None
+    group_size: int
+    nesterov: bool
+    exchange_dtype: str
+    error_feedback: bool
+    fragments: int
+    seed: int
 
 
-@dataclasses.dataclass(frozen=True)
+@_table_defaults("fault")
 class FaultSettings:
-    dropout_prob: float = 0.0
-    nonfinite_guard: bool = True
-    inject_nan_step: int = -1
-    inject_nan_replica: int = 0
+    dropout_prob: float
+    nonfinite_guard: bool
+    inject_nan_step: int
+    inject_nan_replica: int
 
 
-@dataclasses.dataclass(frozen=True)
+@_table_defaults("skip")
 class SkipSettings:
-    num_stages: int = 0  # 0: no stage skipping
-    path_length: int = 0
-    full_every: int = 0
-    swaps: bool = False
+    num_stages: int
+    path_length: int
+    full_every: int
+    swaps: bool
 
 
-@dataclasses.dataclass(frozen=True)
+@_table_defaults("log")
 class LogSettings:
-    wandb: bool = False  # also log to Weights & Biases (WANDB_MODE=offline works)
-    wandb_project: str = "noloco_jax"
-    wandb_run_name: str = ""
+    wandb: bool
+    wandb_project: str
+    wandb_run_name: str
 
 
-@dataclasses.dataclass(frozen=True)
+@_table_defaults("")
 class TrainSettings:
-    seed: int = 0
-    method: str = "noloco"
-    num_replicas: int = 8
-    backend: str = "auto"
-    num_stages: int = 1
-    routing: str = "random"
-    routing_pool_size: int = 64
-    global_batch_size: int = 32
-    num_steps: int = 500
-    log_every: int = 25
-    eval_every: int = 100
-    checkpoint_every: int = 200
-    keep_checkpoints: int = 2
-    profile_steps: str = ""  # "A:B": a jax.profiler trace of steps [A, B) in workdir/profile
-    allow_resize: bool = False  # resume a checkpoint of another num_replicas (merge / clone)
-    model: ModelSettings = ModelSettings()
-    data: DataSettings = DataSettings()
-    optim: OptimSettings = OptimSettings()
-    outer: OuterSettings = OuterSettings()
-    fault: FaultSettings = FaultSettings()
-    skip: SkipSettings = SkipSettings()
-    log: LogSettings = LogSettings()
+    """A run's settings; each section's fields and defaults are the rows of ``defaults.FIELDS``."""
+
+    seed: int
+    method: str
+    num_replicas: int
+    backend: str
+    num_stages: int
+    routing: str
+    routing_pool_size: int
+    global_batch_size: int
+    num_steps: int
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    profile_steps: str
+    allow_resize: bool
+    model: ModelSettings
+    data: DataSettings
+    optim: OptimSettings
+    outer: OuterSettings
+    fault: FaultSettings
+    skip: SkipSettings
+    log: LogSettings
 
     @property
     def batch_per_replica(self) -> int:
@@ -138,99 +177,111 @@ class TrainSettings:
         return dataclasses.asdict(self)
 
 
-def _require(cond: bool, field: str, message: str) -> None:
-    if not cond:
-        raise ValueError(f"config.{field}: {message}")
-
-
-def _positive_int(value: Any, field: str, minimum: int = 1) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-    _require(ok, field, f"must be an integer >= {minimum}, got {value!r}.")
-
-
-def _nonneg(value: Any, field: str) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
-    _require(ok and math.isfinite(value), field, f"must be a finite number >= 0, got {value!r}.")
-
-
-def _seed(value: Any, field: str) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEED
-    _require(ok, field, f"must be an integer in [0, 2**32 - 1], got {value!r}.")
-
-
-def _choice(value: Any, field: str, allowed: tuple[str, ...]) -> None:
-    _require(value in allowed, field, f"must be one of {list(allowed)}, got {value!r}.")
+def _check_seed(field: str, value: Any) -> None:
+    check_int(field, value, 0, MAX_SEED, "2**32 - 1")
 
 
 def _section(cls: type, values: Any, prefix: str) -> Any:
     values = dict(values or {})
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
-    _require(not unknown, f"{prefix}{unknown[0] if unknown else ''}", f"unknown field; "
-             f"valid fields of config.{prefix.rstrip('.') or 'root'} are {sorted(known)}.")
+    require(not unknown, f"config.{prefix}{unknown[0] if unknown else ''}", f"unknown field; "
+            f"valid fields of config.{prefix.rstrip('.') or 'root'} are {sorted(known)}.")
     return cls(**values)
 
 
 def validate(s: TrainSettings) -> TrainSettings:
     """Checks every field; returns ``s`` or raises ``ValueError`` naming the field."""
-    _choice(s.method, "method", METHODS)
-    _choice(s.backend, "backend", BACKENDS)
-    _choice(s.routing, "routing", ("random", "fixed"))
-    for name in ("num_replicas", "global_batch_size", "num_steps", "log_every", "eval_every",
-                 "checkpoint_every", "keep_checkpoints", "num_stages", "routing_pool_size"):
-        _positive_int(getattr(s, name), name)
-    _seed(s.seed, "seed")
-    _require(
-        s.global_batch_size % s.num_replicas == 0,
-        "global_batch_size",
-        f"{s.global_batch_size} is not divisible by num_replicas={s.num_replicas}.",
-    )
-    for name in ("eval_every", "checkpoint_every"):
-        _require(
-            getattr(s, name) % s.log_every == 0,
-            name,
-            f"must be a multiple of log_every={s.log_every} (steps are fused in chunks of "
-            f"log_every), got {getattr(s, name)}.",
-        )
-    _choice(s.model.dtype, "model.dtype", DTYPES)
-    _choice(s.model.param_dtype, "model.param_dtype", DTYPES)
-    _positive_int(s.model.vocab_size, "model.vocab_size", minimum=0)
-    _choice(s.data.source, "data.source", ("shakespeare", "files", "tfds", "tokens"))
-    _require(s.data.source != "files" or bool(s.data.path), "data.path",
-             "must name a file, directory or glob when data.source='files'.")
-    _require(s.data.source != "tokens" or bool(s.data.path), "data.path",
-             "must name a directory with train.npy and validation.npy when data.source='tokens'.")
-    _require(s.data.source != "tokens" or s.data.tokenizer != "sentencepiece", "data.tokenizer",
-             "sentencepiece is trained on text; data.source='tokens' needs 'byte' or 'hf'.")
-    _require(s.data.source != "tfds" or bool(s.data.tfds_name), "data.tfds_name",
-             "must name a TFDS dataset when data.source='tfds'.")
-    _choice(s.data.tokenizer, "data.tokenizer", ("byte", "sentencepiece", "hf"))
-    _require(s.data.tokenizer != "hf" or bool(s.data.tokenizer_path), "data.tokenizer_path",
-             "must name a directory holding tokenizer.json when data.tokenizer='hf'.")
-    _require(_is_codec(s.data.encoding), "data.encoding",
-             f"must be a text encoding Python knows (e.g. 'utf-8', 'latin-1'), got "
-             f"{s.data.encoding!r}.")
-    _positive_int(s.data.seq_len, "data.seq_len")
-    _positive_int(s.data.eval_windows, "data.eval_windows")
-    _positive_int(s.data.tokenizer_vocab_size, "data.tokenizer_vocab_size", minimum=0)
-    _require(0 < s.data.validation_fraction < 1, "data.validation_fraction",
-             f"must be in (0, 1), got {s.data.validation_fraction!r}.")
+    _validate_run(s)
+    _validate_model(s)
+    _validate_data(s)
     _validate_optim(s.optim, s.num_steps)
     _validate_outer(s.outer, s.method, s.num_replicas)
-    _require(s.outer.fragments == 1 or (s.num_stages == 1 and s.method in ("noloco", "diloco")),
-             "outer.fragments", "streaming fragments need method noloco or diloco and "
-             "num_stages=1.")  # fmt: skip
+    require(s.outer.fragments == 1 or (s.num_stages == 1 and s.method in ROUND_METHODS),
+            "config.outer.fragments", "streaming fragments need method noloco or diloco and "
+            "num_stages=1.")  # fmt: skip
+    if s.method in ROUND_METHODS:
+        check_log_and_sync_every(s)
     _validate_fault(s.fault, s.num_replicas)
     _validate_skip(s.skip, s.num_stages)
     parse_profile_steps(s.profile_steps)
-    _require(isinstance(s.log.wandb, bool), "log.wandb", f"must be True or False, got "
-             f"{s.log.wandb!r}.")  # fmt: skip
-    _require(bool(s.log.wandb_project), "log.wandb_project", "must not be empty.")
-    _require(isinstance(s.allow_resize, bool), "allow_resize",
-             f"must be True or False, got {s.allow_resize!r}.")
-    _require(not (s.allow_resize and s.num_stages > 1), "allow_resize",
-             "resizing runs with pipeline stages (num_stages > 1) is not supported.")
+    check_bool("config.log.wandb", s.log.wandb)
+    require(bool(s.log.wandb_project), "config.log.wandb_project", "must not be empty.")
+    check_bool("config.allow_resize", s.allow_resize)
+    require(not (s.allow_resize and s.num_stages > 1), "config.allow_resize",
+            "resizing runs with pipeline stages (num_stages > 1) is not supported.")
     return s
+
+
+def _validate_run(s: TrainSettings) -> None:
+    check_choice("config.method", s.method, METHODS)
+    check_choice("config.backend", s.backend, BACKENDS)
+    check_choice("config.routing", s.routing, ("random", "fixed"))
+    for name in ("num_replicas", "global_batch_size", "num_steps", "log_every", "eval_every",
+                 "checkpoint_every", "keep_checkpoints", "num_stages", "routing_pool_size"):
+        check_int(f"config.{name}", getattr(s, name))
+    _check_seed("config.seed", s.seed)
+    require(s.global_batch_size % s.num_replicas == 0, "config.global_batch_size",
+            f"{s.global_batch_size} is not divisible by num_replicas={s.num_replicas}.")
+    for name in ("eval_every", "checkpoint_every"):
+        require(getattr(s, name) % s.log_every == 0, f"config.{name}",
+                f"must be a multiple of log_every={s.log_every} (steps are fused in chunks of "
+                f"log_every), got {getattr(s, name)}.")  # fmt: skip
+
+
+def check_log_and_sync_every(s: TrainSettings) -> None:
+    """The chunk rule: ``log_every`` and ``outer.sync_every`` divide one another.
+
+    The trainer compiles two programs, a chunk of ``log_every`` inner steps and the sync
+    step; each chunk then holds whole rounds or lies inside one. The message suggests a
+    ``log_every`` that also divides ``eval_every`` and ``checkpoint_every``, and a
+    ``sync_every`` that stays a multiple of ``outer.fragments``.
+
+    Raises:
+      UserError (a ``ValueError``): naming both fields.
+    """
+    log, sync = s.log_every, s.outer.sync_every
+    if log % sync == 0 or sync % log == 0:
+        return
+    common = math.gcd(sync, s.eval_every, s.checkpoint_every)
+    new_log = max(d for d in range(1, min(log, common) + 1) if common % d == 0)
+    unit = math.lcm(log, s.outer.fragments)
+    new_sync = max(1, round(sync / unit)) * unit
+    raise UserError(
+        f"config.log_every={log} and config.outer.sync_every={sync} must divide one another "
+        f"(one a multiple of the other), e.g. log_every={new_log} or outer.sync_every="
+        f"{new_sync}: the trainer compiles one chunk of log_every inner steps and one sync step."
+    )
+
+
+def _validate_model(s: TrainSettings) -> None:
+    check_choice("config.model.dtype", s.model.dtype, DTYPES)
+    check_choice("config.model.param_dtype", s.model.param_dtype, DTYPES)
+    check_int("config.model.vocab_size", s.model.vocab_size, minimum=0)
+
+
+def _validate_data(s: TrainSettings) -> None:
+    d = s.data
+    check_choice("config.data.source", d.source, ("shakespeare", "files", "tfds", "tokens"))
+    require(d.source != "files" or bool(d.path), "config.data.path",
+            "must name a file, directory or glob when data.source='files'.")
+    require(d.source != "tokens" or bool(d.path), "config.data.path",
+            "must name a directory with train.npy and validation.npy when data.source='tokens'.")
+    require(d.source != "tokens" or d.tokenizer != "sentencepiece", "config.data.tokenizer",
+            "sentencepiece is trained on text; data.source='tokens' needs 'byte' or 'hf'.")
+    require(d.source != "tfds" or bool(d.tfds_name), "config.data.tfds_name",
+            "must name a TFDS dataset when data.source='tfds'.")
+    check_choice("config.data.tokenizer", d.tokenizer, ("byte", "sentencepiece", "hf"))
+    require(d.tokenizer != "hf" or bool(d.tokenizer_path), "config.data.tokenizer_path",
+            "must name a directory holding tokenizer.json when data.tokenizer='hf'.")
+    require(_is_codec(d.encoding), "config.data.encoding",
+            f"must be a text encoding Python knows (e.g. 'utf-8', 'latin-1'), got "
+            f"{d.encoding!r}.")  # fmt: skip
+    check_int("config.data.seq_len", d.seq_len)
+    check_int("config.data.eval_windows", d.eval_windows)
+    check_int("config.data.tokenizer_vocab_size", d.tokenizer_vocab_size, minimum=0)
+    check_number("config.data.validation_fraction", d.validation_fraction, 0, 1, open_low=True,
+                 open_high=True)  # fmt: skip
 
 
 def parse_profile_steps(text: Any) -> tuple[int, int] | None:
@@ -242,9 +293,9 @@ def parse_profile_steps(text: Any) -> tuple[int, int] | None:
         a, b = (int(p) for p in parts)
     except ValueError:
         a = b = -1
-    _require(len(parts) == 2 and 0 <= a < b, "profile_steps",
-             f"must be 'A:B' with integers 0 <= A < B (a trace of steps [A, B)), or '' for "
-             f"none; got {text!r}.")  # fmt: skip
+    require(len(parts) == 2 and 0 <= a < b, "config.profile_steps",
+            f"must be 'A:B' with integers 0 <= A < B (a trace of steps [A, B)), or '' for "
+            f"none; got {text!r}.")  # fmt: skip
     return a, b
 
 
@@ -266,91 +317,70 @@ def _is_codec(name: Any) -> bool:
 
 
 def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
-    _positive_int(k.num_stages, "skip.num_stages", minimum=0)
-    _positive_int(k.full_every, "skip.full_every", minimum=0)
+    check_int("config.skip.num_stages", k.num_stages, minimum=0)
+    check_int("config.skip.full_every", k.full_every, minimum=0)
     if k.num_stages == 0:
         return
-    ok = isinstance(k.path_length, int) and 1 <= k.path_length <= k.num_stages
-    _require(ok, "skip.path_length",
-             f"must be in [1, skip.num_stages={k.num_stages}], got {k.path_length!r}.")
-    _require(pipeline_stages == 1, "skip.num_stages",
-             "stage skipping and routed pipeline stages (num_stages > 1) cannot be combined.")
+    check_path_length(k.path_length, k.num_stages, field="config.skip.path_length",
+                      stages_field="config.skip.num_stages")  # fmt: skip
+    require(pipeline_stages == 1, "config.skip.num_stages",
+            "stage skipping and routed pipeline stages (num_stages > 1) cannot be combined.")
 
 
 def _validate_fault(f: FaultSettings, num_replicas: int) -> None:
-    ok = isinstance(f.dropout_prob, (int, float)) and 0 <= f.dropout_prob < 1
-    _require(ok, "fault.dropout_prob", f"must be in [0, 1), got {f.dropout_prob!r}.")
-    _require(isinstance(f.nonfinite_guard, bool), "fault.nonfinite_guard",
-             f"must be True or False, got {f.nonfinite_guard!r}.")
-    _positive_int(f.inject_nan_step, "fault.inject_nan_step", minimum=-1)
-    ok = isinstance(f.inject_nan_replica, int) and 0 <= f.inject_nan_replica < num_replicas
-    _require(ok, "fault.inject_nan_replica",
-             f"must be in [0, num_replicas={num_replicas}), got {f.inject_nan_replica!r}.")
+    check_dropout_prob(f.dropout_prob, "config.fault.dropout_prob")
+    check_bool("config.fault.nonfinite_guard", f.nonfinite_guard)
+    check_int("config.fault.inject_nan_step", f.inject_nan_step, minimum=-1)
+    check_int("config.fault.inject_nan_replica", f.inject_nan_replica, 0, num_replicas - 1,
+              f"num_replicas - 1 = {num_replicas - 1}")  # fmt: skip
 
 
 def _validate_optim(o: OptimSettings, num_steps: int) -> None:
-    _require(
-        isinstance(o.learning_rate, (int, float)) and 0 < o.learning_rate < math.inf,
-        "optim.learning_rate", f"must be a finite number > 0, got {o.learning_rate!r}.",
-    )
-    _positive_int(o.warmup_steps, "optim.warmup_steps", minimum=0)
-    _require(o.warmup_steps < num_steps, "optim.warmup_steps",
-             f"must be < num_steps={num_steps}, got {o.warmup_steps}.")
-    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio",
-             f"must be in [0, 1], got {o.min_lr_ratio!r}.")
+    check_number("config.optim.learning_rate", o.learning_rate, open_low=True)
+    check_int("config.optim.warmup_steps", o.warmup_steps, minimum=0)
+    require(o.warmup_steps < num_steps, "config.optim.warmup_steps",
+            f"must be < num_steps={num_steps}, got {o.warmup_steps}.")
+    check_number("config.optim.min_lr_ratio", o.min_lr_ratio, 0, 1)
     for name in ("b1", "b2"):
-        value = getattr(o, name)
-        _require(0 <= value < 1, f"optim.{name}", f"must be in [0, 1), got {value!r}.")
+        check_number(f"config.optim.{name}", getattr(o, name), 0, 1, open_high=True)
     for name in ("eps", "weight_decay", "clip_norm"):
-        _nonneg(getattr(o, name), f"optim.{name}")
+        check_number(f"config.optim.{name}", getattr(o, name))
     # Adam divides by sqrt(v) + eps: with eps = 0 a parameter whose gradient is 0
     # (an unused embedding row) gets 0 / 0 = NaN on the first step.
-    _require(o.eps > 0, "optim.eps", f"must be > 0 (Adam divides by sqrt(v) + eps), got "
-             f"{o.eps!r}; the usual value is 1e-8.")
+    require(o.eps > 0, "config.optim.eps", f"must be > 0 (Adam divides by sqrt(v) + eps), got "
+            f"{o.eps!r}; the usual value is 1e-8.")
 
 
 def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
-    _positive_int(o.sync_every, "outer.sync_every")
-    _nonneg(o.learning_rate, "outer.learning_rate")
-    _nonneg(o.momentum, "outer.momentum")
+    check_sync_every(o.sync_every, "config.outer.sync_every")
+    check_rate("config.outer.learning_rate", o.learning_rate)
+    check_rate("config.outer.momentum", o.momentum)
     if o.gamma is not None:
-        _nonneg(o.gamma, "outer.gamma")
-    _choice(o.exchange_dtype, "outer.exchange_dtype",
-            ("", "bfloat16", "float32", "int8", "float8_e4m3fn"))  # fmt: skip
-    _require(not o.error_feedback or o.exchange_dtype in ("int8", "float8_e4m3fn"),
-             "outer.error_feedback", "needs an 8-bit outer.exchange_dtype (int8 or "
-             f"float8_e4m3fn), got {o.exchange_dtype!r}.")  # fmt: skip
-    _positive_int(o.fragments, "outer.fragments")
-    _require(o.sync_every % o.fragments == 0, "outer.fragments",
-             f"{o.fragments} must divide outer.sync_every={o.sync_every} (fragment p syncs "
-             "at steps t with t mod H = (p + 1) H / P).")  # fmt: skip
-    _seed(o.seed, "outer.seed")
+        check_rate("config.outer.gamma", o.gamma)
+    check_choice("config.outer.exchange_dtype", o.exchange_dtype,
+                 ("", "bfloat16", "float32", "int8", "float8_e4m3fn"))  # fmt: skip
+    check_error_feedback(o.error_feedback, o.exchange_dtype, field="config.outer.error_feedback",
+                         dtype_field="config.outer.exchange_dtype")  # fmt: skip
+    check_fragments(o.fragments, o.sync_every, field="config.outer.fragments",
+                    sync_field="config.outer.sync_every")  # fmt: skip
+    _check_seed("config.outer.seed", o.seed)
     if method == "noloco" and num_replicas > 1:
-        _positive_int(o.group_size, "outer.group_size", minimum=2)
-        _require(
-            num_replicas % o.group_size == 0,
-            "outer.group_size",
-            f"{o.group_size} must divide num_replicas={num_replicas}.",
-        )
+        comm.check_group_size(num_replicas, o.group_size, field="config.outer.group_size",
+                              replicas_field="config.num_replicas")  # fmt: skip
 
 
 def from_config(config: Any) -> TrainSettings:
-    """Builds and validates ``TrainSettings`` from a ConfigDict (or a nested dict)."""
+    """Builds and validates ``TrainSettings`` from a ConfigDict or a nested dict.
+
+    A field the config leaves out takes its default from ``defaults.FIELDS``.
+    """
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    sections = {
-        "model": ModelSettings,
-        "data": DataSettings,
-        "optim": OptimSettings,
-        "outer": OuterSettings,
-        "fault": FaultSettings,
-        "skip": SkipSettings,
-        "log": LogSettings,
-    }
+    sections = _SECTIONS
     kwargs = {k: v for k, v in d.items() if k not in sections}
     known = {f.name for f in dataclasses.fields(TrainSettings)} - set(sections)
     unknown = sorted(set(kwargs) - known)
-    _require(not unknown, unknown[0] if unknown else "", f"unknown field; valid top-level "
-             f"fields are {sorted(known | set(sections))}.")
+    require(not unknown, f"config.{unknown[0] if unknown else ''}", f"unknown field; valid "
+            f"top-level fields are {sorted(known | set(sections))}.")
     for name, cls in sections.items():
         kwargs[name] = _section(cls, d.get(name), f"{name}.")
     return validate(TrainSettings(**kwargs))
