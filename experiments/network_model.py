@@ -1,8 +1,8 @@
 """Network model of NoLoCo vs all-reduce: the paper's Fig. 5A/5B and a bandwidth + latency table.
 
-    python experiments/network_model.py            # full run, about a minute or two
-    python experiments/network_model.py --publish  # ... into experiments/results and figures
-    python experiments/network_model.py --smoke --out-dir /tmp/nm/results   # seconds
+    python -m experiments.network_model            # full run, about a minute or two
+    python -m experiments.network_model --publish  # ... into experiments/results and figures
+    python -m experiments.network_model --smoke --out_dir=/tmp/nm/results   # seconds
 
 (a) Fig. 5A: E[tree all-reduce] / E[pairwise averaging] against std(t)/t_c of
     log-normal message times, N = 4 ... 1024 (Monte Carlo).
@@ -11,22 +11,27 @@
 (c) Sync time and fraction of wall time spent communicating for the paper's
     small / medium / large models over a datacenter and an internet link.
 
-Writes <out-dir>/network_model.json and .md, and network_fig5a.png and
-network_fig5b.png in <fig-dir> (default: <out-dir>, which defaults to experiments/runs/results,
+Writes <out_dir>/network_model.json and .md, and network_fig5a.png and
+network_fig5b.png in <fig_dir> (default: <out_dir>, which defaults to experiments/runs/results,
 git-ignored; --publish: experiments/results and experiments/figures).
+
+With --params, prints one sync report instead (data parallel, DiLoCo and NoLoCo for P
+parameters on N replicas over one link, no compute/comm overlap) and writes nothing:
+
+    python -m experiments.network_model --params=125e6 --replicas=1024 \\
+        --bandwidth_gbps=1 --latency_ms=50 --step_time=0.5
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import pathlib
-import sys
 import time
 from typing import Any, Sequence
 
+from absl import app, flags
 import matplotlib
 
 matplotlib.use("Agg")
@@ -36,8 +41,35 @@ import numpy as np  # noqa: E402
 from noloco_jax import netsim  # noqa: E402
 from noloco_jax.experiments import harness  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMAND = "python experiments/network_model.py"
+_SMOKE = flags.DEFINE_bool("smoke", False, "Tiny version, a few seconds.")
+_OUT_DIR = flags.DEFINE_string(
+    "out_dir", None, "Where results go (default experiments/runs/results; --publish: "
+    "experiments/results).")  # fmt: skip
+_PUBLISH = flags.DEFINE_bool(
+    "publish", False, "Write the tracked experiments/results and experiments/figures.")
+_FIG_DIR = flags.DEFINE_string(
+    "fig_dir", None, "Where figures go (default --out_dir; experiments/figures with --publish).")
+_SEED = flags.DEFINE_integer("seed", 0, "NumPy seed of the Monte Carlo runs.")
+# One sync report instead of the experiment (--params given).
+_PARAMS = flags.DEFINE_float("params", None, "Number of parameters P, e.g. 125e6: print one "
+                             "sync report and nothing else.")  # fmt: skip
+_REPLICAS = flags.DEFINE_integer("replicas", None, "Number of replicas N (>= 2).")
+_BANDWIDTH_GBPS = flags.DEFINE_float("bandwidth_gbps", None, "Link bandwidth in Gbit/s.")
+_LATENCY_MS = flags.DEFINE_float("latency_ms", None, "One-way message latency in ms.")
+_STEP_TIME = flags.DEFINE_float("step_time", None, "Compute time of one inner step in seconds.")
+_BYTES_PER_PARAM = flags.DEFINE_integer("bytes_per_param", 4, "Bytes per parameter (1, 2, 4, 8).")
+_GROUP_SIZE = flags.DEFINE_integer("group_size", 2, "NoLoCo group size n.")
+_EXCHANGE_BYTES_PER_PARAM = flags.DEFINE_integer(
+    "exchange_bytes_per_param", None, "Bytes per parameter NoLoCo sends (default: "
+    "--bytes_per_param).")  # fmt: skip
+_NOLOCO_SYNC_EVERY = flags.DEFINE_integer("noloco_sync_every", 50, "NoLoCo inner steps per sync.")
+_DILOCO_SYNC_EVERY = flags.DEFINE_integer("diloco_sync_every", 100, "DiLoCo inner steps per sync.")
+_ALLREDUCE = flags.DEFINE_enum("allreduce", "ring", list(netsim.ALLREDUCE_ALGORITHMS),
+                               "All-reduce algorithm of data parallel and DiLoCo.")  # fmt: skip
+_GAMMA_DIFFERS = flags.DEFINE_bool(
+    "gamma_differs", False, "NoLoCo with gamma != beta (slow weights travel too: twice the bytes).")
+
+COMMAND = "python -m experiments.network_model"
 
 # Paper models: total parameters with untied embeddings at vocab 128,002, and global batch tokens.
 MODELS = {
@@ -188,8 +220,8 @@ def run_sync_table(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                     noloco_sync_every=H_DILOCO, diloco_sync_every=H_DILOCO,
                     bytes_per_param=BYTES_PER_PARAM)
                 reports["noloco_at_diloco_h"] = [r for r in equal_h if r["method"] == "noloco"]
-                out.append({"link": link_name, "bandwidth_gbps": link.bandwidth_gbps,
-                            "latency_ms": link.latency_ms, "model": model,
+                out.append({"link": link_name, "bytes_per_second": link.bytes_per_second,
+                            "latency_s": link.latency_s, "model": model,
                             "params": spec["params"], "replicas": n, "step_time_s": step,
                             "reports": reports})
     return out
@@ -261,7 +293,7 @@ def write_markdown(result: dict[str, Any], path: pathlib.Path, figs: dict[str, s
         "Simulated and analytical sync costs of NoLoCo (random pairs), DiLoCo (all-reduce every "
         "100 steps) and data parallel (all-reduce every step), following the paper's §5.3 "
         "latency model and extending it with bandwidth. All numbers come from "
-        "`noloco_jax/netsim.py`; `network_model.json` holds every value.",
+        "`noloco_jax/netsim/`; `network_model.json` holds every value.",
         "",
         "## (a) Fig. 5A: tree all-reduce / pairwise averaging, log-normal message times",
         "",
@@ -305,7 +337,7 @@ def write_markdown(result: dict[str, Any], path: pathlib.Path, figs: dict[str, s
         "shrinks as N grows, which is why every share rises with N.",
     ]
     for name, link in LINKS.items():
-        md += ["", f"### {name} link: {link.bandwidth_gbps:g} Gbit/s, {link.latency_ms:g} ms",
+        md += ["", f"### {name} link: {link.describe()}",
                "", "```bash", cmd, "```", "", *_md_sync(result["sync_table"], name)]
     md += ["", f"Wall time of this run: {result['seconds']:.0f} s.", ""]
     path.write_text("\n".join(md))
@@ -314,40 +346,25 @@ def write_markdown(result: dict[str, Any], path: pathlib.Path, figs: dict[str, s
 # --------------------------------------------------------------------------- main
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny version, a few seconds")
-    harness.add_out_flags(parser)
-    parser.add_argument("--fig-dir", type=pathlib.Path, default=None,
-                        help="default: --out-dir (experiments/figures with --publish)")
-    parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
-
-
-def _command(argv: Sequence[str] | None) -> str:
-    args = list(sys.argv[1:] if argv is None else argv)
-    return " ".join([COMMAND, *args])
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def run(*, smoke: bool, seed: int, out_dir: pathlib.Path, fig_dir: pathlib.Path) -> dict[str, Any]:
     """Runs (a), (b), (c); writes the json, markdown and figures.
 
     Args:
-      argv: command-line arguments; ``None`` reads ``sys.argv``.
+      smoke: the tiny configuration (seconds) instead of the full one.
+      seed: NumPy seed of the Monte Carlo runs.
+      out_dir: where network_model.json and .md go.
+      fig_dir: where the two figures go.
 
     Returns:
       The dict written to network_model.json.
     """
-    args = _parse(argv)
-    cfg = SMOKE if args.smoke else FULL
-    out_dir = args.out_dir
-    publishing = out_dir.resolve() == harness.RESULTS.resolve()
-    fig_dir = args.fig_dir or (harness.FIGURES if publishing else out_dir)
+    cfg = SMOKE if smoke else FULL
     out_dir.mkdir(parents=True, exist_ok=True)
     fig_dir.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    result = {"command": _command(argv), "config": cfg, "seed": args.seed,
-              "fig5a": run_fig5a(cfg, args.seed), "fig5b": run_fig5b(cfg, args.seed),
+    command = COMMAND + (" --smoke" if smoke else "") + (f" --seed={seed}" if seed else "")
+    result = {"command": command, "config": cfg, "seed": seed,
+              "fig5a": run_fig5a(cfg, seed), "fig5b": run_fig5b(cfg, seed),
               "sync_table": run_sync_table(cfg),
               "assumptions": {"peak_flops": PEAK_FLOPS, "mfu": MFU,
                               "bytes_per_param": BYTES_PER_PARAM, "models": MODELS,
@@ -364,5 +381,57 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return result
 
 
+# --------------------------------------------------------------------------- one sync report
+
+# sync_report's and Link.from_gbit_ms's argument names -> the flag that sets them.
+_FLAG_OF_ARGUMENT = {"num_params": "params", "num_replicas": "replicas",
+                     "gbit_per_s": "bandwidth_gbps", "step_time_s": "step_time"}  # fmt: skip
+
+
+def sync_report_text() -> str:
+    """The --params report from the flags: a line naming the setting, then the markdown table.
+
+    Returns:
+      The text to print.
+
+    Raises:
+      ValueError: naming the flag, when a value is missing or out of range.
+    """
+    try:
+        link = netsim.Link.from_gbit_ms(_BANDWIDTH_GBPS.value, _LATENCY_MS.value)
+        rows = netsim.sync_report(
+            _PARAMS.value, _REPLICAS.value, link, step_time_s=_STEP_TIME.value,
+            noloco_sync_every=_NOLOCO_SYNC_EVERY.value,
+            diloco_sync_every=_DILOCO_SYNC_EVERY.value,
+            bytes_per_param=_BYTES_PER_PARAM.value, group_size=_GROUP_SIZE.value,
+            gamma_equals_beta=not _GAMMA_DIFFERS.value,
+            exchange_bytes_per_param=_EXCHANGE_BYTES_PER_PARAM.value,
+            allreduce=_ALLREDUCE.value,
+        )
+    except ValueError as err:
+        argument, _, rest = str(err).partition(" ")
+        raise ValueError(f"--{_FLAG_OF_ARGUMENT.get(argument, argument)} {rest}") from None
+    return (f"P = {_PARAMS.value:.4g} parameters, N = {_REPLICAS.value} replicas, link "
+            f"{link.describe()}, {_ALLREDUCE.value} all-reduce, {_STEP_TIME.value:g} s compute "
+            f"per inner step:\n\n{netsim.report_markdown(rows)}")  # fmt: skip
+
+
+def main(argv: Sequence[str]) -> None:
+    """Prints one sync report (--params given) or runs the experiment."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if _PARAMS.value is not None:
+        try:
+            print(sync_report_text())
+        except ValueError as err:
+            raise app.UsageError(str(err)) from err
+        return
+    out_dir = _OUT_DIR.value or (harness.RESULTS if _PUBLISH.value else harness.SCRATCH)
+    out_dir = pathlib.Path(out_dir)
+    publishing = out_dir.resolve() == harness.RESULTS.resolve()
+    fig_dir = pathlib.Path(_FIG_DIR.value or (harness.FIGURES if publishing else out_dir))
+    run(smoke=_SMOKE.value, seed=_SEED.value, out_dir=out_dir, fig_dir=fig_dir)
+
+
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,22 +1,29 @@
 """Streaming fragments, overlap and 8-bit exchange in the network model (issue 21).
 
-    python experiments/streaming_netsim.py [--smoke] [--publish]
+    python -m experiments.streaming_netsim [--smoke] [--publish] [--out_dir=DIR]
 
 For the paper's small / medium / large models (float32 params) and a datacenter (100 Gbit/s,
 0.01 ms) and an internet (1 Gbit/s, 50 ms) link: one NoLoCo replica's burst per sync, sync
 time, the share of wall time it stalls, and the bandwidth above which an overlap of tau steps
-hides the exchange, for P in {1, 2, 5} (dividing H = 50), tau in {0, 1, 5} and float32 / bfloat16 / int8 /
-float8 on the wire (H = 50, n = 2; a NoLoCo exchange does not depend on N). This is the cost
-model only: overlapped exchange is not yet built into the optimizer, and the optimizer's
-8-bit exchange and fragments are measured for bytes in the HLO tests.
+hides the exchange, for P in {1, 2, 5} (dividing H = 50), tau in {0, 1, 5} and float32 /
+bfloat16 / int8 / float8 on the wire (H = 50, n = 2; a NoLoCo exchange does not depend on N).
+This is the cost model only: overlapped exchange is not yet built into the optimizer, and the
+optimizer's 8-bit exchange and fragments are measured for bytes in the HLO tests.
+
+Writes <out_dir>/streaming_netsim.json and .md and the figure streaming_netsim.png next to
+them (default experiments/runs/results, git-ignored; --publish: experiments/results and
+experiments/figures).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
+import json
 import math
+import pathlib
+from typing import Sequence
 
+from absl import app, flags
 import matplotlib
 
 matplotlib.use("Agg")
@@ -25,10 +32,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 from noloco_jax import netsim  # noqa: E402
 from noloco_jax.experiments import harness  # noqa: E402
 
+_SMOKE = flags.DEFINE_bool("smoke", False, "The small model only, a few seconds.")
+_OUT_DIR = flags.DEFINE_string(
+    "out_dir", None, "Where results go (default experiments/runs/results; --publish: "
+    "experiments/results).")  # fmt: skip
+_PUBLISH = flags.DEFINE_bool(
+    "publish", False, "Write the tracked experiments/results and experiments/figures.")
+
 SIZES = {"small": 125e6, "medium": 1.3e9, "large": 6.8e9}
 STEP_S = {"small": 0.25, "medium": 1.0, "large": 4.0}  # assumed compute per inner step
 LINKS = {"datacenter": netsim.DATACENTER, "internet": netsim.INTERNET}
-COMMAND = "python experiments/streaming_netsim.py"
+COMMAND = "python -m experiments.streaming_netsim"
 
 
 def rows(smoke: bool) -> list[dict]:
@@ -43,8 +57,11 @@ def rows(smoke: bool) -> list[dict]:
     return out
 
 
-def _fmt_gbps(x: float) -> str:
-    return "never (latency)" if math.isnan(x) else "—" if math.isinf(x) else f"{x:.2f}"
+def _fmt_gbps(bytes_per_s: float) -> str:
+    """Bytes/s printed as Gbit/s; inf (no overlap) and nan (latency) in words."""
+    if math.isnan(bytes_per_s):
+        return "never (latency)"
+    return "—" if math.isinf(bytes_per_s) else f"{bytes_per_s * 8 / 1e9:.2f}"
 
 
 def markdown(table: list[dict]) -> str:
@@ -53,7 +70,7 @@ def markdown(table: list[dict]) -> str:
     body = "".join(
         f"| {r['size']} | {r['link']} | {r['fragments']} | {r['delay_steps']} | {r['exchange']} "
         f"| {r['bytes_per_sync'] / 1e6:.1f} | {r['sync_time_s']:.3g} | "
-        f"{100 * r['comm_fraction']:.2f} % | {_fmt_gbps(r['hidden_above_gbps'])} |\n"
+        f"{100 * r['comm_fraction']:.2f} % | {_fmt_gbps(r['hidden_above_bytes_per_s'])} |\n"
         for r in table if r["exchange"] in ("float32", "int8") or r["fragments"] == 1)
     return (f"### Streaming, overlap and 8-bit exchange in the network model\n\n`{COMMAND}` — "
             f"H = 50, n = 2, float32 params; assumed compute per inner step: "
@@ -79,20 +96,41 @@ def plot(table: list[dict]):
     return fig
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    harness.add_out_flags(parser)
-    args = parser.parse_args()
-    table = rows(args.smoke)
-    fig_path = harness.figure_path(args, "streaming_netsim")
+def run(*, smoke: bool, out_dir: pathlib.Path) -> list[dict]:
+    """Computes the table; writes the json, markdown and figure.
+
+    Args:
+      smoke: the small model only.
+      out_dir: where streaming_netsim.json and .md go; the figure goes next to them, or to
+        experiments/figures when ``out_dir`` is experiments/results.
+
+    Returns:
+      The table's rows.
+    """
+    table = rows(smoke)
+    publishing = out_dir.resolve() == harness.RESULTS.resolve()
+    fig_path = (harness.FIGURES if publishing else out_dir) / "streaming_netsim.png"
     fig = plot(table)
     harness.save_figure(fig, fig_path)
     plt.close(fig)
-    rel = "../figures/" if fig_path.parent.name == "figures" else ""
+    rel = "../figures/" if publishing else ""
     md = markdown(table) + f"\n![stall share]({rel}{fig_path.name})\n"
-    harness.write_outputs(args, "streaming_netsim", {"command": COMMAND, "rows": table}, md)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"command": COMMAND, "rows": table}
+    (out_dir / "streaming_netsim.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+    (out_dir / "streaming_netsim.md").write_text(md)
+    print(f"wrote {out_dir / 'streaming_netsim.json'} and {out_dir / 'streaming_netsim.md'}",
+          flush=True)  # fmt: skip
+    return table
+
+
+def main(argv: Sequence[str]) -> None:
+    """Runs the experiment with the flags' settings."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    out_dir = _OUT_DIR.value or (harness.RESULTS if _PUBLISH.value else harness.SCRATCH)
+    run(smoke=_SMOKE.value, out_dir=pathlib.Path(out_dir))
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

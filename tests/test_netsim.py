@@ -1,6 +1,6 @@
-"""The network model (noloco_jax.netsim) and experiments/network_model.py."""
+"""The network model (noloco_jax.netsim) and experiments.network_model / streaming_netsim."""
 
-import importlib.util
+import importlib
 import json
 import math
 import pathlib
@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+from absl import flags
+from absl.testing import flagsaver
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 from noloco_jax import comm, netsim
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LINK = netsim.Link(bandwidth_gbps=1.0, latency_ms=10.0)
+LINK = netsim.Link(bytes_per_second=1.25e8, latency_s=0.01)  # 1 Gbit/s, 10 ms
 
 
 # --------------------------------------------------------------------------- paper model
@@ -62,7 +64,7 @@ def test_ratio_grows_with_variance_and_with_n():
 def test_tree_simulation_is_deterministic_and_chunking_does_not_matter(monkeypatch):
     a = netsim.simulate_tree_allreduce(8, 0.7, num_trials=50, seed=3)
     np.testing.assert_array_equal(a, netsim.simulate_tree_allreduce(8, 0.7, num_trials=50, seed=3))
-    monkeypatch.setattr(netsim, "_MAX_DRAWS_PER_CHUNK", 16)  # one trial per chunk
+    monkeypatch.setattr(netsim.latency_model, "_MAX_DRAWS_PER_CHUNK", 16)  # one trial per chunk
     b = netsim.simulate_tree_allreduce(8, 0.7, num_trials=50, seed=3)
     assert b.shape == (50,) and np.all(b > 0)
     assert b.mean() == pytest.approx(a.mean(), rel=0.2)
@@ -165,31 +167,36 @@ def test_comm_fraction_in_unit_interval_and_noloco_below_diloco_over_internet():
 # --------------------------------------------------------------------------- CLI and script
 
 
+def _network_model():
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # `python -m pytest` from elsewhere than the repository
+    return importlib.import_module("experiments.network_model")
+
+
+def _main(module, *argv):
+    """``python -m experiments.<module> *argv`` in this process, flags restored afterwards."""
+    with flagsaver.flagsaver():
+        flags.FLAGS([module.__name__, *argv])
+        return module.main([module.__name__])
+
+
 def test_cli_prints_a_table_with_three_methods(capsys):
-    argv = ["--params", "125e6", "--replicas", "1024", "--bandwidth-gbps", "1",
-            "--latency-ms", "50", "--step-time", "0.5", "--bytes-per-param", "2",
-            "--exchange-bytes-per-param", "2"]
-    assert netsim.main(argv) == 0
+    argv = ["--params=125e6", "--replicas=1024", "--bandwidth_gbps=1", "--latency_ms=50",
+            "--step_time=0.5", "--bytes_per_param=2", "--exchange_bytes_per_param=2"]
+    _main(_network_model(), *argv)
     out = capsys.readouterr().out
     for method in ("| dp |", "| diloco |", "| noloco |"):
         assert method in out
-    assert "comm fraction" in out
+    assert "comm fraction" in out and "1 Gbit/s, 50 ms" in out
 
 
-def test_cli_help_works(capsys):
-    with pytest.raises(SystemExit) as exc:
-        netsim.main(["--help"])
-    assert exc.value.code == 0
-    assert "--bandwidth-gbps" in capsys.readouterr().out
+def test_cli_help_works():
+    module = _network_model()
+    assert "--bandwidth_gbps" in flags.FLAGS.module_help(module.__name__)
 
 
 def test_network_model_script_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "network_model", ROOT / "experiments" / "network_model.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(["--smoke", "--out-dir", str(tmp_path / "results")])
+    _main(_network_model(), "--smoke", f"--out_dir={tmp_path / 'results'}")
     result = json.loads((tmp_path / "results" / "network_model.json").read_text())
     assert result["fig5a"]["curves"]["4"]["ratio"][0] == 2.0
     assert (tmp_path / "results" / "network_model.md").read_text().count("```bash") >= 4
@@ -226,8 +233,10 @@ BAD_CALLS = [
     ("group_size", lambda: netsim.simulate_global_blocking(8, 100, group_size=1)),
     ("num_trials", lambda: netsim.simulate_global_blocking(8, 100, num_trials=0)),
     ("sigma2", lambda: netsim.simulate_global_blocking(8, 100, sigma2=-0.5)),
-    ("bandwidth_gbps", lambda: netsim.Link(0.0, 1.0)),
-    ("latency_ms", lambda: netsim.Link(1.0, -1.0)),
+    ("bytes_per_second", lambda: netsim.Link(0.0, 1.0)),
+    ("latency_s", lambda: netsim.Link(1.0, -1.0)),
+    ("gbit_per_s", lambda: netsim.Link.from_gbit_ms(0.0, 1.0)),
+    ("latency_ms", lambda: netsim.Link.from_gbit_ms(1.0, -1.0)),
     ("num_bytes", lambda: netsim.ring_allreduce_time(-1.0, 8, LINK)),
     ("num_replicas", lambda: netsim.ring_allreduce_time(1.0, 1, LINK)),
     ("num_bytes", lambda: netsim.tree_allreduce_time(-1.0, 8, LINK)),
@@ -257,40 +266,53 @@ def test_bad_input_raises_value_error_naming_the_argument(name, call):
         call()
 
 
-_CLI = {"--params": "1e6", "--replicas": "8", "--bandwidth-gbps": "1", "--latency-ms": "10",
-        "--step-time": "0.1"}
+_CLI = {"--params": "1e6", "--replicas": "8", "--bandwidth_gbps": "1", "--latency_ms": "10",
+        "--step_time": "0.1"}
 BAD_CLI = [
     ("--params", "0"), ("--params", "1.5"), ("--replicas", "1"), ("--replicas", "7"),
-    ("--bandwidth-gbps", "0"), ("--latency-ms", "-1"), ("--step-time", "-0.1"),
-    ("--group-size", "1"), ("--bytes-per-param", "3"), ("--exchange-bytes-per-param", "5"),
-    ("--noloco-sync-every", "0"), ("--diloco-sync-every", "0"),
+    ("--bandwidth_gbps", "0"), ("--latency_ms", "-1"), ("--step_time", "-0.1"),
+    ("--group_size", "1"), ("--bytes_per_param", "3"), ("--exchange_bytes_per_param", "5"),
+    ("--noloco_sync_every", "0"), ("--diloco_sync_every", "0"),
 ]
+
+
+def test_cli_missing_value_names_the_flag():
+    module = _network_model()
+    with flagsaver.flagsaver():
+        flags.FLAGS([module.__name__, "--params=1e6", "--bandwidth_gbps=1", "--latency_ms=1",
+                     "--step_time=0.1"])  # fmt: skip
+        with pytest.raises(ValueError, match=r"^--replicas "):
+            module.sync_report_text()
 
 
 @pytest.mark.parametrize("flag,value", BAD_CLI)
 def test_cli_bad_values_raise_value_error_naming_the_flag(flag, value):
+    module = _network_model()
     args = {**_CLI, flag: value}
-    with pytest.raises(ValueError, match=rf"^{re.escape(flag)} "):
-        netsim.main([x for kv in args.items() for x in kv])
+    with flagsaver.flagsaver():
+        flags.FLAGS([module.__name__, *(f"{k}={v}" for k, v in args.items())])
+        with pytest.raises(ValueError, match=rf"^{re.escape(flag)} "):
+            module.sync_report_text()
 
 
 def test_streaming_sync_fragments_cut_the_burst_and_overlap_hides_the_exchange():
-    link = netsim.Link(bandwidth_gbps=1.0, latency_ms=50.0)
+    link = netsim.Link.from_gbit_ms(1.0, 50.0)
     full = netsim.streaming_sync(1e6, link, step_time_s=0.5, sync_every=50)
     five = netsim.streaming_sync(1e6, link, step_time_s=0.5, sync_every=50, fragments=5)
     assert five["bytes_per_sync"] == full["bytes_per_sync"] / 5  # the burst falls P-fold
-    assert math.isinf(full["hidden_above_gbps"])  # no overlap: never hidden
+    assert math.isinf(full["hidden_above_bytes_per_s"])  # no overlap: never hidden
     hid = netsim.streaming_sync(1e6, link, step_time_s=0.5, sync_every=50, fragments=5,
                                 delay_steps=1, exchange="int8")  # fmt: skip
     # 1e6 int8 values + scales = 1e6 + 4 * 3907 bytes behind 0.5 s - 0.05 s of latency
-    want = (1e6 / 5 + 4 * math.ceil(2e5 / 256)) * 8 / (0.5 - 0.05) / 1e9
-    assert hid["hidden_above_gbps"] == pytest.approx(want)
+    want = (1e6 / 5 + 4 * math.ceil(2e5 / 256)) / (0.5 - 0.05)
+    assert hid["hidden_above_bytes_per_s"] == pytest.approx(want)
     assert hid["comm_fraction"] == 0.0  # 1 Gbit/s is above that
-    slow = netsim.streaming_sync(1e6, netsim.Link(0.001, 50.0), step_time_s=0.5,
+    slow = netsim.streaming_sync(1e6, netsim.Link.from_gbit_ms(0.001, 50.0), step_time_s=0.5,
                                  fragments=5, delay_steps=1, exchange="int8")  # fmt: skip
     assert slow["comm_fraction"] > 0
-    lat = netsim.streaming_sync(1e6, netsim.Link(1.0, 600.0), step_time_s=0.5, delay_steps=1)
-    assert math.isnan(lat["hidden_above_gbps"])  # latency alone exceeds the overlap
+    lat = netsim.streaming_sync(1e6, netsim.Link.from_gbit_ms(1.0, 600.0), step_time_s=0.5,
+                                delay_steps=1)  # fmt: skip
+    assert math.isnan(lat["hidden_above_bytes_per_s"])  # latency alone exceeds the overlap
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -305,8 +327,8 @@ def test_streaming_sync_bad_input(kwargs, match):
 
 def test_streaming_netsim_script_smoke(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "streaming_netsim.py"), "--smoke",
-         "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "experiments.streaming_netsim", "--smoke", f"--out_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "wrote" in out.stdout and (tmp_path / "streaming_netsim.md").exists()

@@ -184,12 +184,14 @@ def test_partition_and_chains():
 def test_network_link_costs():
     net = sp.geo_distributed(12, overhead_s=0.1)
     i, j = net.locations.index("australia"), net.locations.index("london")
-    lat, bw = sp.region_latency_bandwidth("australia", "london")
+    far = sp.region_link("australia", "london")
+    lat, bw = far.latency_s, far.bytes_per_second
     assert net.link_time(i, j, 1e6) == pytest.approx(lat + 1e6 / bw + 0.1)
     assert net.link_time(i, i, 1e6) == 0.0
+    assert net.link(i, j) == far  # one link type with netsim: SI units
     assert 0.08 < lat < 0.2 and bw < 1e8  # far apart: slow
-    near = sp.region_latency_bandwidth("belgium", "nl")
-    assert near[0] < 0.01 and near[1] > 5e8
+    near = sp.region_link("belgium", "nl")
+    assert near.latency_s < 0.01 and near.bytes_per_second > 5e8
     assert np.allclose(net.cost_matrix(1e6), net.cost_matrix(1e6).T)
     assert sp.single_cluster(4).cost_matrix(0.0).max() == pytest.approx(1e-4)
     assert set(sp.five_clusters(10).locations) == {"iowa", "germany", "japan", "oregon",
@@ -216,9 +218,10 @@ def _sched(**kw):
     (lambda: sp.geo_distributed(4, forward_s=0.0), "forward_s"),
     (lambda: sp.geo_distributed(4, compute_spread=1.0), "compute_spread"),
     (lambda: sp.geo_distributed(4, overhead_s=-1.0), "overhead_s"),
-    (lambda: sp.region_latency_bandwidth("mars", "nl"), "a"),
+    (lambda: sp.region_link("mars", "nl"), "a"),
     (lambda: sp.Network(("a", "b"), np.zeros((3, 3)), np.ones((2, 2)), np.ones(2)), "latency_s"),
-    (lambda: sp.Network(("a", "b"), np.zeros((2, 2)), np.zeros((2, 2)), np.ones(2)), "bandwidth"),
+    (lambda: sp.Network(("a", "b"), np.zeros((2, 2)), np.zeros((2, 2)), np.ones(2)),
+     "bytes_per_second"),
     (lambda: sp.Network(("a", "b"), np.zeros((2, 2)), np.ones((2, 2)), np.zeros(2)), "compute_s"),
     (lambda: sp.default_stage_sizes(3, 4), "num_nodes"),
     (lambda: sp.default_stage_sizes(3, 1), "num_stages"),

@@ -16,7 +16,7 @@ from noloco_jax.skippipe.network import (
     five_clusters,
     from_locations,
     geo_distributed,
-    region_latency_bandwidth,
+    region_link,
     single_cluster,
 )
 from noloco_jax.skippipe.partition import (
@@ -42,7 +42,7 @@ __all__ = [
     "geo_distributed",
     "five_clusters",
     "single_cluster",
-    "region_latency_bandwidth",
+    "region_link",
     "default_stage_sizes",
     "partition_nodes",
     "pipeline_cost",

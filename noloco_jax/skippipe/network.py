@@ -1,8 +1,11 @@
 """Nodes of a heterogeneous network: latency, bandwidth and compute per node.
 
-The cost of sending ``b`` bytes from node i to node j is
-``latency[i, j] + b / bandwidth[i, j] + overhead`` seconds (0 when i == j), the
-link cost of SkipPipe's scheduler [SkipPipe code, ``communication_costs.py``].
+Every pair of nodes is joined by a ``netsim.Link`` (SI units: bytes per
+second, seconds). The cost of sending ``b`` bytes from node i to node j is the
+link's message time plus a constant overhead,
+``latency_s[i, j] + b / bytes_per_second[i, j] + overhead_s`` seconds (0 when
+i == j), the link cost of SkipPipe's scheduler [SkipPipe code,
+``communication_costs.py``].
 
 The 12 regions are the GCP locations named by SkipPipe's geo-distributed
 setting. Their latency and bandwidth are *not* measured values: they are
@@ -25,10 +28,12 @@ from typing import Sequence
 
 import numpy as np
 
+from noloco_jax.netsim.links import Link, message_time
+
 __all__ = [
     "REGIONS",
     "Network",
-    "region_latency_bandwidth",
+    "region_link",
     "from_locations",
     "geo_distributed",
     "single_cluster",
@@ -67,7 +72,7 @@ class Network:
     Attributes:
       locations: region name of each node.
       latency_s: (N, N) one-way latency in seconds (diagonal ignored).
-      bandwidth: (N, N) bandwidth in bytes per second (diagonal ignored).
+      bytes_per_second: (N, N) bandwidth in bytes per second (diagonal ignored).
       compute_s: (N,) forward time ``w`` of one microbatch through one stage on
         each node, in seconds (backward takes 1.5 w, the loss w / 4).
       overhead_s: constant added to every message between two nodes (SkipPipe
@@ -76,7 +81,7 @@ class Network:
 
     locations: tuple[str, ...]
     latency_s: np.ndarray
-    bandwidth: np.ndarray
+    bytes_per_second: np.ndarray
     compute_s: np.ndarray
     overhead_s: float = 0.0
 
@@ -84,7 +89,7 @@ class Network:
         n = len(self.locations)
         if n < 2:
             raise ValueError(f"locations must name at least 2 nodes, got {n}")
-        for name in ("latency_s", "bandwidth"):
+        for name in ("latency_s", "bytes_per_second"):
             value = np.asarray(getattr(self, name), dtype=float)
             if value.shape != (n, n):
                 raise ValueError(f"{name} must have shape ({n}, {n}), got {value.shape}")
@@ -92,8 +97,8 @@ class Network:
         off = ~np.eye(n, dtype=bool)
         if not np.all(self.latency_s[off] >= 0):
             raise ValueError("latency_s must be >= 0")
-        if not np.all(self.bandwidth[off] > 0):
-            raise ValueError("bandwidth must be > 0 bytes/s")
+        if not np.all(self.bytes_per_second[off] > 0):
+            raise ValueError("bytes_per_second must be > 0")
         compute = np.asarray(self.compute_s, dtype=float)
         if compute.shape != (n,) or not np.all(compute > 0):
             raise ValueError(f"compute_s must be {n} values > 0 s, got {compute}")
@@ -106,16 +111,22 @@ class Network:
         """Number of nodes N."""
         return len(self.locations)
 
+    def link(self, src: int, dst: int) -> Link:
+        """The link from node ``src`` to node ``dst`` (two different nodes)."""
+        if src == dst:
+            raise ValueError(f"src and dst must be different nodes, got {src} twice")
+        return Link(self.bytes_per_second[src, dst], self.latency_s[src, dst])
+
     def link_time(self, src: int, dst: int, num_bytes: float) -> float:
         """Seconds to send ``num_bytes`` from ``src`` to ``dst`` (0 on the same node)."""
         if src == dst:
             return 0.0
-        return float(self.latency_s[src, dst] + num_bytes / self.bandwidth[src, dst]
-                     + self.overhead_s)  # fmt: skip
+        lat, bw = self.latency_s[src, dst], self.bytes_per_second[src, dst]
+        return float(message_time(num_bytes, lat, bw) + self.overhead_s)
 
     def cost_matrix(self, num_bytes: float) -> np.ndarray:
         """(N, N) link times for a message of ``num_bytes`` (zero diagonal)."""
-        cost = self.latency_s + num_bytes / self.bandwidth + self.overhead_s
+        cost = message_time(num_bytes, self.latency_s, self.bytes_per_second) + self.overhead_s
         np.fill_diagonal(cost, 0.0)
         return cost
 
@@ -127,24 +138,24 @@ def _distance_km(a: tuple[float, float], b: tuple[float, float]) -> float:
     return 2 * EARTH_RADIUS_KM * math.asin(math.sqrt(min(1.0, h)))
 
 
-def region_latency_bandwidth(a: str, b: str) -> tuple[float, float]:
-    """Generated one-way latency [s] and bandwidth [bytes/s] between two regions.
+def region_link(a: str, b: str) -> Link:
+    """The generated link between two regions.
 
     Args:
       a: region name (a key of ``REGIONS``).
       b: region name.
 
     Returns:
-      ``(latency_s, bytes_per_s)``; see the module docstring for the model.
+      The ``Link``; see the module docstring for the model.
     """
     for name, region in (("a", a), ("b", b)):
         if region not in REGIONS:
             raise ValueError(f"{name} must be one of {sorted(REGIONS)}, got {region!r}")
     if a == b:
-        return INTRA_REGION_LATENCY_S, DATACENTER_BYTES_PER_S
+        return Link(DATACENTER_BYTES_PER_S, INTRA_REGION_LATENCY_S)
     km = _distance_km(REGIONS[a], REGIONS[b])
     latency = BASE_LATENCY_S + km * ROUTE_FACTOR / FIBRE_KM_PER_S
-    return latency, min(DATACENTER_BYTES_PER_S, TCP_WINDOW_BYTES / (2 * latency))
+    return Link(min(DATACENTER_BYTES_PER_S, TCP_WINDOW_BYTES / (2 * latency)), latency)
 
 
 def _compute(num_nodes: int, forward_s: float, compute_spread: float, seed: int) -> np.ndarray:
@@ -178,7 +189,8 @@ def from_locations(locations: Sequence[str], *, forward_s: float = 1.0,
     for i in range(n):
         for j in range(n):
             if i != j:
-                lat[i, j], bw[i, j] = region_latency_bandwidth(locations[i], locations[j])
+                link = region_link(locations[i], locations[j])
+                lat[i, j], bw[i, j] = link.latency_s, link.bytes_per_second
     return Network(tuple(locations), lat, bw, _compute(n, forward_s, compute_spread, seed),
                    overhead_s)  # fmt: skip
 

@@ -1,0 +1,93 @@
+"""One NoLoCo replica's communication with streaming fragments, overlap and 8-bit exchange.
+
+Every H / P inner steps one fragment (1/P of the parameters) is exchanged with
+the replica's group. With an overlap of tau inner steps the exchange runs
+behind that much compute, so only what does not fit there stalls the replica.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from noloco_jax import comm, quantize
+from noloco_jax.netsim import _checks, _wire
+from noloco_jax.netsim.collectives import group_exchange_time
+from noloco_jax.netsim.links import Link
+
+__all__ = ["streaming_sync"]
+
+_UNQUANTIZED_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def _hidden_above(num_bytes: float, latency_s: float, overlap_s: float) -> float:
+    """Bytes/s above which ``overlap_s`` of compute hides an exchange (inf: no overlap;
+    nan: the latency alone does not fit)."""
+    if overlap_s == 0:
+        return math.inf
+    if latency_s >= overlap_s:
+        return math.nan
+    return num_bytes / (overlap_s - latency_s)
+
+
+def streaming_sync(
+    num_params: float,
+    link: Link,
+    *,
+    step_time_s: float,
+    sync_every: int = 50,
+    fragments: int = 1,
+    delay_steps: int = 0,
+    exchange: str = "float32",
+    group_size: int = 2,
+) -> dict[str, Any]:
+    """One NoLoCo replica's sync cost with P fragments, an overlap of tau steps and a wire format.
+
+    Args:
+      num_params: parameters of the model, a whole number >= 1.
+      link: the link between group members.
+      step_time_s: compute time of one inner step, > 0.
+      sync_every: H, >= 1, a multiple of ``fragments``.
+      fragments: P >= 1.
+      delay_steps: tau, 0 <= tau < H / P (the next fragment's exchange must not
+        start before this one is applied).
+      exchange: "float32", "bfloat16", "int8" or "float8_e4m3fn" on the wire
+        (the 8-bit formats with a float32 scale per ``quantize.BLOCK`` values).
+      group_size: n >= 2.
+
+    Returns:
+      A dict with fragments, delay_steps, exchange, bytes_per_sync (one
+      fragment), sync_time_s, exposed_per_step_s (stall per inner step,
+      amortized), comm_fraction (stall / (compute + stall)) and
+      hidden_above_bytes_per_s (the bandwidth above which the overlap hides the
+      exchange completely; inf without overlap, nan when even an infinite
+      bandwidth cannot because of latency).
+    """
+    p = _checks.num_params(num_params)
+    step_s = _checks.positive("step_time_s", step_time_s)
+    h = _checks.int_at_least("sync_every", sync_every, 1)
+    frags = _checks.int_at_least("fragments", fragments, 1)
+    if h % frags:
+        raise ValueError(f"fragments={frags} must divide sync_every={h}.")
+    stride = h // frags
+    tau = _checks.int_at_least("delay_steps", delay_steps, 0)
+    if tau >= stride:
+        raise ValueError(f"delay_steps={tau} must be < sync_every / fragments = {stride}.")
+    if exchange not in (*_UNQUANTIZED_BYTES, *quantize.FORMATS):
+        raise ValueError(f"exchange must be float32, bfloat16, int8 or float8_e4m3fn, "
+                         f"got {exchange!r}.")  # fmt: skip
+    if quantize.is_codec(exchange):
+        wire = exchange
+    else:
+        wire = _wire.wire_dtype(_UNQUANTIZED_BYTES[exchange])
+    fragment = _wire.params_tree(-(-p // frags), 4)
+    nbytes = comm.noloco_bytes_per_sync(fragment, group_size=group_size, exchange_dtype=wire)
+    sync_s = group_exchange_time(nbytes, link, group_size=group_size)
+    per_step = max(0.0, sync_s - tau * step_s) / stride
+    latency = comm.exchange_steps(group_size) * link.latency_s
+    return {
+        "fragments": frags, "delay_steps": tau, "exchange": exchange,
+        "bytes_per_sync": float(nbytes), "sync_time_s": sync_s,
+        "exposed_per_step_s": per_step, "comm_fraction": per_step / (step_s + per_step),
+        "hidden_above_bytes_per_s": _hidden_above(nbytes, latency, tau * step_s),
+    }  # fmt: skip
