@@ -419,14 +419,13 @@ def train_and_evaluate(
 def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, progress: bool,
            stop: "_StopSignals") -> dict[str, Any]:
     ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints, probe=True)
-    if jax.process_index() == 0:
-        for line in warnings_for(settings):
-            print(f"WARNING: {line}", flush=True)
+    first = jax.process_index() == 0
+    for line in warnings_for(settings) if first else ():
+        print(f"WARNING: {line}", flush=True)
     writer = bar = None
     profiler = Profiler(settings.profile_steps, workdir)
     try:
         run, state = _build(settings)
-        first = jax.process_index() == 0
         writer = MetricWriter(workdir, enabled=first,
                               sinks=make_sinks(settings, workdir) if first else [])  # fmt: skip
         state, step = _restore_or_init(run, state, ckpt, writer)
@@ -434,45 +433,12 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
         if step >= settings.num_steps:  # nothing to do: report, write nothing
             ckpt.close()
             writer.close()
-            return _already_finished(workdir, step, verbose=jax.process_index() == 0)
-        last: dict[str, Any] = {"step": step}
+            return _already_finished(workdir, step, verbose=first)
+        bar = Progress(progress and first, settings.num_steps, step)
+        saves = _SaveReport(ckpt, bar, sum(x.nbytes for x in jax.tree.leaves(state)), first)
+        session = _Session(run, ckpt, writer, bar, saves, _Escalation(run, state, ckpt), stop)
         end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
-        bar = Progress(progress and jax.process_index() == 0, settings.num_steps, step)
-        saves = _SaveReport(ckpt, bar, sum(x.nbytes for x in jax.tree.leaves(state)),
-                            jax.process_index() == 0)  # fmt: skip
-        guard = _Escalation(run, state, ckpt)
-        if step == 0 or run.resized_from:  # after a resize: the loss right after it
-            _evaluate(run, state, step, writer, last, bar)
-        while step < end and not stop.requested:
-            resets_before = last.get("nonfinite_resets", 0.0)
-            start = step
-            profiler.before_chunk(step, min(step - step % settings.log_every + settings.log_every,
-                                            end))  # fmt: skip
-            programs = len(run.calls)
-            state, step, train_metrics = _train_chunk(run, state, step, end)
-            profiler.after_chunk(step)
-            writer.write(step, "train", train_metrics)
-            saves.report()  # the saves that finished during this chunk
-            if train_metrics["nonfinite_resets"] > resets_before:
-                _report_reset(writer, step, train_metrics["nonfinite_resets"], bar)
-            last.update(train_metrics, step=step)
-            guard.after_chunk(state, start, step)
-            ckpt.check()  # a failed asynchronous save stops the run now
-            if step % settings.eval_every == 0 or step == settings.num_steps:
-                _evaluate(run, state, step, writer, last, bar)
-            scheduled = step % settings.checkpoint_every == 0 or step == settings.num_steps
-            if scheduled or stop.requested:
-                guard.check_savable(state, step)
-                saves.report(wait=True)  # orbax waits for the previous save here anyway
-                ckpt.save(step, state, run.meta)
-                saves.pending.append(step)
-            bar.advance(step, last, compiled=len(run.calls) > programs)
-        if stop.requested:
-            last["stopped_by"] = stop.requested
-            saved = ("after saving its checkpoint" if ckpt.latest_step() == step
-                     else "before training further (nothing new to save)")
-            _say(bar, f"{stop.requested}: stopped at step {step} {saved}; run the same command "
-                      f"again to resume.")
+        last = _loop(session, state, step, end, profiler)
     except BaseException:
         profiler.close()
         _close_quietly(ckpt, writer, bar)
@@ -483,6 +449,66 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
     writer.close()
     bar.close()
     return last
+
+
+@dataclasses.dataclass
+class _Session:
+    """What the loop writes to while it trains."""
+
+    run: _Run
+    ckpt: Checkpointer
+    writer: MetricWriter
+    bar: Progress
+    saves: "_SaveReport"
+    guard: "_Escalation"
+    stop: "_StopSignals"
+    last: dict = dataclasses.field(default_factory=dict)
+
+
+def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profiler
+          ) -> dict[str, Any]:  # fmt: skip
+    """Trains from ``step`` to ``end`` a log chunk at a time; returns the last metrics."""
+    s, ses.last["step"] = ses.run.settings, step
+    if step == 0 or ses.run.resized_from:  # after a resize: the loss right after it
+        _evaluate(ses.run, state, step, ses.writer, ses.last, ses.bar)
+    while step < end and not ses.stop.requested:
+        start, programs = step, len(ses.run.calls)
+        k = min(s.log_every - step % s.log_every, end - step)
+        profiler.before_chunk(step, step + k)
+        t0 = time.perf_counter()
+        state, losses = _run_blocks(ses.run, state, step, k)  # [N, k]; waits for the device
+        step += k
+        profiler.after_chunk(step)
+        _after_chunk(ses, state, start, step, _train_metrics(ses.run, state, step, k, losses,
+                                                              time.perf_counter() - t0))
+        ses.bar.advance(step, ses.last, compiled=len(ses.run.calls) > programs)
+    if ses.stop.requested:
+        ses.last["stopped_by"] = ses.stop.requested
+        saved = ("after saving its checkpoint" if ses.ckpt.latest_step() == step
+                 else "before training further (nothing new to save)")
+        _say(ses.bar, f"{ses.stop.requested}: stopped at step {step} {saved}; run the same "
+                      f"command again to resume.")  # fmt: skip
+    return ses.last
+
+
+def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metrics: dict) -> None:
+    """Writes the chunk's metrics, then checks, evaluates and checkpoints when due."""
+    s = ses.run.settings
+    resets_before = ses.last.get("nonfinite_resets", 0.0)
+    ses.writer.write(step, "train", metrics)
+    ses.saves.report()  # the saves that finished during this chunk
+    if metrics["nonfinite_resets"] > resets_before:
+        _report_reset(ses.writer, step, metrics["nonfinite_resets"], ses.bar)
+    ses.last.update(metrics, step=step)
+    ses.guard.after_chunk(state, start, step)
+    ses.ckpt.check()  # a failed asynchronous save stops the run now
+    if step % s.eval_every == 0 or step == s.num_steps:
+        _evaluate(ses.run, state, step, ses.writer, ses.last, ses.bar)
+    if step % s.checkpoint_every == 0 or step == s.num_steps or ses.stop.requested:
+        ses.guard.check_savable(state, step)
+        ses.saves.report(wait=True)  # orbax waits for the previous save here anyway
+        ses.ckpt.save(step, state, ses.run.meta)
+        ses.saves.pending.append(step)
 
 
 @dataclasses.dataclass
@@ -718,27 +744,22 @@ def _run_blocks(run: _Run, state: TrainState, step: int, k: int) -> tuple[TrainS
         size = min(run.block - step % run.block, end - step)
         sync = run.period is not None and (step + size) % run.period == 0
         if size > sync:  # the inner steps of the block
-            state, out = _call(run, "inner", state, _next_tokens(run, step, run.block), size - sync)
+            run.calls.add("inner")
+            tokens = _next_tokens(run, step, run.block)
+            state, out = run.inner(state, tokens, np.int32(size - sync))
             losses.append(out[:, : size - sync])
         if sync:
-            state, out = _call(run, "sync", state, _next_tokens(run, step + size - 1, 1), 1)
+            run.calls.add("sync")
+            state, out = run.sync(state, _next_tokens(run, step + size - 1, 1), np.int32(1))
             losses.append(out)
         step += size
     return state, np.concatenate([replicas.to_host(x) for x in losses], axis=1)
 
 
-def _call(run: _Run, name: str, state: TrainState, tokens: Any, count: int):
-    run.calls.add(name)
-    return getattr(run, name)(state, tokens, np.int32(count))
-
-
-def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
+def _train_metrics(run: _Run, state: TrainState, step: int, k: int, losses: np.ndarray,
+                   seconds: float) -> dict[str, Any]:  # fmt: skip
+    """The train record of the ``k`` steps up to ``step``, from their [N, k] losses."""
     s = run.settings
-    k = min(s.log_every - step % s.log_every, end - step)
-    t0 = time.perf_counter()
-    state, losses = _run_blocks(run, state, step, k)  # [N, k]; waits for the device
-    seconds = time.perf_counter() - t0
-    step += k
     n_tokens = k * s.global_batch_size * s.data.seq_len
     finite = np.isfinite(losses)
     guarded = s.fault.nonfinite_guard and s.method in ("noloco", "diloco")
@@ -759,7 +780,7 @@ def _train_chunk(run: _Run, state: TrainState, step: int, end: int):
             fault=s.fault,
         ),
     }
-    return state, step, metrics
+    return metrics
 
 
 def _report_reset(writer: MetricWriter, step: int, total: float, bar: Progress) -> None:

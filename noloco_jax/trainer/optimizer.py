@@ -91,27 +91,25 @@ def build_optimizer(
         return optax.with_extra_args_support(optax.chain(clip, inner))
     if method == "dp":
         return optax.chain(clip, data_parallel(inner, axis_name=axis))
-    if method == "diloco":
-        out = diloco_outer(outer.learning_rate, outer.momentum, outer.nesterov, axis_name=axis,
-                           dropout_prob=fault.dropout_prob, seed=outer.seed)  # fmt: skip
-    else:  # noloco
-        out = noloco_outer(
-            outer.learning_rate,
-            outer.momentum,
-            gamma=outer.gamma,
-            group_size=outer.group_size,
-            axis_name=axis,
-            seed=outer.seed,
-            exchange_dtype=_exchange_dtype(outer.exchange_dtype),
-            dropout_prob=fault.dropout_prob,
-            nesterov=outer.nesterov,
-            error_feedback=outer.error_feedback,
-        )
+    out = _outer_step(method, outer, axis, fault)
     guard = fault.nonfinite_guard and axis is not None
     guard_axis = STAGE_AXIS if stage is not None else None  # a replica spans its stages
     return optax.chain(clip, local_steps(inner, out, outer.sync_every, nonfinite_guard=guard,
                                          guard_axis_name=guard_axis,
                                          fragments=fragment_spec))  # fmt: skip
+
+
+def _outer_step(method: str, outer: OuterSettings, axis: str | None, fault: FaultSettings
+                ) -> optax.GradientTransformation:  # fmt: skip
+    """DiLoCo's or NoLoCo's outer step, from the settings."""
+    if method == "diloco":
+        return diloco_outer(outer.learning_rate, outer.momentum, outer.nesterov, axis_name=axis,
+                            dropout_prob=fault.dropout_prob, seed=outer.seed)  # fmt: skip
+    return noloco_outer(outer.learning_rate, outer.momentum, gamma=outer.gamma,
+                        group_size=outer.group_size, axis_name=axis, seed=outer.seed,
+                        exchange_dtype=_exchange_dtype(outer.exchange_dtype),
+                        dropout_prob=fault.dropout_prob, nesterov=outer.nesterov,
+                        error_feedback=outer.error_feedback)  # fmt: skip
 
 
 def bytes_sent(
