@@ -1,9 +1,12 @@
-"""Every collective noloco_jax uses, and what each one costs.
+"""The collectives between replicas, and what each one costs.
 
-This is the only module that calls ``lax.ppermute``, ``lax.pmean`` or
-``lax.psum``. It works the same whether ``axis_name`` is bound by
-``jax.vmap(..., axis_name=...)`` (N simulated replicas on one device) or by
-``jax.shard_map`` over a mesh axis (one replica per device).
+The optimizers (``noloco_jax.optim``) and ``noloco_jax.metrics`` reach other
+replicas, and the other model-parallel shards of their replica, only through
+this module. The trainer and the pipeline call the few collectives that
+belong to them (pipeline stage sends and stage sums, per-replica fault
+injection) directly. Everything here works the same whether ``axis_name`` is
+bound by ``jax.vmap(..., axis_name=...)`` (N simulated replicas on one device)
+or by ``jax.shard_map`` over a mesh axis (one replica per device).
 
 Random groups with static permutations
 --------------------------------------
@@ -68,6 +71,8 @@ __all__ = [
     "pool_index",
     "groups_for_round",
     "presence_mask",
+    "own_presence",
+    "all_true",
     "group_mean",
     "group_mean_codec",
     "varying_axes",
@@ -250,6 +255,33 @@ def presence_mask(
     """
     key = jax.random.fold_in(jax.random.key(seed), jnp.asarray(round_index, jnp.uint32))
     return ~jax.random.bernoulli(jax.random.fold_in(key, 1), dropout_prob, (num_replicas,))
+
+
+def own_presence(
+    round_index: jax.typing.ArrayLike, axis_name: str, dropout_prob: float, seed: int
+) -> jax.Array:
+    """This replica's entry of ``presence_mask``: whether it takes part in the round.
+
+    Args:
+      round_index: the outer round.
+      axis_name: the replica axis (bound by ``jax.vmap`` or ``jax.shard_map``).
+      dropout_prob: probability that a replica misses the round.
+      seed: seed of the draw, shared by all replicas.
+
+    Returns:
+      A bool scalar.
+    """
+    mask = presence_mask(round_index, axis_size(axis_name), dropout_prob, seed)
+    return mask[lax.axis_index(axis_name)]
+
+
+def all_true(flag: jax.Array, axis_name: Any) -> jax.Array:
+    """True where ``flag`` is True on every member of ``axis_name`` (a bool scalar).
+
+    The optimizers use it so that the model-parallel shards of one replica
+    agree on a per-replica decision (the non-finite guard's).
+    """
+    return lax.pmin(flag.astype(jnp.int32), axis_name) > 0
 
 
 def groups_for_round(

@@ -78,7 +78,7 @@ def _all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
     leaves = [x for x in jax.tree.leaves(tree) if is_float(x)]
     ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     if axis_name is not None:  # model-parallel shards of one replica must agree
-        ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+        ok = comm.all_true(ok, axis_name)
     return ok
 
 
