@@ -35,16 +35,9 @@ cyclic shifts inside the groups. Each replica therefore sends
 ``exchange_steps(n)`` buffers per exchanged tensor, and receives as many;
 nothing is ever reduced over all N replicas.
 
-All leaves of the tree travel together: one message per exchange step holds
-every leaf, cast to its wire dtype (raw bits when dtypes differ or narrow), so
-a switch branch holds one ``ppermute`` per step whatever the number of leaves.
-For pairs and cyclic shifts every message carries the sender's own values, so
-the message is built before the switch and what arrives is added after it:
-the branches hold nothing but the collectives. A butterfly of several steps
-sums flat buffers (one per wire and accumulation dtype) inside its branches.
-A pool of more than 32 entries is switched as a two-level tree, which keeps
-XLA's compile time near linear in the pool size. The sums are those of the
-leaf-by-leaf exchange, bit for bit.
+All leaves travel packed in one message per exchange step, each cast to its
+wire dtype; the sums equal those of a leaf-by-leaf exchange, bit for bit. Why
+it is built this way: experiments/BENCHMARKS.md, "Compiler notes".
 """
 
 from __future__ import annotations
@@ -441,13 +434,7 @@ _FLAT_SWITCH_MAX = 32
 
 
 def _switch(index: jax.Array, branches: Sequence[Any], *operands: Any) -> Any:
-    """``lax.switch``, as a two-level tree of switches when there are many branches.
-
-    XLA's copy insertion takes time quadratic in the number of branches of one
-    conditional (on a 2-core CPU: 3 s of a 5 s compile at 511 branches, 35 s
-    at 1023). Nesting sqrt(K) switches of sqrt(K) branches keeps the compile
-    near linear in K; the index is clamped first, as ``lax.switch`` does.
-    """
+    """``lax.switch``, as a two-level tree above 32 branches (compile time: BENCHMARKS.md)."""
     k = len(branches)
     if k == 1:
         return branches[0](*operands)
