@@ -1,9 +1,12 @@
-"""Every collective noloco_jax uses, and what each one costs.
+"""The collectives between replicas, and what each one costs.
 
-This is the only module that calls ``lax.ppermute``, ``lax.pmean`` or
-``lax.psum``. It works the same whether ``axis_name`` is bound by
-``jax.vmap(..., axis_name=...)`` (N simulated replicas on one device) or by
-``jax.shard_map`` over a mesh axis (one replica per device).
+The optimizers (``noloco_jax.optim``) and ``noloco_jax.metrics`` reach other
+replicas, and the other model-parallel shards of their replica, only through
+this module. The trainer and the pipeline call the few collectives that
+belong to them (pipeline stage sends and stage sums, per-replica fault
+injection) directly. Everything here works the same whether ``axis_name`` is
+bound by ``jax.vmap(..., axis_name=...)`` (N simulated replicas on one device)
+or by ``jax.shard_map`` over a mesh axis (one replica per device).
 
 Random groups with static permutations
 --------------------------------------
@@ -32,16 +35,9 @@ cyclic shifts inside the groups. Each replica therefore sends
 ``exchange_steps(n)`` buffers per exchanged tensor, and receives as many;
 nothing is ever reduced over all N replicas.
 
-All leaves of the tree travel together: one message per exchange step holds
-every leaf, cast to its wire dtype (raw bits when dtypes differ or narrow), so
-a switch branch holds one ``ppermute`` per step whatever the number of leaves.
-For pairs and cyclic shifts every message carries the sender's own values, so
-the message is built before the switch and what arrives is added after it:
-the branches hold nothing but the collectives. A butterfly of several steps
-sums flat buffers (one per wire and accumulation dtype) inside its branches.
-A pool of more than 32 entries is switched as a two-level tree, which keeps
-XLA's compile time near linear in the pool size. The sums are those of the
-leaf-by-leaf exchange, bit for bit.
+All leaves travel packed in one message per exchange step, each cast to its
+wire dtype; the sums equal those of a leaf-by-leaf exchange, bit for bit. Why
+it is built this way: experiments/BENCHMARKS.md, "Compiler notes".
 """
 
 from __future__ import annotations
@@ -68,6 +64,8 @@ __all__ = [
     "pool_index",
     "groups_for_round",
     "presence_mask",
+    "own_presence",
+    "all_true",
     "group_mean",
     "group_mean_codec",
     "varying_axes",
@@ -261,6 +259,33 @@ def presence_mask(
     return ~jax.random.bernoulli(jax.random.fold_in(key, 1), dropout_prob, (num_replicas,))
 
 
+def own_presence(
+    round_index: jax.typing.ArrayLike, axis_name: str, dropout_prob: float, seed: int
+) -> jax.Array:
+    """This replica's entry of ``presence_mask``: whether it takes part in the round.
+
+    Args:
+      round_index: the outer round.
+      axis_name: the replica axis (bound by ``jax.vmap`` or ``jax.shard_map``).
+      dropout_prob: probability that a replica misses the round.
+      seed: seed of the draw, shared by all replicas.
+
+    Returns:
+      A bool scalar.
+    """
+    mask = presence_mask(round_index, axis_size(axis_name), dropout_prob, seed)
+    return mask[lax.axis_index(axis_name)]
+
+
+def all_true(flag: jax.Array, axis_name: Any) -> jax.Array:
+    """True where ``flag`` is True on every member of ``axis_name`` (a bool scalar).
+
+    The optimizers use it so that the model-parallel shards of one replica
+    agree on a per-replica decision (the non-finite guard's).
+    """
+    return lax.pmin(flag.astype(jnp.int32), axis_name) > 0
+
+
 def groups_for_round(
     round_index: int,
     num_replicas: int,
@@ -418,13 +443,7 @@ _FLAT_SWITCH_MAX = 32
 
 
 def _switch(index: jax.Array, branches: Sequence[Any], *operands: Any) -> Any:
-    """``lax.switch``, as a two-level tree of switches when there are many branches.
-
-    XLA's copy insertion takes time quadratic in the number of branches of one
-    conditional (on a 2-core CPU: 3 s of a 5 s compile at 511 branches, 35 s
-    at 1023). Nesting sqrt(K) switches of sqrt(K) branches keeps the compile
-    near linear in K; the index is clamped first, as ``lax.switch`` does.
-    """
+    """``lax.switch``, as a two-level tree above 32 branches (compile time: BENCHMARKS.md)."""
     k = len(branches)
     if k == 1:
         return branches[0](*operands)

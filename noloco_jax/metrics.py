@@ -6,7 +6,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from noloco_jax import comm
 
@@ -41,4 +40,4 @@ def replica_spread(params: Any, axis_name: str) -> jax.Array:
     means = comm.all_replica_mean(leaves, axis_name)
     sq = sum(jnp.sum(jnp.square(x - m)) for x, m in zip(leaves, means))
     total = comm.tree_num_elements(leaves)
-    return jnp.sqrt(lax.pmean(sq, axis_name) / total)
+    return jnp.sqrt(comm.all_replica_mean(sq, axis_name) / total)

@@ -74,18 +74,29 @@ def _group(streams, steps, seed=0):
                           learning_rate=1e-2, seed=seed, warmup=1)  # fmt: skip
 
 
+def _expert(params, i):
+    return [np.asarray(x[i]) for x in jax.tree.leaves(params)]
+
+
 def test_experts_in_one_group_train_independently_and_stop_at_their_budget():
     rng = np.random.default_rng(0)
     s0, s1, s2 = (rng.integers(1, 256, 400) for _ in range(3))
-    p_a, loss_a = _group([s0, s1], [3, 5])
-    p_b, _ = _group([s0, s2], [3, 3])  # other data and budget for expert 1
-    for x, y in zip(jax.tree.leaves(p_a), jax.tree.leaves(p_b)):
-        np.testing.assert_array_equal(np.asarray(x[0]), np.asarray(y[0]))  # expert 0 untouched
-        assert not np.array_equal(np.asarray(x[1]), np.asarray(y[1]))
+    # Equal budgets: the two experts are replicas of one program; expert 1's data never
+    # reaches expert 0.
+    p_a, loss_a = _group([s0, s1], [3, 3])
+    p_b, _ = _group([s0, s2], [3, 3])
+    for x, y in zip(_expert(p_a, 0), _expert(p_b, 0)):
+        np.testing.assert_array_equal(x, y)
+    assert any(not np.array_equal(x, y) for x, y in zip(_expert(p_a, 1), _expert(p_b, 1)))
     assert np.isfinite(loss_a).all()
-    p_c, _ = _group([s0, s1], [5, 5])  # expert 0 trains longer here: it must differ
-    assert any(not np.array_equal(np.asarray(x[0]), np.asarray(y[0]))
-               for x, y in zip(jax.tree.leaves(p_a), jax.tree.leaves(p_c)))  # fmt: skip
+    # Other budgets: expert 0 takes its own 3 steps whatever expert 1's budget and data.
+    p_c, loss_c = _group([s0, s1], [3, 5])
+    p_d, loss_d = _group([s0, s2], [3, 4])
+    for x, y in zip(_expert(p_c, 0), _expert(p_d, 0)):
+        np.testing.assert_array_equal(x, y)
+    assert loss_c[0] == loss_d[0] and np.isfinite(loss_c).all()
+    p_e, _ = _group([s0, s1], [5, 5])  # expert 0 trains longer here: it must differ
+    assert any(not np.array_equal(x, y) for x, y in zip(_expert(p_c, 0), _expert(p_e, 0)))
 
 
 def test_one_expert_ensemble_is_that_expert_and_weights_are_normalised():

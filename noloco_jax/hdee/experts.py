@@ -1,10 +1,9 @@
 """Domain experts trained embarrassingly parallel, and the three equal-compute ensembles.
 
 A seed model per expert size is trained on the mixture of the training domains; every expert
-starts from the seed of its size and trains on its own domain only. Experts of one size train
-together as vmapped replicas (no communication), each with its own data stream, step budget
-and cosine schedule; an expert whose budget is spent stops updating (its later steps are
-masked, so a heterogeneous-steps group still shares one compiled program).
+starts from the seed of its size and trains on its own domain only. Experts of one size and
+one step budget train together as the independent replicas of one ``local`` run (the
+trainer's optimizer and step, no communication), each on its own data stream.
 
 Ensembles (HDEE's naming, "He" = heterogeneous, "Ho" = homogeneous; size x steps):
 
@@ -25,10 +24,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from noloco_jax import models
-from noloco_jax.trainer.step import loss_fn
+from noloco_jax.replicas import make_replicas
+from noloco_jax.trainer import grads
+from noloco_jax.trainer.optimizer import build_optimizer
+from noloco_jax.trainer.settings import OptimSettings, OuterSettings
+from noloco_jax.trainer.step import TrainState, run_steps, train_step
 
 __all__ = ["ExpertPlan", "ENSEMBLES", "plan_ensemble", "compute", "train_group",
            "token_logprobs", "size_config"]  # fmt: skip
@@ -78,45 +80,33 @@ def compute(plans: list[ExpertPlan], configs: dict[str, models.LlamaConfig]) -> 
     return sum(models.param_count(configs[p.size], non_embedding=True) * p.steps for p in plans)
 
 
-def _lr(step: jax.Array, total: jax.Array, peak: float, warmup: int) -> jax.Array:
-    """Linear warmup, then cosine to peak / 10 at the expert's own last step."""
-    t = step.astype(jnp.float32)
-    warm = peak * (t + 1) / warmup
-    frac = jnp.clip((t - warmup) / jnp.maximum(total - warmup, 1), 0.0, 1.0)
-    cos = peak * (0.1 + 0.9 * 0.5 * (1 + jnp.cos(jnp.pi * frac)))
-    return jnp.where(t < warmup, warm, cos)
+@functools.partial(jax.jit, static_argnames=("steps", "batch"))
+def _window_starts(key: jax.Array, high: jax.Array, *, steps: int, batch: int) -> jax.Array:
+    """[steps, batch] window starts in [0, high); step t draws from fold_in(key, t)."""
+    draw = lambda t: jax.random.randint(jax.random.fold_in(key, t), (batch,), 0, high)  # noqa
+    return jax.vmap(draw)(jnp.arange(steps))
 
 
-def _windows(key: jax.Array, stream: jax.Array, length: jax.Array, batch: int, seq: int):
-    starts = jax.random.randint(key, (batch,), 0, length - seq - 1)
-    return jax.vmap(lambda s: jax.lax.dynamic_slice(stream, (s,), (seq + 1,)))(starts)
+def _draw_windows(stream: np.ndarray, key: jax.Array, steps: int, batch: int,
+                  seq_len: int) -> np.ndarray:  # fmt: skip
+    """[steps, batch, seq_len + 1] random windows of ``stream``, one batch per training step."""
+    high = jnp.asarray(len(stream) - seq_len - 1, jnp.int32)
+    starts = np.asarray(_window_starts(key, high, steps=steps, batch=batch))
+    return np.asarray(stream, np.int32)[starts[..., None] + np.arange(seq_len + 1)]
 
 
-_TX = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam())
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "batch", "seq_len", "learning_rate",
-                                             "warmup", "total"))  # fmt: skip
-def _run_group(params, opt, streams_K, lengths_K, budgets_K, keys, *, graphdef, batch, seq_len,
-               learning_rate, warmup, total):  # fmt: skip
-    def one(params, opt, stream, length, budget, key, t):
-        tokens = _windows(jax.random.fold_in(key, t), stream, length, batch, seq_len)
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, graphdef=graphdef)
-        updates, new_opt = _TX.update(grads, opt, params)
-        lr = _lr(t, budget, learning_rate, warmup)
-        new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
-        live = t < budget
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(live, a, b), new, old)  # noqa
-        return keep(new_params, params), keep(new_opt, opt), jnp.where(live, loss, jnp.nan)
-
-    def body(carry, t):
-        p, o = carry
-        p, o, loss = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, 0, None))(
-            p, o, streams_K, lengths_K, budgets_K, keys, t)
-        return (p, o), loss
-
-    (p, _), losses = jax.lax.scan(body, (params, opt), jnp.arange(total))
-    return p, losses
+@functools.partial(jax.jit, static_argnames=("graphdef", "optim"))
+def _train_replicas(params_K: Any, windows_KxSxBxT1: jax.Array, *, graphdef: Any,
+                    optim: OptimSettings) -> tuple[Any, jax.Array]:  # fmt: skip
+    """K independent replicas (the library's "local" method), S steps each: params and losses."""
+    k, steps = windows_KxSxBxT1.shape[:2]
+    tx = build_optimizer("local", optim, OuterSettings(), num_steps=steps, num_replicas=k)
+    replicas = make_replicas(k, backend="vmap")
+    state = TrainState(jnp.zeros([], jnp.int32), params_K, replicas.init(tx, params_K))
+    step_fn = functools.partial(train_step, grads_fn=grads.plain(graphdef), tx=tx)
+    run = replicas.map(functools.partial(run_steps, step_fn=step_fn))
+    state, losses_KxS = run(state, windows_KxSxBxT1, jnp.int32(steps))
+    return state.params, losses_KxS
 
 
 def train_group(
@@ -131,19 +121,23 @@ def train_group(
     seed: int,
     warmup: int = 10,
 ) -> tuple[Any, np.ndarray]:
-    """Trains K same-shaped models, one per token stream, as vmapped independent replicas.
+    """Trains K same-shaped models, one per token stream, as independent replicas.
+
+    Models with the same step budget train together as the replicas of one
+    ``local`` run (no communication), with the trainer's optimizer
+    (``build_optimizer``: gradients clipped to norm 1, then Adam on
+    ``learning_rate_schedule``: linear warmup, then cosine to a tenth at the
+    model's own last step) and its ``train_step``.
 
     Args:
       graphdef: the models' graphdef.
       params_K: the K starting parameter trees stacked on a leading axis.
       streams: K token arrays, one per model.
-      steps_K: each model's number of Adam steps (the group runs max(steps_K) steps; a model's
-        updates after its own budget are masked out).
+      steps_K: each model's number of Adam steps.
       batch: windows per step.
       seq_len: window length (plus one target).
-      learning_rate: peak Adam learning rate (warmup, then cosine to a tenth at each model's
-        own last step); gradients clipped to norm 1.
-      seed: seed of the window draws.
+      learning_rate: peak Adam learning rate.
+      seed: seed of the window draws (model k draws from ``split(key(seed), K)[k]``).
       warmup: warmup steps.
 
     Returns:
@@ -152,20 +146,26 @@ def train_group(
     k = len(streams)
     if len(steps_K) != k or any(int(s) < 1 for s in steps_K):
         raise ValueError(f"steps_K must hold {k} positive step counts, got {steps_K!r}.")
-    lengths = np.array([len(s) for s in streams])
-    if lengths.min() < seq_len + 2:
+    lengths = [len(s) for s in streams]
+    if min(lengths) < seq_len + 2:
         raise ValueError(f"streams: every stream needs more than seq_len + 1 = {seq_len + 1} "
-                         f"tokens, got lengths {lengths.tolist()}.")  # fmt: skip
-    padded = np.zeros((k, int(lengths.max())), np.int32)
-    for i, s in enumerate(streams):
-        padded[i, : len(s)] = s
-    params, losses_TxK = _run_group(
-        params_K, jax.vmap(_TX.init)(params_K), jnp.asarray(padded), jnp.asarray(lengths),
-        jnp.asarray(steps_K), jax.random.split(jax.random.key(seed), k), graphdef=graphdef,
-        batch=batch, seq_len=seq_len, learning_rate=float(learning_rate), warmup=warmup,
-        total=int(max(steps_K)))  # fmt: skip
-    losses = np.asarray(losses_TxK)
-    last = np.array([losses[s - 1, i] for i, s in enumerate(steps_K)])
+                         f"tokens, got lengths {lengths}.")  # fmt: skip
+    optim = OptimSettings(learning_rate=float(learning_rate), warmup_steps=warmup,
+                          min_lr_ratio=0.1, clip_norm=1.0)  # fmt: skip
+    keys = jax.random.split(jax.random.key(seed), k)
+    order, parts, last = [], [], np.zeros(k, np.float32)
+    for steps in sorted(set(int(s) for s in steps_K)):
+        members = [i for i in range(k) if int(steps_K[i]) == steps]
+        windows = np.stack([_draw_windows(streams[i], keys[i], steps, batch, seq_len)
+                            for i in members])  # fmt: skip
+        params = jax.tree.map(lambda x: jnp.asarray(x)[np.asarray(members)], params_K)
+        params, losses_KxS = _train_replicas(params, jnp.asarray(windows), graphdef=graphdef,
+                                             optim=optim)  # fmt: skip
+        order += members
+        parts.append(params)
+        last[members] = np.asarray(losses_KxS)[:, -1]
+    back = np.argsort(order)  # position of model i among the concatenated groups
+    params = jax.tree.map(lambda *xs: jnp.concatenate(xs)[back], *parts)
     return params, last
 
 

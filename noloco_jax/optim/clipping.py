@@ -1,4 +1,4 @@
-"""Global-norm gradient clipping that XLA can fuse into the optimizer that follows."""
+"""Global-norm gradient clipping as one scalar factor on the updates."""
 
 from __future__ import annotations
 
@@ -16,11 +16,8 @@ def clip_by_global_norm_fused(max_norm: float) -> optax.GradientTransformation:
 
     The same clipping as ``optax.clip_by_global_norm`` (equal when the norm is at
     most ``max_norm``, equal up to rounding otherwise), written as one scalar
-    factor times the updates. ``optax``'s form, ``where(norm < max_norm, g,
-    g / norm * max_norm)``, has a division per element, which XLA:CPU will not
-    duplicate into the two consumers of the clipped gradient (Adam's first and
-    second moments), so it writes the clipped gradient out and reads it back: one
-    extra pass over a model-sized buffer per step. A multiply by a scalar fuses.
+    factor times the updates, which saves a pass over the gradients per step
+    (experiments/BENCHMARKS.md, "Compiler notes").
 
     Args:
       max_norm: the largest global norm let through (> 0).

@@ -99,11 +99,10 @@ def diloco_outer(
         del extra_args
         full, params, outer_grad = params, float_leaves(params), float_leaves(outer_grad)
         if axis_name is not None:
-            n = comm.axis_size(axis_name)  # clear error if unbound
+            comm.axis_size(axis_name)  # clear error if unbound
             present = active
             if dropout_prob > 0:
-                mask = comm.presence_mask(state.round, n, dropout_prob, seed)
-                mine = mask[jax.lax.axis_index(axis_name)]
+                mine = comm.own_presence(state.round, axis_name, dropout_prob, seed)
                 present = mine if present is None else present & mine
             outer_grad = comm.all_replica_mean(outer_grad, axis_name, weight=present)
         delta, sgd_state = sgd.update(outer_grad, state.sgd_state, params)

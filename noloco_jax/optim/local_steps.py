@@ -78,7 +78,7 @@ def _all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
     leaves = [x for x in jax.tree.leaves(tree) if is_float(x)]
     ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     if axis_name is not None:  # model-parallel shards of one replica must agree
-        ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+        ok = comm.all_true(ok, axis_name)
     return ok
 
 
@@ -305,8 +305,7 @@ def local_steps(
             safe_grad = optax.tree.where(ok, outer_grad, optax.tree.zeros_like(outer_grad))
             delta, new_outer = outer.update(safe_grad, outer_state, slow_p, active=ok, **stream)
             new_slow = optax.tree.where(ok, optax.apply_updates(slow_p, delta), slow_p)
-            # A cond, not a select: selecting between the two outer states made XLA
-            # copy phi, the moments and the outer state on every step, sync or not.
+            # A cond, not a select, so no step copies the outer state (BENCHMARKS.md).
             new_outer, outer_state = _same_varying_axes(new_outer, outer_state)
             kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
             outer_state = _counters_from(new_outer, kept)
@@ -392,10 +391,7 @@ def restore_nonfinite(
         done, p = carry  # or-ing keeps the flag's shard_map varying-axes type
         return jnp.logical_or(done, True), _theta_like(slow, p)
 
-    # A loop that runs once when the params are not finite and not at all when they
-    # are: healthy steps pay only the finiteness check, where a jnp.where read phi
-    # and rewrote every weight on every step (+12 % per step on paper-small). Under
-    # vmap the loop runs (with a per-replica select) only if some replica broke.
+    # A loop run once for a broken replica, never for a healthy one (BENCHMARKS.md).
     ok = _all_finite(params, axis_name)
     _, params = lax.while_loop(lambda c: jnp.logical_not(c[0]), put_back, (ok, params))
     return params

@@ -136,8 +136,7 @@ def _pseudo_gradient(
     index = comm.pool_index(round_index, len(pool), seed, stream)
     present = None
     if dropout_prob > 0:
-        mask = comm.presence_mask(round_index, num_replicas, dropout_prob, seed)
-        present = mask[jax.lax.axis_index(axis_name)]
+        present = comm.own_presence(round_index, axis_name, dropout_prob, seed)
     if active is not None:
         present = active if present is None else present & active
     theta = jax.tree.map(lambda p, g: p - g, phi, outer_grad)
