@@ -12,7 +12,10 @@ import re
 
 import numpy as np
 
-__all__ = ["CollectiveOp", "collective_ops", "bytes_by_computation", "compiled_text"]
+__all__ = [
+    "CollectiveOp", "collective_ops", "bytes_by_computation", "compiled_text",
+    "source_target_pairs", "replica_groups",
+]  # fmt: skip
 
 _KINDS = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 _DTYPE_BYTES = {
@@ -32,6 +35,8 @@ class CollectiveOp:
     computation: str
     bytes: int
     in_entry: bool
+    pairs: tuple[tuple[int, int], ...] = ()  # collective-permute: (source, target) devices
+    groups: tuple[tuple[int, ...], ...] = ()  # reductions and gathers: the device groups
 
 
 def _shape_bytes(shape_text: str, is_start: bool) -> int:
@@ -61,8 +66,39 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         if m:
             shape_text, kind, start = m.groups()
             nbytes = _shape_bytes(shape_text, bool(start))
-            ops.append(CollectiveOp(kind, computation, nbytes, in_entry))
+            ops.append(CollectiveOp(kind, computation, nbytes, in_entry, source_target_pairs(line),
+                                    replica_groups(line)))  # fmt: skip
     return ops
+
+
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+
+
+def source_target_pairs(line: str) -> tuple[tuple[int, int], ...]:
+    """The ``(source, target)`` device pairs of a collective-permute instruction."""
+    m = _PAIRS.search(line)
+    if not m:
+        return ()
+    return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1)))
+
+
+def replica_groups(line: str) -> tuple[tuple[int, ...], ...]:
+    """The device groups of a collective: the ``{{0,1},{2,3}}`` form or the iota form
+    ``[G,S]<=[d0,d1,...]T(perm)`` (devices ``iota(d).transpose(perm)`` in G rows of S)."""
+    m = _GROUPS.search(line)
+    if not m:
+        return ()
+    text = m.group(1)
+    if text.startswith("{"):
+        return tuple(tuple(int(x) for x in g.split(",") if x)
+                     for g in re.findall(r"\{([\d,]*)\}", text[1:-1]))  # fmt: skip
+    shape, dims, perm = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text).groups()
+    ints = lambda t: [int(x) for x in t.split(",")]  # noqa: E731
+    ids = np.arange(int(np.prod(ints(dims)))).reshape(ints(dims))
+    if perm:
+        ids = ids.transpose(ints(perm))
+    return tuple(tuple(int(x) for x in row) for row in ids.reshape(ints(shape)))
 
 
 def bytes_by_computation(hlo_text: str, kind: str) -> dict[str, int]:

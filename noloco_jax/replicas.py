@@ -176,6 +176,15 @@ class Replicas:
         names = () if self.mesh is None else tuple(self.mesh.axis_names)
         return tuple(n for n in names if n != self.axis_name)
 
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        """The axes functions see per device (collectives); the others the compiler splits."""
+        if self.mesh is None:
+            return frozenset()
+        auto = {n for n, t in zip(self.mesh.axis_names, self.mesh.axis_types)
+                if t == jax.sharding.AxisType.Auto}  # fmt: skip
+        return frozenset(self.mesh.axis_names) - auto
+
     def map(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Lifts ``fn`` (one replica's view) to trees in the replicated layout.
 
@@ -191,9 +200,16 @@ class Replicas:
             return self._vmap(fn)
         return self._shard_map(fn)
 
-    def spec(self, path: tuple, local: Any, full_rank: bool = False) -> P:
-        """The spec of a per-replica leaf, given one replica's view of it (``local``)."""
+    def spec(self, path: tuple, local: Any, full_rank: bool = False, manual_only: bool = False
+             ) -> P:  # fmt: skip
+        """The spec of a per-replica leaf, given one replica's view of it (``local``).
+
+        ``manual_only``: only the axes ``map``'s functions see per device (the
+        specs of ``shard_map``); the compiler places the rest from the inputs.
+        """
         inner = tuple(self.leaf_axes(path, local)) if self.leaf_axes else ()
+        if manual_only:
+            inner = tuple(a if a in self.manual_axes else None for a in inner)
         pad = [None] * (len(local.shape) - len(inner)) if full_rank else []
         return P(self.axis_name, *inner, *pad)
 
@@ -239,7 +255,8 @@ class Replicas:
     def _shard_map(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def specs(tree: Any, axes: Any, lead: int) -> Any:
             return jax.tree_util.tree_map_with_path(
-                lambda p, x, a: P() if a is None else self.spec(p, _drop(x, lead)), tree, axes)
+                lambda p, x, a: P() if a is None else self.spec(p, _drop(x, lead), manual_only=True),
+                tree, axes)
 
         def run(*args: Any) -> Any:
             in_axes = tuple(_stacked_axes(a, self.num_replicas) for a in args)
@@ -251,7 +268,8 @@ class Replicas:
 
             # One device's view of the outputs, to apply the layout rule to.
             view = jax.eval_shape(jax.shard_map(call, mesh=self.mesh, in_specs=in_specs,
-                                                out_specs=P(), check_vma=False), *args)  # fmt: skip
+                                                out_specs=P(), axis_names=self.manual_axes,
+                                                check_vma=False), *args)  # fmt: skip
             out_axes = jax.tree_util.tree_map_with_path(
                 lambda p, s: None if is_shared_leaf(s, p) else 0, view)
 
@@ -260,7 +278,8 @@ class Replicas:
                                     out_axes, is_leaf=_is_none)  # fmt: skip
 
             return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
-                                 out_specs=specs(view, out_axes, 0))(*args)  # fmt: skip
+                                 out_specs=specs(view, out_axes, 0),
+                                 axis_names=self.manual_axes)(*args)  # fmt: skip
 
         return run
 
@@ -333,37 +352,66 @@ def make_replicas(
     backend: str = "auto",
     axis_name: str = "replica",
     devices: Any = None,
+    mesh_shape: dict[str, int] | None = None,
 ) -> Replicas:
     """Chooses where N replicas run.
 
     Args:
       num_replicas: N.
       backend: ``"vmap"`` (all replicas on one device), ``"shard_map"`` (one
-        replica per device; needs N devices) or ``"auto"`` (``shard_map`` when
-        at least N devices exist and N > 1, else ``vmap``).
+        replica per device, or per slice of devices with ``mesh_shape``) or
+        ``"auto"`` (``shard_map`` when the devices exist and N > 1 or a replica
+        spans devices, else ``vmap``).
       axis_name: the replica axis name.
-      devices: devices to use for ``shard_map`` (default: the first N).
+      devices: devices to use for ``shard_map`` (default: the first ones).
+      mesh_shape: intra-replica axes, e.g. ``{"fsdp": 4, "tensor": 2}``: each
+        replica's leaves are split over F x T devices (``noloco_jax.sharding``).
 
     Returns:
       A ``Replicas``.
+
+    Example:
+      >>> reps = make_replicas(2, mesh_shape={"fsdp": 2, "tensor": 2})  # 8 devices
+      >>> reps.mesh.shape
+      OrderedDict([('replica', 2), ('fsdp', 2), ('tensor', 2)])
     """
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
-    if backend not in ("auto", "vmap", "shard_map"):
-        raise ValueError(f"backend must be 'auto', 'vmap' or 'shard_map', got {backend!r}.")
+    from noloco_jax import errors, sharding  # noqa: PLC0415
+
+    errors.check_int("num_replicas", num_replicas, 1)
+    errors.check_choice("backend", backend, ("auto", "vmap", "shard_map"))
+    shape = {a: int((mesh_shape or {}).get(a, 1)) for a in sharding.INTRA_AXES}
+    unknown = sorted(set(mesh_shape or {}) - set(sharding.INTRA_AXES))
+    if unknown or any(v < 1 for v in shape.values()):
+        raise ValueError(f"mesh_shape takes {list(sharding.INTRA_AXES)} with sizes >= 1, got "
+                         f"{mesh_shape!r}.")  # fmt: skip
+    per_replica = shape[sharding.FSDP] * shape[sharding.TENSOR]
     all_devices = list(jax.devices() if devices is None else devices)
+    need = num_replicas * per_replica
     if backend == "auto":
-        backend = "shard_map" if num_replicas > 1 and len(all_devices) >= num_replicas else "vmap"
+        spans = num_replicas > 1 or per_replica > 1
+        backend = "shard_map" if spans and len(all_devices) >= need else "vmap"
     if backend == "vmap":
+        if per_replica > 1:
+            raise ValueError(f"mesh_shape={mesh_shape!r} splits a replica over devices, which "
+                             f"needs backend='shard_map' (or 'auto' with {need} devices).")
         return Replicas(num_replicas, axis_name)
-    if len(all_devices) < num_replicas:
+    if len(all_devices) < need and per_replica == 1:
         raise ValueError(
             f"backend='shard_map' needs one device per replica: num_replicas={num_replicas} "
             f"but only {len(all_devices)} devices are visible. Use backend='vmap', fewer "
-            f"replicas, or (on CPU) XLA_FLAGS=--xla_force_host_platform_device_count="
-            f"{num_replicas}."
+            f"replicas, or (on CPU) XLA_FLAGS=--xla_force_host_platform_device_count={need}.")
+    if len(all_devices) < need:
+        raise ValueError(
+            f"num_replicas={num_replicas} x fsdp={shape['fsdp']} x tensor={shape['tensor']} = "
+            f"{need} devices are needed, {len(all_devices)} are visible. Use fewer replicas or a "
+            f"smaller split (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={need})."
         )
-    mesh = jax.make_mesh(
-        (num_replicas,), (axis_name,), devices=np.asarray(all_devices[:num_replicas])
-    )
-    return Replicas(num_replicas, axis_name, mesh)
+    devs = np.asarray(all_devices[:need])
+    if per_replica == 1:
+        return Replicas(num_replicas, axis_name, jax.make_mesh((num_replicas,), (axis_name,),
+                                                               devices=devs))  # fmt: skip
+    auto = jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((num_replicas, *shape.values()), (axis_name, *shape),
+                         axis_types=(jax.sharding.AxisType.Explicit, auto, auto),
+                         devices=devs)  # fmt: skip
+    return Replicas(num_replicas, axis_name, mesh, leaf_axes=sharding.intra_replica_axes)

@@ -1,0 +1,71 @@
+"""How one replica's leaves split over its devices: ``fsdp`` and ``tensor`` mesh axes.
+
+A replica may span several devices (a slice of a pod): every per-replica leaf
+(params, slow weights, Adam moments, outer momentum) is split over the
+intra-replica axes by one table of logical rules, keyed by the parameter's
+name (optimizer-state leaves carry their parameter's name in their path):
+
+* ``fsdp`` splits the model dimension D of every weight (ZeRO-3 style; the
+  compiler gathers a layer's weights when it needs them);
+* ``tensor`` splits attention heads and the MLP hidden dimension
+  (Megatron-style).
+
+NoLoCo and DiLoCo stay unchanged: their collectives run over the "replica"
+axis only, so each device exchanges its own shard with the devices holding
+the same shard in the partner replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["FSDP", "TENSOR", "INTRA_AXES", "LLAMA_RULES", "intra_replica_axes", "check_divides"]
+
+FSDP, TENSOR = "fsdp", "tensor"
+INTRA_AXES = (FSDP, TENSOR)
+
+# Parameter name -> mesh axis of each dim (stacked blocks: the leading layer dim is None).
+LLAMA_RULES: dict[str, tuple] = {
+    "wq": (None, FSDP, TENSOR, None),  # [L, D, H, Dh]
+    "wk": (None, FSDP, TENSOR, None),
+    "wv": (None, FSDP, TENSOR, None),
+    "wo": (None, TENSOR, None, FSDP),  # [L, H, Dh, D]
+    "w_gate": (None, FSDP, TENSOR),  # [L, D, F]
+    "w_up": (None, FSDP, TENSOR),
+    "w_down": (None, TENSOR, FSDP),  # [L, F, D]
+    "embedding": (TENSOR, FSDP),  # [V, D]
+    "lm_head": (FSDP, TENSOR),  # [D, V]
+}
+
+
+def _names(path: tuple) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+
+
+def intra_replica_axes(path: tuple, local: Any, rules: dict[str, tuple] = LLAMA_RULES) -> tuple:
+    """The intra-replica mesh axis of each dim of one replica's leaf (``()``: whole)."""
+    for name in reversed(_names(path)):
+        rule = rules.get(name)
+        if rule is not None and len(rule) == len(local.shape):
+            return rule
+    return ()
+
+
+def check_divides(tree: Any, axis_sizes: dict[str, int], rules: dict[str, tuple] = LLAMA_RULES
+                  ) -> None:  # fmt: skip
+    """Raises ``ValueError`` naming the leaf and dim a mesh axis does not divide.
+
+    Args:
+      tree: one replica's params (or any tree of its leaves).
+      axis_sizes: e.g. ``{"fsdp": 4, "tensor": 2}``.
+      rules: the logical rules.
+    """
+    import jax  # noqa: PLC0415
+
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        for dim, axis in enumerate(intra_replica_axes(path, x, rules)):
+            size = axis_sizes.get(axis, 1) if axis else 1
+            if size > 1 and x.shape[dim] % size:
+                raise ValueError(
+                    f"mesh.{axis}={size} does not divide dim {dim} (size {x.shape[dim]}) of "
+                    f"{jax.tree_util.keystr(path)}; choose a divisor of {x.shape[dim]}.")
