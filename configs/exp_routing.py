@@ -1,6 +1,6 @@
 """The paper's Fig. 4 ablation in miniature, and pipelines vs none for NoLoCo/DiLoCo.
 
-    python experiments/routing_ablation.py      # ~30 min on 2 CPU cores
+    python -m experiments.routing_ablation      # ~30 min on 2 CPU cores
 
 Tiny Llama (4 layers) split into S = 2 stages, N = 4 replicas (the paper's small model used
 DP = 4 here). Ablation: no outer steps at all (method "local": independent replicas), random

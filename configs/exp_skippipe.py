@@ -1,6 +1,6 @@
 """SkipPipe training in miniature: data parallel over N = 4 pipelines of the tiny Llama.
 
-    python experiments/skippipe_training.py      # ~20 min on 2 CPU cores
+    python -m experiments.skippipe_training      # ~20 min on 2 CPU cores
 
 The 4 blocks form S = 4 stages of one block; each sequence visits stage 0 and
 path_length - 1 others (25 % skip: 3 stages, 50 % skip: 2). SkipPipe all-reduces gradients

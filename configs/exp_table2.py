@@ -1,6 +1,6 @@
 """Table 2 in miniature: DP vs DiLoCo vs NoLoCo on the tiny Llama, offline Shakespeare (bytes).
 
-    python experiments/table2.py            # the whole grid, ~45 min on 2 CPU cores
+    python -m experiments.table2            # the whole grid, ~45 min on 2 CPU cores
 
 Equal inner steps (600) and tokens (32 x 64 per step, split over the N replicas) for every
 method. The paper's H = 50 / 100 over 25k steps gives 500 / 250 outer rounds; here H is scaled

@@ -1,6 +1,6 @@
 """NoLoCo on the paper's noisy quadratic (SGD inner steps): gamma x n grid and inner-lr scaling.
 
-    python experiments/quadratic_theory.py      # ~2 min on 2 CPU cores
+    python -m experiments.quadratic_theory      # ~2 min on 2 CPU cores
 """
 
 from ml_collections import config_dict

@@ -4,28 +4,32 @@ Each replica sees its own noisy samples of the same linear-tanh teacher, runs
 Adam locally and averages with one random partner every H steps. Prints the
 mean training loss falling and the cross-replica spread.
 
-    python experiments/demo.py [--replicas 8] [--steps 300] [--sync-every 20]
+    python -m experiments.demo [--replicas 8] [--steps 300] [--sync_every 20]
 """
 
 from __future__ import annotations
 
-import argparse
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
+from absl import app, flags
 
+from experiments import options
 from noloco_jax import local_steps, noloco_outer, replica_spread, replicas
 
+REPLICAS = flags.DEFINE_integer("replicas", 8, "Simulated replicas.", lower_bound=1)
+STEPS = flags.DEFINE_integer("steps", 300, "Inner steps.", lower_bound=1)
+SYNC_EVERY = flags.DEFINE_integer("sync_every", 20, "Inner steps between syncs (H).",
+                                  lower_bound=1)  # fmt: skip
+options.old_spellings("sync_every")
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--sync-every", type=int, default=20)
-    args = parser.parse_args()
 
-    n, dim, hidden, batch = args.replicas, 16, 32, 64
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    n, dim, hidden, batch = REPLICAS.value, 16, 32, 64
+    sync_every = SYNC_EVERY.value
     key = jax.random.key(0)
     teacher = jax.random.normal(jax.random.fold_in(key, 1), (dim,)) / jnp.sqrt(dim)
 
@@ -39,7 +43,7 @@ def main() -> None:
     def loss_fn(p, x, y):
         return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
-    tx = local_steps(optax.adam(3e-3), noloco_outer(), sync_every=args.sync_every)
+    tx = local_steps(optax.adam(3e-3), noloco_outer(), sync_every=sync_every)
     params0 = init(jax.random.fold_in(key, 2))  # identical start on every replica
     reps = replicas.make_replicas(n, backend="vmap")
     params = replicas.replicate(params0, n)
@@ -53,10 +57,10 @@ def main() -> None:
         return optax.apply_updates(p, updates), s, loss, replica_spread(p, "replica")
 
     step = jax.jit(reps.map(step))
-    for t in range(1, args.steps + 1):
+    for t in range(1, STEPS.value + 1):
         keys = jax.random.split(jax.random.fold_in(key, 100 + t), n)
         params, state, loss, spread = step(params, state, keys)
-        if t % args.sync_every == 0:
+        if t % sync_every == 0:
             print(
                 f"step {t:4d}  round {int(state.outer_state.round):3d}  "
                 f"mean loss {float(loss.mean()):.4f}  replica spread {float(spread[0]):.2e}"
@@ -64,4 +68,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

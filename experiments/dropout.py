@@ -1,6 +1,6 @@
 """Replica drop-out: NoLoCo vs what DiLoCo must do instead (skip the round, or wait).
 
-    python experiments/dropout.py [--jobs 2] [--smoke ...]
+    python -m experiments.dropout [--jobs 2] [--smoke ...]
 
 N = 8, Table 2 settings (config configs/exp_table2.py; its N = 8 seed-0 runs are p = 0). Each
 replica misses each outer round with probability p (deterministic from the seed). NoLoCo: a
@@ -13,11 +13,16 @@ Writes experiments/results/dropout.{json,md}.
 
 from __future__ import annotations
 
-import argparse
+from typing import Sequence
 
-import harness
+from absl import app, flags
 
-from configs.exp_table2 import METHODS  # noqa: E402
+from configs.exp_table2 import METHODS
+from experiments import options
+from noloco_jax.experiments import harness
+
+for _name in options.GRID_FLAGS:
+    flags.declare_key_flag(_name)
 
 CONFIG = harness.ROOT / "configs" / "exp_table2.py"
 PROBS = (0.1, 0.3)
@@ -34,8 +39,8 @@ def grid(smoke: bool) -> list[harness.Run]:
     return runs
 
 
-def report(results: dict, args: argparse.Namespace) -> str:
-    n = 2 if args.smoke else 8
+def report(results: dict, opts: harness.Options) -> str:
+    n = 2 if opts.smoke else 8
     rows = []
     for method, label in (("noloco", "NoLoCo"), ("diloco", "DiLoCo (skip)")):
         for p in (0.0, *PROBS):
@@ -48,7 +53,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
         slow = 1 + (1 - (1 - p) ** n)
         rows.append(["DiLoCo (wait)", p, base["val_ppl"], base["val_ppl_avg_model"],
                      base["replica_spread"], f"{slow:.2f}"])  # fmt: skip
-    cmd = "python experiments/dropout.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.dropout" + (" --smoke" if opts.smoke else "")
     return (
         "## Replica drop-out: NoLoCo steps alone, DiLoCo must skip or wait\n\n"
         f"```bash\n{cmd}\n```\n\n"
@@ -61,14 +66,13 @@ def report(results: dict, args: argparse.Namespace) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_common_flags(parser)
-    args = parser.parse_args()
-    results = harness.run_grid(CONFIG, grid(args.smoke), args,
-                               runs_subdir="table2", name="dropout")
-    harness.write_outputs(args, "dropout", results, report(results, args))
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    opts = options.grid_options()
+    results = harness.run_grid(CONFIG, grid(opts.smoke), opts, runs_subdir="table2",
+                               name="dropout")  # fmt: skip
+    harness.write_outputs(opts, "dropout", results, report(results, opts))
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

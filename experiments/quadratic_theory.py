@@ -1,6 +1,6 @@
 """NoLoCo against its theory on the noisy quadratic: what happens inside and outside the bounds.
 
-    python experiments/quadratic_theory.py [--smoke --out-dir DIR]
+    python -m experiments.quadratic_theory [--smoke --out_dir DIR]
 
 Theorem 1's sufficient condition for a bounded cross-replica spread is
 alpha sqrt(n / (2 (n - 1))) < gamma < sqrt(n (2 + alpha^2) / (2 (n - 1))). The unit tests
@@ -11,22 +11,24 @@ inner learning rate omega (theory: std ∝ omega).
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
+from typing import Sequence
 
-import harness
 import numpy as np
+from absl import app, flags
 
+from experiments import options
 from noloco_jax import noloco_outer
+from noloco_jax.experiments import harness
 from noloco_jax.quadratic import gamma_bounds, simulate_quadratic
+
+CONFIG = harness.ROOT / "configs" / "quadratic_theory.py"
+
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
 
 
 def _config(smoke: bool):
-    spec = importlib.util.spec_from_file_location("qcfg", harness.ROOT / "configs" /
-                                                  "quadratic_theory.py")  # fmt: skip
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = harness.load_config(CONFIG, {})
     if smoke:
         c.num_rounds, c.gammas, c.group_sizes, c.inner_lrs = 40, (0.7, 2.2), (2,), (0.05, 0.025)
     return c
@@ -46,11 +48,10 @@ def _run(c, gamma: float, n: int, inner_lr: float) -> dict:
             "final_mean_norm": float(np.asarray(out.mean_norm)[-1]), "bounded": bounded}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_common_flags(parser)
-    args = parser.parse_args()
-    c = _config(args.smoke)
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    opts = options.grid_options()
+    c = _config(opts.smoke)
     gamma_rows, records = [], []
     for n in c.group_sizes:
         lo, hi = gamma_bounds(c.momentum, n)
@@ -65,7 +66,7 @@ def main() -> None:
         rec = _run(c, None, 2, w)
         records.append(rec)
         lr_rows.append([w, rec["spread_q4"], rec["spread_q4"] / w])
-    cmd = "python experiments/quadratic_theory.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.quadratic_theory" + (" --smoke" if opts.smoke else "")
     md = (
         "## NoLoCo on the noisy quadratic: the theory's gamma range, observed\n\n"
         f"```bash\n{cmd}\n```\n\n"
@@ -80,8 +81,8 @@ def main() -> None:
         "so the last column should be roughly constant:\n\n"
         + harness.md_table(["omega", "final spread", "spread / omega"], lr_rows)
     )
-    harness.write_outputs(args, "quadratic_theory", {"records": records}, md)
+    harness.write_outputs(opts, "quadratic_theory", {"records": records}, md)
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

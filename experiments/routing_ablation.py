@@ -1,6 +1,6 @@
 """Fig. 4 in miniature: random vs fixed routing between pipeline stages, with no outer steps.
 
-    python experiments/routing_ablation.py [--jobs 2] [--smoke ...]
+    python -m experiments.routing_ablation [--jobs 2] [--smoke ...]
 
 Paper: with random routing the cross-replica weight std is ~10-15 % lower and validation
 perplexity up to ~4 % higher than with fixed routing. Also NoLoCo / DiLoCo with PP = 2 vs
@@ -10,15 +10,20 @@ experiments/results/routing_ablation.{json,md} and experiments/figures/routing_a
 
 from __future__ import annotations
 
-import argparse
+from typing import Sequence
 
-import harness
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from configs.exp_table2 import METHODS  # noqa: E402
+from experiments import options  # noqa: E402
+from noloco_jax.experiments import harness  # noqa: E402
+
+for _name in options.GRID_FLAGS:
+    flags.declare_key_flag(_name)
 
 CONFIG = harness.ROOT / "configs" / "exp_routing.py"
 
@@ -41,7 +46,7 @@ def _curve(run: dict, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in run["eval"] if r["step"] > 0}
 
 
-def report(results: dict, args: argparse.Namespace) -> str:
+def report(results: dict, opts: harness.Options) -> str:
     rnd = next(v for k, v in results.items() if k.startswith("local_pp2_random"))
     fix = next(v for k, v in results.items() if k.startswith("local_pp2_fixed"))
     steps = sorted(_curve(rnd, "val_ppl"))
@@ -61,7 +66,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
     ax.set_title("Fig. 4 in miniature (no outer steps)")
     ax.legend()
     fig.tight_layout()
-    path = harness.save_figure(fig, harness.figure_path(args, "routing_ablation"))
+    path = harness.save_figure(fig, harness.figure_path(opts, "routing_ablation"))
     plt.close(fig)
     pp_rows = []
     for name in sorted(results):
@@ -69,7 +74,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
             last = results[name]["eval"][-1]
             pp_rows.append([name, last["val_ppl"], last["val_ppl_avg_model"],
                             last["replica_spread"]])  # fmt: skip
-    cmd = "python experiments/routing_ablation.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.routing_ablation" + (" --smoke" if opts.smoke else "")
     return (
         "## Random vs fixed routing between pipeline stages (Fig. 4) and PP = 2 vs PP = 1\n\n"
         f"```bash\n{cmd}\n```\n\n"
@@ -86,14 +91,13 @@ def report(results: dict, args: argparse.Namespace) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_common_flags(parser)
-    args = parser.parse_args()
-    results = harness.run_grid(CONFIG, grid(args.smoke), args,
-                               runs_subdir="routing", name="routing_ablation")
-    harness.write_outputs(args, "routing_ablation", results, report(results, args))
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    opts = options.grid_options()
+    results = harness.run_grid(CONFIG, grid(opts.smoke), opts, runs_subdir="routing",
+                               name="routing_ablation")  # fmt: skip
+    harness.write_outputs(opts, "routing_ablation", results, report(results, opts))
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,8 +1,8 @@
 """SkipPipe schedules: simulated iteration time of four schedules at 25 / 33 / 50 % skip.
 
-    python experiments/skippipe_schedules.py            # full run, about a minute or two
-    python experiments/skippipe_schedules.py --publish  # ... into experiments/results
-    python experiments/skippipe_schedules.py --smoke --out-dir /tmp/sp/results   # seconds
+    python -m experiments.skippipe_schedules            # full run, about a minute or two
+    python -m experiments.skippipe_schedules --publish  # ... into experiments/results
+    python -m experiments.skippipe_schedules --smoke --out_dir /tmp/sp/results   # seconds
 
 For each setting (18 nodes / 4 stages, 20 / 6, 42 / 8; SkipPipe's sizes, stage 0
 bigger), network (12-region geo-distributed, 5 clusters, single cluster) and
@@ -23,25 +23,26 @@ git-ignored; --publish: experiments/results). The JSON's
 ``training_iteration_times`` ({"full", "skip25", "skip50"}: simulated seconds
 per iteration, mean over seeds) is the 18-node / 4-stage geo-distributed
 setting with path length 4 / 3 / 2 (``full`` / ``skippipe``), which
-experiments/skippipe_training.py uses to put its runs on a simulated clock.
+experiments.skippipe_training uses to put its runs on a simulated clock.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
-import sys
 import time
 from typing import Any, Sequence
 
 import numpy as np
+from absl import app, flags
 
+from experiments import options
 from noloco_jax import skippipe as sp
-from noloco_jax.experiments import harness
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMAND = "python experiments/skippipe_schedules.py"
+COMMAND = "python -m experiments.skippipe_schedules"
+
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
 
 FORWARD_S = 0.055 * 4 * 8
 MESSAGE_BYTES = 8 * 1024 * 1024 * 4
@@ -236,42 +237,40 @@ def write_markdown(result: dict[str, Any], path: pathlib.Path) -> None:
     path.write_text("\n".join(md))
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny version, a few seconds")
-    harness.add_out_flags(parser)
-    return parser.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def run(smoke: bool, out_dir: pathlib.Path) -> dict[str, Any]:
     """Runs every case; writes skippipe_schedules.json and .md.
 
     Args:
-      argv: command-line arguments; ``None`` reads ``sys.argv``.
+      smoke: the seconds-long version (``SMOKE``) instead of ``FULL``.
+      out_dir: where the two files go.
 
     Returns:
       The JSON-serialisable result.
     """
-    args = _parse(argv)
-    cfg = SMOKE if args.smoke else FULL
+    cfg = SMOKE if smoke else FULL
     t0 = time.perf_counter()
     records = []
     for net_name in cfg["networks"]:
         for nodes, stages, lengths in cfg["settings"]:
             for seed in cfg["seeds"]:
                 records += run_case(net_name, nodes, stages, lengths, seed, cfg)
-    command = " ".join([COMMAND, *(sys.argv[1:] if argv is None else argv)])
-    result = {"command": command, "config": cfg, "rows": summarise(records),
+    result = {"command": COMMAND + (" --smoke" if smoke else ""), "config": cfg,
+              "rows": summarise(records),
               "training_iteration_times": training_times(records),
               "training_setting": TRAINING, "records": records,
               "seconds": time.perf_counter() - t0}  # fmt: skip
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "skippipe_schedules.json").write_text(json.dumps(result, indent=1))
-    write_markdown(result, args.out_dir / "skippipe_schedules.md")
-    print(f"wrote {args.out_dir / 'skippipe_schedules.json'} and "
-          f"{args.out_dir / 'skippipe_schedules.md'} in {result['seconds']:.0f} s", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "skippipe_schedules.json").write_text(json.dumps(result, indent=1))
+    write_markdown(result, out_dir / "skippipe_schedules.md")
+    print(f"wrote {out_dir / 'skippipe_schedules.json'} and "
+          f"{out_dir / 'skippipe_schedules.md'} in {result['seconds']:.0f} s", flush=True)
     return result
 
 
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    run(options.SMOKE.value, options.out_dir())
+
+
 if __name__ == "__main__":
-    main()
+    app.run(main)

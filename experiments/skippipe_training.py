@@ -1,10 +1,10 @@
 """SkipPipe in miniature: convergence with skipped stages, and robustness to omitted stages.
 
-    python experiments/skippipe_training.py [--jobs 2] [--smoke ...]
+    python -m experiments.skippipe_training [--jobs 2] [--smoke ...]
 
 Runs (configs/exp_skippipe.py): the full pipeline (no skipping), 25 % and 50 % skip, and 50 %
 skip with the full model every 10th step. Reports validation perplexity of the full model per
-step and per simulated second (iteration times from skippipe_schedules.json in --out-dir, else
+step and per simulated second (iteration times from skippipe_schedules.json in --out_dir, else
 experiments/results; geo-distributed setting, when present), and the perplexity increase when 25 % / 50 % of the
 stages are omitted at inference (stage 0 kept plus a sorted random subset; averaged over
 subsets and replicas) for skip-trained vs normally trained models (paper: +7 % at 50 %).
@@ -12,18 +12,24 @@ subsets and replicas) for skip-trained vs normally trained models (paper: +7 % a
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
 import pathlib
+from typing import Sequence
 
-import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
+
+from experiments import options
+from noloco_jax.experiments import harness
 
 CONFIG = harness.ROOT / "configs" / "exp_skippipe.py"
+
+for _name in options.GRID_FLAGS:
+    flags.declare_key_flag(_name)
 
 
 def grid(smoke: bool) -> list[harness.Run]:
@@ -36,16 +42,17 @@ def grid(smoke: bool) -> list[harness.Run]:
     return [r for r in runs if r.name != "skip25" or s >= 4]
 
 
-def _omission(run: harness.Run, args, keep_fraction: float, subsets: int) -> float:
+def _omission(run: harness.Run, opts: harness.Options, keep_fraction: float,
+              subsets: int) -> float:  # fmt: skip
     """Mean perplexity with only a fraction of the 4 stages (stage 0 always kept)."""
     from noloco_jax.trainer import from_config
     from noloco_jax.trainer.loop import load_run
     from noloco_jax.skippipe.training import omitted_stage_loss
 
-    over = {**run.overrides, **(harness.smoke_overrides(args) if args.smoke else {}),
-            **harness.data_overrides(args)}  # fmt: skip
+    over = {**run.overrides, **(harness.smoke_overrides() if opts.smoke else {}),
+            **harness.data_overrides(opts)}  # fmt: skip
     settings = from_config(harness.load_config(CONFIG, over))
-    root = args.runs_dir / ("skippipe" + ("_smoke" if args.smoke else ""))
+    root = opts.runs_dir / ("skippipe" + ("_smoke" if opts.smoke else ""))
     graphdef, params, data = load_run(settings, root / run.name)
     num_layers = jax.tree.leaves(params["blocks"])[0].shape[1]
     stages = num_layers  # one block per stage
@@ -64,8 +71,8 @@ def _omission(run: harness.Run, args, keep_fraction: float, subsets: int) -> flo
 
 
 def _iteration_times(out_dir: pathlib.Path) -> dict[str, float]:
-    """The simulated iteration times of skippipe_schedules.py: its run into the same
-    --out-dir if there is one, else the published one."""
+    """The simulated iteration times of experiments.skippipe_schedules: its run into the same
+    --out_dir if there is one, else the published one."""
     for folder in (out_dir, harness.RESULTS):
         path = folder / "skippipe_schedules.json"
         if path.exists():
@@ -83,8 +90,8 @@ def _seconds_per_iteration(run: harness.Run, times: dict[str, float]) -> float |
     return (base * (k - 1) + times["full"]) / k if k else base
 
 
-def report(results: dict, runs: list[harness.Run], args: argparse.Namespace) -> str:
-    times = _iteration_times(args.out_dir)
+def report(results: dict, runs: list[harness.Run], opts: harness.Options) -> str:
+    times = _iteration_times(opts.out_dir)
     full_evals = results["full"]["eval"]
     rows = []
     for run in runs:
@@ -97,15 +104,15 @@ def report(results: dict, runs: list[harness.Run], args: argparse.Namespace) -> 
         rows.append([run.name, last["val_ppl"], f"{sec:.3g}" if sec else "n/a",
                      f"{last['step'] * sec:.4g}" if sec else "n/a", at_same_time])  # fmt: skip
     rob = []
-    subsets = 2 if args.smoke else 8
+    subsets = 2 if opts.smoke else 8
     for run in runs:
         full = math.exp(results[run.name]["eval"][-1]["val_loss"])
         row = [run.name, full]
         for frac in (0.75, 0.5):
-            ppl = _omission(run, args, frac, subsets)
+            ppl = _omission(run, opts, frac, subsets)
             row.append(f"{ppl:.3f} ({100 * (ppl / full - 1):+.1f} %)")
         rob.append(row)
-    cmd = "python experiments/skippipe_training.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.skippipe_training" + (" --smoke" if opts.smoke else "")
     return (
         "## SkipPipe in miniature: training with skipped stages\n\n"
         f"```bash\n{cmd}\n```\n\n"
@@ -126,15 +133,14 @@ def report(results: dict, runs: list[harness.Run], args: argparse.Namespace) -> 
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_common_flags(parser)
-    args = parser.parse_args()
-    runs = grid(args.smoke)
-    results = harness.run_grid(CONFIG, runs, args,
-                               runs_subdir="skippipe", name="skippipe_training")
-    harness.write_outputs(args, "skippipe_training", results, report(results, runs, args))
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    opts = options.grid_options()
+    runs = grid(opts.smoke)
+    results = harness.run_grid(CONFIG, runs, opts, runs_subdir="skippipe",
+                               name="skippipe_training")  # fmt: skip
+    harness.write_outputs(opts, "skippipe_training", results, report(results, runs, opts))
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,24 +1,29 @@
 """Fig. 3B in miniature: cross-replica weight spread tracks the inner learning rate.
 
-    python experiments/spread_vs_lr.py [--jobs 2] [--smoke ...]
+    python -m experiments.spread_vs_lr [--jobs 2] [--smoke ...]
 
 The paper finds a Pearson correlation of 0.91-0.97 between the spread and the inner learning
 rate over training, as its theory (Var ∝ omega^2) predicts. Uses the NoLoCo runs of
-experiments/table2.py (trained once, shared). Writes experiments/results/spread_vs_lr.{json,md}
+experiments.table2 (trained once, shared). Writes experiments/results/spread_vs_lr.{json,md}
 and experiments/figures/spread_vs_lr.png.
 """
 
 from __future__ import annotations
 
-import argparse
+from typing import Sequence
 
-import harness
 import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import table2  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from experiments import options  # noqa: E402
+from noloco_jax.experiments import harness, table2  # noqa: E402
+
+for _name in options.GRID_FLAGS:
+    flags.declare_key_flag(_name)
 
 CONFIG = harness.ROOT / "configs" / "exp_table2.py"
 
@@ -39,7 +44,7 @@ def pearson(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(a, b)[0, 1])
 
 
-def report(results: dict, args: argparse.Namespace) -> tuple[dict, str]:
+def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
     rows, stats = [], {}
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name in sorted(results):
@@ -57,10 +62,10 @@ def report(results: dict, args: argparse.Namespace) -> tuple[dict, str]:
     ax.set_title("Fig. 3B in miniature: spread vs inner learning rate")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = harness.save_figure(fig, harness.figure_path(args, "spread_vs_lr"))
+    path = harness.save_figure(fig, harness.figure_path(opts, "spread_vs_lr"))
     plt.close(fig)
     noloco = [v["pearson"] for k, v in stats.items() if k.startswith("noloco")]
-    cmd = "python experiments/spread_vs_lr.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.spread_vs_lr" + (" --smoke" if opts.smoke else "")
     md = (
         "## Spread vs inner learning rate (Fig. 3B)\n\n"
         f"```bash\n{cmd}\n```\n\n"
@@ -75,15 +80,14 @@ def report(results: dict, args: argparse.Namespace) -> tuple[dict, str]:
     return stats, md
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_common_flags(parser)
-    args = parser.parse_args()
-    results = harness.run_grid(CONFIG, grid(args.smoke), args,
-                               runs_subdir="table2", name="spread_vs_lr")
-    stats, md = report(results, args)
-    harness.write_outputs(args, "spread_vs_lr", stats, md)
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    opts = options.grid_options()
+    results = harness.run_grid(CONFIG, grid(opts.smoke), opts, runs_subdir="table2",
+                               name="spread_vs_lr")  # fmt: skip
+    stats, md = report(results, opts)
+    harness.write_outputs(opts, "spread_vs_lr", stats, md)
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,6 +1,6 @@
 """Beyond the paper: NoLoCo's gamma, group size n and sync period H, at N = 8.
 
-    python experiments/sweeps.py [--jobs 2] [--smoke ...]
+    python -m experiments.sweeps [--jobs 2] [--smoke ...]
 
 gamma is swept inside and outside the theory's sufficient range for alpha = 0.5, n = 2
 (0.5 < gamma < 1.5); n over {2, 4, 8} (n = 8 = N is DiLoCo-like averaging with NoLoCo's
@@ -11,17 +11,22 @@ Writes experiments/results/sweeps.{json,md} and experiments/figures/sweeps.png.
 
 from __future__ import annotations
 
-import argparse
 import math
+from typing import Sequence
 
-import harness
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from configs.exp_table2 import METHODS  # noqa: E402
+from experiments import options  # noqa: E402
+from noloco_jax.experiments import harness  # noqa: E402
 from noloco_jax.quadratic import gamma_bounds  # noqa: E402
+
+for _name in options.GRID_FLAGS:
+    flags.declare_key_flag(_name)
 
 CONFIG = harness.ROOT / "configs" / "exp_table2.py"
 BASE = {**METHODS["noloco"], "num_replicas": 8, "seed": 0, "outer.seed": 0}
@@ -51,7 +56,7 @@ def _value(name: str, sweep: str) -> float | None:
     return float(BASELINE[sweep]) if name.startswith("noloco_") else None
 
 
-def report(results: dict, args: argparse.Namespace) -> str:
+def report(results: dict, opts: harness.Options) -> str:
     lo, hi = gamma_bounds(0.5, 2)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
     sections = []
@@ -82,9 +87,9 @@ def report(results: dict, args: argparse.Namespace) -> str:
         ax.set_xlabel("inner step")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path = harness.save_figure(fig, harness.figure_path(args, "sweeps"))
+    path = harness.save_figure(fig, harness.figure_path(opts, "sweeps"))
     plt.close(fig)
-    cmd = "python experiments/sweeps.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.sweeps" + (" --smoke" if opts.smoke else "")
     return (
         "## Beyond the paper: gamma, group size and sync period\n\n"
         f"```bash\n{cmd}\n```\n\n"
@@ -96,14 +101,13 @@ def report(results: dict, args: argparse.Namespace) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_common_flags(parser)
-    args = parser.parse_args()
-    results = harness.run_grid(CONFIG, grid(args.smoke), args,
-                               runs_subdir="table2", name="sweeps")
-    harness.write_outputs(args, "sweeps", results, report(results, args))
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    opts = options.grid_options()
+    results = harness.run_grid(CONFIG, grid(opts.smoke), opts, runs_subdir="table2",
+                               name="sweeps")  # fmt: skip
+    harness.write_outputs(opts, "sweeps", results, report(results, opts))
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -21,9 +21,7 @@ import sys
 import textwrap
 from typing import Any, Sequence
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
-if (_REPO / "configs").is_dir() and str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))  # config files import shared defaults as `configs.common`
+_REPO = pathlib.Path(__file__).resolve().parents[1]  # the default --config is in _REPO/configs
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # TensorFlow only reads the data here; without this it logs a oneDNN notice at import.

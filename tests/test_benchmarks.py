@@ -8,7 +8,6 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BENCH = ROOT / "experiments" / "bench"
 
 
 @pytest.mark.parametrize("script", [
@@ -18,20 +17,21 @@ BENCH = ROOT / "experiments" / "bench"
 ])  # the slow two time ~25 s of repetitions each
 def test_benchmark_smoke(script, tmp_path):
     out = subprocess.run(
-        [sys.executable, str(BENCH / f"{script}.py"), "--smoke", "--out-dir", str(tmp_path)],
+        [sys.executable, "-m", f"experiments.bench.{script}", "--smoke", "--out_dir",
+         str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((tmp_path / f"bench_{script}.json").read_text())
     md = (tmp_path / f"bench_{script}.md").read_text()
-    assert results["env"]["jax"] and f"experiments/bench/{script}.py --smoke" in md
+    assert results["env"]["jax"] and f"python -m experiments.bench.{script} --smoke" in md
     assert md.count("|") > 10
 
 
 @pytest.mark.slow
 def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(BENCH / "gpu.py"), "--smoke", "--out-dir", str(tmp_path)],
+        [sys.executable, "-m", "experiments.bench.gpu", "--smoke", "--out_dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

@@ -20,14 +20,13 @@ import types
 import numpy as np
 import pytest
 
+from configs import common
 from noloco_jax import models, train
 from noloco_jax.data import sources
 from noloco_jax.models import hf
 from noloco_jax.trainer import settings as settings_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from configs import common  # noqa: E402
 
 
 def _leaves(d: dict, prefix: str = "") -> dict:

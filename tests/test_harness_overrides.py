@@ -28,3 +28,28 @@ def test_misspelt_or_mistyped_overrides_are_errors():
         harness.load_config(CONFIG, {"nosuch.x": 1})
     with pytest.raises(TypeError, match="seq_len"):
         harness.load_config(CONFIG, {"data.seq_len": "long"})
+
+
+def test_a_grid_loads_each_run_once_and_trains_the_config_as_loaded(monkeypatch, tmp_path):
+    loaded, trained = [], {}
+    real_load = harness.load_config
+
+    def load(path, overrides):
+        loaded.append(dict(overrides))
+        return real_load(path, overrides)
+
+    def train(config, workdir):  # stands in for training: records what it was given
+        trained[workdir.name] = config
+        workdir.mkdir(parents=True)
+        (workdir / "metrics.jsonl").write_text('{"kind": "eval", "step": 0, "val_ppl": 1.0}\n')
+
+    monkeypatch.setattr(harness, "load_config", load)
+    monkeypatch.setattr(harness, "_train", train)
+    odd_path = "a dir/with=signs,'quotes'"  # no command line between the grid and the run
+    runs = [harness.Run("a", {"outer.gamma": 0.3}), harness.Run("b", {"outer.sync_every": 7})]
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path, data_path=odd_path)
+    results = harness.run_grid(CONFIG, runs, opts, runs_subdir="grid")
+    assert len(loaded) == 2 and sorted(trained) == ["a", "b"]
+    assert trained["a"].outer.gamma == 0.3 and trained["b"].outer.sync_every == 7
+    assert all(c.data.path == odd_path and c.data.source == "files" for c in trained.values())
+    assert results["a"]["eval"][0]["val_ppl"] == 1.0

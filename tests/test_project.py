@@ -33,3 +33,18 @@ def test_top_level_folders_exist():
         assert (ROOT / name).is_dir(), name
         assert any((ROOT / name).iterdir()), f"{name}/ is empty"
     assert (ROOT / "setup.cfg").is_file() and (ROOT / "pyproject.toml").is_file()
+
+
+# sys.path changed in code: insert/append/extend/remove, or an assignment to it.
+_PATH_EDIT = re.compile(r"sys\.path\s*(\.\s*(insert|append|extend|remove)\s*\(|\+?=[^=])")
+
+
+def test_nothing_edits_sys_path():
+    """Imports resolve from the repository root (python -m) or the installed project alone."""
+    skip = {".git", ".venv", "runs", "__pycache__"}
+    files = [p for ext in ("py", "ipynb") for p in ROOT.rglob(f"*.{ext}")
+             if not skip & set(p.relative_to(ROOT).parts)]  # fmt: skip
+    assert len(files) > 50
+    edits = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in files
+             for m in _PATH_EDIT.finditer(p.read_text(encoding="utf-8"))]  # fmt: skip
+    assert edits == []

@@ -191,11 +191,10 @@ def test_save_that_cannot_start_raises_and_leaves_no_thread(tmp_path):
 
 _FAILS_MID_RUN = r"""
 import os, pathlib, sys
-sys.path.insert(0, sys.argv[1])
 from tests.test_reliability import _settings
 from noloco_jax.trainer import checkpoint, loop
 
-run = pathlib.Path(sys.argv[4])
+run = pathlib.Path(sys.argv[3])
 real_save = checkpoint.Checkpointer.save
 
 def save(self, step, *args, **kwargs):
@@ -206,7 +205,7 @@ def save(self, step, *args, **kwargs):
     return real_save(self, step, *args, **kwargs)
 
 checkpoint.Checkpointer.save = save
-loop.train_and_evaluate(_settings(sys.argv[2], sys.argv[3]), run, progress=False)
+loop.train_and_evaluate(_settings(sys.argv[1], sys.argv[2]), run, progress=False)
 """
 
 
@@ -214,8 +213,8 @@ loop.train_and_evaluate(_settings(sys.argv[2], sys.argv[3]), run, progress=False
 # test_save_that_cannot_start_raises_and_leaves_no_thread
 def test_failed_save_mid_run_exits_nonzero_promptly(tmp_path, corpus_dir, data_dir):  # noqa: F811
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", _FAILS_MID_RUN, str(ROOT), str(corpus_dir),
-                           str(data_dir), str(run)], capture_output=True, text=True, env=ENV,
+    proc = subprocess.run([sys.executable, "-c", _FAILS_MID_RUN, str(corpus_dir), str(data_dir),
+                           str(run)], capture_output=True, text=True, env=ENV, cwd=ROOT,
                           timeout=300)  # old code: hangs 20 minutes after the error  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "CheckpointSaveError" in proc.stderr and "checkpoint of step 4 is intact" in proc.stderr
@@ -226,17 +225,16 @@ def test_failed_save_mid_run_exits_nonzero_promptly(tmp_path, corpus_dir, data_d
 
 _HOLD_LOCK = r"""
 import sys, time
-sys.path.insert(0, sys.argv[1])
 from noloco_jax.trainer.lock import WorkdirLock
-WorkdirLock(sys.argv[2]).acquire()
+WorkdirLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(120)
 """
 
 
 def test_second_trainer_on_a_workdir_is_refused(tmp_path, corpus_dir, data_dir):  # noqa: F811
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(ROOT), str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(WorkdirLockedError, match=f"in use by another trainer .pid {holder.pid}"):
@@ -295,21 +293,20 @@ def test_without_guard_nan_shows_in_the_loss_and_keeps_the_finite_checkpoint(
 
 _LONG_RUN = r"""
 import sys
-sys.path.insert(0, sys.argv[1])
 from tests.test_train import tiny_settings
 from noloco_jax.trainer import loop
-s = tiny_settings(sys.argv[2], sys.argv[3], num_steps=100000, checkpoint_every=1000,
+s = tiny_settings(sys.argv[1], sys.argv[2], num_steps=100000, checkpoint_every=1000,
                   eval_every=1000)
-loop.train_and_evaluate(s, sys.argv[4], progress=False)
+loop.train_and_evaluate(s, sys.argv[3], progress=False)
 print("returned normally", flush=True)
 """
 
 
 def _interrupted_run(tmp_path, corpus_dir, data_dir, sig):  # noqa: F811
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", _LONG_RUN, str(ROOT), str(corpus_dir),
-                             str(data_dir), str(run)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", _LONG_RUN, str(corpus_dir), str(data_dir),
+                             str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV, cwd=ROOT)  # fmt: skip
     deadline = time.time() + 240
     metrics = run / "metrics.jsonl"
     while time.time() < deadline and not (metrics.exists() and '"train"' in metrics.read_text()):

@@ -2,7 +2,6 @@
 
 import importlib.util
 import pathlib
-import sys
 
 import pytest
 
@@ -16,8 +15,6 @@ CONFIG_FILES = sorted(
 
 
 def load_config(path: pathlib.Path, arg: str | None = None):
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     spec = importlib.util.spec_from_file_location(f"_cfg_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

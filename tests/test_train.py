@@ -169,12 +169,14 @@ def test_cli_and_plot(tmp_path, corpus_dir, data_dir):
     assert last["step"] == 4 and np.isfinite(last["val_ppl"])
     bad = subprocess.run(cmd + ["--config.num_replica=3"], capture_output=True, text=True)
     assert bad.returncode == 2 and "num_replica" in bad.stderr
-    plot = [sys.executable, str(ROOT / "experiments" / "plot.py"), str(workdir)]
-    drawn = subprocess.run(plot, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    stray = ROOT / "curves.png"
+    stray_before = stray.exists()
+    plot = [sys.executable, "-m", "experiments.plot", str(workdir)]
+    drawn = subprocess.run(plot, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert drawn.returncode == 0, drawn.stderr[-3000:]
     png = workdir / "curves.png"  # next to the run, never into the current folder
     assert drawn.stdout.strip() == f"wrote {png}" and png.stat().st_size > 1000
-    assert not (tmp_path / "curves.png").exists()
+    assert stray.exists() == stray_before
 
 
 # ---------------------------------------------------------------- pipeline stages

@@ -93,7 +93,6 @@ def test_interrupted_save_leaves_the_previous_checkpoint_restorable(
 
 _KILLED_MID_SAVE = r"""
 import os, sys
-sys.path.insert(0, sys.argv[1])
 from tests.test_train import tiny_settings
 from noloco_jax.trainer import checkpoint, loop
 
@@ -105,8 +104,8 @@ def save(self, step, state, meta, **kwargs):
         os._exit(9)  # the process dies with the step-8 write in flight
 
 checkpoint.Checkpointer.save = save
-s = tiny_settings(sys.argv[2], sys.argv[3], num_steps=12, checkpoint_every=4)
-loop.train_and_evaluate(s, sys.argv[4], progress=False)
+s = tiny_settings(sys.argv[1], sys.argv[2], num_steps=12, checkpoint_every=4)
+loop.train_and_evaluate(s, sys.argv[3], progress=False)
 """
 
 
@@ -121,9 +120,9 @@ def test_process_killed_during_a_save_resumes_without_loss(
     root = pathlib.Path(__file__).resolve().parents[1]
     run = tmp_path / "run"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_SAVE, str(root), str(corpus_dir),
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_SAVE, str(corpus_dir),
                              str(data_dir), str(run)], capture_output=True, text=True, env=env,
-                            timeout=600)  # fmt: skip
+                            cwd=root, timeout=600)  # fmt: skip
     assert killed.returncode == 9, killed.stderr[-2000:]
     s = tiny_settings(corpus_dir, data_dir, num_steps=12, checkpoint_every=4)
     last = train_and_evaluate(s, run, progress=False)  # restart after the crash

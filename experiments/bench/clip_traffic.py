@@ -1,6 +1,6 @@
 """Does the fused clip still matter? Memory traffic of a clipped-Adam step, optax vs fused.
 
-    python experiments/bench/clip_traffic.py [--smoke]
+    python -m experiments.bench.clip_traffic [--smoke]
 
 XLA's cost analysis of one compiled trainer step (bytes accessed; deterministic, unlike
 timings) with ``optax.clip_by_global_norm`` and with ``clip_by_global_norm_fused`` before
@@ -11,23 +11,25 @@ while the ratio shows it saves a pass over the weights.
 
 from __future__ import annotations
 
-import argparse
-import pathlib
+from typing import Sequence
 
-import common
 import optax
+from absl import app, flags
 
+from experiments import options
+from experiments.bench import common
+from experiments.bench.overhead import step_bytes
 from noloco_jax import clip_by_global_norm_fused, models
-from overhead import step_bytes
+
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out-dir", default=str(common.RESULTS))
-    args = parser.parse_args()
-    cases = [("nano", 256, 2, 2, 16)] if args.smoke else [("tiny", 256, 8, 4, 64),
-                                                          ("small", 32000, 1, 1, 64)]
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    smoke = options.SMOKE.value
+    cases = [("nano", 256, 2, 2, 16)] if smoke else [("tiny", 256, 8, 4, 64),
+                                                     ("small", 32000, 1, 1, 64)]
     rows, results = [], {"env": common.environment(), "cases": {}}
     for preset, vocab, n, b, t in cases:
         cfg = models.get_preset(preset, vocab_size=vocab)
@@ -41,14 +43,14 @@ def main() -> None:
         results["cases"][preset] = {**got, "optax_over_fused": ratio}
         rows.append([preset, f"{got['optax'] / 1e9:.4f}", f"{got['fused'] / 1e9:.4f}",
                      f"{ratio:.3f}"])  # fmt: skip
-    cmd = "python experiments/bench/clip_traffic.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.bench.clip_traffic" + (" --smoke" if smoke else "")
     md = (f"### Clipping: optax vs fused\n\n`{cmd}` — bytes accessed by one compiled trainer "
           "step (XLA cost analysis), clipped Adam with each clip.\n\n"
           + common.md_table(["model", "optax clip (GB)", "fused clip (GB)", "optax / fused"],
                             rows))  # fmt: skip
-    common.write("bench_clip_traffic", results, md, pathlib.Path(args.out_dir))
+    common.write("bench_clip_traffic", results, md, options.out_dir())
     print(md)
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,6 +1,6 @@
 """Bytes each replica sends per sync, read from the compiled HLO, for the paper's models.
 
-    python experiments/bench/comm_volume.py [--smoke] [--replicas 8 16 32 64]
+    python -m experiments.bench.comm_volume [--smoke] [--replicas 8,16,32,64]
 
 For each paper model (abstract shapes only: jax.eval_shape, nothing allocated; bf16 params as
 in the paper) and replica count N, compiles the outer update under jax.shard_map on N
@@ -12,23 +12,39 @@ all-reduce operand, converted to bytes sent per replica by a bandwidth-optimal r
 
 from __future__ import annotations
 
-import argparse
 import os
-import pathlib
-import sys
+from typing import Sequence
 
-_N_MAX = max([int(a) for a in sys.argv[sys.argv.index("--replicas") + 1:] if a.isdigit()] or [64]) \
-    if "--replicas" in sys.argv else 64  # fmt: skip
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_N_MAX}"
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import common  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from experiments import options
+from experiments.bench import common
+from noloco_jax import comm, diloco_outer, hlo, models, netsim, noloco_outer
 
-from noloco_jax import comm, diloco_outer, hlo, models, netsim, noloco_outer  # noqa: E402
+REPLICAS = flags.DEFINE_list("replicas", ["8", "16", "32", "64"],
+                             "Replica counts N to compile, comma-separated.")  # fmt: skip
+EXTRAPOLATE = flags.DEFINE_list(
+    "extrapolate", ["128", "256", "512", "1024"],
+    "Larger N from the largest compiled N's (N-independent) HLO bytes, comma-separated; "
+    "empty for none.")  # fmt: skip
+for _name in ("replicas", "extrapolate"):
+    flags.register_validator(_name, lambda v: all(x.isdigit() and int(x) > 0 for x in v),
+                             message="takes positive integers, comma-separated (8,16,32)")
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
+
+
+def _use_cpu_devices(n: int) -> None:
+    """``n`` simulated CPU devices, unless XLA_FLAGS sets a count already (the tests: 8).
+
+    Before JAX starts its backend, which nothing before ``main`` does.
+    """
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", n)
 
 
 def _abstract_params(preset: str, param_dtype: str, vocab: int):
@@ -79,19 +95,14 @@ def _add_row(rows, results, preset: str, num: int, n: int, name: str, b: dict, l
                  f"{times['datacenter']:.3g}", f"{times['internet']:.3g}"])  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--replicas", type=int, nargs="+", default=[8, 16, 32, 64])
-    parser.add_argument("--extrapolate", type=int, nargs="*", default=[128, 256, 512, 1024],
-                        help="larger N from the largest compiled N's (N-independent) HLO bytes")
-    common.add_out_flags(parser)
-    args = parser.parse_args()
-    if args.smoke:
-        args.extrapolate = [8]
-    sizes = ["nano"] if args.smoke else ["small", "medium", "large"]
-    vocab = 256 if args.smoke else 128002
-    ns = [2, 4] if args.smoke else args.replicas
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    smoke = options.SMOKE.value
+    extrapolate = [8] if smoke else [int(x) for x in EXTRAPOLATE.value]
+    sizes = ["nano"] if smoke else ["small", "medium", "large"]
+    vocab = 256 if smoke else 128002
+    ns = [2, 4] if smoke else [int(x) for x in REPLICAS.value]
+    _use_cpu_devices(max(ns))
     rows, results = [], {"env": common.environment(), "rows": []}
     per_device: dict[str, list[dict]] = {}
     for preset in sizes:
@@ -115,10 +126,10 @@ def main() -> None:
         for name, seen in per_device.items():
             if any(b != seen[0] for b in seen):
                 raise AssertionError(f"{preset}/{name}: per-device HLO bytes change with N: {seen}")
-            for n in args.extrapolate:
+            for n in extrapolate:
                 _add_row(rows, results, preset, num, n, name, seen[-1], f"{n} (HLO at {ns[-1]})")
         per_device.clear()
-    cmd = "python experiments/bench/comm_volume.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.bench.comm_volume" + (" --smoke" if smoke else "")
     md = (f"### Communication per replica per sync, read from compiled HLO\n\n`{cmd}` — bytes of "
           "the collectives in one sync branch of the compiled outer update (shard_map over N "
           "simulated CPU devices, abstract paper-size params); all-reduce operands converted to "
@@ -133,8 +144,8 @@ def main() -> None:
           "in reasonable time), with the ring factor and netsim times for their own N.\n\n"
           + common.md_table(["model", "N", "method", "GB sent", "x bf16 model",
                              "sync s (datacenter)", "sync s (internet)"], rows))  # fmt: skip
-    common.write("bench_comm_volume", results, md, pathlib.Path(args.out_dir))
+    common.write("bench_comm_volume", results, md, options.out_dir())
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -11,19 +11,13 @@ import json
 import pathlib
 import platform
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "experiments" / "results"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from noloco_jax.experiments.harness import SCRATCH, add_out_flags  # noqa: E402,F401
+from noloco_jax.experiments.harness import ROOT, SCRATCH  # noqa: F401  (ROOT: for the scripts)
 
 
 def block(x: Any) -> Any:

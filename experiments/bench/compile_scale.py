@@ -1,6 +1,6 @@
 """Compile cost of the NoLoCo sync step as the number of simulated replicas N grows.
 
-    python experiments/bench/compile_scale.py [--smoke] [--baseline OLD.json] [--shard-map]
+    python -m experiments.bench.compile_scale [--smoke] [--baseline OLD.json] [--shard_map]
 
 The sync step of ``local_steps(adam, noloco_outer(), H)`` (``sync_step=True``) for the nano
 preset, vmapped over N replicas on one device, is lowered from abstract inputs
@@ -16,34 +16,43 @@ The full run also reports what packing costs at run time, as the overhead benchm
 (deterministic, from XLA's cost analysis): bytes accessed by the trainer's sync step of the tiny
 model with 8 vmap replicas, relative to a plain-Adam step, and amortized over H = 50.
 
-``--shard-map`` compiles the same step with one replica per (simulated CPU) device instead, as a
+``--shard_map`` compiles the same step with one replica per (simulated CPU) device instead, as a
 real run would: there every branch's collective-permute lists its N source-target pairs, so the
 HLO holds N (N - 1) pairs whatever the packing. Its results go to bench_compile_scale_shard_map.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
-import sys
 import time
+from typing import Sequence
 
-if "--shard-map" in sys.argv:  # one simulated CPU device per replica, set before JAX starts
-    _FLAG = "--xla_force_host_platform_device_count=1024"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+import jax
+import optax
+from absl import app, flags
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import common  # noqa: E402
-import jax  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from noloco_jax import local_steps, models, noloco_outer, replicas  # noqa: E402
+from experiments import options
+from experiments.bench import common
+from noloco_jax import local_steps, models, noloco_outer, replicas
 
 NS = [8, 16, 32, 64, 128, 256, 512, 1024]
 SMOKE_NS = [8, 16]
+
+NS_FLAG = flags.DEFINE_list("ns", None, "N values, comma-separated (default: all).")
+flags.register_validator("ns", lambda v: v is None or all(x.isdigit() and int(x) > 0 for x in v),
+                         message="takes positive integers, comma-separated (8,16,32)")
+BASELINE = flags.DEFINE_string("baseline", None, "JSON of an earlier run to compare.")
+LABEL = flags.DEFINE_string("label", "this code", "Name of this run's columns.")
+NO_TRAFFIC = flags.DEFINE_bool("no_traffic", False, "Skip the run-time traffic.")
+SHARD_MAP = flags.DEFINE_bool("shard_map", False,
+                              "One replica per simulated device instead of vmap.")  # fmt: skip
+options.old_spellings("no_traffic", "shard_map")
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
 
 
 def abstract_replicated(tree, n: int, mesh=None):
@@ -104,7 +113,7 @@ def _row(rec: dict, old: dict | None, with_old: bool) -> list:
 
 def traffic() -> dict:
     """The overhead benchmark's memory traffic of the tiny model's sync step (8 replicas, H=50)."""
-    import overhead
+    from experiments.bench import overhead  # noqa: PLC0415
 
     return overhead.traffic_case("tiny", 256, 8, 4, 64, 50)[1]
 
@@ -126,55 +135,49 @@ def _traffic_md(new: dict, old: dict | None, labels: tuple[str, str]) -> str:
     return common.md_table(header, rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out-dir", default=str(common.RESULTS))
-    parser.add_argument("--ns", default=None, help="comma-separated N values (default: all)")
-    parser.add_argument("--baseline", default=None, help="json of an earlier run to compare")
-    parser.add_argument("--label", default="this code", help="name of this run's columns")
-    parser.add_argument("--no-traffic", action="store_true", help="skip the run-time traffic")
-    parser.add_argument("--shard-map", action="store_true",
-                        help="one replica per simulated device instead of vmap")  # fmt: skip
-    args = parser.parse_args()
-    ns = SMOKE_NS if args.smoke else NS
-    if args.ns:
-        ns = [int(v) for v in args.ns.split(",")]
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    smoke, shard_map, label = options.SMOKE.value, SHARD_MAP.value, LABEL.value
+    ns = SMOKE_NS if smoke else NS
+    if NS_FLAG.value:
+        ns = [int(v) for v in NS_FLAG.value]
+    if shard_map:  # one simulated CPU device per replica, set before JAX starts its backend
+        jax.config.update("jax_num_cpu_devices", max(ns))
     cfg = models.get_preset("nano", vocab_size=256)
     _, params = models.init_params(cfg, 0)
     params0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     tx = local_steps(optax.adam(1e-3), noloco_outer(), 10)
     baseline = None
-    if args.baseline:
-        old = json.loads(pathlib.Path(args.baseline).read_text())
+    if BASELINE.value:
+        old = json.loads(pathlib.Path(BASELINE.value).read_text())
         baseline = {r["N"]: r for r in old["rows"]}
-    results = {"env": common.environment(), "label": args.label, "rows": [],
+    results = {"env": common.environment(), "label": label, "rows": [],
                "load_before": os.getloadavg()[0]}  # fmt: skip
     rows = []
     for n in ns:
-        rec = measure(n, params0, tx, args.shard_map)
+        rec = measure(n, params0, tx, shard_map)
         rec["load"] = os.getloadavg()[0]
         results["rows"].append(rec)
         print(json.dumps(rec), flush=True)
         old_rec = None if baseline is None else baseline.get(n)
         rows.append(_row(rec, old_rec, baseline is not None))
-    if not (args.smoke or args.no_traffic or args.shard_map):
+    if not (smoke or NO_TRAFFIC.value or shard_map):
         results["traffic"] = traffic()
-    cmd = "python experiments/bench/compile_scale.py" + (" --smoke" if args.smoke else "")
-    cmd += " --shard-map" if args.shard_map else ""
-    if args.baseline:
-        base = pathlib.Path(args.baseline).resolve()
+    cmd = "python -m experiments.bench.compile_scale" + (" --smoke" if smoke else "")
+    cmd += " --shard_map" if shard_map else ""
+    if BASELINE.value:
+        base = pathlib.Path(BASELINE.value).resolve()
         shown = base.relative_to(common.ROOT) if base.is_relative_to(common.ROOT) else base
-        cmd += f" --label '{args.label}' --baseline {shown}"
+        cmd += f" --label '{label}' --baseline {shown}"
     header = ["N"]
     if baseline is not None:
         old_label = old.get("label", "baseline")
         header += [f"{old_label}: lower s", f"{old_label}: compile s", f"{old_label}: HLO MB",
                    f"{old_label}: load"]  # fmt: skip
-    header += [f"{args.label}: lower s", f"{args.label}: compile s", f"{args.label}: HLO MB",
-               f"{args.label}: load"]  # fmt: skip
+    header += [f"{label}: lower s", f"{label}: compile s", f"{label}: HLO MB",
+               f"{label}: load"]  # fmt: skip
     leaves = results["rows"][0]["num_leaves"]
-    if args.shard_map:
+    if shard_map:
         title, where = ("with one replica per device (shard_map)",
                         "N replicas on N simulated CPU devices with `jax.shard_map`")  # fmt: skip
     else:
@@ -186,21 +189,21 @@ def main() -> None:
           "cores; 'load' is the 1-minute load average after the row, from all users of the "
           "machine: compile times grow with it). HLO = `compiled.as_text()`, MB = 10^6 bytes. "
           + ("Every branch's collective-permute lists N source-target pairs, so the HLO holds "
-             "N (N - 1) pairs: quadratic in N whatever the packing.\n\n" if args.shard_map else
+             "N (N - 1) pairs: quadratic in N whatever the packing.\n\n" if shard_map else
              "Target: N = 1024 compiles in < 30 s with HLO < 2 MB.\n\n")
           + common.md_table(header, rows))
     if baseline is not None and old.get("note"):
         md += f"\n'{old.get('label', 'baseline')}': {old['note']}\n"
     if "traffic" in results:
         old_traffic = None if baseline is None else old.get("traffic")
-        labels = (old.get("label", "baseline") if baseline is not None else "", args.label)
+        labels = (old.get("label", "baseline") if baseline is not None else "", label)
         md += ("\nRun-time cost of the packing (the overhead benchmark's deterministic memory "
                "traffic, XLA cost analysis of the compiled trainer step): tiny model, 8 vmap "
                "replicas, relative to a plain-Adam step.\n\n"
                + _traffic_md(results["traffic"], old_traffic, labels))
-    name = "bench_compile_scale" + ("_shard_map" if args.shard_map else "")
-    common.write(name, results, md, pathlib.Path(args.out_dir))
+    name = "bench_compile_scale" + ("_shard_map" if shard_map else "")
+    common.write(name, results, md, options.out_dir())
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,9 +1,9 @@
 """Tokens/s and model FLOPs utilization of a training step on one accelerator.
 
-    python experiments/bench/gpu.py                  # paper-small, bf16, on a GPU
-    python experiments/bench/gpu.py --smoke          # nano model, seconds, any device
+    python -m experiments.bench.gpu                  # paper-small, bf16, on a GPU
+    python -m experiments.bench.gpu --smoke          # nano model, seconds, any device
 
-Times, side by side and interleaved, one fused chunk of H = ``--sync-every`` steps (so
+Times, side by side and interleaved, one fused chunk of H = ``--sync_every`` steps (so
 each outer method's sync is amortized as in training) for: the plain train step (clipped
 Adam, nothing else), data parallel, DiLoCo and NoLoCo, each with ``--replicas`` replicas
 vmap-simulated on the one device (bf16 compute, f32 master weights). MFU = model FLOPs /
@@ -15,21 +15,32 @@ stays "not yet measured" until this runs on one.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import pathlib
+from typing import Sequence
 
-import common
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
+from experiments import options
+from experiments.bench import common
 from noloco_jax import models, replicas
 from noloco_jax.trainer.optimizer import build_optimizer
 from noloco_jax.trainer.settings import OptimSettings, OuterSettings
 from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM datasheets
+
+REPLICAS = flags.DEFINE_integer("replicas", 2, "Replicas of the outer methods.", lower_bound=1)
+BATCH = flags.DEFINE_integer("batch", 8, "Sequences per replica per step.", lower_bound=1)
+SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence.", lower_bound=1)
+SYNC_EVERY = flags.DEFINE_integer("sync_every", 50, "Steps per timed chunk (H).", lower_bound=1)
+REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions of every method.", lower_bound=1)
+PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "Override the peak (0: from the device).")
+options.old_spellings("seq_len", "sync_every", "peak_tflops")
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
 
 
 def model_flops_per_token(cfg: models.LlamaConfig, seq_len: int) -> float:
@@ -60,20 +71,12 @@ def _chunk_fn(method: str, graphdef, params, n: int, h: int):
     return state, fn
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per replica per step")
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--sync-every", type=int, default=50)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the peak")
-    common.add_out_flags(parser)
-    args = parser.parse_args()
-    preset, vocab = ("nano", 256) if args.smoke else ("small", 32000)
-    b, t, h, n = ((2, 32, 4, 2) if args.smoke else
-                  (args.batch, args.seq_len, args.sync_every, args.replicas))  # fmt: skip
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    smoke = options.SMOKE.value
+    preset, vocab = ("nano", 256) if smoke else ("small", 32000)
+    b, t, h, n = ((2, 32, 4, 2) if smoke else
+                  (BATCH.value, SEQ_LEN.value, SYNC_EVERY.value, REPLICAS.value))  # fmt: skip
     cfg = models.get_preset(preset, vocab_size=vocab, max_seq_len=max(t, 64), dtype="bfloat16")
     graphdef, params = models.init_params(cfg, 0)
     rng = np.random.default_rng(0)
@@ -83,9 +86,9 @@ def main() -> None:
         state, fn = _chunk_fn(method, graphdef, params, n, h)
         tokens[method] = jnp.asarray(rng.integers(1, vocab, (reps, h, b, t + 1)), jnp.int32)
         fns[method] = functools.partial(fn, state, tokens[method])
-    times = common.interleaved(fns, 1 if args.smoke else args.reps)
+    times = common.interleaved(fns, 1 if smoke else REPS.value)
     env = common.environment()
-    peak = peak_flops(env["device"], args.peak_tflops)
+    peak = peak_flops(env["device"], PEAK_TFLOPS.value)
     per_token = model_flops_per_token(cfg, t)
     rows, results = [], {"env": env, "model": preset, "rows": []}
     for method, ts in times.items():
@@ -96,15 +99,14 @@ def main() -> None:
                                 "per_replica_speed_vs_plain": rel})  # fmt: skip
         rows.append([method, round(tok_s), f"{100 * mfu:.1f} %" if mfu else "n/a", f"{rel:.3f}"])
     gpu = jax.default_backend() == "gpu"
-    cmd = "python experiments/bench/gpu.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.bench.gpu" + (" --smoke" if smoke else "")
     title = "Accelerator throughput and MFU" + ("" if gpu else " (not a GPU: a dry run)")
     md = (f"### {title}\n\n`{cmd}` — {env['device']}, jax {env['jax']}; {preset} model, bf16 "
           f"compute, {n} replicas x {b} x {t} tokens per step, chunks of H = {h} steps "
           "(one sync each). Per-replica speed is relative to the plain train step.\n\n"
           + common.md_table(["method", "tokens/s", "MFU", "per-replica speed vs plain"], rows))
-    common.write("bench_gpu" if gpu else "bench_gpu_dryrun", results, md,
-                 pathlib.Path(args.out_dir))
+    common.write("bench_gpu" if gpu else "bench_gpu_dryrun", results, md, options.out_dir())
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

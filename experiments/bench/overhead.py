@@ -1,6 +1,6 @@
 """Optimizer overhead: the trainer's step with local_steps(adam, noloco_outer, H) vs plain Adam.
 
-    python experiments/bench/overhead.py [--smoke]
+    python -m experiments.bench.overhead [--smoke]
 
 Same model, data, replicas and fused chunk of H steps (``lax.scan``); only the optimizer
 differs. "inner only" never reaches a sync (the cost local_steps adds to every inner step);
@@ -14,18 +14,22 @@ runs every variant's chunk back to back, so drifts in machine speed cancel withi
 
 from __future__ import annotations
 
-import argparse
 import functools
-import pathlib
+from typing import Sequence
 
-import common  # noqa: F401  (sets sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import app, flags
 
+from experiments import options
+from experiments.bench import common
 from noloco_jax import clip_by_global_norm_fused, local_steps, models, noloco_outer, replicas
 from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk, train_step
+
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
 
 
 def chunk_fn(tx, graphdef, params0, n, guard, sync_at):
@@ -128,13 +132,11 @@ def traffic_case(preset, vocab, n, b, t, h):
     return rows, out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    common.add_out_flags(parser)
-    args = parser.parse_args()
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    smoke = options.SMOKE.value
     # preset, vocab, replicas, batch, seq, steps per chunk, reps, chunk contains a sync
-    cases = ([("nano", 256, 2, 2, 16, 4, 2, True)] if args.smoke else
+    cases = ([("nano", 256, 2, 2, 16, 4, 2, True)] if smoke else
              [("tiny", 256, 8, 4, 64, 50, 7, True), ("small", 32000, 1, 1, 64, 2, 11, False)])
     rows, results = [], {"env": common.environment(), "cases": []}
     for case in cases:
@@ -146,7 +148,7 @@ def main() -> None:
         r, res = traffic_case(preset, vocab, n, b, t, h if preset != "small" else 50)
         traffic_rows += r
         results["traffic"][preset] = res
-    cmd = "python experiments/bench/overhead.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.bench.overhead" + (" --smoke" if smoke else "")
     desc = "; ".join(
         f"{c[0]}: {c[2]} vmap replica(s), {c[3]} x {c[4]} tokens per replica, chunks of {c[5]} "
         "fused steps" for c in cases)  # fmt: skip
@@ -165,8 +167,8 @@ def main() -> None:
           "run without a sync).\n\n"
           + common.md_table(["optimizer", "plain Adam step (GB)", "inner step / plain",
                              "sync step / plain", "amortized over H"], traffic_rows))  # fmt: skip
-    common.write("bench_overhead", results, md, pathlib.Path(args.out_dir))
+    common.write("bench_overhead", results, md, options.out_dir())
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,6 +1,6 @@
 """Simulation scaling: time per inner step of N vmap-simulated replicas of the tiny model on one CPU.
 
-    python experiments/bench/scaling.py [--smoke]
+    python -m experiments.bench.scaling [--smoke]
 
 NoLoCo (H = 10, one sync per measured chunk of 10 steps) with the default run's per-replica
 batch. Ideal: time grows linearly in N (constant time per replica-step). Peak memory is the
@@ -9,27 +9,29 @@ compiled program's argument + output + temporary bytes (XLA's memory analysis, d
 
 from __future__ import annotations
 
-import argparse
 import functools
-import pathlib
+from typing import Sequence
 
-import common
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
+from experiments import options
+from experiments.bench import common
 from noloco_jax import models, replicas
 from noloco_jax.trainer.optimizer import build_optimizer
 from noloco_jax.trainer.settings import OptimSettings, OuterSettings
 from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk
 
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    common.add_out_flags(parser)
-    args = parser.parse_args()
-    preset, ns, b, t, k, reps = (("nano", [1, 2, 4], 2, 16, 2, 2) if args.smoke
+
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    smoke = options.SMOKE.value
+    preset, ns, b, t, k, reps = (("nano", [1, 2, 4], 2, 16, 2, 2) if smoke
                                  else ("tiny", [1, 2, 4, 8, 16, 32, 64], 4, 64, 10, 3))  # fmt: skip
     cfg = models.get_preset(preset, vocab_size=256)
     graphdef, params0 = models.init_params(cfg, 0)
@@ -55,7 +57,7 @@ def main() -> None:
         results["rows"].append(rec)
         rows.append([n, 1e3 * step, round(tok), round(tok / n), f"{step / (base * n):.2f}",
                      f"{peak / 2**20:.0f}"])  # fmt: skip
-    cmd = "python experiments/bench/scaling.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.bench.scaling" + (" --smoke" if smoke else "")
     md = (f"### Simulation scaling (vmap replicas on one CPU)\n\n`{cmd}` — {preset} model, NoLoCo "
           f"H = {k}, {b} x {t} tokens per replica per step, median of {reps} chunks of {k} steps "
           f"({results['env']['device']}, {results['env']['num_devices']} visible devices, 2 cores)."
@@ -63,8 +65,8 @@ def main() -> None:
           "linear, below 1 means batching replicas uses the cores better.\n\n"
           + common.md_table(["N", "ms / step", "tokens/s", "tokens/s per replica", "vs linear",
                              "peak MiB"], rows))  # fmt: skip
-    common.write("bench_scaling", results, md, pathlib.Path(args.out_dir))
+    common.write("bench_scaling", results, md, options.out_dir())
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

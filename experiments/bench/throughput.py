@@ -1,6 +1,6 @@
 """Training-step throughput vs a minimal hand-written single-replica JAX Adam loop.
 
-    python experiments/bench/throughput.py [--smoke]
+    python -m experiments.bench.throughput [--smoke]
 
 Same model, same batch, same fused chunk of steps. "noloco_jax" is the trainer's step for one
 replica (its optimizer chain: clip, local_steps(adam, noloco_outer)), with the chunk's sync
@@ -12,20 +12,24 @@ trainer does. Target: noloco_jax >= 0.95 of the hand-written loop's tokens/s.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import pathlib
+from typing import Sequence
 
-import common
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 from jax import lax
 
+from experiments import options
+from experiments.bench import common
 from noloco_jax import models, replicas
 from noloco_jax.trainer.optimizer import build_optimizer
 from noloco_jax.trainer.settings import OptimSettings, OuterSettings
 from noloco_jax.trainer.step import TrainState, loss_fn, sync_positions, train_chunk
+
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
 
 
 def hand_written(graphdef, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, clip=1.0):
@@ -45,12 +49,10 @@ def hand_written(graphdef, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, clip=1.0):
     return jax.jit(lambda carry, tokens: lax.scan(step, carry, tokens), donate_argnums=0)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    common.add_out_flags(parser)
-    args = parser.parse_args()
-    cases = ([("nano", 2, 16, 4, 2)] if args.smoke else
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    smoke = options.SMOKE.value
+    cases = ([("nano", 2, 16, 4, 2)] if smoke else
              [("tiny", 8, 64, 20, 7), ("small", 1, 64, 2, 9)])  # preset, batch, seq, k, reps
     rows, results = [], {"env": common.environment(), "rows": []}
     for preset, b, t, k, reps in cases:
@@ -87,7 +89,7 @@ def main() -> None:
                          round(tok["hand-written"]), round(tok[name]), f"{ratio:.3f}",
                          f"{paired['median']:.3f} ({paired['q25']:.3f}-{paired['q75']:.3f})"])
         results["rows"].append(rec)
-    cmd = "python experiments/bench/throughput.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.bench.throughput" + (" --smoke" if smoke else "")
     md = (f"### Training-step throughput vs a hand-written JAX Adam loop\n\n`{cmd}` — one replica, "
           f"fused chunks of steps, interleaved repetitions ({results['env']['device']}; 'small' "
           "uses a 32k vocabulary to fit the CPU run in minutes). 'ratio' divides the medians; "
@@ -96,8 +98,8 @@ def main() -> None:
           "adds a finiteness check of the weights after every step.\n\n"
           + common.md_table(["model", "params", "batch", "variant", "hand-written tok/s",
                              "variant tok/s", "ratio", "paired"], rows))  # fmt: skip
-    common.write("bench_throughput", results, md, pathlib.Path(args.out_dir))
+    common.write("bench_throughput", results, md, options.out_dir())
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

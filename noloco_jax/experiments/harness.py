@@ -1,14 +1,17 @@
 """Shared machinery for experiment scripts: run a grid of training runs, collect metrics.
 
 Each run is a config file plus dotted overrides, trained into its own workdir
-under ``--runs-dir``. A run whose workdir already holds its final checkpoint is
-not trained again, so an interrupted experiment resumes where it stopped (and
+under ``Options.runs_dir``. A run whose workdir already holds its final checkpoint
+is not trained again, so an interrupted experiment resumes where it stopped (and
 runs shared by two experiments are trained once). ``jobs > 1`` trains runs in
-parallel as ``noloco-train`` subprocesses; ``jobs == 1`` trains in-process.
+parallel, each in a fresh worker process; ``jobs == 1`` trains in this process.
 
 Outputs: a re-run writes its report and figures to ``experiments/runs/results``
-(git-ignored) and says where; ``--publish`` writes the tracked
+(git-ignored) and says where; the scripts' ``--publish`` writes the tracked
 ``experiments/results`` and ``experiments/figures`` instead.
+
+Nothing here reads command-line flags: the scripts of ``experiments/`` turn theirs into
+an ``Options`` (``experiments.options``), and notebooks build one directly.
 """
 
 from __future__ import annotations
@@ -18,23 +21,45 @@ import concurrent.futures
 import dataclasses
 import importlib.util
 import json
+import multiprocessing
 import os
 import pathlib
-import subprocess
-import sys
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository (configs/, experiments/)
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from ml_collections import config_dict
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository (configs/, experiments/)
 RESULTS = ROOT / "experiments" / "results"  # published (tracked): --publish
 FIGURES = ROOT / "experiments" / "figures"
-SCRATCH = ROOT / "experiments" / "runs" / "results"  # default for re-runs (git-ignored)
+RUNS = ROOT / "experiments" / "runs"  # training runs (git-ignored)
+SCRATCH = RUNS / "results"  # default for re-runs (git-ignored)
 
-__all__ = ["ROOT", "RESULTS", "FIGURES", "SCRATCH", "Run", "add_common_flags", "add_out_flags",
+__all__ = ["ROOT", "RESULTS", "FIGURES", "RUNS", "SCRATCH", "Options", "Run", "add_out_flags",
            "smoke_overrides", "data_overrides", "load_config", "run_grid", "read_run",
            "write_outputs", "figure_path", "save_figure", "md_table"]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How an experiment runs and where it writes.
+
+    Attributes:
+      smoke: a seconds-long version of every run (``smoke_overrides``), for tests.
+      jobs: runs trained in parallel; 1 (or less) trains in this process.
+      runs_dir: the runs' workdirs go under it.
+      out_dir: reports (``<name>.json``, ``<name>.md``) and, unless it is ``RESULTS``, figures.
+      data_path: local text files to train on instead of Shakespeare ("" = the config's data).
+      data_dir: TFDS data dir and caches ("" = the config's).
+      report_only: re-write the report from ``<out_dir>/<name>.json``, train nothing.
+    """
+
+    smoke: bool = False
+    jobs: int = 2
+    runs_dir: pathlib.Path = RUNS
+    out_dir: pathlib.Path = SCRATCH
+    data_path: str = ""
+    data_dir: str = ""
+    report_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,50 +79,48 @@ class _Publish(argparse.Action):
 
 
 def add_out_flags(parser: argparse.ArgumentParser, default: pathlib.Path = SCRATCH) -> None:
-    """``--out-dir`` (default: ``experiments/runs/results``, git-ignored) and ``--publish``."""
+    """``--out-dir`` and ``--publish`` for the two argparse scripts left (network_model.py,
+    streaming_netsim.py); the others use ``experiments.options``. Goes when they do too."""
     parser.add_argument("--out-dir", type=pathlib.Path, default=default,
                         help=f"where results go (default {default.relative_to(ROOT)})")
     parser.add_argument("--publish", nargs=0, action=_Publish, default=False,
                         help="write the tracked experiments/results and experiments/figures")
 
 
-def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--smoke", action="store_true", help="seconds-long version for tests")
-    parser.add_argument("--jobs", type=int, default=2, help="runs trained in parallel")
-    parser.add_argument("--runs-dir", type=pathlib.Path, default=ROOT / "experiments" / "runs")
-    add_out_flags(parser)
-    parser.add_argument("--data-path", default="", help="local text files instead of Shakespeare")
-    parser.add_argument("--data-dir", default="", help="TFDS data dir and caches")
-    parser.add_argument("--report-only", action="store_true",
-                        help="re-write the report from <out-dir>/<name>.json, train nothing")
-
-
-def smoke_overrides(args: argparse.Namespace) -> dict[str, Any]:
+def smoke_overrides() -> dict[str, Any]:
     """A seconds-long version of any run: nano model, a few steps."""
-    over = {
+    return {
         "model.preset": "nano", "num_steps": 8, "log_every": 2, "eval_every": 4,
         "checkpoint_every": 8, "global_batch_size": 8, "data.seq_len": 32,
         "data.eval_windows": 4, "optim.warmup_steps": 1, "backend": "vmap",
         "outer.sync_every": 2,
     }  # fmt: skip
-    return over
 
 
-def data_overrides(args: argparse.Namespace) -> dict[str, Any]:
+def data_overrides(opts: Options) -> dict[str, Any]:
+    """The data overrides ``opts`` asks for (local files, a data dir)."""
     over: dict[str, Any] = {}
-    if args.data_path:
-        over.update({"data.source": "files", "data.path": args.data_path})
-    if args.data_dir:
-        over["data.data_dir"] = args.data_dir
+    if opts.data_path:
+        over.update({"data.source": "files", "data.path": opts.data_path})
+    if opts.data_dir:
+        over["data.data_dir"] = opts.data_dir
     return over
 
 
-def load_config(path: pathlib.Path, overrides: dict[str, Any]):
+def load_config(path: pathlib.Path, overrides: dict[str, Any]) -> config_dict.ConfigDict:
     """The config file's ``get_config()`` with dotted overrides (``{"outer.sync_every": 10}``).
 
-    Overrides go through ml_collections' own ``update_from_flattened_dict`` on the locked
-    config, the same type rules as ``--config.<field>=<value>`` on the CLI: a misspelt field
-    is a ``KeyError``, a value of the wrong type a ``TypeError``.
+    The overrides are typed values, applied once by ml_collections' own
+    ``update_from_flattened_dict`` on the locked config, with the type rules of
+    ``--config.<field>=<value>`` on the command line: a misspelt field is a ``KeyError``,
+    a value of the wrong type a ``TypeError``.
+
+    Args:
+      path: a config file (``configs/exp_table2.py``).
+      overrides: dotted field name -> value.
+
+    Returns:
+      The config, unlocked.
     """
     spec = importlib.util.spec_from_file_location(f"_exp_cfg_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -114,28 +137,40 @@ def _done(workdir: pathlib.Path, num_steps: int) -> bool:
     return ckpt.is_dir() and (workdir / "metrics.jsonl").exists()
 
 
-def _cli(config: pathlib.Path, workdir: pathlib.Path, overrides: dict[str, Any]) -> list[str]:
-    cmd = [sys.executable, "-m", "noloco_jax.train", f"--config={config}", f"--workdir={workdir}",
-           "--noprogress"]  # fmt: skip
-    return cmd + [f"--config.{k}={v}" for k, v in overrides.items()]
+def _train(config: config_dict.ConfigDict, workdir: pathlib.Path) -> None:
+    from noloco_jax.trainer import from_config  # noqa: PLC0415
+    from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
+
+    train_and_evaluate(from_config(config), workdir, progress=False)
 
 
-def _train_one(config: pathlib.Path, workdir: pathlib.Path, overrides: dict[str, Any],
-               in_process: bool) -> None:  # fmt: skip
-    if in_process:
-        from noloco_jax.trainer import from_config  # noqa: PLC0415
-        from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
-
-        train_and_evaluate(from_config(load_config(config, overrides)), workdir, progress=False)
-        return
-    log = workdir.parent / f"{workdir.name}.log"
-    workdir.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+def _train_logged(config: config_dict.ConfigDict, workdir: pathlib.Path,
+                  log: pathlib.Path) -> None:  # fmt: skip
+    """One run in a worker process of its own, everything it prints into ``log``."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow loads
     with open(log, "w") as f:
-        proc = subprocess.run(_cli(config, workdir, overrides), stdout=f, stderr=subprocess.STDOUT,
-                              env=env, cwd=ROOT)  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"run {workdir.name} failed; see {log}")
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    _train(config, workdir)
+
+
+def _train_parallel(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]], jobs: int) -> None:
+    """Trains ``jobs`` runs at a time, each in a fresh process (a spawned worker per run)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context,
+                                                max_tasks_per_child=1) as pool:  # fmt: skip
+        futures = {}
+        for workdir, cfg in todo:
+            workdir.parent.mkdir(parents=True, exist_ok=True)
+            log = workdir.parent / f"{workdir.name}.log"
+            futures[pool.submit(_train_logged, cfg, workdir, log)] = (workdir.name, log)
+        for fut in concurrent.futures.as_completed(futures):
+            name, log = futures[fut]
+            try:
+                fut.result()
+            except Exception as err:
+                raise RuntimeError(f"run {name} failed; see {log}") from err
+            print(f"finished {name}", flush=True)
 
 
 def _saved_metrics(out_dir: pathlib.Path, names: list[str], runs: list[Run]) -> dict:
@@ -151,7 +186,7 @@ def _saved_metrics(out_dir: pathlib.Path, names: list[str], runs: list[Run]) -> 
     missing = sorted({r.name for r in runs} - set(found))
     if missing:
         raise FileNotFoundError(
-            f"--report-only: no saved metrics for {missing} in {out_dir} ({', '.join(names)}.json)."
+            f"--report_only: no saved metrics for {missing} in {out_dir} ({', '.join(names)}.json)."
         )
     return found
 
@@ -159,41 +194,43 @@ def _saved_metrics(out_dir: pathlib.Path, names: list[str], runs: list[Run]) -> 
 def run_grid(
     config: pathlib.Path,
     runs: list[Run],
-    args: argparse.Namespace,
+    opts: Options,
     *,
     runs_subdir: str,
     name: str | None = None,
 ) -> dict[str, dict[str, list[dict]]]:
     """Trains every run not yet finished; returns {name: {"train": [...], "eval": [...]}}.
 
-    With ``--report-only`` nothing is trained: the metrics saved by an earlier
-    full run (``<out-dir>/<name>.json``, ``name`` defaulting to ``runs_subdir``)
-    are returned instead.
+    Each run's config is loaded once (``load_config``) and trained as it is. With
+    ``opts.report_only`` nothing is trained: the metrics saved by an earlier full run
+    (``<out_dir>/<name>.json``, ``name`` defaulting to ``runs_subdir``) are returned instead.
+
+    Args:
+      config: the config file every run starts from.
+      runs: the grid.
+      opts: smoke version, parallel jobs, folders and data.
+      runs_subdir: the runs' workdirs go in ``opts.runs_dir / runs_subdir`` (``_smoke`` added
+        for the smoke version); experiments sharing runs share it.
+      name: the report whose saved metrics ``report_only`` reads.
+
+    Returns:
+      Each run's train and eval records.
     """
-    if getattr(args, "report_only", False):
-        return _saved_metrics(args.out_dir, [name or runs_subdir, runs_subdir], runs)
-    common = {**(smoke_overrides(args) if args.smoke else {}), **data_overrides(args)}
-    root = args.runs_dir / (runs_subdir + ("_smoke" if args.smoke else ""))
+    if opts.report_only:
+        return _saved_metrics(opts.out_dir, [name or runs_subdir, runs_subdir], runs)
+    common = {**(smoke_overrides() if opts.smoke else {}), **data_overrides(opts)}
+    root = opts.runs_dir / (runs_subdir + ("_smoke" if opts.smoke else ""))
     todo = []
     for run in runs:
-        overrides = {**run.overrides, **common}
-        num_steps = int(load_config(config, overrides).num_steps)
-        if not _done(root / run.name, num_steps):
-            todo.append((run, overrides))
-    in_process = args.jobs <= 1
-    if in_process:
-        for run, overrides in todo:
-            print(f"training {run.name}", flush=True)
-            _train_one(config, root / run.name, overrides, True)
+        cfg = load_config(config, {**run.overrides, **common})
+        if not _done(root / run.name, int(cfg.num_steps)):
+            todo.append((root / run.name, cfg))
+    if opts.jobs > 1:
+        _train_parallel(todo, opts.jobs)
     else:
-        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            futures = {
-                pool.submit(_train_one, config, root / run.name, overrides, False): run.name
-                for run, overrides in todo
-            }
-            for fut in concurrent.futures.as_completed(futures):
-                fut.result()
-                print(f"finished {futures[fut]}", flush=True)
+        for workdir, cfg in todo:
+            print(f"training {workdir.name}", flush=True)
+            _train(cfg, workdir)
     return {run.name: read_run(root / run.name) for run in runs}
 
 
@@ -208,17 +245,18 @@ def read_run(workdir: pathlib.Path) -> dict[str, list[dict]]:
     return {kind: [recs[s] for s in sorted(recs)] for kind, recs in out.items()}
 
 
-def write_outputs(args: argparse.Namespace, name: str, results: dict, markdown: str) -> None:
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{name}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
-    (args.out_dir / f"{name}.md").write_text(markdown)
-    print(f"wrote {args.out_dir / (name + '.json')} and {args.out_dir / (name + '.md')}",
+def write_outputs(opts: Options, name: str, results: dict, markdown: str) -> None:
+    """Writes ``<out_dir>/<name>.json`` and ``.md`` and says where."""
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    (opts.out_dir / f"{name}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+    (opts.out_dir / f"{name}.md").write_text(markdown)
+    print(f"wrote {opts.out_dir / (name + '.json')} and {opts.out_dir / (name + '.md')}",
           flush=True)  # fmt: skip
 
 
-def figure_path(args: argparse.Namespace, name: str) -> pathlib.Path:
+def figure_path(opts: Options, name: str) -> pathlib.Path:
     """Figures go next to the results (experiments/figures when publishing)."""
-    folder = FIGURES if args.out_dir.resolve() == RESULTS.resolve() else args.out_dir
+    folder = FIGURES if opts.out_dir.resolve() == RESULTS.resolve() else opts.out_dir
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"{name}.png"
 

@@ -1,6 +1,6 @@
 """Table 2 in miniature: final validation perplexity of DP, DiLoCo and NoLoCo for N = 4, 8, 16.
 
-The grid, the report and its figure; ``experiments/table2.py`` is the script and
+The grid, the report and its figure; ``python -m experiments.table2`` is the script and
 ``colabs/table2_miniature.ipynb`` the notebook that run it. The figure: the
 paper's relative difference (PPL_DiLoCo - PPL_NoLoCo) / PPL_DP over training
 (its Fig. 3A).
@@ -8,15 +8,13 @@ paper's relative difference (PPL_DiLoCo - PPL_NoLoCo) / PPL_DP over training
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import scipy.stats
 from matplotlib.figure import Figure  # no pyplot: drawing never touches a notebook's backend
 
-from noloco_jax.experiments import harness  # puts the repository on sys.path
-
-from configs.exp_table2 import METHODS  # noqa: E402,I001
+from configs.exp_table2 import METHODS
+from noloco_jax.experiments import harness
 
 CONFIG = harness.ROOT / "configs" / "exp_table2.py"
 
@@ -106,20 +104,20 @@ def _plot(curves: dict, path) -> None:
     harness.save_figure(fig, path)
 
 
-def report(results: dict, args: argparse.Namespace) -> str:
+def report(results: dict, opts: harness.Options) -> str:
     cells = _cells(results)
     sizes = sorted({n for _, n in cells})
     mid = sizes[len(sizes) // 2]
     rows = [[f"N = {n}"] + [_fmt(cells[(m, n)]) for m in METHODS] for n in sizes]
     curves = _rel_diff_curves(results, sizes)
-    fig = harness.figure_path(args, "table2_fig3a")
+    fig = harness.figure_path(opts, "table2_fig3a")
     _plot(curves, fig)
     evalrows = []
     for name in sorted(results):
         last = results[name]["eval"][-1]
         evalrows.append([name, last["val_ppl"], last["val_ppl_avg_model"], last["val_ppl_ensemble"],
                          last["val_ppl_best_replica"], last["replica_spread"]])  # fmt: skip
-    cmd = "python experiments/table2.py" + (" --smoke" if args.smoke else "")
+    cmd = "python -m experiments.table2" + (" --smoke" if opts.smoke else "")
     return (
         "## Table 2 in miniature: DP vs DiLoCo vs NoLoCo\n\n"
         f"```bash\n{cmd}\n```\n\n"

@@ -1,0 +1,87 @@
+"""The flags that several experiment and benchmark scripts share, defined once.
+
+absl flags live in one process-wide registry, so a flag that two scripts both read is
+defined here and imported, never defined twice. Names are the trainer's style (``--out_dir``);
+the hyphenated spellings of the former argparse scripts (``--out-dir``) still work. A script
+lists the ones it reads with ``flags.declare_key_flag`` (so its ``--help`` shows them), calls
+``start(argv)`` first in its ``main``, and turns the flags into the harness's options with
+``grid_options()`` or ``out_dir()`` once ``app.run`` has parsed the command line.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Sequence
+
+from absl import app, flags, logging
+
+from noloco_jax.experiments import harness
+
+SMOKE = flags.DEFINE_bool("smoke", False, "Seconds-long version, for tests.")
+OUT_DIR = flags.DEFINE_string(
+    "out_dir", None,
+    "Where results go (default experiments/runs/results, git-ignored; experiments/results with "
+    "--publish).")  # fmt: skip
+PUBLISH = flags.DEFINE_bool(
+    "publish", False,
+    "Write the tracked experiments/results and experiments/figures (a given --out_dir wins).")
+JOBS = flags.DEFINE_integer("jobs", 2, "Runs trained in parallel; 1 trains in this process.")
+RUNS_DIR = flags.DEFINE_string(
+    "runs_dir", None, "Where the runs train (default experiments/runs); finished runs are reused.")
+DATA_PATH = flags.DEFINE_string("data_path", "", "Local text files instead of Shakespeare.")
+DATA_DIR = flags.DEFINE_string("data_dir", "", "TFDS data dir and caches.")
+REPORT_ONLY = flags.DEFINE_bool(
+    "report_only", False, "Re-write the report from <out_dir>/<name>.json; train nothing.")
+
+
+def old_spellings(*names: str) -> None:
+    """Accepts ``--out-dir`` for ``--out_dir``: the former argparse spelling, kept out of --help.
+
+    Args:
+      names: flags defined already, with underscores.
+    """
+    for name in names:
+        flags.DEFINE_alias(name.replace("_", "-"), name, module_name="argparse spellings")
+
+
+old_spellings("out_dir", "runs_dir", "data_path", "data_dir", "report_only")
+
+# The flags a script reads, for its flags.declare_key_flag calls.
+OUT_FLAGS = ("smoke", "out_dir", "publish")
+GRID_FLAGS = (*OUT_FLAGS, "jobs", "runs_dir", "data_path", "data_dir", "report_only")
+
+
+def out_dir(default: pathlib.Path = harness.SCRATCH) -> pathlib.Path:
+    """``--out_dir``, else experiments/results with ``--publish``, else ``default``."""
+    if OUT_DIR.value:
+        return pathlib.Path(OUT_DIR.value)
+    return harness.RESULTS if PUBLISH.value else default
+
+
+def grid_options() -> harness.Options:
+    """The harness options the parsed flags ask for."""
+    return harness.Options(
+        smoke=SMOKE.value,
+        jobs=JOBS.value,
+        runs_dir=pathlib.Path(RUNS_DIR.value) if RUNS_DIR.value else harness.RUNS,
+        out_dir=out_dir(),
+        data_path=DATA_PATH.value,
+        data_dir=DATA_DIR.value,
+        report_only=REPORT_ONLY.value,
+    )
+
+
+def start(argv: Sequence[str]) -> None:
+    """What a script's ``main`` does first: refuse words that are not flags, log quietly.
+
+    ``app.run`` turns absl's logging up to INFO, where JAX, orbax and TFDS report every backend
+    and file; like ``noloco-train``, the scripts log warnings and errors only unless
+    ``--verbosity`` is given.
+
+    Args:
+      argv: what ``app.run`` passes ``main``: the program and the words that are not flags.
+    """
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {list(argv[1:])}; every option is a --flag.")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
