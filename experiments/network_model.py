@@ -38,15 +38,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import options  # noqa: E402
 from noloco_jax import netsim  # noqa: E402
 from noloco_jax.experiments import harness  # noqa: E402
 
-_SMOKE = flags.DEFINE_bool("smoke", False, "Tiny version, a few seconds.")
-_OUT_DIR = flags.DEFINE_string(
-    "out_dir", None, "Where results go (default experiments/runs/results; --publish: "
-    "experiments/results).")  # fmt: skip
-_PUBLISH = flags.DEFINE_bool(
-    "publish", False, "Write the tracked experiments/results and experiments/figures.")
+_SMOKE, _OUT_DIR, _PUBLISH = options.SMOKE, options.OUT_DIR, options.PUBLISH
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
 _FIG_DIR = flags.DEFINE_string(
     "fig_dir", None, "Where figures go (default --out_dir; experiments/figures with --publish).")
 _SEED = flags.DEFINE_integer("seed", 0, "NumPy seed of the Monte Carlo runs.")

@@ -29,15 +29,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from experiments import options  # noqa: E402
 from noloco_jax import netsim  # noqa: E402
 from noloco_jax.experiments import harness  # noqa: E402
 
-_SMOKE = flags.DEFINE_bool("smoke", False, "The small model only, a few seconds.")
-_OUT_DIR = flags.DEFINE_string(
-    "out_dir", None, "Where results go (default experiments/runs/results; --publish: "
-    "experiments/results).")  # fmt: skip
-_PUBLISH = flags.DEFINE_bool(
-    "publish", False, "Write the tracked experiments/results and experiments/figures.")
+_SMOKE, _OUT_DIR, _PUBLISH = options.SMOKE, options.OUT_DIR, options.PUBLISH
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
 
 SIZES = {"small": 125e6, "medium": 1.3e9, "large": 6.8e9}
 STEP_S = {"small": 0.25, "medium": 1.0, "large": 4.0}  # assumed compute per inner step

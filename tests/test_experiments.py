@@ -184,8 +184,6 @@ SCRIPTS = sorted(
     for p in folder.glob("*.py")
     if p.stem not in ("__init__", "options", "common")  # the package and its shared helpers
 )
-# Still argparse: the netsim split (issue 18) converts them; then they join the checks below.
-ARGPARSE_FOR_NOW = {"experiments.network_model", "experiments.streaming_netsim"}
 
 # Imports every script in one interpreter (the imports of JAX and TensorFlow are paid once),
 # each as if alone: its flags are removed before the next, since two scripts may define one
@@ -218,8 +216,6 @@ def test_every_script_is_a_module_with_main_usage_and_flags():
     assert sorted(found) == SCRIPTS
     for name, script in found.items():
         assert script["main"], name
-        if name in ARGPARSE_FOR_NOW:
-            continue
         assert f"python -m {name}" in script["doc"], name  # the usage line --help prints
         for flag in script["flags"]:
             shown = f"--{flag}:" in script["help"] or f"--[no]{flag}:" in script["help"]

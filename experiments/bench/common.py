@@ -103,3 +103,55 @@ def md_table(header: list[str], rows: list[list[Any]]) -> str:
 
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]) + "\n"
+
+
+class TrainerChunk:
+    """The trainer's two programs for a chunk of ``k`` steps that starts on a round boundary.
+
+    ``chunk(state, tokens [N, k, B, T + 1]) -> (state, losses [N, k])`` runs blocks of
+    ``min(k, H)`` steps: the inner program for the block's inner steps, the sync program for
+    its last step when that ends a round, as ``trainer.loop`` does. ``phase="device"`` runs
+    one program with the phase decided on the device instead (``sync_step=None``).
+
+    Args:
+      reps: the ``replicas.Replicas``.
+      k: steps per chunk.
+      sync_every: H, or None for methods without rounds.
+      phase: "host" (the trainer) or "device".
+      donate: donate the state, as the trainer does (False: call it again on one state).
+      **step_kwargs: ``train_step``'s arguments (``grads_fn``, ``tx``, ...).
+    """
+
+    def __init__(self, reps: Any, k: int, sync_every: int | None, phase: str = "host",
+                 donate: bool = True, **step_kwargs: Any) -> None:  # fmt: skip
+        from noloco_jax.trainer.step import make_program  # noqa: PLC0415
+
+        host = phase == "host" and sync_every is not None
+        self.k, self.h = k, sync_every
+        self.block = min(k, sync_every) if host else k
+        self.inner = make_program(reps, sync_step=False if host else None, donate=donate,
+                                  **step_kwargs)  # fmt: skip
+        self.sync = (make_program(reps, sync_step=True, donate=donate, **step_kwargs) if host
+                     else None)  # fmt: skip
+
+    def __call__(self, state: Any, tokens: Any) -> tuple[Any, Any]:
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        losses = []
+        for b in range(0, self.k, self.block):
+            part = tokens[:, b:b + self.block]
+            ends = self.sync is not None and (b + self.block) % self.h == 0
+            state, out = self.inner(state, part, np.int32(self.block - ends))
+            losses.append(out[:, : self.block - ends])
+            if ends:
+                state, out = self.sync(state, part[:, -1:], np.int32(1))
+                losses.append(out)
+        return state, jnp.concatenate(losses, axis=1)
+
+    def memory(self, state: Any, tokens: Any) -> Any:
+        """``memory_analysis()`` of the larger of the two compiled programs."""
+        progs = [(self.inner, tokens[:, : self.block])]
+        if self.sync is not None:
+            progs.append((self.sync, tokens[:, :1]))
+        mems = [f.lower(state, t, np.int32(1)).compile().memory_analysis() for f, t in progs]
+        return max(mems, key=lambda m: m.temp_size_in_bytes + m.output_size_in_bytes)

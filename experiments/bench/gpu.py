@@ -28,7 +28,8 @@ from experiments.bench import common
 from noloco_jax import models, replicas
 from noloco_jax.trainer.optimizer import build_optimizer
 from noloco_jax.trainer.settings import OptimSettings, OuterSettings
-from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk
+from noloco_jax.trainer import grads
+from noloco_jax.trainer.step import TrainState
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM datasheets
 
@@ -63,11 +64,10 @@ def _chunk_fn(method: str, graphdef, params, n: int, h: int):
                          num_replicas=1 if method == "plain" else n)  # fmt: skip
     reps = 1 if method == "plain" else n
     state = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), reps)
-    # Each call starts from step 0, so the chunk's last step syncs; the host passes that, as
-    # the trainer does, for the methods built on local_steps.
-    sync_at = sync_positions(0, h, h) if method in ("noloco", "diloco") else None
-    fn = jax.jit(replicas.Replicas(reps).map(functools.partial(train_chunk, graphdef=graphdef,
-                                                               tx=tx, sync_at=sync_at)))  # fmt: skip
+    # Each call starts from step 0, so the chunk's last step syncs: the trainer's two programs.
+    every = h if method in ("noloco", "diloco") else None
+    fn = common.TrainerChunk(replicas.Replicas(reps), h, every, grads_fn=grads.plain(graphdef),
+                             tx=tx, donate=False)  # fmt: skip
     return state, fn
 
 

@@ -26,36 +26,38 @@ from absl import app, flags
 from experiments import options
 from experiments.bench import common
 from noloco_jax import clip_by_global_norm_fused, local_steps, models, noloco_outer, replicas
-from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk, train_step
+from noloco_jax.trainer import grads
+from noloco_jax.trainer.step import TrainState, train_step
 
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
 
 
-def chunk_fn(tx, graphdef, params0, n, guard, sync_at):
-    """The trainer's fused chunk for ``n`` replicas, state donated as in the trainer."""
+def chunk_fn(tx, graphdef, params0, n, guard, every, phase):
+    """The trainer's two programs for ``n`` replicas, state donated as in the trainer."""
     reps = replicas.Replicas(n)
     state = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0)), n)
     state = jax.tree.map(jnp.copy, state)  # own buffers, safe to donate
-    f = jax.jit(reps.map(functools.partial(train_chunk, graphdef=graphdef, tx=tx,
-                                           nonfinite_guard=guard, sync_at=sync_at)),
-                donate_argnums=0)  # fmt: skip
-    return f, state
+    return common.TrainerChunk(reps, H_OF_CHUNK[0], every, phase, grads_fn=grads.plain(graphdef),
+                               tx=tx, nonfinite_guard=guard), state  # fmt: skip
+
+
+H_OF_CHUNK = [0]  # the chunk length of the case being run
 
 
 def variants(h, with_sync):
-    """name -> (tx, guard, sync_at); sync_at None decides the phase on the device."""
+    """name -> (tx, guard, H or None, phase): "host" (the trainer's two programs) or "device"."""
     clip = clip_by_global_norm_fused(1.0)  # the trainer's clip
     never = 10**9
 
     def ls(every, guard=False, host_phase=True):
         tx = optax.chain(clip, local_steps(optax.adam(1e-3), noloco_outer(), every,
                                            nonfinite_guard=guard))  # fmt: skip
-        # The trainer passes the chunk's sync positions (chunks start on a round boundary).
-        return tx, guard, sync_positions(0, h, every) if host_phase else None
+        # The trainer's two programs (chunks start on a round boundary).
+        return tx, guard, every, "host" if host_phase else "device"
 
     out = {
-        "plain Adam": (optax.chain(clip, optax.adam(1e-3)), False, None),
+        "plain Adam": (optax.chain(clip, optax.adam(1e-3)), False, None, "host"),
         "local_steps inner only": ls(never),
     }
     if with_sync:  # a chunk of H steps with one sync; the guard's cost shows there too
@@ -74,8 +76,9 @@ def run_case(preset, vocab, n, b, t, h, reps, with_sync):
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, vocab, (n, h, b, t + 1)), jnp.int32)
     txs = variants(h, with_sync)
     fns = {}
-    for name, (tx, guard, sync_at) in txs.items():
-        f, state = chunk_fn(tx, graphdef, params0, n, guard, sync_at)
+    H_OF_CHUNK[0] = h
+    for name, (tx, guard, every, phase) in txs.items():
+        f, state = chunk_fn(tx, graphdef, params0, n, guard, every, phase)
         fns[name] = common.Carried(f, state, tokens)
     times = common.interleaved(fns, reps)
     rows, out = [], {}
@@ -97,7 +100,7 @@ def step_bytes(tx, graphdef, params0, n, b, t, guard, sync_step) -> float:
     """Bytes accessed by one compiled trainer step, from XLA's cost analysis."""
     reps = replicas.Replicas(n)
     state = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0)), n)
-    f = jax.jit(reps.map(functools.partial(train_step, graphdef=graphdef, tx=tx,
+    f = jax.jit(reps.map(functools.partial(train_step, grads_fn=grads.plain(graphdef), tx=tx,
                                            nonfinite_guard=guard, sync_step=sync_step)),
                 donate_argnums=0)  # fmt: skip
     cost = f.lower(state, jnp.zeros((n, b, t + 1), jnp.int32)).compile().cost_analysis()

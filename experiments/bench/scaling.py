@@ -22,7 +22,8 @@ from experiments.bench import common
 from noloco_jax import models, replicas
 from noloco_jax.trainer.optimizer import build_optimizer
 from noloco_jax.trainer.settings import OptimSettings, OuterSettings
-from noloco_jax.trainer.step import TrainState, sync_positions, train_chunk
+from noloco_jax.trainer import grads
+from noloco_jax.trainer.step import TrainState
 
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
@@ -42,10 +43,10 @@ def main(argv: Sequence[str]) -> None:
                              num_steps=10_000, num_replicas=n)  # fmt: skip
         single = TrainState(jnp.zeros([], jnp.int32), params0, tx.init(params0))
         state = replicas.replicate(single, n)
-        fn = jax.jit(replicas.Replicas(n).map(functools.partial(  # each call: steps 0 .. k-1
-            train_chunk, graphdef=graphdef, tx=tx, sync_at=sync_positions(0, k, k))))  # fmt: skip
+        fn = common.TrainerChunk(replicas.Replicas(n), k, k, grads_fn=grads.plain(graphdef),
+                                 tx=tx, donate=False)  # each call: steps 0 .. k-1; fmt: skip
         tokens = jnp.asarray(np.random.default_rng(n).integers(1, 256, (n, k, b, t + 1)), jnp.int32)
-        mem = fn.lower(state, tokens).compile().memory_analysis()
+        mem = fn.memory(state, tokens)
         peak = sum(getattr(mem, a, 0) for a in ("argument_size_in_bytes", "output_size_in_bytes",
                                                 "temp_size_in_bytes"))  # fmt: skip
         times = common.interleaved({"run": functools.partial(fn, state, tokens)}, reps)["run"]

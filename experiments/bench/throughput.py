@@ -12,7 +12,6 @@ trainer does. Target: noloco_jax >= 0.95 of the hand-written loop's tokens/s.
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax
@@ -26,7 +25,8 @@ from experiments.bench import common
 from noloco_jax import models, replicas
 from noloco_jax.trainer.optimizer import build_optimizer
 from noloco_jax.trainer.settings import OptimSettings, OuterSettings
-from noloco_jax.trainer.step import TrainState, loss_fn, sync_positions, train_chunk
+from noloco_jax.trainer import grads
+from noloco_jax.trainer.step import TrainState, loss_fn
 
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
@@ -64,13 +64,12 @@ def main(argv: Sequence[str]) -> None:
         tx = build_optimizer("noloco", OptimSettings(learning_rate=1e-3, warmup_steps=0), outer,
                              num_steps=10**6, num_replicas=1)  # fmt: skip
         state = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), 1)
-        sync_at = sync_positions(0, k, outer.sync_every)  # the same for every chunk timed
         variants = {"noloco_jax": False, "noloco_jax + guard (trainer default)": True}
         fns = {}
         for name, guard in variants.items():  # the guard's repair runs after every step
-            ours = jax.jit(replicas.Replicas(1).map(functools.partial(
-                train_chunk, graphdef=graphdef, tx=tx, sync_at=sync_at, nonfinite_guard=guard)),
-                donate_argnums=0)  # fmt: skip
+            ours = common.TrainerChunk(replicas.Replicas(1), k, outer.sync_every,
+                                       grads_fn=grads.plain(graphdef), tx=tx,
+                                       nonfinite_guard=guard)  # fmt: skip
             fns[name] = common.Carried(ours, jax.tree.map(jnp.copy, state), tokens[None])
         zeros = jax.tree.map(jnp.zeros_like, params)
         hand = hand_written(graphdef)

@@ -16,7 +16,6 @@ an ``Options`` (``experiments.options``), and notebooks build one directly.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import importlib.util
@@ -34,7 +33,7 @@ FIGURES = ROOT / "experiments" / "figures"
 RUNS = ROOT / "experiments" / "runs"  # training runs (git-ignored)
 SCRATCH = RUNS / "results"  # default for re-runs (git-ignored)
 
-__all__ = ["ROOT", "RESULTS", "FIGURES", "RUNS", "SCRATCH", "Options", "Run", "add_out_flags",
+__all__ = ["ROOT", "RESULTS", "FIGURES", "RUNS", "SCRATCH", "Options", "Run",
            "smoke_overrides", "data_overrides", "load_config", "run_grid", "read_run",
            "write_outputs", "figure_path", "save_figure", "md_table"]  # fmt: skip
 
@@ -68,23 +67,6 @@ class Run:
 
     name: str
     overrides: dict[str, Any]
-
-
-class _Publish(argparse.Action):
-    """``--publish``: write the tracked results (``--out-dir`` given later still wins)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
-        namespace.out_dir = RESULTS
-        namespace.publish = True
-
-
-def add_out_flags(parser: argparse.ArgumentParser, default: pathlib.Path = SCRATCH) -> None:
-    """``--out-dir`` and ``--publish`` for the two argparse scripts left (network_model.py,
-    streaming_netsim.py); the others use ``experiments.options``. Goes when they do too."""
-    parser.add_argument("--out-dir", type=pathlib.Path, default=default,
-                        help=f"where results go (default {default.relative_to(ROOT)})")
-    parser.add_argument("--publish", nargs=0, action=_Publish, default=False,
-                        help="write the tracked experiments/results and experiments/figures")
 
 
 def smoke_overrides() -> dict[str, Any]:

@@ -120,17 +120,20 @@ def run_steps(
     return lax.fori_loop(0, count, body, (state, losses))
 
 
-def make_program(reps: Any, *, sync_step: bool | None, **step_kwargs: Any) -> Callable:
+def make_program(reps: Any, *, sync_step: bool | None, donate: bool = True, **step_kwargs: Any
+                 ) -> Callable:  # fmt: skip
     """``program(state, tokens [N, K, B, T + 1], count)``: ``run_steps`` of ``train_step`` over
     the replicas of ``reps`` (a ``replicas.Replicas``), jitted with the state donated.
 
     Args:
       reps: the topology.
       sync_step: the phase of every step it runs (see ``train_step``).
+      donate: let the program reuse the state's buffers (the trainer does).
       **step_kwargs: the rest of ``train_step``'s arguments (``grads_fn``, ``tx``, ...).
     """
     step_fn = functools.partial(train_step, sync_step=sync_step, **step_kwargs)
-    return jax.jit(reps.map(functools.partial(run_steps, step_fn=step_fn)), donate_argnums=0)
+    return jax.jit(reps.map(functools.partial(run_steps, step_fn=step_fn)),
+                   donate_argnums=0 if donate else ())
 
 
 def eval_token_losses(
