@@ -385,6 +385,8 @@ def _encode(arrays: Sequence[jax.Array], wires: Sequence[Any]) -> jax.Array:
     wires = [jnp.dtype(w) for w in wires]
     word = jnp.dtype(_word_dtype(arrays, wires))
     parts = []
+    if len(arrays) == 1 and wires[0] == word:  # one array travels in its own shape
+        return arrays[0].astype(word)
     for a, w in zip(arrays, wires):
         payload = a.astype(w)
         parts.append(payload.reshape(-1) if w == word else _as_words(payload, word))
@@ -399,6 +401,8 @@ def _decode(
     Each array is sliced out of the message before it is converted, so the
     conversion fuses into whatever reads that array alone.
     """
+    if len(arrays) == 1 and message.shape == arrays[0].shape and message.ndim != 1:
+        return [message.astype(arrays[0].dtype)]
     out, start = [], 0
     for a, w in zip(arrays, wires):
         w = jnp.dtype(w)
@@ -472,14 +476,17 @@ def _pack(leaves: Sequence[jax.Array], keys: Sequence[tuple[Any, Any]]) -> list[
     """Flat buffers, one per distinct key in order of appearance, in accumulation dtypes."""
     parts: dict[tuple[Any, Any], list[jax.Array]] = {}
     for x, key in zip(leaves, keys):
-        parts.setdefault(key, []).append(x.astype(key[1]).reshape(-1))
-    return [jnp.concatenate(p) if len(p) > 1 else p[0] for p in parts.values()]
+        parts.setdefault(key, []).append(x.astype(key[1]))
+    return [jnp.concatenate([x.reshape(-1) for x in p]) if len(p) > 1 else p[0].reshape(-1)
+            if len(leaves) > 1 else p[0] for p in parts.values()]  # fmt: skip
 
 
 def _unpack(
     buffers: Sequence[jax.Array], leaves: Sequence[jax.Array], keys: Sequence[tuple[Any, Any]]
 ) -> list[jax.Array]:
     """Inverse of ``_pack``: arrays shaped like ``leaves``, in accumulation dtypes."""
+    if len(leaves) == 1 and buffers[0].shape == leaves[0].shape:  # one leaf, in its shape
+        return [buffers[0]]
     order = list(dict.fromkeys(keys))
     offsets = [0] * len(order)
     out = []
@@ -530,6 +537,12 @@ def _per_kind(fn: Any, tree: PyTree) -> tuple | None:
     return tuple(jax.tree.unflatten(treedef, out) for out in outs)
 
 
+def _replica_split_by_compiler() -> bool:
+    """Inside a ``shard_map`` manual over the replicas whose other axes the compiler splits."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return bool(mesh.manual_axes) and bool(mesh.auto_axes)
+
+
 def group_mean(
     tree: PyTree,
     axis_name: str,
@@ -566,6 +579,10 @@ def group_mean(
         return per_kind[0]
     if quantize.is_codec(exchange_dtype):
         return _group_mean_codec(tree, axis_name, pool, index, exchange_dtype, weight)[0]
+    if weight is None and len(jax.tree.leaves(tree)) > 1 and _replica_split_by_compiler():
+        # Each leaf travels alone and in its shape: packing split leaves into one flat
+        # message would make the compiler move every shard inside the replica first.
+        return jax.tree.map(lambda x: group_mean(x, axis_name, pool, index, exchange_dtype), tree)
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
