@@ -33,6 +33,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("fault", "fault: drop-outs and the non-finite guard"),
     ("skip", "skip: SkipPipe-style stage skipping"),
     ("log", "log: Weights & Biases"),
+    ("mesh", "mesh: devices inside one replica (FSDP and tensor parallelism)"),
 )
 
 FIELDS: tuple[tuple[str, Any, str], ...] = (
@@ -132,6 +133,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("log.wandb", False, "Also log every metric to Weights & Biases."),
     ("log.wandb_project", "noloco_jax", "The W&B project."),
     ("log.wandb_run_name", "", 'The W&B run name; "" = W&B\'s default.'),
+    # Devices = num_replicas x fsdp x tensor; NoLoCo / DiLoCo still talk over replicas only.
+    ("mesh.fsdp", 1, "Devices each replica's weights and optimizer state are split over (FSDP)."),
+    ("mesh.tensor", 1, "Devices each replica's attention heads and MLP are split over."),
 )
 
 

@@ -128,6 +128,10 @@ CASES = {
                                           r"must divide one another .*e\.g\. log_every=1 or "
                                           r"outer\.sync_every=4"),  # fmt: skip
     ],
+    "`mesh.fsdp` / `mesh.tensor` above 1 with `backend=vmap` or with pipeline stages": [
+        (["--config.mesh.fsdp=2", "--config.backend=vmap"],
+         r"config\.mesh: fsdp=2 x tensor=1 splits a replica over devices"),
+    ],
     "stages not dividing the layers": [
         (["--config.num_stages=3"], r"config\.num_stages=3 must divide the model's 2 layers"),
     ],

@@ -142,3 +142,48 @@ def test_a_split_that_does_not_divide_is_refused():
         replicas.make_replicas(4, backend="shard_map", mesh_shape={"fsdp": 4})
     with pytest.raises(ValueError, match="mesh_shape takes"):
         replicas.make_replicas(2, mesh_shape={"pipe": 2})
+
+
+# ---------------------------------------------------------------- the trainer on split replicas
+
+
+def _settings(corpus_dir, data_dir, fsdp, tensor=1, **overrides):
+    from tests.test_train import tiny_settings  # noqa: PLC0415
+
+    base = dict(num_replicas=2, backend="shard_map", num_steps=8, checkpoint_every=4,
+                mesh={"fsdp": fsdp, "tensor": tensor})
+    return tiny_settings(corpus_dir, data_dir, **{**base, **overrides})
+
+
+def test_trainer_on_split_replicas_and_resharded_checkpoints(tmp_path, corpus_dir, data_dir):
+    """The trainer with (replica 2, fsdp 2) trains like one device per replica (Adam: losses
+    to rtol 1e-4), and its checkpoint restores bit for bit into fsdp 4 and fsdp 1."""
+    from noloco_jax.trainer.loop import load_run, train_and_evaluate  # noqa: PLC0415
+    from noloco_jax.trainer.writers import read_jsonl  # noqa: PLC0415
+
+    losses = {}
+    for fsdp in (1, 2):
+        s = _settings(corpus_dir, data_dir, fsdp)
+        train_and_evaluate(s, tmp_path / str(fsdp), stop_at=4 if fsdp == 2 else None,
+                           progress=False)  # fmt: skip
+        losses[fsdp] = [r["train_loss"] for r in read_jsonl(tmp_path / str(fsdp) / "metrics.jsonl",
+                                                             "train")]  # fmt: skip
+    np.testing.assert_allclose(losses[2], losses[1][: len(losses[2])], rtol=1e-4)
+    restored = {f: load_run(_settings(corpus_dir, data_dir, f), tmp_path / "2")[1] for f in (1, 2, 4)}
+    for f in (1, 4):
+        for a, b in zip(jax.tree.leaves(restored[f]), jax.tree.leaves(restored[2])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    spec = tuple(restored[4]["blocks"]["attn"]["wq"][...].sharding.spec)
+    assert spec[:3] == ("replica", None, "fsdp")
+    # The run resumes on another split and finishes (a different N is still refused).
+    train_and_evaluate(_settings(corpus_dir, data_dir, 4), tmp_path / "2", progress=False)
+    with pytest.raises(ValueError, match="num_replicas"):
+        train_and_evaluate(_settings(corpus_dir, data_dir, 1, num_replicas=4, num_steps=12),
+                           tmp_path / "2", progress=False)  # fmt: skip
+
+
+def test_bad_mesh_settings(corpus_dir, data_dir):
+    with pytest.raises(ValueError, match="config.mesh: fsdp=2 x tensor=1 .* backend='vmap'"):
+        _settings(corpus_dir, data_dir, 2, backend="vmap")
+    with pytest.raises(ValueError, match="config.mesh.tensor"):
+        _settings(corpus_dir, data_dir, 1, tensor=0)

@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from noloco_jax import data as data_lib
-from noloco_jax import ensemble, models, replicas
+from noloco_jax import ensemble, models, replicas, sharding
 from noloco_jax import pipeline as pl
 from noloco_jax.errors import CorruptCheckpointError, TrainingDivergedError, UserError
 from noloco_jax.metrics import replica_spread
@@ -169,6 +169,7 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         fragment_spec=spec,
     )  # fmt: skip
     _check_memory(s, data.tokenizer.vocab_size, build_tx())
+    sharding.check_divides(params0, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
     reps, step_kwargs = _topology(s, cfg, graphdef, build_tx)
     single = TrainState(jnp.zeros([], jnp.int32), params0, build_tx().init(params0))
     state = reps.put(replicas.replicate(single, s.num_replicas))
@@ -193,7 +194,8 @@ def _topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
     if s.num_stages == 1:
         skip = _skip_config(s, cfg.num_layers)
         grads_fn = grads.plain(graphdef) if skip is None else grads.skipping(graphdef, skip)
-        return replicas.make_replicas(s.num_replicas, backend=s.backend), {
+        split = {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor}
+        return replicas.make_replicas(s.num_replicas, backend=s.backend, mesh_shape=split), {
             **kwargs, "grads_fn": grads_fn}
     check_stages(cfg.num_layers, s.num_stages, field="config.num_stages")
     pool = pl.permutation_pool(s.num_replicas, s.routing_pool_size, s.seed)
@@ -245,7 +247,8 @@ def _check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
         backend = "shard_map" if 1 < s.num_replicas <= jax.device_count() else "vmap"
     per_device = memory.state_bytes_per_device(abstract, tx, num_replicas=s.num_replicas,
                                                backend=backend, num_stages=s.num_stages)
-    used = (1 if backend == "vmap" else s.num_replicas) * s.num_stages
+    per_device //= s.mesh.fsdp * s.mesh.tensor  # a replica split over F x T devices
+    used = (1 if backend == "vmap" else s.num_replicas) * s.num_stages * s.mesh.fsdp * s.mesh.tensor
     memory.check_fits(per_device, min(used, jax.device_count()), preset=s.model.preset,
                       backend=backend)  # fmt: skip
 
@@ -278,7 +281,7 @@ def _eval_batch_size(num_windows: int, limit: int = 16) -> int:
 
 
 def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) -> Callable:
-    if reps.intra_axes:  # replicas split over devices: evaluate a host copy, simulated
+    if reps.manual_axes - {reps.axis_name}:  # stages split by hand: evaluate a host copy
         evaluate = _make_evaluator(replicas.Replicas(reps.num_replicas), graphdef, windows)
         return lambda params: evaluate(jax.device_get(params))
     n = reps.num_replicas

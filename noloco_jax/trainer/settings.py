@@ -32,7 +32,7 @@ MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overfl
 # Settings that may change when a run resumes; any other change is refused. log_every is
 # not among them: it sets the fused chunks, and a resume with other chunks is not bit-identical.
 RESUMABLE = frozenset(
-    {"backend", "eval_every", "checkpoint_every", "keep_checkpoints",
+    {"backend", "mesh.fsdp", "mesh.tensor", "eval_every", "checkpoint_every", "keep_checkpoints",
      "data.eval_windows", "data.data_dir", "profile_steps", "log.wandb", "log.wandb_project",
      "log.wandb_run_name", "allow_resize"}
 )  # fmt: skip
@@ -142,6 +142,12 @@ class LogSettings:
     wandb_run_name: str
 
 
+@_table_defaults("mesh")
+class MeshSettings:
+    fsdp: int
+    tensor: int
+
+
 @_table_defaults("")
 class TrainSettings:
     """A run's settings; each section's fields and defaults are the rows of ``defaults.FIELDS``."""
@@ -168,6 +174,7 @@ class TrainSettings:
     fault: FaultSettings
     skip: SkipSettings
     log: LogSettings
+    mesh: MeshSettings
 
     @property
     def batch_per_replica(self) -> int:
@@ -221,6 +228,13 @@ def _validate_run(s: TrainSettings) -> None:
                  "checkpoint_every", "keep_checkpoints", "num_stages", "routing_pool_size"):
         check_int(f"config.{name}", getattr(s, name))
     _check_seed("config.seed", s.seed)
+    for name in ("fsdp", "tensor"):
+        check_int(f"config.mesh.{name}", getattr(s.mesh, name))
+    split = s.mesh.fsdp * s.mesh.tensor
+    require(split == 1 or (s.num_stages == 1 and s.backend != "vmap"), "config.mesh",
+            f"fsdp={s.mesh.fsdp} x tensor={s.mesh.tensor} splits a replica over devices, which "
+            f"needs backend 'auto' or 'shard_map' and num_stages=1, got backend={s.backend!r}, "
+            f"num_stages={s.num_stages}.")  # fmt: skip
     require(s.global_batch_size % s.num_replicas == 0, "config.global_batch_size",
             f"{s.global_batch_size} is not divisible by num_replicas={s.num_replicas}.")
     for name in ("eval_every", "checkpoint_every"):
