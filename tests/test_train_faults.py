@@ -50,45 +50,65 @@ def test_dropout_trains_without_blocking(tmp_path, corpus_dir, data_dir, method)
 
 
 @pytest.fixture(scope="module")
-def reference_losses(tmp_path_factory, corpus_dir, data_dir):  # noqa: F811
-    """Train losses of an uninterrupted 12-step run (checkpoints every 4 steps)."""
+def reference(tmp_path_factory, corpus_dir, data_dir):  # noqa: F811
+    """An uninterrupted 12-step run (checkpoints every 4 steps, the newest two kept: 8 and 12).
+
+    Tests read it; a test that changes or resumes it works on a copy (``_copy``).
+    """
     s = tiny_settings(corpus_dir, data_dir, num_steps=12, checkpoint_every=4)
     run = tmp_path_factory.mktemp("reference")
     train_and_evaluate(s, run, progress=False)
-    return _losses(run)
+    assert Checkpointer(run / "checkpoints").all_steps() == [8, 12]
+    return s, run
+
+
+@pytest.fixture(scope="module")
+def reference_losses(reference):
+    """Train losses of the uninterrupted run."""
+    return _losses(reference[1])
+
+
+def _copy(run, dst):
+    shutil.copytree(run, dst)
+    return dst
+
+
+def _replayed(run, step):
+    """The train losses logged at ``step`` in ``run``: the copied record, then the replay's."""
+    return [r["train_loss"] for r in read_jsonl(run / "metrics.jsonl", "train") if r["step"] == step]
 
 
 def test_corrupt_latest_checkpoint_is_reported_and_the_previous_used(
-    tmp_path, corpus_dir, data_dir, reference_losses  # noqa: F811
+    tmp_path, reference, reference_losses  # noqa: F811
 ):
-    s = tiny_settings(corpus_dir, data_dir, num_steps=12, checkpoint_every=4)
-    run = tmp_path / "run"
-    train_and_evaluate(s, run, stop_at=8, progress=False)
-    for f in (run / "checkpoints" / "8").rglob("*"):
+    s, finished = reference
+    run = _copy(finished, tmp_path / "run")
+    for f in (run / "checkpoints" / "12").rglob("*"):
         if f.is_file() and f.stat().st_size > 0 and "meta" not in f.parts:
             f.write_bytes(b"\\x00garbage")
     train_and_evaluate(s, run, progress=False)
     events = read_jsonl(run / "metrics.jsonl", "event")
-    assert events and events[0]["event"] == "corrupt_checkpoint" and events[0]["step"] == 8
-    assert (run / "checkpoints" / "8.corrupt").is_dir()  # set aside, not deleted
-    assert _losses(run) == reference_losses  # resumed from step 4, same trajectory
+    assert events and events[0]["event"] == "corrupt_checkpoint" and events[0]["step"] == 12
+    assert (run / "checkpoints" / "12.corrupt").is_dir()  # set aside, not deleted
+    assert len(_replayed(run, 10)) == 2  # resumed from step 8 ...
+    assert _losses(run) == reference_losses  # ... on the same trajectory
+    assert _replayed(run, 12) == [reference_losses[-1]] * 2
 
 
-def test_interrupted_save_leaves_the_previous_checkpoint_restorable(
-    tmp_path, corpus_dir, data_dir  # noqa: F811
-):
-    s = tiny_settings(corpus_dir, data_dir, num_steps=8, checkpoint_every=4)
-    run = tmp_path / "run"
-    train_and_evaluate(s, run, stop_at=4, progress=False)
-    # What a save killed mid-write leaves behind: orbax's unfinished temporary directory.
-    partial = run / "checkpoints" / "8.orbax-checkpoint-tmp-1700000000"
-    shutil.copytree(run / "checkpoints" / "4", partial)
+def test_interrupted_save_leaves_the_previous_checkpoint_restorable(tmp_path, reference):  # noqa
+    s, finished = reference
+    run = _copy(finished, tmp_path / "run")
+    # What a save killed mid-write leaves behind: orbax's unfinished temporary directory
+    # (the save of step 12 never finished).
+    partial = run / "checkpoints" / "12.orbax-checkpoint-tmp-1700000000"
+    (run / "checkpoints" / "12").rename(partial)
     for f in list(partial.rglob("*"))[::2]:
         if f.is_file():
             f.unlink()
-    assert Checkpointer(run / "checkpoints").latest_step() == 4
+    assert Checkpointer(run / "checkpoints").latest_step() == 8
     last = train_and_evaluate(s, run, progress=False)
-    assert last["step"] == 8 and Checkpointer(run / "checkpoints").latest_step() == 8
+    assert last["step"] == 12 and Checkpointer(run / "checkpoints").latest_step() == 12
+    assert len(_replayed(run, 12)) == 2  # steps 9-12 were trained again
 
 
 _KILLED_MID_SAVE = r"""
@@ -130,14 +150,15 @@ def test_process_killed_during_a_save_resumes_without_loss(
     assert _losses(run) == reference_losses  # nothing lost, same trajectory as without a crash
 
 
-def test_refused_resume_leaves_the_checkpoint_untouched(tmp_path, corpus_dir, data_dir):  # noqa
-    s = tiny_settings(corpus_dir, data_dir, num_steps=4)
-    train_and_evaluate(s, tmp_path, progress=False)
-    files = {p: p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()}
-    changed = tiny_settings(corpus_dir, data_dir, num_steps=4, outer={"group_size": 4})
+def test_refused_resume_leaves_the_checkpoint_untouched(tmp_path, corpus_dir, data_dir,
+                                                        reference):  # noqa: F811
+    run = _copy(reference[1], tmp_path / "run")
+    files = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
+    changed = tiny_settings(corpus_dir, data_dir, num_steps=12, checkpoint_every=4,
+                            outer={"group_size": 4})  # fmt: skip
     with pytest.raises(ValueError, match="cannot resume.*group_size"):
-        train_and_evaluate(changed, tmp_path, progress=False)
-    after = {p: p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()}
+        train_and_evaluate(changed, run, progress=False)
+    after = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
     assert after == files
 
 
