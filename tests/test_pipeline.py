@@ -21,7 +21,7 @@ CFG = models.get_preset("nano", vocab_size=64, max_seq_len=64)
 def setup():
     graphdef, _ = models.init_params(CFG, 0)
     keys = jax.random.split(jax.random.key(1), N)
-    params = jax.vmap(lambda k: models.init_params(CFG, k)[1])(keys)  # distinct replicas
+    params = jax.jit(jax.vmap(lambda k: models.init_params(CFG, k)[1]))(keys)  # distinct replicas
     tokens = jax.random.randint(jax.random.key(2), (N, B, T + 1), 1, 64)
     pool = pl.permutation_pool(N)
     idx = pl.route_indices(3, num_boundaries=S - 1, num_microbatches=B, pool_size=len(pool),
@@ -85,8 +85,9 @@ def test_routed_forward_backward_equals_explicit_loop_over_paths(setup):
 def test_fixed_routing_is_independent_replicas(setup):
     graphdef, params, tokens, *_ = setup
     fixed = pl.identity_perms(S - 1, B, N)
-    got = pl.routed_losses(params, tokens, fixed, graphdef=graphdef, num_stages=S)
-    want = jax.vmap(lambda p, t: loss_fn(p, t, graphdef=graphdef))(params, tokens)
+    got = jax.jit(lambda p: pl.routed_losses(p, tokens, fixed, graphdef=graphdef,
+                                             num_stages=S))(params)  # fmt: skip
+    want = jax.jit(jax.vmap(lambda p, t: loss_fn(p, t, graphdef=graphdef)))(params, tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
@@ -94,9 +95,10 @@ def test_stage_gradients_only_come_from_microbatches_routed_through_it(setup):
     graphdef, params, tokens, _, _, perms = setup
     paths = pl.sequence_paths(np.asarray(perms))
     per = pl.stage_layer_ids(CFG.num_layers, S)
+    grad_of = jax.jit(jax.grad(lambda p, j: pl.routed_losses(
+        p, tokens, perms, graphdef=graphdef, num_stages=S)[j]))  # one program for every j
     for j in range(N):  # the loss finished by last-stage replica j
-        grads = jax.grad(lambda p: pl.routed_losses(
-            p, tokens, perms, graphdef=graphdef, num_stages=S)[j])(params)  # fmt: skip
+        grads = grad_of(params, j)
         wq = np.asarray(grads["blocks"]["attn"]["wq"][...])  # [N, L, ...]
         for k in range(N):
             for s in range(S):
@@ -138,8 +140,9 @@ def test_per_replica_routing_equals_the_gather_simulation(setup, on_mesh):
     reps = _mesh_reps() if on_mesh else replicas.Replicas(N)
     losses, grads = _routed_grads(reps, graphdef, pool, idx, on_mesh)(reps.put(params),
                                                                        reps.put(tokens))
-    np.testing.assert_allclose(losses, sim(params), rtol=1e-6)
-    assert_trees_close(grads, jax.grad(lambda p: sim(p).sum())(params), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(losses, jax.jit(sim)(params), rtol=1e-6)
+    want = jax.jit(jax.grad(lambda p: sim(p).sum()))(params)
+    assert_trees_close(grads, want, rtol=1e-5, atol=1e-7)
 
 
 def test_training_with_noloco_per_stage_matches_on_mesh_and_in_simulation(setup):
