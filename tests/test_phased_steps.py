@@ -170,7 +170,6 @@ def test_guard_repairs_on_sync_steps_and_ends_the_round_in_the_same_state():
     loss_host = jnp.concatenate([loss_i, loss_s], 1)
     device, loss_device = make_program(reps, sync_step=None, **kwargs)(
         jax.tree.map(jnp.copy, state0), tokens, np.int32(2))
-    (host, loss_host), (device, loss_device) = out[(1,)], out[None]
     assert np.isfinite(loss_host[0]).all() and np.isnan(loss_host[1]).all()
     assert np.isnan(loss_device[1, 0]) and np.isfinite(loss_device[1, 1])
     np.testing.assert_array_equal(host.opt_state.nonfinite_resets, [0.0, 1.0])
