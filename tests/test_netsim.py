@@ -168,9 +168,7 @@ def test_comm_fraction_in_unit_interval_and_noloco_below_diloco_over_internet():
 
 
 def _network_model():
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))  # `python -m pytest` from elsewhere than the repository
-    return importlib.import_module("experiments.network_model")
+    return importlib.import_module("experiments.network_model")  # run from the repository root
 
 
 def _main(module, *argv):
