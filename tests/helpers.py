@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+import shutil
 from typing import Any
 
 import jax
@@ -52,3 +54,20 @@ def run_steps(tx, params0, grads_seq, num_replicas, backend="vmap"):
         params, state = step(params, state, reps.put(grads))
         history.append(params)
     return params, state, history, step
+
+
+def copy_run(workdir: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    """A copy of a run's workdir (without its lock file) at ``dst``, to resume or damage."""
+    shutil.copytree(workdir, dst)
+    (dst / ".lock").unlink(missing_ok=True)
+    return dst
+
+
+def variant(settings: Any, **overrides: Any) -> Any:
+    """``settings`` (a ``TrainSettings``) with some fields changed (sections merged)."""
+    from noloco_jax.trainer import settings as settings_lib  # noqa: PLC0415
+
+    base = settings.to_dict()
+    for key, value in overrides.items():
+        base[key] = {**base[key], **value} if isinstance(value, dict) else value
+    return settings_lib.from_config(base)

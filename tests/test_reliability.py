@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like, is_enviro
 from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer.loop import load_run, train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
+from tests.helpers import copy_run
 from tests.test_train import _losses, tiny_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -60,17 +60,9 @@ def _settings(corpus_dir, data_dir, **overrides):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, corpus_dir, data_dir):  # noqa: F811
-    """A finished 8-step run with checkpoints at steps 4 and 8."""
-    run = tmp_path_factory.mktemp("finished")
-    train_and_evaluate(_settings(corpus_dir, data_dir), run, progress=False)
-    return run
-
-
-def _copy(run: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
-    shutil.copytree(run, dst)
-    (dst / ".lock").unlink(missing_ok=True)
-    return dst
+def finished_run(noloco_run):
+    """The session's finished 12-step run, (settings, workdir): checkpoints at steps 8 and 12."""
+    return noloco_run[:2]
 
 
 # --- 1. checkpoint integrity ------------------------------------------------------------
@@ -86,43 +78,43 @@ def test_flipped_bytes_fail_the_checksum(tmp_path):
         Checkpointer(tmp_path).restore(1, abstract_like(tree))
 
 
-def test_load_run_refuses_a_damaged_checkpoint(tmp_path, finished_run, corpus_dir, data_dir):  # noqa
-    run = _copy(finished_run, tmp_path / "run")
-    _flip_array_bytes(run / "checkpoints" / "8")
-    with pytest.raises(CorruptCheckpointError, match="checkpoint 8"):
-        load_run(_settings(corpus_dir, data_dir), run)
+def test_load_run_refuses_a_damaged_checkpoint(tmp_path, finished_run):
+    s, finished = finished_run
+    run = copy_run(finished, tmp_path / "run")
+    _flip_array_bytes(run / "checkpoints" / "12")
+    with pytest.raises(CorruptCheckpointError, match="checkpoint 12"):
+        load_run(s, run)
 
 
-def test_damaged_latest_checkpoint_is_set_aside_and_the_run_replays(
-    tmp_path, finished_run, corpus_dir, data_dir  # noqa: F811
-):
-    run = _copy(finished_run, tmp_path / "run")
-    _flip_array_bytes(run / "checkpoints" / "8")
+def test_damaged_latest_checkpoint_is_set_aside_and_the_run_replays(tmp_path, finished_run):
+    s, finished = finished_run
+    run = copy_run(finished, tmp_path / "run")
+    _flip_array_bytes(run / "checkpoints" / "12")
     before = _losses(run)
-    last = train_and_evaluate(_settings(corpus_dir, data_dir), run, progress=False)
+    last = train_and_evaluate(s, run, progress=False)
     events = read_jsonl(run / "metrics.jsonl", "event")
     assert [e["event"] for e in events] == ["corrupt_checkpoint"]
     assert "checksums" in events[0]["detail"]
-    assert (run / "checkpoints" / "8.corrupt").is_dir()
-    assert last["step"] == 8
-    by_step = {r["step"]: r["train_loss"] for r in read_jsonl(run / "metrics.jsonl", "train")}
-    assert [by_step[s] for s in sorted(by_step)] == before  # steps 6 and 8 replayed exactly
+    assert (run / "checkpoints" / "12.corrupt").is_dir()
+    assert last["step"] == 12
+    train = read_jsonl(run / "metrics.jsonl", "train")
+    assert [r["step"] for r in train][-2:] == [10, 12]  # replayed after the copied records
+    by_step = {r["step"]: r["train_loss"] for r in train}
+    assert [by_step[s] for s in sorted(by_step)] == before  # steps 10 and 12 replayed exactly
 
 
-def test_metadata_without_settings_is_corrupt_and_no_silent_restart(
-    tmp_path, finished_run, corpus_dir, data_dir  # noqa: F811
-):
-    run = _copy(finished_run, tmp_path / "run")
-    meta = run / "checkpoints" / "4" / "meta" / "metadata"
+def test_metadata_without_settings_is_corrupt_and_no_silent_restart(tmp_path, finished_run):
+    s, finished = finished_run
+    run = copy_run(finished, tmp_path / "run")
+    meta = run / "checkpoints" / "8" / "meta" / "metadata"
     data = json.loads(meta.read_text())
     del data["settings"]
     meta.write_text(json.dumps(data))
-    _flip_array_bytes(run / "checkpoints" / "8")
-    s = _settings(corpus_dir, data_dir)
+    _flip_array_bytes(run / "checkpoints" / "12")
     with pytest.raises(UserError, match=r"no readable checkpoint.*move the \*\.corrupt"):
         train_and_evaluate(s, run, progress=False)
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == [
-        "4.corrupt", "8.corrupt"]  # fmt: skip
+        "12.corrupt", "8.corrupt"]  # fmt: skip
     with pytest.raises(UserError, match="Refusing to start again from step 0"):
         train_and_evaluate(s, run, progress=False)  # a second attempt refuses too
 
@@ -142,10 +134,10 @@ def test_environment_errors_are_told_apart():
     assert not is_environment_error(ValueError("OUT_OF_RANGE: Requested byte range"))
 
 
-def test_out_of_memory_while_restoring_stops_and_touches_nothing(
-    tmp_path, finished_run, corpus_dir, data_dir, monkeypatch  # noqa: F811
-):
-    run = _copy(finished_run, tmp_path / "run")
+def test_out_of_memory_while_restoring_stops_and_touches_nothing(tmp_path, finished_run,
+                                                                 monkeypatch):  # fmt: skip
+    s, finished = finished_run
+    run = copy_run(finished, tmp_path / "run")
     files = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
 
     def restore(self, step, args=None):
@@ -153,7 +145,7 @@ def test_out_of_memory_while_restoring_stops_and_touches_nothing(
 
     monkeypatch.setattr(ocp.CheckpointManager, "restore", restore)
     with pytest.raises(CheckpointRestoreError, match="error of the machine.*nothing was changed"):
-        train_and_evaluate(_settings(corpus_dir, data_dir), run, progress=False)
+        train_and_evaluate(s, run, progress=False)
     after = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
     assert after == files
 

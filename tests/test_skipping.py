@@ -38,8 +38,8 @@ def test_layer_ids_and_zero_gradient_for_skipped_blocks():
     graphdef, params = models.init_params(CFG, 0)
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 1, 64)
     paths = jnp.array([[0, 2], [0, 3]])  # 4 layers as 4 stages of 1: stage 1 skipped by both
-    grads = jax.grad(lambda p: skipping.skip_loss_fn(
-        p, tokens, skipping.layer_ids_for(paths, 1), graphdef=graphdef))(params)  # fmt: skip
+    grads = jax.jit(jax.grad(lambda p: skipping.skip_loss_fn(
+        p, tokens, skipping.layer_ids_for(paths, 1), graphdef=graphdef)))(params)  # fmt: skip
     wq = np.abs(np.asarray(grads["blocks"]["attn"]["wq"][...])).reshape(4, -1).max(1)
     assert wq[1] == 0 and (wq[[0, 2, 3]] > 0).all()
 
@@ -48,8 +48,9 @@ def test_full_path_equals_the_ordinary_loss():
     graphdef, params = models.init_params(CFG, 0)
     tokens = jax.random.randint(jax.random.key(2), (3, 9), 1, 64)
     ids = jnp.broadcast_to(jnp.arange(4), (3, 4))
-    np.testing.assert_allclose(skipping.skip_loss_fn(params, tokens, ids, graphdef=graphdef),
-                               loss_fn(params, tokens, graphdef=graphdef), rtol=1e-6)
+    skip = jax.jit(lambda p: skipping.skip_loss_fn(p, tokens, ids, graphdef=graphdef))
+    full = jax.jit(lambda p: loss_fn(p, tokens, graphdef=graphdef))
+    np.testing.assert_allclose(skip(params), full(params), rtol=1e-6)
 
 
 def test_skip_training_run(tmp_path, corpus_dir, data_dir):  # noqa: F811

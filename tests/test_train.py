@@ -1,7 +1,6 @@
 """End-to-end training: each method, resume exactness, vmap == shard_map, CLI, bad configs."""
 
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ from noloco_jax.trainer import settings as settings_lib
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
+from tests.helpers import copy_run, variant
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -54,13 +54,13 @@ SYNC_EVERY = {"noloco": 6, "diloco": 4, "dp": 1, "local": 1}
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, corpus_dir, data_dir):
+def finished(tmp_path_factory, corpus_dir, data_dir, noloco_run):
     """``finished(method)``: (settings, workdir, last metrics) of a 12-step run of that method.
 
     Each run is trained once, on first use, and shared by the tests that only read it (a test
-    that trains further copies it first).
+    that trains further copies it first). NoLoCo's is the session's ``noloco_run``.
     """
-    runs = {}
+    runs = {"noloco": noloco_run}
 
     def get(method):
         if method not in runs:
@@ -107,8 +107,8 @@ def test_streaming_fragments_with_an_8_bit_exchange_train(tmp_path, corpus_dir, 
     assert 0 < evals[-1]["replica_spread"] < 1.0
 
 
-def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, finished):
-    s, full, _ = finished("noloco")  # sync_every 6: resumes mid-round
+def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, noloco_run):
+    s, full, _ = noloco_run  # sync_every 6: resumes mid-round
     parts = tmp_path / "parts"
     train_and_evaluate(s, parts, stop_at=6, progress=False)  # checkpoint at 4, "crash" at 6
     assert Checkpointer(parts / "checkpoints").latest_step() == 4
@@ -119,24 +119,20 @@ def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, finished):
     assert evals_full[-1]["val_ppl"] == evals_parts[12]["val_ppl"]
 
 
-def test_vmap_and_shard_map_train_the_same(tmp_path, corpus_dir, data_dir, finished):
-    s, vmap, _ = finished("noloco")
-    sharded = tiny_settings(corpus_dir, data_dir, backend="shard_map",
-                            outer={"sync_every": s.outer.sync_every})  # fmt: skip
-    train_and_evaluate(sharded, tmp_path, progress=False)
+def test_vmap_and_shard_map_train_the_same(tmp_path, noloco_run):
+    s, vmap, _ = noloco_run
+    train_and_evaluate(variant(s, backend="shard_map"), tmp_path, progress=False)
     np.testing.assert_allclose(_losses(vmap), _losses(tmp_path), rtol=2e-5)
 
 
-def test_resume_with_changed_topology_is_refused(tmp_path, corpus_dir, data_dir, finished):
-    s, run, _ = finished("noloco")
-    shutil.copytree(run, tmp_path / "run")
-    changed = tiny_settings(corpus_dir, data_dir, num_replicas=2,
-                            outer={"sync_every": s.outer.sync_every})  # fmt: skip
-    before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+def test_resume_with_changed_topology_is_refused(tmp_path, noloco_run):
+    s, finished_run, _ = noloco_run
+    run = copy_run(finished_run, tmp_path / "run")
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
     with pytest.raises(ValueError, match="cannot resume.*num_replicas: 4 -> 2"):
-        train_and_evaluate(changed, tmp_path / "run", progress=False)
+        train_and_evaluate(variant(s, num_replicas=2), run, progress=False)
     # The refused checkpoint is left exactly where it was (not set aside as corrupt).
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
     assert not any("corrupt" in name for name in before)
 
 
@@ -169,10 +165,8 @@ def test_empty_corpus(tmp_path, data_dir):
 
 # The command line's own run (in-process, exit status, printed metrics) is tested in
 # test_cli.py, and as a real `python -m noloco_jax.train` process in test_multihost.py.
-def test_plot_draws_next_to_the_run(tmp_path, finished):
-    _, run, _ = finished("noloco")
-    workdir = tmp_path / "run"
-    shutil.copytree(run, workdir)
+def test_plot_draws_next_to_the_run(tmp_path, noloco_run):
+    workdir = copy_run(noloco_run[1], tmp_path / "run")
     stray = ROOT / "curves.png"
     stray_before = stray.exists()
     plot = [sys.executable, "-m", "experiments.plot", str(workdir)]

@@ -1,13 +1,12 @@
 """Training that survives faults and refuses bad input (the trainer level of issue 6)."""
 
-import shutil
-
 import numpy as np
 import pytest
 
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
+from tests.helpers import copy_run, variant
 from tests.test_train import _losses, tiny_settings
 
 
@@ -50,39 +49,26 @@ def test_dropout_trains_without_blocking(tmp_path, corpus_dir, data_dir, method)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus_dir, data_dir):  # noqa: F811
-    """An uninterrupted 12-step run (checkpoints every 4 steps, the newest two kept: 8 and 12).
+def reference(noloco_run):
+    """The session's uninterrupted 12-step run: (settings, workdir, train losses).
 
-    Tests read it; a test that changes or resumes it works on a copy (``_copy``).
+    Its checkpoints are those of steps 8 and 12 (one every 4 steps, the newest two kept).
+    Tests read it; a test that damages or resumes it works on a copy.
     """
-    s = tiny_settings(corpus_dir, data_dir, num_steps=12, checkpoint_every=4)
-    run = tmp_path_factory.mktemp("reference")
-    train_and_evaluate(s, run, progress=False)
+    s, run, _ = noloco_run
     assert Checkpointer(run / "checkpoints").all_steps() == [8, 12]
-    return s, run
-
-
-@pytest.fixture(scope="module")
-def reference_losses(reference):
-    """Train losses of the uninterrupted run."""
-    return _losses(reference[1])
-
-
-def _copy(run, dst):
-    shutil.copytree(run, dst)
-    return dst
+    return s, run, _losses(run)
 
 
 def _replayed(run, step):
     """The train losses logged at ``step`` in ``run``: the copied record, then the replay's."""
-    return [r["train_loss"] for r in read_jsonl(run / "metrics.jsonl", "train") if r["step"] == step]
+    records = read_jsonl(run / "metrics.jsonl", "train")
+    return [r["train_loss"] for r in records if r["step"] == step]
 
 
-def test_corrupt_latest_checkpoint_is_reported_and_the_previous_used(
-    tmp_path, reference, reference_losses  # noqa: F811
-):
-    s, finished = reference
-    run = _copy(finished, tmp_path / "run")
+def test_corrupt_latest_checkpoint_is_reported_and_the_previous_used(tmp_path, reference):
+    s, finished, losses = reference
+    run = copy_run(finished, tmp_path / "run")
     for f in (run / "checkpoints" / "12").rglob("*"):
         if f.is_file() and f.stat().st_size > 0 and "meta" not in f.parts:
             f.write_bytes(b"\\x00garbage")
@@ -91,13 +77,13 @@ def test_corrupt_latest_checkpoint_is_reported_and_the_previous_used(
     assert events and events[0]["event"] == "corrupt_checkpoint" and events[0]["step"] == 12
     assert (run / "checkpoints" / "12.corrupt").is_dir()  # set aside, not deleted
     assert len(_replayed(run, 10)) == 2  # resumed from step 8 ...
-    assert _losses(run) == reference_losses  # ... on the same trajectory
-    assert _replayed(run, 12) == [reference_losses[-1]] * 2
+    assert _losses(run) == losses  # ... on the same trajectory
+    assert _replayed(run, 12) == [losses[-1]] * 2
 
 
-def test_interrupted_save_leaves_the_previous_checkpoint_restorable(tmp_path, reference):  # noqa
-    s, finished = reference
-    run = _copy(finished, tmp_path / "run")
+def test_interrupted_save_leaves_the_previous_checkpoint_restorable(tmp_path, reference):
+    s, finished, losses = reference
+    run = copy_run(finished, tmp_path / "run")
     # What a save killed mid-write leaves behind: orbax's unfinished temporary directory
     # (the save of step 12 never finished).
     partial = run / "checkpoints" / "12.orbax-checkpoint-tmp-1700000000"
@@ -108,13 +94,12 @@ def test_interrupted_save_leaves_the_previous_checkpoint_restorable(tmp_path, re
     assert Checkpointer(run / "checkpoints").latest_step() == 8
     last = train_and_evaluate(s, run, progress=False)
     assert last["step"] == 12 and Checkpointer(run / "checkpoints").latest_step() == 12
-    assert len(_replayed(run, 12)) == 2  # steps 9-12 were trained again
+    assert _replayed(run, 12) == [losses[-1]] * 2  # steps 9-12 trained again, the same way
 
 
 _KILLED_MID_SAVE = r"""
-import os, sys
-from tests.test_train import tiny_settings
-from noloco_jax.trainer import checkpoint, loop
+import json, os, sys
+from noloco_jax.trainer import checkpoint, loop, settings
 
 real_save = checkpoint.Checkpointer.save
 
@@ -124,40 +109,37 @@ def save(self, step, state, meta, **kwargs):
         os._exit(9)  # the process dies with the step-8 write in flight
 
 checkpoint.Checkpointer.save = save
-s = tiny_settings(sys.argv[1], sys.argv[2], num_steps=12, checkpoint_every=4)
-loop.train_and_evaluate(s, sys.argv[3], progress=False)
+loop.train_and_evaluate(settings.from_config(json.loads(sys.argv[1])), sys.argv[2],
+                        progress=False)
 """
 
 
-def test_process_killed_during_a_save_resumes_without_loss(
-    tmp_path, corpus_dir, data_dir, reference_losses  # noqa: F811
-):
+def test_process_killed_during_a_save_resumes_without_loss(tmp_path, reference):
+    import json
     import os
     import pathlib
     import subprocess
     import sys
 
+    s, _, losses = reference
     root = pathlib.Path(__file__).resolve().parents[1]
     run = tmp_path / "run"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_SAVE, str(corpus_dir),
-                             str(data_dir), str(run)], capture_output=True, text=True, env=env,
-                            cwd=root, timeout=600)  # fmt: skip
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_SAVE, json.dumps(s.to_dict()),
+                             str(run)], capture_output=True, text=True, env=env, cwd=root,
+                            timeout=600)  # fmt: skip
     assert killed.returncode == 9, killed.stderr[-2000:]
-    s = tiny_settings(corpus_dir, data_dir, num_steps=12, checkpoint_every=4)
     last = train_and_evaluate(s, run, progress=False)  # restart after the crash
     assert last["step"] == 12 and Checkpointer(run / "checkpoints").latest_step() == 12
-    assert _losses(run) == reference_losses  # nothing lost, same trajectory as without a crash
+    assert _losses(run) == losses  # nothing lost, same trajectory as without a crash
 
 
-def test_refused_resume_leaves_the_checkpoint_untouched(tmp_path, corpus_dir, data_dir,
-                                                        reference):  # noqa: F811
-    run = _copy(reference[1], tmp_path / "run")
+def test_refused_resume_leaves_the_checkpoint_untouched(tmp_path, reference):
+    s, finished, _ = reference
+    run = copy_run(finished, tmp_path / "run")
     files = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
-    changed = tiny_settings(corpus_dir, data_dir, num_steps=12, checkpoint_every=4,
-                            outer={"group_size": 4})  # fmt: skip
     with pytest.raises(ValueError, match="cannot resume.*group_size"):
-        train_and_evaluate(changed, run, progress=False)
+        train_and_evaluate(variant(s, outer={"group_size": 4}), run, progress=False)
     after = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
     assert after == files
 
