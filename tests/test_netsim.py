@@ -313,7 +313,26 @@ def test_streaming_sync_fragments_cut_the_burst_and_overlap_hides_the_exchange()
     assert math.isnan(lat["hidden_above_bytes_per_s"])  # latency alone exceeds the overlap
 
 
+def test_streaming_sync_diloco_is_a_ring_allreduce_of_the_fragment():
+    link = netsim.Link.from_gbit_ms(1.0, 50.0)
+    kw = dict(step_time_s=0.5, sync_every=50, method="diloco", num_replicas=8)
+    f32 = netsim.streaming_sync(1e6, link, **kw)
+    # A ring: 2 (N - 1) / N buffers sent, 2 (N - 1) latencies.
+    assert f32["bytes_per_sync"] == pytest.approx(2 * 7 / 8 * 4e6)
+    assert f32["sync_time_s"] == pytest.approx(14 * 0.05 + 2 * 7 / 8 * 4e6 / 1.25e8)
+    q = netsim.streaming_sync(1e6, link, exchange="int8", fragments=2, **kw)
+    assert q["bytes_per_sync"] == pytest.approx(2 * 7 / 8 * (5e5 + 4 * math.ceil(5e5 / 256)))
+    big = netsim.streaming_sync(1e6, link, **{**kw, "num_replicas": 1024})
+    noloco = netsim.streaming_sync(1e6, link, step_time_s=0.5, sync_every=50)
+    assert big["sync_time_s"] > 40 * noloco["sync_time_s"]  # 2046 latencies vs 1
+    # The latency of a 1024-ring (102 s) cannot hide behind 5 steps of 0.5 s.
+    assert math.isnan(netsim.streaming_sync(1e6, link, delay_steps=5, **{
+        **kw, "num_replicas": 1024})["hidden_above_bytes_per_s"])
+
+
 @pytest.mark.parametrize("kwargs,match", [
+    ({"method": "allreduce"}, "method must be"),
+    ({"method": "diloco", "num_replicas": 1}, "num_replicas"),
     ({"fragments": 3}, "must divide sync_every"),
     ({"delay_steps": 50}, "delay_steps=50 must be <"),
     ({"exchange": "int4"}, "exchange must be"),
