@@ -3,10 +3,12 @@ script of experiments/ starts as ``python -m experiments.NAME`` with working ``-
 
 import importlib
 import json
+import math
 import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from absl import flags
 from absl.testing import flagsaver
@@ -233,3 +235,22 @@ def test_help_through_python_m(script):
              "experiments.bench.compile_scale": ["--[no]shard_map:", "--[no]smoke:", "--ns:"],
              "experiments.plot": ["--replicas:", "--out:"]}[script]  # fmt: skip
     assert all(flag in proc.stdout for flag in shown), proc.stdout
+
+
+def test_comm_quality_metric_and_paired_test_by_hand():
+    from experiments import comm_quality  # noqa: PLC0415
+
+    evals = [{"step": s, "val_ppl": v} for s, v in [(50, 9.0), (100, 8.0), (150, 7.5),
+                                                       (200, 7.0), (250, 6.5), (300, 6.0)]]
+    assert comm_quality.sync_metric(evals, 20) == pytest.approx((8.0 + 7.0 + 6.0) / 3)
+    assert math.isnan(comm_quality.sync_metric(evals[:3], 20))  # one sync-step eval only
+    got = comm_quality.paired(np.array([5.0, 6.0, 7.5]), np.array([5.5, 6.0, 8.0]))
+    # differences -0.5, 0, -0.5: mean -1/3, sd 0.2887, t = -2.0 with 2 dof -> p = 0.1835
+    assert got["diff"] == pytest.approx(-1 / 3) and got["better"] == 2 and got["n"] == 3
+    assert got["p"] == pytest.approx(0.18350, abs=1e-4)
+
+
+@pytest.mark.slow  # 8 smoke runs (~2 min)
+def test_comm_quality_smoke(dirs):
+    _, md = _run("comm_quality", dirs)
+    assert "python -m experiments.comm_quality --smoke" in md and "int8_ef" in md

@@ -1,0 +1,142 @@
+"""Quality in miniature of the communication options (issue 21): fragments, delay, 8-bit.
+
+    python -m experiments.comm_quality [--jobs 2] [--smoke] [--publish]
+
+NoLoCo and DiLoCo at N = 8 on the Table 2 setup, both with H = 20 here (so that P = 4
+divides it and the two methods sync equally often), 300 inner steps, 3 seeds. Each option
+is changed one at a time from today's exchange (float32, P = 1, tau = 0):
+
+- fragments P in {2, 4} (P = 4: a fragment every 5 steps);
+- delay tau in {1, 5} inner steps (tau = 5 with P = 1 only: tau must stay below H / P);
+- exchange in {bfloat16, int8, int8 + error feedback, float8_e4m3fn}.
+
+Metric (fixed before the runs, as in the fidelity plan): pooled validation perplexity
+averaged over the last 3 evaluations at sync steps (steps 100, 200, 300: multiples of H and
+of the eval cadence). Each option is compared with its method's baseline run of the same
+seed: mean paired difference, a two-sided paired t-test and the sign count.
+Writes experiments/results/comm_quality.{json,md} (with --publish).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+from absl import app, flags
+from scipy import stats
+
+from experiments import options
+from noloco_jax.experiments import harness
+
+for _name in options.GRID_FLAGS:
+    flags.declare_key_flag(_name)
+
+CONFIG = harness.ROOT / "configs" / "exp_table2.py"
+SEEDS = (0, 1, 2)
+SYNC_EVERY = 20
+COMMON = {"num_replicas": 8, "num_steps": 300, "eval_every": 50, "log_every": 5,
+          "outer.sync_every": SYNC_EVERY}  # fmt: skip
+METHODS = {
+    "noloco": {"method": "noloco", "outer.momentum": 0.5},
+    "diloco": {"method": "diloco", "outer.momentum": 0.3},
+}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "f32": {},
+    "P2": {"outer.fragments": 2},
+    "P4": {"outer.fragments": 4},
+    "tau1": {"outer.delay": 1},
+    "tau5": {"outer.delay": 5},
+    "bf16": {"outer.exchange_dtype": "bfloat16"},
+    "int8": {"outer.exchange_dtype": "int8"},
+    "int8_ef": {"outer.exchange_dtype": "int8", "outer.error_feedback": True},
+    "fp8": {"outer.exchange_dtype": "float8_e4m3fn"},
+}
+SMOKE_OPTIONS = ("f32", "P2", "tau1", "int8_ef")
+
+
+def run_name(method: str, option: str, seed: int) -> str:
+    return f"comm_{method}_{option}_s{seed}"
+
+
+def grid(smoke: bool) -> list[harness.Run]:
+    """Every (method, option, seed) run; the smoke version: 2 options, 1 seed, N = 2."""
+    runs = []
+    for method, over in METHODS.items():
+        for option in SMOKE_OPTIONS if smoke else OPTIONS:
+            for seed in SEEDS[:1] if smoke else SEEDS:
+                cfg = {**COMMON, **over, **OPTIONS[option], "seed": seed, "outer.seed": seed}
+                if smoke:  # harness.smoke_overrides() sets the steps, H = 2 and the model
+                    cfg = {**OPTIONS[option], **over, "num_replicas": 2, "seed": seed}
+                runs.append(harness.Run(run_name(method, option, seed), cfg))
+    return runs
+
+
+def sync_metric(evals: list[dict], sync_every: int, last: int = 3) -> float:
+    """Pooled validation perplexity averaged over the last ``last`` evaluations at sync steps.
+
+    Args:
+      evals: a run's eval records (``step``, ``val_ppl``).
+      sync_every: H; an evaluation at a multiple of H follows an outer step.
+      last: how many of the sync-step evaluations to average.
+
+    Returns:
+      The mean, or nan when the run has fewer sync-step evaluations.
+    """
+    aligned = [r["val_ppl"] for r in evals if r["step"] % sync_every == 0]
+    return float(np.mean(aligned[-last:])) if len(aligned) >= last else math.nan
+
+
+def paired(option: np.ndarray, base: np.ndarray) -> dict[str, float]:
+    """Mean paired difference (option - base), its two-sided paired t-test p and sign count."""
+    diff = option - base
+    p = float(stats.ttest_rel(option, base).pvalue) if len(diff) > 1 else math.nan
+    return {"diff": float(diff.mean()), "p": p, "better": int((diff < 0).sum()),
+            "n": int(len(diff))}  # fmt: skip
+
+
+def summarise(results: dict, smoke: bool) -> list[dict]:
+    """One row per (method, option): mean +- std of the metric and the paired comparison."""
+    sync_every = 2 if smoke else SYNC_EVERY
+    seeds = SEEDS[:1] if smoke else SEEDS
+    rows = []
+    for method in METHODS:
+        metric = {o: np.array([sync_metric(results[run_name(method, o, s)]["eval"], sync_every,
+                                           last=1 if smoke else 3) for s in seeds])
+                  for o in (SMOKE_OPTIONS if smoke else OPTIONS)}  # fmt: skip
+        for option, values in metric.items():
+            cmp = paired(values, metric["f32"]) if option != "f32" else {}
+            rows.append({"method": method, "option": option, "mean": float(values.mean()),
+                         "std": float(values.std(ddof=1)) if len(values) > 1 else 0.0,
+                         "values": values.tolist(), **cmp})  # fmt: skip
+    return rows
+
+
+def report(rows: list[dict], opts: harness.Options) -> str:
+    table = [[r["method"], r["option"], f"{r['mean']:.4f} ± {r['std']:.4f}",
+              "" if "diff" not in r else f"{r['diff']:+.4f}",
+              "" if "p" not in r else f"{r['p']:.3f}",
+              "" if "better" not in r else f"{r['better']}/{r['n']}"] for r in rows]  # fmt: skip
+    cmd = "python -m experiments.comm_quality" + (" --smoke" if opts.smoke else "")
+    return (
+        "## Communication options: quality in miniature (issue 21)\n\n"
+        f"```bash\n{cmd}\n```\n\n"
+        "N = 8, H = 20 for both methods, 300 inner steps, seeds 0-2. Metric: pooled validation "
+        "PPL over the last 3 evaluations at sync steps (100, 200, 300). Each option against "
+        "its method's float32 / P = 1 / tau = 0 run of the same seed: mean paired difference "
+        "(negative = better), two-sided paired t-test p, and how many seeds improved.\n\n"
+        + harness.md_table(["method", "option", "PPL (mean ± std)", "vs f32", "p", "better"],
+                           table)  # fmt: skip
+    )
+
+
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    opts = options.grid_options()
+    results = harness.run_grid(CONFIG, grid(opts.smoke), opts, runs_subdir="comm_quality")
+    rows = summarise(results, opts.smoke)
+    harness.write_outputs(opts, "comm_quality", {**results, "rows": rows}, report(rows, opts))
+
+
+if __name__ == "__main__":
+    app.run(main)
