@@ -3,6 +3,18 @@
 As the NoLoCo reference code runs it: ``g = mean_all(phi - theta)``, then
 ``optax.sgd(learning_rate, momentum, nesterov)``; the reference uses heavy-ball
 momentum (``nesterov=False``) with alpha = 0.3, beta = 0.7 and H = 100.
+
+What travels with a narrow ``exchange_dtype``
+---------------------------------------------
+DiLoCo already averages the pseudo-gradients phi - theta, and every replica
+holds the same phi, so sending them instead of theta loses nothing:
+mean(phi - theta) = phi - mean(theta). A block-wise absmax code errs by at most
+half a step, absmax / 254 for int8, per value. For theta the absmax is that of
+the weights; for phi - theta it is that of H inner steps, which for Adam
+(steps of about the learning rate each) is at most about H times the
+learning rate, with no common offset. Where that is smaller than the
+weights, the same code errs less in absolute terms, and phi moves by only
+beta times the error.
 """
 
 from __future__ import annotations
@@ -98,7 +110,8 @@ def diloco_outer(
         256 values, ``noloco_jax.quantize``): an all-to-all and an all-gather
         of the encoded values, summed in float32 in between
         (``comm.all_replica_mean_wire``); every replica gets the same mean,
-        for 8-bit formats about 0.27 of a float32 ring all-reduce's bytes.
+        for 8-bit formats 1/4 + 1/256 of a float32 ring all-reduce's bytes
+        (plus padding to whole blocks).
         The pseudo-gradient quantises well where the weights would not: it
         is the change of H inner steps, small and centred on zero, so a
         block's scale follows the size of the update rather than of the
