@@ -1,5 +1,7 @@
 """8-bit exchange for NoLoCo and DiLoCo: bytes from HLO, one mean per group, error feedback."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -323,3 +325,21 @@ def test_trainer_passes_the_exchange_to_diloco_and_counts_its_bytes():
                                            fault=FaultSettings(nonfinite_guard=guard))
         assert got == 5 * comm.diloco_bytes_per_sync(single, N, exchange_dtype="int8",
                                                      with_presence=guard)  # fmt: skip
+
+
+def test_diloco_state_without_error_feedback_has_the_old_leaves():
+    """The new ``residual`` field defaults to None: no new leaf, so old checkpoints load."""
+
+    class OldState(NamedTuple):  # DiLoCoOuterState before exchange_dtype
+        round: jax.Array
+        sgd_state: optax.OptState
+
+    new = diloco_outer().init(_tree())
+    old = OldState(new.round, new.sgd_state)
+
+    def paths(tree):
+        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    assert new.residual is None and paths(new) == paths(old)
+    with_feedback = diloco_outer(exchange_dtype="int8", error_feedback=True).init(_tree())
+    assert paths(with_feedback.residual) == paths(_tree())
