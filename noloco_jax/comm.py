@@ -70,6 +70,8 @@ __all__ = [
     "group_mean_codec",
     "varying_axes",
     "all_replica_mean",
+    "all_replica_mean_wire",
+    "diloco_bytes_per_sync",
     "exchange_steps",
     "noloco_bytes_per_sync",
     "allreduce_bytes_per_replica",
@@ -711,12 +713,19 @@ def group_mean_codec(
     return run(tree) if per_kind is None else per_kind
 
 
-def all_replica_mean(tree: PyTree, axis_name: str, weight: jax.Array | None = None) -> PyTree:
+def all_replica_mean(
+    tree: PyTree, axis_name: str, weight: jax.Array | None = None, exchange_dtype: Any = None
+) -> PyTree:
     """All-reduce mean over every replica (DiLoCo and data-parallel).
 
     With ``weight`` (per-replica presence), present replicas average over the
-    present ones and an absent replica keeps its own value.
+    present ones and an absent replica keeps its own value. With an
+    ``exchange_dtype`` narrower than a leaf (``jnp.bfloat16``, ``"int8"``,
+    ``"float8_e4m3fn"``) the mean is ``all_replica_mean_wire``'s; a float
+    ``exchange_dtype`` equal to every leaf's dtype changes nothing.
     """
+    if not _same_as_leaves(tree, exchange_dtype):
+        return all_replica_mean_wire(tree, axis_name, exchange_dtype, weight)[0]
     if weight is None:
         return lax.pmean(tree, axis_name)
     present = weight > 0
@@ -727,6 +736,147 @@ def all_replica_mean(tree: PyTree, axis_name: str, weight: jax.Array | None = No
         return jnp.where(present, total / jnp.maximum(count, 1.0), x)
 
     return jax.tree.map(leaf, tree)
+
+
+def _same_as_leaves(tree: PyTree, exchange_dtype: Any) -> bool:
+    """Whether ``exchange_dtype`` sends every leaf as it is (None, or each leaf's own dtype)."""
+    if exchange_dtype is None:
+        return True
+    if quantize.is_codec(exchange_dtype):
+        return False
+    return all(x.dtype == jnp.dtype(exchange_dtype) for x in jax.tree.leaves(tree))
+
+
+def _to_wire(rows: jax.Array, wire: Any) -> jax.Array:
+    """float32 rows [M, S] as [M, W] unsigned words: 8-bit codes + scales, or raw wire bits."""
+    if quantize.is_codec(wire):
+        return jax.vmap(lambda r: quantize.encode(r, wire))(rows)
+    # Raw bits, so the compiler cannot move the narrowing cast behind the collective.
+    return _as_words(rows.astype(wire), _uint_of(wire)).reshape(rows.shape[0], -1)
+
+
+def _from_wire(words: jax.Array, wire: Any, size: int) -> jax.Array:
+    """Inverse of ``_to_wire``: float32 rows [M, size]."""
+    if quantize.is_codec(wire):
+        return jax.vmap(lambda b: quantize.decode(b, size, wire))(words)
+    return lax.bitcast_convert_type(words, jnp.dtype(wire)).astype(jnp.float32)
+
+
+def _wire_roundtrip(rows: jax.Array, wire: Any) -> jax.Array:
+    """``_from_wire(_to_wire(rows))`` without the packing: what a receiver decodes."""
+    if quantize.is_codec(wire):
+        return jax.vmap(lambda r: quantize.roundtrip(r, wire))(rows)
+    return rows.astype(wire).astype(jnp.float32)
+
+
+def _wire_unit(num_replicas: int, wire: Any) -> int:
+    """The flat vector is padded to a multiple of this: N shards of whole scale blocks."""
+    return num_replicas * (quantize.BLOCK if quantize.is_codec(wire) else 1)
+
+
+def _shard_mean(rows: jax.Array, axis_name: str, wire: Any, present: jax.Array | None
+                ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """Stage 1: all-to-all of the wire rows; this replica's shard of the (present) mean.
+
+    Row j of ``rows`` is the shard that replica j owns. Returns the owner's
+    float32 mean of its shard and the count it divided by.
+    """
+    num, shard = rows.shape
+    message = _to_wire(rows, wire)
+    width = message.shape[1]
+    if present is not None:  # the presence flag rides along, as float32 bits
+        flag = _as_words(present.astype(jnp.float32)[None], message.dtype)
+        message = jnp.concatenate([message, jnp.broadcast_to(flag, (num, flag.size))], axis=1)
+    received = lax.all_to_all(message, axis_name, 0, 0, tiled=True)  # row j: from replica j
+    values = _from_wire(received[:, :width], wire, shard)
+    if present is None:
+        count = jnp.asarray(float(num), jnp.float32)
+    else:
+        flags = _from_words(received[:, width:].reshape(-1), jnp.float32, num)
+        count = jnp.maximum(jnp.sum(flags), 1.0)
+    return jnp.sum(values, axis=0) / count, count
+
+
+def _all_replica_mean_wire(tree: PyTree, axis_name: str, wire: Any,
+                           weight: jax.Array | None) -> tuple[PyTree, PyTree, PyTree]:  # fmt: skip
+    leaves, treedef = jax.tree.flatten(tree)
+    if any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
+        raise ValueError(f"exchange_dtype={wire!r} sends float leaves only.")
+    num = axis_size(axis_name)
+    if num == 1 or not leaves:  # nothing to exchange, so nothing is encoded
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+        return tree, zeros, zeros
+    present = None if weight is None else weight > 0
+    flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in leaves])
+    if present is not None:  # an absent replica contributes nothing, not even NaN
+        flat = jnp.where(present, flat, jnp.zeros_like(flat))
+    size = flat.size
+    rows = jnp.pad(flat, (0, -size % _wire_unit(num, wire))).reshape(num, -1)
+    shard = rows.shape[1]
+    mean, count = _shard_mean(rows, axis_name, wire, present)
+    gathered = lax.all_gather(_to_wire(mean[None], wire)[0], axis_name)  # every owner's shard
+    means = _from_wire(gathered, wire, shard).reshape(-1)[:size]
+    send_left = (rows - _wire_roundtrip(rows, wire)).reshape(-1)[:size]
+    relay = count * (mean - _wire_roundtrip(mean[None], wire)[0])
+    mine = lax.axis_index(axis_name)
+    relay_left = lax.dynamic_update_slice(jnp.zeros((num, shard), jnp.float32), relay[None],
+                                          (mine, 0)).reshape(-1)[:size]  # fmt: skip
+    outs: tuple[list, list, list] = ([], [], [])
+    start = 0
+    for x in leaves:
+        stop = start + x.size
+        m = means[start:stop].reshape(x.shape).astype(x.dtype)
+        outs[0].append(m if present is None else jnp.where(present, m, x))
+        outs[1].append(send_left[start:stop].reshape(x.shape))
+        outs[2].append(relay_left[start:stop].reshape(x.shape))
+        start = stop
+    return tuple(jax.tree.unflatten(treedef, o) for o in outs)
+
+
+def all_replica_mean_wire(
+    tree: PyTree, axis_name: str, exchange_dtype: Any, weight: jax.Array | None = None
+) -> tuple[PyTree, PyTree, PyTree]:
+    """Mean over every replica whose collectives move ``exchange_dtype`` values only.
+
+    Narrow values cannot be summed on the wire (an all-reduce of int8 codes
+    overflows and ignores the scales, and the CPU backend widens a bfloat16
+    all-reduce to float32), so the sum runs locally, as in a ring all-reduce
+    split into its two halves:
+
+    1. All leaves form one float32 vector, padded to N shards (of whole
+       256-value scale blocks for 8-bit formats). An ``all_to_all`` sends
+       shard j, encoded, to replica j.
+    2. Replica j decodes the N versions of its shard, sums them in float32
+       and divides by N (by the present count with ``weight``).
+    3. An ``all_gather`` sends each owner's encoded mean shard to all.
+       Every replica decodes the same bytes, so all hold one bit-identical
+       mean.
+
+    Each replica sends ``2 (N - 1)`` encoded shards, the ring all-reduce's
+    ``2 (N - 1) / N`` of the whole message (``diloco_bytes_per_sync``).
+
+    Args:
+      tree: this replica's values (float leaves).
+      axis_name: the bound replica axis.
+      exchange_dtype: ``"int8"``, ``"float8_e4m3fn"`` (``noloco_jax.quantize``
+        block formats) or a float dtype.
+      weight: optional per-replica presence (> 0 present): the present
+        replicas average among themselves (the flag travels with step 1 as
+        float32) and an absent replica gets its own value back.
+
+    Returns:
+      ``(mean, send_left, relay_left)``, trees like ``tree``: the mean (in
+      each leaf's dtype), what this replica's step-1 encoding left out, and
+      what its step-3 encoding of the shard it owns left out, times the count
+      it divided by, placed on that shard (zero elsewhere). Adding both to the
+      next message is error feedback for the two quantisations: the running
+      sum of the means then differs from the exact one by the mean of the
+      replicas' last residuals alone.
+    """
+    run = functools.partial(_all_replica_mean_wire, axis_name=axis_name, wire=exchange_dtype,
+                            weight=weight)  # fmt: skip
+    per_kind = _per_kind(run, tree)
+    return run(tree) if per_kind is None else per_kind
 
 
 def tree_num_elements(tree: PyTree) -> int:
@@ -776,6 +926,44 @@ def noloco_bytes_per_sync(
     else:
         payload = tensors * _tree_bytes(params, exchange_dtype)
     return exchange_steps(group_size) * (payload + flag)
+
+
+def diloco_bytes_per_sync(
+    params: PyTree, num_replicas: int, *, exchange_dtype: Any = None, with_presence: bool = False
+) -> float:
+    """Bytes one replica sends in one DiLoCo outer step (``all_replica_mean``).
+
+    ``exchange_dtype=None`` (or each leaf's own dtype): an all-reduce, counted
+    as a bandwidth-optimal ring (``allreduce_bytes_per_replica``). Otherwise
+    ``all_replica_mean_wire``'s all-to-all and all-gather, exactly: the
+    leaves' n values are padded to N shards of S values (S a multiple of
+    ``quantize.BLOCK`` for 8-bit formats), and each replica sends 2 (N - 1)
+    encoded shards, plus the float32 presence flag with each of the N - 1
+    all-to-all messages when ``with_presence``.
+
+    Args:
+      params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
+      num_replicas: N.
+      exchange_dtype: as ``diloco_outer``'s.
+      with_presence: drop-out or the non-finite guard enabled.
+
+    Returns:
+      Bytes sent per replica per sync (received bytes are equal).
+    """
+    if num_replicas <= 1:
+        return 0.0
+    same = exchange_dtype is None or (not quantize.is_codec(exchange_dtype) and all(
+        jnp.dtype(x.dtype) == jnp.dtype(exchange_dtype) for x in jax.tree.leaves(params)))
+    if same:
+        return allreduce_bytes_per_replica(params, num_replicas)
+    n = tree_num_elements(params)
+    unit = _wire_unit(num_replicas, exchange_dtype)
+    shard = -(-n // unit) * unit // num_replicas
+    if quantize.is_codec(exchange_dtype):
+        message = quantize.wire_bytes(shard)
+    else:
+        message = shard * jnp.dtype(exchange_dtype).itemsize
+    return float(2 * (num_replicas - 1) * message + (num_replicas - 1) * 4 * with_presence)
 
 
 def allreduce_bytes_per_replica(params: PyTree, num_replicas: int, *, dtype: Any = None) -> float:

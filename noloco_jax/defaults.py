@@ -109,7 +109,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("outer.group_size", 2, "n, replicas per NoLoCo group."),
     ("outer.nesterov", False, "Nesterov instead of heavy-ball outer momentum (NoLoCo, DiLoCo)."),
     ("outer.exchange_dtype", "",
-     'What NoLoCo sends: "" = the params\' dtype, "bfloat16", or 8-bit "int8" / '
+     'What NoLoCo / DiLoCo send: "" = the params\' dtype, "bfloat16", or 8-bit "int8" / '
      '"float8_e4m3fn" (block scales).'),
     ("outer.error_feedback", False,
      "With an 8-bit exchange: add each replica's last quantisation residual to its next send."),

@@ -2,7 +2,8 @@
 
 A flat float buffer is cut into blocks of ``BLOCK`` values; each block travels as 8-bit codes
 plus one float32 scale (its absolute maximum over the format's largest code), so the message is
-``n + 4 * ceil(n / BLOCK)`` bytes instead of ``4 n``: 0.266 of float32 with 256-value blocks.
+``n + 4 * ceil(n / BLOCK)`` bytes instead of ``4 n``: 1/4 + 1/256 = 0.254 of float32 with
+256-value blocks.
 ``encode`` packs codes and scales into one uint8 buffer (one collective per message);
 ``decode`` inverts it. ``roundtrip(x) = decode(encode(x))`` is what a receiver sees; values
 already on the grid (a ``roundtrip`` output) come back unchanged up to float rounding of the

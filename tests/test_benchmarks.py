@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script", [
     pytest.param("overhead", marks=pytest.mark.slow), "comm_volume",
     pytest.param("scaling", marks=pytest.mark.slow), "throughput", "clip_traffic",
-    "compile_scale",
+    "compile_scale", "diloco_exchange",
 ])  # the slow two time ~25 s of repetitions each
 def test_benchmark_smoke(script, tmp_path):
     out = subprocess.run(

@@ -1,12 +1,19 @@
-"""8-bit exchange for NoLoCo: bytes from HLO, one mean per group, error feedback."""
+"""8-bit exchange for NoLoCo and DiLoCo: bytes from HLO, one mean per group, error feedback."""
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from jax import lax
 
-from noloco_jax import comm, hlo, local_steps, noloco_outer, quantize, replicas
+from noloco_jax import comm, diloco_outer, hlo, local_steps, noloco_outer, quantize, replicas
+from noloco_jax.optim.diloco import DiLoCoOuterState
+from noloco_jax.trainer import optimizer as trainer_optimizer
+from noloco_jax.trainer.settings import FaultSettings, OptimSettings, OuterSettings
 from tests.helpers import step_fn
 
 N = 4
@@ -101,13 +108,14 @@ def test_error_feedback_keeps_the_residual_bounded_and_the_average_unbiased():
     assert mean_fb < 0.25 * mean_plain, (mean_fb, mean_plain)
 
 
-def test_bad_exchange_settings():
+@pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])
+def test_bad_exchange_settings(factory):
     with pytest.raises(ValueError, match="exchange_dtype: must be None, a float dtype"):
-        noloco_outer(exchange_dtype="int4")
+        factory(exchange_dtype="int4")
     with pytest.raises(ValueError, match="exchange_dtype: must be None, a float dtype"):
-        noloco_outer(exchange_dtype=jnp.int8)
+        factory(exchange_dtype=jnp.int8)
     with pytest.raises(ValueError, match="error_feedback needs an 8-bit exchange_dtype"):
-        noloco_outer(exchange_dtype=jnp.bfloat16, error_feedback=True)
+        factory(exchange_dtype=jnp.bfloat16, error_feedback=True)
 
 
 def test_training_with_8_bit_exchange_stays_close_to_float32():
@@ -132,3 +140,206 @@ def test_training_with_8_bit_exchange_stays_close_to_float32():
     assert diffs["int8", False].max() < 2 * step  # 4 rounds of Adam stay within two steps
     assert diffs["int8", True].mean() < diffs["int8", False].mean()  # feedback helps
     assert diffs["float8_e4m3fn", False].mean() < 2.0 ** -5  # half of e4m3's relative step
+
+
+# ---------------------------------------------------------------- DiLoCo
+
+
+def _np_roundtrip(x, fmt):
+    """NumPy block-wise absmax quantise + dequantise (len(x) a multiple of 256)."""
+    blocks = x.reshape(-1, 256).astype(np.float32)
+    top = np.float32(127.0 if fmt == "int8" else 448.0)
+    absmax = np.abs(blocks).max(axis=1)
+    scale = np.where(absmax > 0, absmax / top, np.float32(1.0)).astype(np.float32)
+    scaled = blocks / scale[:, None]
+    if fmt == "int8":
+        codes = np.clip(np.round(scaled), -top, top)
+    else:
+        codes = scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return (codes * scale[:, None]).reshape(-1)
+
+
+def _np_diloco_mean(values, fmt):
+    """Each replica's padded flat vector quantised, the float32 mean quantised again."""
+    num, n = values.shape
+    unit = num * 256
+    padded = np.pad(values.astype(np.float32), ((0, 0), (0, -n % unit)))
+    sent = np.stack([_np_roundtrip(v, fmt) for v in padded])
+    return _np_roundtrip(sent.sum(axis=0) / np.float32(num), fmt)[:n]
+
+
+def _flat(tree):
+    return np.concatenate([np.asarray(x).reshape(x.shape[0], -1) for x in jax.tree.leaves(tree)],
+                          axis=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_diloco_8_bit_mean_equals_numpy_and_every_replica_gets_it(backend, fmt):
+    reps = replicas.make_replicas(N, backend=backend)
+    phi = jax.tree.map(lambda x: jnp.broadcast_to(x[:1], x.shape), _tree(N, seed=4))
+    theta = jax.tree.map(lambda p, t: p + 0.01 * t, phi, _tree(N, seed=5))
+    tx = diloco_outer(learning_rate=1.0, momentum=0.0, exchange_dtype=fmt)
+    grad = jax.tree.map(jnp.subtract, phi, theta)
+    delta, _ = jax.jit(reps.map(tx.update))(reps.put(grad), reps.init(tx, reps.put(phi)),
+                                            reps.put(phi))  # fmt: skip
+    new_phi = _flat(jax.tree.map(jnp.add, phi, delta))
+    for r in range(1, N):
+        np.testing.assert_array_equal(new_phi[r], new_phi[0])  # one phi for all, bit for bit
+    want = _np_diloco_mean(_flat(grad), fmt)
+    got = -_flat(delta)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    exact = _flat(grad).mean(axis=0)
+    assert np.abs(got - exact).max() > 1e-6 * np.abs(want).max()  # quantisation did happen
+
+
+def _todays_diloco(grads, phi, rounds):
+    """DiLoCo as before exchange_dtype: optax.sgd on lax.pmean of the pseudo-gradients."""
+    reps = replicas.make_replicas(N, backend="vmap")
+    sgd = optax.sgd(0.7, momentum=0.3)
+    state = reps.init(sgd, phi)
+    update = jax.jit(reps.map(lambda g, s, p: sgd.update(lax.pmean(g, "replica"), s, p)))
+    out = []
+    for r in range(rounds):
+        delta, state = update(grads[r], state, phi)
+        out.append(delta)
+    return out
+
+
+@pytest.mark.parametrize("fmt", [None, jnp.float32])
+def test_diloco_without_quantisation_is_todays_update_bit_for_bit(fmt):
+    reps = replicas.make_replicas(N, backend="vmap")
+    phi = _tree(N, seed=6)
+    grads = [_tree(N, seed=7 + r) for r in range(3)]
+    tx = diloco_outer(exchange_dtype=fmt)
+    state = reps.init(tx, phi)
+    assert state.residual is None
+    update = jax.jit(reps.map(tx.update))
+    for want in _todays_diloco(grads, phi, 3):
+        delta, state = update(grads.pop(0), state, phi)
+        for x, y in zip(jax.tree.leaves(delta), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(x, y)
+
+
+def _diloco_sync_ops(fmt, guard):
+    tx = local_steps(optax.sgd(0.1), diloco_outer(exchange_dtype=fmt), 5, nonfinite_guard=guard)
+    reps = replicas.make_replicas(N, backend="shard_map")
+    params = reps.put(_tree(N))
+    state = reps.init(tx, params)
+    f = jax.jit(reps.map(lambda g, s, p: tx.update(g, s, p, sync_step=True)))
+    return hlo.collective_ops(hlo.compiled_text(f, params, state, params))
+
+
+@pytest.mark.parametrize("fmt,guard", [("int8", False), ("int8", True),
+                                       ("float8_e4m3fn", False), (jnp.bfloat16, False)])
+def test_diloco_sync_moves_only_encoded_shards(fmt, guard):
+    """All-to-all + all-gather of N shards; per replica (N - 1) / N of each operand's bytes."""
+    single = _tree()
+    n = comm.tree_num_elements(single)  # 940 values
+    codec = quantize.is_codec(fmt)
+    unit = N * (quantize.BLOCK if codec else 1)
+    shard = -(-n // unit) * unit // N  # 256 values for 8-bit formats
+    encoded = quantize.wire_bytes(shard) if codec else shard * 2  # one shard on the wire
+    ops = _diloco_sync_ops(fmt, guard)
+    assert sorted(op.kind for op in ops) == ["all-gather", "all-to-all"], ops
+    by_kind = {op.kind: op.bytes for op in ops}
+    assert by_kind == {"all-to-all": N * (encoded + 4 * guard), "all-gather": N * encoded}
+    sent = (N - 1) / N * (by_kind["all-to-all"] + by_kind["all-gather"])
+    assert sent == comm.diloco_bytes_per_sync(single, N, exchange_dtype=fmt, with_presence=guard)
+
+
+def test_diloco_float32_sync_is_one_all_reduce_and_8_bit_a_quarter_of_it():
+    ops = _diloco_sync_ops(None, False)
+    single = _tree()
+    assert [(op.kind, op.bytes) for op in ops] == [("all-reduce", 4 * 940)]
+    ring = 2 * (N - 1) / N * ops[0].bytes
+    assert ring == comm.diloco_bytes_per_sync(single, N)
+    # 940 values pad to 4 shards of 256: 2 * 3 * (256 + 4) bytes against 5640.
+    assert comm.diloco_bytes_per_sync(single, N, exchange_dtype="int8") == 1560
+    big = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+    for num in (8, 64):
+        ratio = (comm.diloco_bytes_per_sync(big, num, exchange_dtype="int8")
+                 / comm.diloco_bytes_per_sync(big, num))  # fmt: skip
+        assert ratio == (1 + 4 / 256) / 4  # 0.2539: the codes and 4 bytes per 256 values
+
+
+def _diloco_drift(error_feedback, rounds=200):
+    """beta = 1, alpha = 0: phi moves by minus the exchanged mean, each round a fresh one.
+
+    Returns phi's largest drift from the exact path after each round, the last
+    drift (signed), the mean residual over the replicas (or None) and the final phi.
+    """
+    tx = diloco_outer(learning_rate=1.0, momentum=0.0, exchange_dtype="int8",
+                      error_feedback=error_feedback)  # fmt: skip
+    reps = replicas.make_replicas(N, backend="vmap")
+    phi = jnp.zeros((N, 1024))  # 4 shards of one 256-value block each
+    state = reps.init(tx, phi)
+    update = jax.jit(reps.map(tx.update))
+    rng = np.random.default_rng(0)
+    drift, exact = [], np.zeros(1024)
+    for _ in range(rounds):
+        grad = 0.1 * rng.standard_normal((N, 1024)).astype(np.float32)
+        grad[:, ::256] = 1.0  # every block's largest value: steps of 1/127
+        delta, state = update(jnp.asarray(grad), state, phi)
+        phi = phi + delta
+        exact = exact - grad.astype(np.float64).mean(axis=0)
+        drift.append(np.asarray(phi[0], np.float64) - exact)
+    residual = None if state.residual is None else np.asarray(state.residual).mean(axis=0)
+    return np.array([np.abs(d).max() for d in drift]), drift[-1], residual, np.asarray(phi)
+
+
+def test_diloco_error_feedback_keeps_the_drift_within_one_step():
+    drift, last, residual, phi = _diloco_drift(True)
+    for r in range(1, N):
+        np.testing.assert_array_equal(phi[r], phi[0])
+    # The means applied minus the exact ones, summed over rounds, telescope to minus the
+    # replicas' mean last residual; phi moves by minus the means.
+    np.testing.assert_allclose(last, residual, atol=1e-5)
+    # Half a step of each replica's message plus half a step of the relayed mean.
+    assert drift.max() <= 1.05 / 127, drift.max()
+    plain, _, _, _ = _diloco_drift(False)
+    print(f"drift after 20/200 rounds in int8 steps: error feedback {drift[19] * 127:.2f}/"
+          f"{drift[-1] * 127:.2f}, without {plain[19] * 127:.2f}/{plain[-1] * 127:.2f}")
+    # Without it the rounding errors random-walk: after 200 rounds the drift is several steps.
+    assert plain[-1] > 3 / 127 and plain[-1] > 4 * drift.max(), (plain[-1], drift.max())
+    assert plain[-1] > 2 * plain[19]  # and it grows (about sqrt(rounds))
+
+
+def test_trainer_passes_the_exchange_to_diloco_and_counts_its_bytes():
+    outer = OuterSettings(sync_every=2, exchange_dtype="int8", error_feedback=True)
+    tx = trainer_optimizer.build_optimizer("diloco", OptimSettings(), outer, num_steps=10,
+                                           num_replicas=N)  # fmt: skip
+    reps = replicas.make_replicas(N, backend="vmap")
+    params = _tree(N)
+    state = reps.init(tx, params)
+    outers = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+        x, DiLoCoOuterState)) if isinstance(s, DiLoCoOuterState)]  # fmt: skip
+    assert len(outers) == 1 and outers[0].residual is not None
+    step = jax.jit(reps.map(step_fn(tx)))
+    for _ in range(2):  # the second step syncs
+        params, state = step(params, state, jax.tree.map(jnp.sin, params))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+    single = _tree()
+    for guard in (False, True):
+        got = trainer_optimizer.bytes_sent("diloco", outer, single, num_replicas=N, steps=10,
+                                           fault=FaultSettings(nonfinite_guard=guard))
+        assert got == 5 * comm.diloco_bytes_per_sync(single, N, exchange_dtype="int8",
+                                                     with_presence=guard)  # fmt: skip
+
+
+def test_diloco_state_without_error_feedback_has_the_old_leaves():
+    """The new ``residual`` field defaults to None: no new leaf, so old checkpoints load."""
+
+    class OldState(NamedTuple):  # DiLoCoOuterState before exchange_dtype
+        round: jax.Array
+        sgd_state: optax.OptState
+
+    new = diloco_outer().init(_tree())
+    old = OldState(new.round, new.sgd_state)
+
+    def paths(tree):
+        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    assert new.residual is None and paths(new) == paths(old)
+    with_feedback = diloco_outer(exchange_dtype="int8", error_feedback=True).init(_tree())
+    assert paths(with_feedback.residual) == paths(_tree())

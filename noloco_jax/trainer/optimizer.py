@@ -104,7 +104,9 @@ def _outer_step(method: str, outer: OuterSettings, axis: str | None, fault: Faul
     """DiLoCo's or NoLoCo's outer step, from the settings."""
     if method == "diloco":
         return diloco_outer(outer.learning_rate, outer.momentum, outer.nesterov, axis_name=axis,
-                            dropout_prob=fault.dropout_prob, seed=outer.seed)  # fmt: skip
+                            dropout_prob=fault.dropout_prob, seed=outer.seed,
+                            exchange_dtype=_exchange_dtype(outer.exchange_dtype),
+                            error_feedback=outer.error_feedback)  # fmt: skip
     return noloco_outer(outer.learning_rate, outer.momentum, gamma=outer.gamma,
                         group_size=outer.group_size, axis_name=axis, seed=outer.seed,
                         exchange_dtype=_exchange_dtype(outer.exchange_dtype),
@@ -124,22 +126,27 @@ def bytes_sent(
     """Bytes one replica has sent after ``steps`` inner steps.
 
     NoLoCo: per sync, what ``comm.noloco_bytes_per_sync`` reports (checked
-    against the compiled HLO in the tests). DiLoCo and data parallel: a
-    bandwidth-optimal ring all-reduce per sync / per step.
+    against the compiled HLO in the tests). DiLoCo: ``comm.diloco_bytes_per_sync``
+    (a ring all-reduce, or the exact all-to-all + all-gather bytes of a
+    narrower exchange dtype). Data parallel: a bandwidth-optimal ring
+    all-reduce per step.
     """
     if num_replicas <= 1 or method == "local":
         return 0.0
     if method == "dp":
         return steps * comm.allreduce_bytes_per_replica(params, num_replicas)
     syncs = steps // outer.sync_every
+    presence = fault.nonfinite_guard or fault.dropout_prob > 0
     if method == "diloco":
-        return syncs * comm.allreduce_bytes_per_replica(params, num_replicas)
+        return syncs * comm.diloco_bytes_per_sync(
+            params, num_replicas, exchange_dtype=_exchange_dtype(outer.exchange_dtype),
+            with_presence=presence)  # fmt: skip
     gamma_equals_beta = outer.gamma is None or outer.gamma == outer.learning_rate
     per_sync = comm.noloco_bytes_per_sync(
         params,
         group_size=outer.group_size,
         gamma_equals_beta=gamma_equals_beta,
         exchange_dtype=_exchange_dtype(outer.exchange_dtype),
-        with_presence=fault.nonfinite_guard or fault.dropout_prob > 0,
+        with_presence=presence,
     )
     return float(syncs * per_sync)
