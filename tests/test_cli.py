@@ -474,7 +474,7 @@ def test_the_loop_tells_the_bar_which_chunks_compiled():
 
     data = types.SimpleNamespace(batcher=types.SimpleNamespace(batch=lambda t: np.zeros((1, 1, 2))))
     run = types.SimpleNamespace(inner=program, sync=program, block=25, period=50, calls=set(),
-                                data=data, reps=types.SimpleNamespace(put=lambda x: x))
+                                data=data, reps=types.SimpleNamespace(put=lambda x: x), delay=0)
     compiled = []
     for step in (0, 25, 50, 75):
         before = len(run.calls)
