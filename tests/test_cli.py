@@ -207,6 +207,12 @@ CASES = {
     "a model and replica count whose training state cannot fit": [
         (["--config.model.preset=large"], r"the training state needs at least .* GiB"),
     ],
+    "`outer.delay` outside [0, `sync_every` / `fragments` − 1]": [
+        (["--config.outer.delay=2"], r"config\.outer\.delay: must be an integer in \[0, 1\]"),
+        (["--config.outer.mixing=1.5"], r"config\.outer\.mixing: must be in \[0, 1\]"),
+        (["--config.outer.sync_every=4", "--config.outer.delay=2"],
+         r"config\.log_every: 2 would end chunks .* inside overlap windows"),
+    ],
     "a warmup given on the command line that does not fit the run": [
         (["--config.num_steps=4", "--config.optim.warmup_steps=8"],
          r"config\.optim\.warmup_steps: must be < num_steps=4, got 8"),
