@@ -115,6 +115,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
      "With an 8-bit exchange: add each replica's last quantisation residual to its next send."),
     # Streaming: fragment p (a run of layers) syncs at t mod H = (p + 1) H / P.
     ("outer.fragments", 1, "P: split the model into P fragments, each synced H / P steps apart."),
+    # Overlap: a round's exchange starts tau steps before the round ends and is merged at its end.
+    ("outer.delay", 0, "tau: inner steps run while an exchange travels (0 = none; < H / P)."),
+    ("outer.mixing", 1.0, "m: share of the delay's local progress the merge keeps (0..1)."),
     ("outer.seed", 0, "Seed of the NoLoCo group draws (and of fault.dropout_prob's draws)."),
     # Missing NoLoCo partners step alone; DiLoCo leaves the replica out of its all-reduce.
     ("fault.dropout_prob", 0.0, "Each replica misses each outer round with this probability."),

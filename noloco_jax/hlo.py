@@ -14,7 +14,7 @@ import numpy as np
 
 __all__ = [
     "CollectiveOp", "collective_ops", "bytes_by_computation", "compiled_text",
-    "source_target_pairs", "replica_groups",
+    "source_target_pairs", "replica_groups", "EntryGraph", "entry_graph",
 ]  # fmt: skip
 
 _KINDS = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")
@@ -117,3 +117,122 @@ def bytes_by_computation(hlo_text: str, kind: str) -> dict[str, int]:
 def compiled_text(jitted, *args, **kwargs) -> str:
     """Optimized HLO text of ``jitted`` (a ``jax.jit`` function) for these args."""
     return jitted.lower(*args, **kwargs).compile().as_text()
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryGraph:
+    """The data dependencies between the instructions of a module's entry computation.
+
+    Attributes:
+      operands: each entry instruction's operands (entry instructions only).
+      params: the entry parameters by the argument path JAX records in their
+        metadata (e.g. ``"args[1][0]"``); arguments JAX pruned as unused are absent.
+      outputs: the operands of the root tuple, in output order (the root
+        itself for a single output).
+      holders: for each collective kind, the entry instructions that run one:
+        the collective itself, or a conditional, loop or call whose
+        computations (at any depth) contain one.
+    """
+
+    operands: dict[str, tuple[str, ...]]
+    params: dict[str, str]
+    outputs: tuple[str, ...]
+    holders: dict[str, frozenset[str]]
+
+    def ancestors(self, name: str) -> set[str]:
+        """Every instruction ``name`` depends on (transitively), itself excluded."""
+        seen: set[str] = set()
+        todo = list(self.operands[name])
+        while todo:
+            x = todo.pop()
+            if x not in seen:
+                seen.add(x)
+                todo.extend(self.operands[x])
+        return seen
+
+    def descendants(self, name: str) -> set[str]:
+        """Every instruction that depends on ``name`` (transitively), itself excluded."""
+        users: dict[str, list[str]] = collections.defaultdict(list)
+        for x, ops in self.operands.items():
+            for o in ops:
+                users[o].append(x)
+        seen: set[str] = set()
+        todo = list(users[name])
+        while todo:
+            x = todo.pop()
+            if x not in seen:
+                seen.add(x)
+                todo.extend(users[x])
+        return seen
+
+
+_DEFINES = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_REFS = re.compile(r"%([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[tuple[str, str, bool]]], str]:
+    """{computation: [(instruction, rest of its line, is_root)]} and the entry's name."""
+    comps: dict[str, list[tuple[str, str, bool]]] = {}
+    current, entry = None, ""
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():
+            m = _HEADER.match(line)
+            current = m.group(1) if m else None
+            if m and line.startswith("ENTRY"):
+                entry = current
+            if current is not None:
+                comps[current] = []
+            continue
+        m = _DEFINES.match(line) if current is not None else None
+        if m:
+            comps[current].append((m.group(2), m.group(3), bool(m.group(1))))
+    return comps, entry
+
+
+def _holding(comps: dict, kind: str) -> set[str]:
+    """The computations that contain a ``kind`` collective, directly or through calls."""
+    direct = {c for c, instrs in comps.items() if any(_is_kind(r, kind) for _, r, _ in instrs)}
+    calls = {c: {r for _, rest, _ in instrs for r in _REFS.findall(rest) if r in comps}
+             for c, instrs in comps.items()}  # fmt: skip
+    holding, grew = set(direct), True
+    while grew:
+        new = {c for c, called in calls.items() if called & holding} - holding
+        holding |= new
+        grew = bool(new)
+    return holding
+
+
+def _is_kind(rest: str, kind: str) -> bool:
+    return re.search(r"\s" + re.escape(kind) + r"(-start)?\(", " " + rest) is not None
+
+
+def entry_graph(hlo_text: str, kinds: tuple[str, ...] = _KINDS) -> EntryGraph:
+    """The dependency graph of the entry computation of an HLO module's text.
+
+    Args:
+      hlo_text: e.g. ``compiled_text(...)``.
+      kinds: the collective kinds whose holders to find.
+
+    Returns:
+      An ``EntryGraph``.
+    """
+    comps, entry = _computations(hlo_text)
+    names = {i for i, _, _ in comps[entry]}
+    operands, params, outputs = {}, {}, ()
+    holding = {kind: _holding(comps, kind) for kind in kinds}
+    holders: dict[str, set[str]] = {kind: set() for kind in kinds}
+    for name, rest, is_root in comps[entry]:
+        body = rest.split(", metadata=")[0]
+        refs = _REFS.findall(body)
+        operands[name] = tuple(r for r in refs if r in names)
+        if " parameter(" in " " + body:
+            op = _OP_NAME.search(rest)
+            params[op.group(1) if op else name] = name
+        for kind in kinds:
+            if _is_kind(body, kind) or any(r in holding[kind] for r in refs):
+                holders[kind].add(name)
+        if is_root:
+            outputs = operands[name] if re.search(r"\stuple\(", " " + body) else (name,)
+    return EntryGraph(operands, params, outputs,
+                      {k: frozenset(v) for k, v in holders.items()})  # fmt: skip

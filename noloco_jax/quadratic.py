@@ -56,6 +56,8 @@ def simulate_quadratic(
     init: float = 5.0,
     seed: int = 0,
     axis_name: str = "replica",
+    delay: int = 0,
+    mixing: float = 1.0,
 ) -> QuadraticRun:
     """Simulates N replicas on the noisy quadratic with SGD inner steps.
 
@@ -71,12 +73,13 @@ def simulate_quadratic(
       init: every coordinate of the common starting point.
       seed: seed of the noise.
       axis_name: the replica axis name used by ``outer``.
+      delay, mixing: the overlapped exchange of ``local_steps`` (tau, m).
 
     Returns:
       A ``QuadraticRun`` with one entry per outer round.
     """
     curvature = jnp.linspace(1.0, 0.1, dim)
-    tx = local_steps(optax.sgd(inner_lr), outer, sync_every)
+    tx = local_steps(optax.sgd(inner_lr), outer, sync_every, delay=delay, mixing=mixing)
     reps = replicas.Replicas(num_replicas, axis_name)
     theta0 = jnp.full((dim,), init, jnp.float32)
     params = replicas.replicate(theta0, num_replicas)

@@ -207,6 +207,12 @@ CASES = {
     "a model and replica count whose training state cannot fit": [
         (["--config.model.preset=large"], r"the training state needs at least .* GiB"),
     ],
+    "`outer.delay` outside [0, `sync_every` / `fragments` − 1]": [
+        (["--config.outer.delay=2"], r"config\.outer\.delay: must be an integer in \[0, 1\]"),
+        (["--config.outer.mixing=1.5"], r"config\.outer\.mixing: must be in \[0, 1\]"),
+        (["--config.outer.sync_every=4", "--config.outer.delay=2"],
+         r"config\.log_every: 2 would end chunks .* inside overlap windows"),
+    ],
     "a warmup given on the command line that does not fit the run": [
         (["--config.num_steps=4", "--config.optim.warmup_steps=8"],
          r"config\.optim\.warmup_steps: must be < num_steps=4, got 8"),
@@ -474,7 +480,7 @@ def test_the_loop_tells_the_bar_which_chunks_compiled():
 
     data = types.SimpleNamespace(batcher=types.SimpleNamespace(batch=lambda t: np.zeros((1, 1, 2))))
     run = types.SimpleNamespace(inner=program, sync=program, block=25, period=50, calls=set(),
-                                data=data, reps=types.SimpleNamespace(put=lambda x: x))
+                                data=data, reps=types.SimpleNamespace(put=lambda x: x), delay=0)
     compiled = []
     for step in (0, 25, 50, 75):
         before = len(run.calls)

@@ -91,7 +91,8 @@ def _fake_run(reps, graphdef, tx, n, log_every, period, **kwargs):
                                  rounds=True, fragments=False)  # fmt: skip
     data = types.SimpleNamespace(batcher=types.SimpleNamespace(batch=batch))
     return types.SimpleNamespace(inner=inner, sync=sync, block=np.gcd(log_every, period),
-                                 period=period, reps=reps, data=data, calls=set()), batch
+                                 period=period, reps=reps, data=data, calls=set(),
+                                 delay=0), batch  # fmt: skip
 
 
 @pytest.mark.parametrize("log_every,h,start", [(2, 4, 0), (4, 2, 0), (3, 3, 1)])

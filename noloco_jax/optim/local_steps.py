@@ -15,6 +15,64 @@ collective, sits under ``lax.cond`` and so runs only on sync steps.
 
 As with ``optax.lookahead``, updates returned on a sync step must be applied
 unmodified: do not chain scaling transformations *after* ``local_steps``.
+
+Delayed application: the overlapped exchange (``delay=tau``)
+------------------------------------------------------------
+With ``delay=tau >= 1`` a round's exchange starts tau steps before the round
+ends and its result lands when the round ends, so the tau inner steps in
+between can run while the messages travel (the trainer compiles the exchange,
+the tau steps and the merge as one program). Rounds still end where they end
+without delay (step t = kH; with fragments, fragment p's rounds end at
+t mod H = (p + 1) H / P), so a round boundary never holds a pending exchange.
+The exchange starts at step s = t - tau, from theta_s and phi:
+
+    phi_new = phi + delta(phi - theta_s)      (the outer step, computed at s)
+    theta_{s+1} .. theta_t                    (tau more inner steps from theta_s)
+    theta   <- phi_new + m (theta_t - theta_s)     (the merge, at step t)
+
+with m = ``mixing``, the share of the progress made during the delay that the
+merge keeps. tau = 0 is the update without delay for every m.
+
+Why this merge, and why m = 1 by default. Without delay the replica would
+restart from phi_new at s and take its tau steps from there: theta'_t =
+phi_new + sum_j u_j(theta'_j). With delay it took them from theta_s:
+theta_t = theta_s + sum_j u_j(theta_j). So
+
+    phi_new + m (theta_t - theta_s) = theta'_t + (m - 1) sum_j u_j(theta_j)
+                                      + sum_j [u_j(theta_j) - u_j(theta'_j)].
+
+The last sum compares updates taken at points about theta_s - phi_new apart
+(zero if the updates did not depend on the point, first order in that shift
+otherwise); the middle term is exact and vanishes only for m = 1. Any m < 1
+throws away (1 - m) of the tau steps of compute each round; m = 0 restarts
+from phi_new as if the tau steps had not happened.
+
+Streaming DiLoCo (Douillard et al. 2025) mixes theta <- m theta_t + (1 - m)
+phi_new = phi_new + m (theta_t - phi_new), which is ours plus
+m (theta_s - phi_new): it also keeps m of the drift made *before* the
+exchange, which already travelled in theta_s and is inside phi_new, so it is
+counted twice; at tau = 0 it equals the update without delay only for m = 0
+(torchft's default ``fragment_update_alpha=0``, which is our m = 0). Ours
+anchors the mix at theta_s instead of phi_new.
+
+What NoLoCo's gamma term becomes. The outer step at s is the one without
+delay, evaluated at s:
+
+    delta_i <- alpha delta_i + beta mean_G(theta_s - phi) - gamma (phi_i - mean_G phi).
+
+phi only moves at merges, so it is constant on (s, t]: the pull uses phi_s,
+the slow weights of the previous merge, and mean_G phi_s, and the message
+(theta_s, plus phi_s when gamma != beta) is today's, bytes included. No extra
+gamma term acts on the tau steps: a replica's own progress during the delay
+is not pulled towards its group until the next exchange, where it is part of
+the pseudo-gradient phi_new - theta_{s + H} (counted once, scaled by m).
+DiLoCo is the same with the all-replica mean.
+
+State: from step s on ``slow_params`` holds phi_new (nothing reads phi before
+the next exchange) and ``anchor`` holds theta_s (one more copy of the float
+params, in their dtype), so a pause or checkpoint inside the window resumes
+exactly. A replica the non-finite guard catches at s lands on its slow
+weights there, as without delay, and its anchor is those weights.
 """
 
 from __future__ import annotations
@@ -41,6 +99,8 @@ __all__ = [
     "find_local_steps_state",
     "check_composition",
     "check_sync_every",
+    "check_delay",
+    "check_mixing",
 ]
 
 
@@ -56,8 +116,12 @@ class LocalStepsState(NamedTuple):
       outer_state: the outer optimizer's state.
       nonfinite_resets: float32 scalar, syncs at which this replica's fast
         weights were not finite (only counted with ``nonfinite_guard``).
-      phase_errors: int32 scalar (shared), steps whose ``sync_step`` flag
-        disagreed with the counter (a round skipped or added); should stay 0.
+      phase_errors: int32 scalar (shared), steps whose ``sync_step`` (or
+        ``merge_step``) flag disagreed with the counter (a round skipped or
+        added); should stay 0.
+      anchor: with ``delay > 0``, theta at the last exchange (the float
+        leaves in the params' dtype; ``None`` elsewhere), which the merge
+        subtracts; ``None`` without delay.
     """
 
     count: jax.Array
@@ -66,6 +130,7 @@ class LocalStepsState(NamedTuple):
     outer_state: optax.OptState
     nonfinite_resets: jax.Array
     phase_errors: jax.Array
+    anchor: Any = None
 
 
 def _update_dtype(p: Any) -> Any:
@@ -128,7 +193,7 @@ def _theta_like(new_slow: Any, params: Any) -> Any:
     )  # fmt: skip
 
 
-def _check_sync_step(sync_step: Any, num_frags: int) -> None:
+def _check_sync_step(sync_step: Any, num_frags: int, name: str = "sync_step") -> None:
     """``sync_step`` is None, a bool, or (with fragments) False or a fragment index."""
     if sync_step is None or isinstance(sync_step, bool) and (num_frags == 1 or not sync_step):
         return
@@ -137,26 +202,47 @@ def _check_sync_step(sync_step: Any, num_frags: int) -> None:
         return
     allowed = "None, True or False" if num_frags == 1 else \
         f"None, False or the index (0..{num_frags - 1}) of the fragment that syncs"
-    raise ValueError(f"sync_step must be {allowed}, got {sync_step!r}.")
+    raise ValueError(f"{name} must be {allowed}, got {sync_step!r}.")
 
 
-def _check_phase(count: jax.Array, sync_every: int, sync_step: Any, num_frags: int = 1
-                 ) -> jax.Array:
+def _check_phases(sync_step: Any, merge_step: Any, num_frags: int, delay: int) -> None:
+    """``merge_step`` goes with ``delay > 0`` and a static ``sync_step``; a step does one of them."""
+    _check_sync_step(sync_step, num_frags)
+    if delay == 0:
+        if merge_step is not None:
+            raise ValueError(f"merge_step needs delay > 0 (without delay a round's exchange "
+                             f"lands on its sync step), got merge_step={merge_step!r}.")
+        return
+    _check_sync_step(merge_step, num_frags, "merge_step")
+    if (sync_step is None) != (merge_step is None):
+        raise ValueError(f"with delay={delay} give both sync_step (the exchange starts) and "
+                         f"merge_step (it lands), or neither; got sync_step={sync_step!r}, "
+                         f"merge_step={merge_step!r}.")  # fmt: skip
+    if sync_step is not None and sync_step is not False and merge_step is not False:
+        raise ValueError(f"with delay={delay} no step both starts an exchange and merges one "
+                         f"(they are {delay} steps apart); got sync_step={sync_step!r}, "
+                         f"merge_step={merge_step!r}.")  # fmt: skip
+
+
+def _check_phase(count: jax.Array, sync_every: int, sync_step: Any, num_frags: int = 1,
+                 delay: int = 0, name: str = "sync_step") -> jax.Array:  # fmt: skip
     """1 (and a printed error) if ``sync_step`` disagrees with the counter, else 0.
 
     The print sits in a scalar ``lax.cond`` taken only on a mismatch, so a
     correct step moves nothing to the host. It does not raise: an exception in
     one device's callback would abort a multi-device program mid-collective.
-    The count goes to ``LocalStepsState.phase_errors``.
+    The count goes to ``LocalStepsState.phase_errors``. ``delay``: the flag
+    names the step ``delay`` steps before the round ends (an exchange starts).
     """
     # The fragment the counter says ends its round (-1: none; one fragment is fragment 0).
     want = -1 if sync_step is False else 0 if sync_step is True else sync_step
-    wrong = frag.sync_fragment(count, sync_every, num_frags) != want
+    wrong = frag.sync_fragment(count + delay, sync_every, num_frags) != want
+    extra = f", delay: {delay}" if delay else ""
 
     def report() -> None:
         jax.debug.print(
-            "ERROR local_steps: sync_step={flag} but this is inner step {c} and rounds end "
-            "every sync_every={h} steps (fragments: {f}); the round was "
+            "ERROR local_steps: " + name + "={flag} but this is inner step {c} and rounds end "
+            "every sync_every={h} steps (fragments: {f}" + extra + "); the round was "
             + ("skipped" if sync_step is False else "added")
             + ". Pass the phase the counter gives, or None to let the counter decide.",
             flag=sync_step, c=count, h=sync_every, f=num_frags,
@@ -171,6 +257,36 @@ def _check_phase(count: jax.Array, sync_every: int, sync_step: Any, num_frags: i
 def check_sync_every(sync_every: int, field: str = "sync_every") -> int:
     """H, the inner steps per outer step: an integer >= 1; returns it."""
     return errors.check_int(field, sync_every)
+
+
+def check_delay(delay: int, sync_every: int, num_fragments: int = 1, *, field: str = "delay",
+                sync_field: str = "sync_every", fragments_field: str = "fragments") -> int:
+    """tau, the steps between an exchange's start and its merge: 0 <= tau < H / P; returns it.
+
+    An exchange must land before the next one (of any fragment) starts, H / P steps later.
+
+    Args:
+      delay: tau.
+      sync_every: H.
+      num_fragments: P (1 without fragments).
+      field, sync_field, fragments_field: the names the message gives tau, H and P.
+
+    Raises:
+      UserError (a ``ValueError``): naming the value and the allowed range.
+    """
+    period = sync_every // num_fragments
+    apart = f"{sync_field}={sync_every}" if num_fragments == 1 else \
+        f"{sync_field} / {fragments_field} = {sync_every} / {num_fragments} = {period}"
+    errors.check_int(field, delay, minimum=0)
+    errors.require(delay < period, field,
+                   f"must be an integer in [0, {period - 1}] (an exchange must land before the "
+                   f"next one starts, {apart} steps later), got {delay!r}.")  # fmt: skip
+    return int(delay)
+
+
+def check_mixing(mixing: float, field: str = "mixing") -> float:
+    """m, the share of the delay's local progress a merge keeps: a number in [0, 1]; returns it."""
+    return errors.check_number(field, mixing, 0, 1)
 
 
 def _check_accumulation(inner: Any, sync_every: int) -> None:
@@ -197,6 +313,8 @@ def local_steps(
     slow_dtype: Any = None,
     check_phase: bool = True,
     fragments: Any = None,
+    delay: int = 0,
+    mixing: float = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     """Runs ``inner`` every step and ``outer`` every ``sync_every`` steps.
 
@@ -231,6 +349,15 @@ def local_steps(
       check_phase: with ``sync_step`` given, check it against the counter on
         the device (a scalar branch): a mismatch prints an error and counts in
         ``phase_errors`` (a raise from the device could abort a mesh program).
+      delay: tau, the overlapped exchange (module docstring): each round's
+        exchange starts tau steps before the round ends, the inner steps go
+        on meanwhile, and its result is merged when the round ends. 0 (the
+        default) is the update without delay; needs 0 <= tau < H / P. The
+        state then keeps theta at the exchange (one more copy of the params).
+      mixing: m in [0, 1], the share of the progress made during the delay
+        that the merge keeps: theta <- phi_new + m (theta_t - theta_s).
+        1 (the default) keeps all of it, which to first order gives the
+        weights the update without delay would have; 0 restarts from phi_new.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` acting on the model params
@@ -239,8 +366,10 @@ def local_steps(
       (True: this call ends a round; False: inner step only) instead of the
       on-device ``lax.cond`` over the counter; a loop that knows its step on
       the host uses it so that inner steps compile as the inner optimizer
-      alone. Non-float params (e.g. integer buffers) get the inner update
-      and are never averaged or reset.
+      alone. With ``delay > 0``, ``sync_step`` marks the step that starts an
+      exchange and ``merge_step`` (same values) the step that merges it;
+      give both or neither. Non-float params (e.g. integer buffers) get the
+      inner update and are never averaged or reset.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -254,10 +383,17 @@ def local_steps(
       >>> params = optax.apply_updates(params, updates)
       >>> int(state.count), state.local_opt_state[0].count.shape
       (1, (8,))
+      >>> overlapped = local_steps(optax.adam(1e-3), noloco_outer(), 50, delay=2)
+      >>> reps.init(overlapped, params).anchor.shape     # theta at the last exchange
+      (8, 4)
 
     References:
       Kolehmainen et al., 2025, https://arxiv.org/abs/2506.10911;
-      Douillard et al., 2023, https://arxiv.org/abs/2311.08105.
+      Douillard et al., 2023, https://arxiv.org/abs/2311.08105;
+      Douillard et al., "Streaming DiLoCo with overlapping communication",
+      2025, https://arxiv.org/abs/2501.18512 (fragments, delay, mixing);
+      Kale et al., "Eager Updates For Overlapped Communication and
+      Computation in DiLoCo", 2025, https://arxiv.org/abs/2502.12996.
     """
     check_sync_every(sync_every)
     if slow_dtype is not None and not jnp.issubdtype(slow_dtype, jnp.floating):
@@ -266,8 +402,11 @@ def local_steps(
     num_frags, spec = frag.num_fragments(fragments), fragments
     fragments = None if num_frags == 1 else fragments  # one fragment: today's update
     frag.check_fragments(num_frags, sync_every)
+    delay = check_delay(delay, sync_every, num_frags)
+    mixing = check_mixing(mixing)
     inner = optax.with_extra_args_support(inner)
     outer = optax.with_extra_args_support(outer)
+    rules = _Rules(inner, outer, nonfinite_guard, guard_axis_name, fragments, mixing)
 
     def init_fn(params: optax.Params) -> LocalStepsState:
         if spec is not None:
@@ -275,6 +414,9 @@ def local_steps(
         slow = jax.tree.map(
             lambda p: jnp.array(p, dtype=slow_dtype or p.dtype, copy=True), float_leaves(params)
         )
+        anchor = None
+        if delay:
+            anchor = jax.tree.map(lambda p: jnp.array(p, copy=True), float_leaves(params))
         return LocalStepsState(
             count=jnp.zeros([], jnp.int32),
             slow_params=slow,
@@ -283,42 +425,8 @@ def local_steps(
                 outer.init(frag.take(slow, fragments, p)) for p in range(num_frags)),
             nonfinite_resets=jnp.zeros([], jnp.float32),
             phase_errors=jnp.zeros([], jnp.int32),
+            anchor=anchor,
         )
-
-    def view(tree: Any, p: int | None) -> Any:
-        return tree if p is None else frag.take(tree, fragments, p)
-
-    def merge(tree: Any, part: Any, p: int | None) -> Any:
-        return part if p is None else frag.put(tree, part, fragments, p)
-
-    def sync(params: optax.Params, operands: tuple, p: int | None = None) -> tuple:
-        """The outer step (of fragment ``p``; of everything when ``p`` is None)."""
-        inner_updates, slow, outer_states, local_opt_state, resets = operands
-        outer_state = outer_states if p is None else outer_states[p]
-        stream = {} if p is None else {"stream": p}  # fragments draw their groups apart
-        theta_all = float_leaves(optax.apply_updates(params, inner_updates))
-        slow_p, theta = view(slow, p), view(theta_all, p)
-        outer_grad = jax.tree.map(lambda s, t: s - t.astype(s.dtype), slow_p, theta)
-        if not nonfinite_guard:
-            delta, outer_state = outer.update(outer_grad, outer_state, slow_p, **stream)
-            new_slow = optax.apply_updates(slow_p, delta)
-        else:
-            ok = _all_finite(theta_all, guard_axis_name)
-            safe_grad = optax.tree.where(ok, outer_grad, optax.tree.zeros_like(outer_grad))
-            delta, new_outer = outer.update(safe_grad, outer_state, slow_p, active=ok, **stream)
-            new_slow = optax.tree.where(ok, optax.apply_updates(slow_p, delta), slow_p)
-            # A cond, not a select, so no step copies the outer state (BENCHMARKS.md).
-            new_outer, outer_state = _same_varying_axes(new_outer, outer_state)
-            kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
-            outer_state = _counters_from(new_outer, kept)
-            fresh = inner.init(_theta_like(merge(slow, new_slow, p), params))  # counts too
-            local_opt_state = optax.tree.where(ok, local_opt_state, fresh)
-            resets = resets + (1.0 - ok)
-        jump = _landing(new_slow, view(params, p), view(inner_updates, p))
-        if p is not None:
-            outer_state = tuple(outer_state if q == p else o for q, o in enumerate(outer_states))
-        return (merge(inner_updates, jump, p), merge(slow, new_slow, p), outer_state,
-                local_opt_state, resets)  # fmt: skip
 
     def update_fn(
         updates: optax.Updates,
@@ -331,7 +439,8 @@ def local_steps(
         if is_batched(state.count):
             raise ValueError(BATCHED_COUNTER_FIX)
         sync_step = extra_args.pop("sync_step", None)
-        _check_sync_step(sync_step, num_frags)
+        merge_step = extra_args.pop("merge_step", None)
+        _check_phases(sync_step, merge_step, num_frags, delay)
         inner_updates, local_opt_state = inner.update(updates, state.local_opt_state, params, **extra_args)
         count = optax.safe_int32_increment(state.count)
         errors = state.phase_errors
@@ -341,26 +450,159 @@ def local_steps(
             lambda u, p: u.astype(_update_dtype(p)) if is_float(p) else u, inner_updates, params
         )
         operands = (inner_updates, state.slow_params, state.outer_state, local_opt_state,
-                    state.nonfinite_resets)  # fmt: skip
-        if sync_step is None and fragments is None:
-            branches = lax.cond(
-                count % sync_every == 0, functools.partial(sync, params), lambda ops: ops, operands
-            )
-        elif sync_step is None:  # one branch per fragment, taken on its sync steps
-            due = frag.sync_fragment(count, sync_every, num_frags)
-            fns = [lambda ops: ops] + [functools.partial(sync, params, p=p)
-                                       for p in range(num_frags)]  # fmt: skip
-            branches = lax.switch(due + 1, fns, operands)
+                    state.nonfinite_resets, state.anchor)  # fmt: skip
+        if sync_step is None:
+            branches = rules.on_device(params, operands, count, sync_every, num_frags, delay)
         else:  # the caller knows the phase statically (``trainer.step.sync_positions``)
             if check_phase:
-                errors = errors + _check_phase(count, sync_every, sync_step, num_frags)
-            p = None if fragments is None else (sync_step if sync_step is not False else None)
-            branches = operands if sync_step is False else sync(params, operands, p)
-        new_updates, slow, outer_state, local_opt_state, resets = branches
+                errors = errors + _check_phase(count, sync_every, sync_step, num_frags, delay)
+                if delay:
+                    errors = errors + _check_phase(count, sync_every, merge_step, num_frags,
+                                                   name="merge_step")  # fmt: skip
+            branches = rules.static(params, operands, sync_step, merge_step, delay)
+        new_updates, slow, outer_state, local_opt_state, resets, anchor = branches
         return new_updates, LocalStepsState(count, slow, local_opt_state, outer_state, resets,
-                                            errors)  # fmt: skip
+                                            errors, anchor)  # fmt: skip
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _fragment(flag: Any, fragments: Any) -> int | None:
+    """The fragment a phase flag names (None without fragments)."""
+    return None if fragments is None else flag
+
+
+class _Rules:
+    """The branches of one ``local_steps`` update: the outer step, the merge, their choice.
+
+    Every branch maps the operands ``(inner_updates, slow, outer_states,
+    local_opt_state, resets, anchor)`` to new ones; ``p`` is the fragment they
+    act on (None: all params).
+    """
+
+    def __init__(self, inner: Any, outer: Any, guard: bool, guard_axis: Any, fragments: Any,
+                 mixing: float) -> None:  # fmt: skip
+        self.inner, self.outer, self.guard, self.guard_axis = inner, outer, guard, guard_axis
+        self.fragments, self.mixing = fragments, mixing
+
+    def view(self, tree: Any, p: int | None) -> Any:
+        return tree if p is None else frag.take(tree, self.fragments, p)
+
+    def merge(self, tree: Any, part: Any, p: int | None) -> Any:
+        return part if p is None else frag.put(tree, part, self.fragments, p)
+
+    def on_device(self, params: Any, operands: tuple, count: jax.Array, sync_every: int,
+                  num_frags: int, delay: int) -> tuple:  # fmt: skip
+        """The branch the counter picks, under ``lax.cond``/``lax.switch`` (only it runs)."""
+        keep = lambda ops: ops  # noqa: E731
+        if delay == 0 and self.fragments is None:
+            return lax.cond(count % sync_every == 0, functools.partial(self.sync, params), keep,
+                            operands)  # fmt: skip
+        ps = [None] if self.fragments is None else list(range(num_frags))
+        fns = [keep]
+        index = frag.sync_fragment(count, sync_every, num_frags) + 1
+        if delay == 0:  # one branch per fragment, taken on its sync steps
+            fns += [functools.partial(self.sync, params, p=p) for p in ps]
+        else:  # exchanges start `delay` steps before the rounds end; merges when they end
+            fns += [functools.partial(self.exchange, params, p=p) for p in ps]
+            fns += [functools.partial(self.land, params, p=p) for p in ps]
+            start = frag.sync_fragment(count + delay, sync_every, num_frags)
+            index = jnp.where(start >= 0, start + 1, jnp.where(index > 0, index + len(ps), 0))
+        return lax.switch(index, fns, operands)
+
+    def static(self, params: Any, operands: tuple, sync_step: Any, merge_step: Any,
+               delay: int) -> tuple:  # fmt: skip
+        """The branch the caller named (``sync_step`` / ``merge_step``)."""
+        if sync_step is not False:
+            fn = self.sync if delay == 0 else self.exchange
+            return fn(params, operands, _fragment(sync_step, self.fragments))
+        if delay and merge_step is not False:
+            return self.land(params, operands, _fragment(merge_step, self.fragments))
+        return operands
+
+    def outer_step(self, params: Any, operands: tuple, p: int | None) -> tuple:
+        """phi_new from theta after this step's inner update, and what the guard decided.
+
+        Returns:
+          (theta of fragment p, phi_new of fragment p, outer states, inner
+          state, resets, ok) with ``ok`` None without the guard.
+        """
+        inner_updates, slow, outer_states, local_opt_state, resets, _ = operands
+        outer_state = outer_states if p is None else outer_states[p]
+        stream = {} if p is None else {"stream": p}  # fragments draw their groups apart
+        theta_all = float_leaves(optax.apply_updates(params, inner_updates))
+        slow_p, theta = self.view(slow, p), self.view(theta_all, p)
+        outer_grad = jax.tree.map(lambda s, t: s - t.astype(s.dtype), slow_p, theta)
+        ok = None
+        if not self.guard:
+            delta, outer_state = self.outer.update(outer_grad, outer_state, slow_p, **stream)
+            new_slow = optax.apply_updates(slow_p, delta)
+        else:
+            ok = _all_finite(theta_all, self.guard_axis)
+            safe_grad = optax.tree.where(ok, outer_grad, optax.tree.zeros_like(outer_grad))
+            delta, new_outer = self.outer.update(safe_grad, outer_state, slow_p, active=ok,
+                                                 **stream)  # fmt: skip
+            new_slow = optax.tree.where(ok, optax.apply_updates(slow_p, delta), slow_p)
+            # A cond, not a select, so no step copies the outer state (BENCHMARKS.md).
+            new_outer, outer_state = _same_varying_axes(new_outer, outer_state)
+            kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
+            outer_state = _counters_from(new_outer, kept)
+            fresh = self.inner.init(_theta_like(self.merge(slow, new_slow, p), params))
+            local_opt_state = optax.tree.where(ok, local_opt_state, fresh)  # counts too
+            resets = resets + (1.0 - ok)
+        if p is not None:
+            outer_state = tuple(outer_state if q == p else o for q, o in enumerate(outer_states))
+        return theta, new_slow, outer_state, local_opt_state, resets, ok
+
+    def sync(self, params: Any, operands: tuple, p: int | None = None) -> tuple:
+        """The outer step that lands at once (no delay): theta <- phi_new."""
+        inner_updates, slow, *_, anchor = operands
+        _, new_slow, outer_state, local_opt_state, resets, _ = self.outer_step(params, operands, p)
+        jump = _landing(new_slow, self.view(params, p), self.view(inner_updates, p))
+        return (self.merge(inner_updates, jump, p), self.merge(slow, new_slow, p), outer_state,
+                local_opt_state, resets, anchor)  # fmt: skip
+
+    def exchange(self, params: Any, operands: tuple, p: int | None = None) -> tuple:
+        """The outer step whose result waits: theta trains on, theta_s becomes the anchor.
+
+        A replica the guard caught lands on its (kept) slow weights now, as
+        without delay, and anchors there.
+        """
+        inner_updates, slow, *_, anchor = operands
+        theta, new_slow, outer_state, local_opt_state, resets, ok = self.outer_step(
+            params, operands, p)
+        new_updates = inner_updates
+        if ok is not None:
+            jump = _landing(new_slow, self.view(params, p), self.view(inner_updates, p))
+            mine = self.view(inner_updates, p)
+            new_updates = self.merge(inner_updates, optax.tree.where(ok, mine, jump), p)
+            theta = optax.tree.where(ok, theta, _as_params(new_slow, theta))
+        return (new_updates, self.merge(slow, new_slow, p), outer_state, local_opt_state, resets,
+                self.merge(anchor, theta, p))  # fmt: skip
+
+    def land(self, params: Any, operands: tuple, p: int | None = None) -> tuple:
+        """The merge: theta <- phi_new + m (theta after this step - anchor), phi_new = slow."""
+        inner_updates, slow, outer_state, local_opt_state, resets, anchor = operands
+        m = self.mixing
+
+        def jump(s: Any, a: Any, x: Any, u: Any) -> Any:
+            if s is None:
+                return u
+            wide = _update_dtype(x)
+            theta = optax.apply_updates(x, u).astype(wide)  # as apply_updates will land it
+            target = s.astype(wide) + m * (theta - a.astype(wide))
+            return target.astype(x.dtype).astype(wide) - x.astype(wide)
+
+        mine = jax.tree.map(jump, self.view(slow, p), self.view(anchor, p), self.view(params, p),
+                            self.view(inner_updates, p), is_leaf=lambda x: x is None)
+        return (self.merge(inner_updates, mine, p), slow, outer_state, local_opt_state, resets,
+                anchor)  # fmt: skip
+
+
+def _as_params(new_slow: Any, like: Any) -> Any:
+    """phi in the dtypes of ``like`` (the float params), None where ``like`` has none."""
+    return jax.tree.map(lambda s, x: None if x is None else s.astype(x.dtype), new_slow, like,
+                        is_leaf=lambda v: v is None)  # fmt: skip
 
 
 def restore_nonfinite(

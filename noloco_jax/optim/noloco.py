@@ -24,6 +24,10 @@ travel: half the bytes of the reference, which sends phi and theta - phi.
 
 The input is the local pseudo-gradient ``outer_grad = phi_i - theta_i`` (DiLoCo
 convention: positive means "descend"), so theta_i = phi_i - outer_grad.
+
+With ``local_steps(..., delay=tau)`` this step runs tau steps before its round ends, on
+theta and phi of that step; phi does not move until the merge, so the gamma pull is the one
+above with phi and mean_G phi of that step (derivation: ``noloco_jax.optim.local_steps``).
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ from noloco_jax.pipeline.routed import STAGE
 from noloco_jax.skippipe.training import SkipConfig
 from noloco_jax.trainer import grads
 from noloco_jax.trainer.resize import check_resume, restore_resized
-from noloco_jax.trainer.settings import TrainSettings, warnings_for
-from noloco_jax.trainer.step import TrainState, eval_token_losses, make_program
+from noloco_jax.trainer.settings import TrainSettings, check_delay_windows, warnings_for
+from noloco_jax.trainer.step import (TrainState, eval_token_losses, make_program,
+                                     make_window_program)
 from noloco_jax.trainer.writers import MetricWriter, Progress, read_jsonl
 
 __all__ = ["DataBundle", "prepare_data", "prepare_model", "train_and_evaluate", "load_run"]
@@ -143,6 +144,10 @@ class _Run:
     ``inner(state, tokens [N, block, ...], count)`` runs ``count`` inner steps;
     ``sync(state, tokens [N, 1, ...], 1)`` runs the step that ends a round
     (``None`` for methods without rounds). These are the run's two programs.
+    With ``delay`` > 0 (the overlapped exchange) ``sync`` is a tuple of window
+    programs, one per fragment: ``sync[p](state, tokens)`` runs the delay + 1
+    steps from an exchange of fragment p to its merge (``tokens``: one
+    [N, 1, ...] array per step).
     """
 
     settings: TrainSettings
@@ -157,6 +162,7 @@ class _Run:
     meta: dict
     resized_from: int | None = None  # the checkpoint's replica count after a resize
     calls: set = dataclasses.field(default_factory=set)  # programs called (so compiled) so far
+    delay: int = 0  # tau, the steps between an exchange's start and its merge
 
 
 def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
@@ -176,14 +182,17 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     rounds = s.method in ("noloco", "diloco")
     period = s.outer.sync_every // s.outer.fragments if rounds else None
     block = math.gcd(s.log_every, period) if rounds else s.log_every
-    inner, sync = _programs(reps, step_kwargs, rounds, fragments=spec is not None)
+    delay = s.outer.delay if rounds else 0
+    inner, sync = _programs(reps, step_kwargs, rounds, fragments=spec is not None, delay=delay,
+                            num_fragments=s.outer.fragments)  # fmt: skip
     evaluate = _make_evaluator(reps, graphdef, data.eval_windows)
     meta = {
         "settings": s.to_dict(),
         "batcher": data.batcher.state(),
         "vocab_size": int(data.tokenizer.vocab_size),
     }
-    return _Run(s, data, reps, params0, inner, sync, block, period, evaluate, meta), state
+    return _Run(s, data, reps, params0, inner, sync, block, period, evaluate, meta,
+                delay=delay), state  # fmt: skip
 
 
 def _topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
@@ -227,13 +236,21 @@ def _nan_drill(fault: Any) -> Callable | None:
     return corrupt
 
 
-def _programs(reps: replicas.Replicas, step_kwargs: dict, rounds: bool, fragments: bool
-              ) -> tuple[Callable, Callable | None]:  # fmt: skip
-    """The run's two jitted programs over replicas (state donated): inner steps and sync step."""
+def _programs(reps: replicas.Replicas, step_kwargs: dict, rounds: bool, fragments: bool,
+              delay: int = 0, num_fragments: int = 1) -> tuple[Callable, Any]:  # fmt: skip
+    """The run's two jitted programs over replicas (state donated): inner steps and sync step.
 
+    With ``delay`` > 0 the second is one window program per fragment (exchange, delay - 1
+    inner steps, merge), each fragment's phases known at compile time.
+    """
     program = functools.partial(make_program, reps, **step_kwargs)
     if not rounds:
         return program(sync_step=None), None
+    if delay:
+        windows = tuple(make_window_program(reps, delay=delay, **step_kwargs,
+                                            fragment=p if fragments else None)
+                        for p in range(num_fragments if fragments else 1))  # fmt: skip
+        return program(sync_step=False, merge_step=False), windows
     # With fragments the sync step picks its fragment from the step counter.
     return program(sync_step=False), program(sync_step=None if fragments else True)
 
@@ -409,6 +426,7 @@ def train_and_evaluate(
     """
     workdir = _writable_workdir(workdir)
     check_sinks(settings)
+    check_delay_windows(settings, stop_at)  # no run stops inside an overlap window
     lock = WorkdirLock(workdir)
     if jax.process_index() == 0:  # in a multi-process run, process 0's lock stands for all
         lock.acquire()
@@ -741,22 +759,49 @@ def _nonfinite_resets(state: TrainState) -> float:
 
 
 def _run_blocks(run: _Run, state: TrainState, step: int, k: int) -> tuple[TrainState, Any]:
-    """``k`` steps from ``step`` as calls of the two programs; returns the state and [N, k] losses."""
+    """``k`` steps from ``step`` as calls of the two programs; returns the state and [N, k] losses.
+
+    The inner program runs blocks of up to ``run.block`` steps; the sync program runs the
+    ``delay + 1`` steps from the step that starts a round's exchange to the one that ends
+    the round (one step without delay). Blocks stop where the sync program starts.
+    """
     losses, end = [], step + k
     while step < end:
         size = min(run.block - step % run.block, end - step)
-        sync = run.period is not None and (step + size) % run.period == 0
-        if size > sync:  # the inner steps of the block
-            run.calls.add("inner")
-            tokens = _next_tokens(run, step, run.block)
-            state, out = run.inner(state, tokens, np.int32(size - sync))
-            losses.append(out[:, : size - sync])
-        if sync:
-            run.calls.add("sync")
-            state, out = run.sync(state, _next_tokens(run, step + size - 1, 1), np.int32(1))
-            losses.append(out)
+        if run.period is not None:
+            start = _window_start(run, step, end)
+            if start == step:  # the exchange, the delay's inner steps and the merge
+                run.calls.add("sync")
+                state, out = _run_window(run, state, step)
+                losses.append(out)
+                step += run.delay + 1
+                continue
+            size = min(size, start - step)
+        run.calls.add("inner")
+        state, out = run.inner(state, _next_tokens(run, step, run.block), np.int32(size))
+        losses.append(out[:, :size])
         step += size
     return state, np.concatenate([replicas.to_host(x) for x in losses], axis=1)
+
+
+def _window_start(run: _Run, step: int, end: int) -> int:
+    """Steps done when the next sync program starts (its round ends at the next period end)."""
+    stop = (step // run.period + 1) * run.period
+    start = stop - run.delay - 1
+    if start < step or (start == step and stop > end):  # the settings' window rule prevents it
+        raise ValueError(f"steps [{step}, {end}) cut the overlap window ending at step {stop} "
+                         f"(outer.delay={run.delay}); chunk ends must avoid windows.")
+    return start
+
+
+def _run_window(run: _Run, state: TrainState, step: int) -> tuple[TrainState, Any]:
+    """The sync program from ``step``: one step, or an overlap window of ``delay + 1`` steps."""
+    if not run.delay:
+        return run.sync(state, _next_tokens(run, step, 1), np.int32(1))
+    stop = step + run.delay + 1  # the step count at which the round ends
+    fragment = (stop // run.period - 1) % len(run.sync)
+    tokens = tuple(_next_tokens(run, t, 1) for t in range(step, stop))
+    return run.sync[fragment](state, tokens)
 
 
 def _train_metrics(run: _Run, state: TrainState, step: int, k: int, losses: np.ndarray,

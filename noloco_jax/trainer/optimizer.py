@@ -95,8 +95,8 @@ def build_optimizer(
     guard = fault.nonfinite_guard and axis is not None
     guard_axis = STAGE_AXIS if stage is not None else None  # a replica spans its stages
     return optax.chain(clip, local_steps(inner, out, outer.sync_every, nonfinite_guard=guard,
-                                         guard_axis_name=guard_axis,
-                                         fragments=fragment_spec))  # fmt: skip
+                                         guard_axis_name=guard_axis, fragments=fragment_spec,
+                                         delay=outer.delay, mixing=outer.mixing))  # fmt: skip
 
 
 def _outer_step(method: str, outer: OuterSettings, axis: str | None, fault: FaultSettings

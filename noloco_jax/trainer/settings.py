@@ -20,7 +20,7 @@ from typing import Any, Callable
 from noloco_jax import comm, defaults
 from noloco_jax.errors import UserError, check_bool, check_choice, check_int, check_number, require
 from noloco_jax.optim.fragments import check_fragments
-from noloco_jax.optim.local_steps import check_sync_every
+from noloco_jax.optim.local_steps import check_delay, check_mixing, check_sync_every
 from noloco_jax.optim.noloco import check_dropout_prob, check_error_feedback, check_rate
 from noloco_jax.skippipe.training import check_path_length
 
@@ -116,6 +116,8 @@ class OuterSettings:
     exchange_dtype: str
     error_feedback: bool
     fragments: int
+    delay: int
+    mixing: float
     seed: int
 
 
@@ -207,8 +209,12 @@ def validate(s: TrainSettings) -> TrainSettings:
     require(s.outer.fragments == 1 or (s.num_stages == 1 and s.method in ROUND_METHODS),
             "config.outer.fragments", "streaming fragments need method noloco or diloco and "
             "num_stages=1.")  # fmt: skip
+    require(s.outer.delay == 0 or (s.num_stages == 1 and s.method in ROUND_METHODS),
+            "config.outer.delay", f"the overlapped exchange needs method noloco or diloco and "
+            f"num_stages=1, got method={s.method!r}, num_stages={s.num_stages}.")  # fmt: skip
     if s.method in ROUND_METHODS:
         check_log_and_sync_every(s)
+        check_delay_windows(s)
     _validate_fault(s.fault, s.num_replicas)
     _validate_skip(s.skip, s.num_stages)
     parse_profile_steps(s.profile_steps)
@@ -266,6 +272,36 @@ def check_log_and_sync_every(s: TrainSettings) -> None:
         f"(one a multiple of the other), e.g. log_every={new_log} or outer.sync_every="
         f"{new_sync}: the trainer compiles one chunk of log_every inner steps and one sync step."
     )
+
+
+def check_delay_windows(s: TrainSettings, stop_at: int | None = None) -> None:
+    """The window rule: no chunk boundary falls inside an overlap window.
+
+    With ``outer.delay = tau`` the trainer runs a round's exchange, its tau inner steps and the
+    merge as one program, over the steps done from t - tau - 1 to t (t a multiple of the
+    round period S = sync_every / fragments). A chunk (log, eval, checkpoint, the run's end,
+    ``stop_at``) must not end at t - tau .. t - 1. Chunks end at multiples of log_every, which
+    reach every multiple of gcd(log_every, S) modulo S, so that needs gcd(log_every, S) > tau.
+
+    Raises:
+      UserError (a ``ValueError``): naming the field, its value and what is allowed.
+    """
+    tau, period = s.outer.delay, s.outer.sync_every // s.outer.fragments
+    if tau == 0:
+        return
+    unit = math.gcd(s.log_every, period)
+    require(unit > tau, "config.log_every", f"{s.log_every} would end chunks (logs, evals, "
+            f"checkpoints) inside overlap windows: with outer.delay={tau} and rounds every "
+            f"{period} steps, gcd(log_every, {period}) = {unit} must be > {tau}, e.g. "
+            f"log_every={period} (or a multiple).")  # fmt: skip
+    for field, step in (("config.num_steps", s.num_steps), ("stop_at", stop_at)):
+        if step is None or step % period < period - tau:
+            continue
+        end = step - step % period + period  # the merge that ends the window
+        raise UserError(f"{field}={step} ends inside an overlap window: with outer.delay={tau} "
+                        f"and rounds every {period} steps, {field.rpartition('.')[2]} mod "
+                        f"{period} must not be in [{period - tau}, {period - 1}], e.g. "
+                        f"{end - tau - 1} or {end}.")  # fmt: skip
 
 
 def _validate_model(s: TrainSettings) -> None:
@@ -377,6 +413,9 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
                          dtype_field="config.outer.exchange_dtype")  # fmt: skip
     check_fragments(o.fragments, o.sync_every, field="config.outer.fragments",
                     sync_field="config.outer.sync_every")  # fmt: skip
+    check_delay(o.delay, o.sync_every, o.fragments, field="config.outer.delay",
+                sync_field="config.outer.sync_every", fragments_field="config.outer.fragments")
+    check_mixing(o.mixing, "config.outer.mixing")
     _check_seed("config.outer.seed", o.seed)
     if method == "noloco" and num_replicas > 1:
         comm.check_group_size(num_replicas, o.group_size, field="config.outer.group_size",

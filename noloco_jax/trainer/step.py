@@ -25,6 +25,8 @@ __all__ = [
     "train_step",
     "run_steps",
     "make_program",
+    "run_window",
+    "make_window_program",
     "eval_token_losses",
     "eval_window_losses",
 ]
@@ -59,7 +61,8 @@ def train_step(
     *,
     grads_fn: GradsFn,
     tx: optax.GradientTransformation,
-    sync_step: bool | None = None,
+    sync_step: bool | int | None = None,
+    merge_step: bool | int | None = None,
     nonfinite_guard: bool = False,
     guard_axis: str | None = None,
     corrupt: Callable[[Any, jax.Array], Any] | None = None,
@@ -72,8 +75,11 @@ def train_step(
       grads_fn: ``grads_fn(params, tokens, step) -> (loss, grads)``
         (``trainer.grads``: plain, stage skipping, routed pipeline).
       tx: the optimizer.
-      sync_step: the step's phase for ``local_steps`` (True: it ends a round),
-        or None to let it decide on the device.
+      sync_step: the step's phase for ``local_steps`` (True: it ends a round,
+        or with a delay starts its exchange; with fragments the fragment's
+        index), or None to let it decide on the device.
+      merge_step: with ``local_steps(..., delay > 0)`` and a ``sync_step``:
+        whether this step merges the pending exchange (True or the fragment).
       nonfinite_guard: put the params of a replica the optimizer's guard caught
         back on its slow weights (``restore_nonfinite``; on sync steps only).
       guard_axis: intra-replica axis for the guard (a replica's stages).
@@ -85,6 +91,8 @@ def train_step(
     params = state.params if corrupt is None else corrupt(state.params, state.step)
     loss, grads = grads_fn(params, tokens_BxT1, state.step)
     phase = {} if sync_step is None else {"sync_step": sync_step}
+    if merge_step is not None:
+        phase["merge_step"] = merge_step
     updates, opt_state = tx.update(grads, state.opt_state, params, **phase)
     params = optax.apply_updates(params, updates)
     if nonfinite_guard and sync_step is not False:
@@ -133,6 +141,52 @@ def make_program(reps: Any, *, sync_step: bool | None, donate: bool = True, **st
     """
     step_fn = functools.partial(train_step, sync_step=sync_step, **step_kwargs)
     return jax.jit(reps.map(functools.partial(run_steps, step_fn=step_fn)),
+                   donate_argnums=0 if donate else ())
+
+
+def run_window(
+    state: TrainState,
+    tokens: tuple[jax.Array, ...],
+    *,
+    step_fns: tuple[Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]], ...],
+) -> tuple[TrainState, jax.Array]:
+    """The steps of one overlap window, unrolled: ``step_fns[k]`` on ``tokens[k]`` ([1, B, T + 1]).
+
+    Straight-line code, so the compiler sees that the exchange started by the
+    first step is needed only by the last (the merge) and may run it while
+    the steps in between compute.
+
+    Returns:
+      The new state and the K losses.
+    """
+    losses = []
+    for step_fn, tokens_1xBxT1 in zip(step_fns, tokens, strict=True):
+        state, loss = step_fn(state, tokens_1xBxT1[0])
+        losses.append(loss)
+    return state, jnp.stack(losses)
+
+
+def make_window_program(reps: Any, *, delay: int, fragment: int | None = None,
+                        donate: bool = True, **step_kwargs: Any) -> Callable:  # fmt: skip
+    """``program(state, tokens)``: one round's overlap window of ``local_steps(..., delay)``.
+
+    The window is the step that starts the exchange, ``delay - 1`` inner steps
+    and the step that merges it (``delay + 1`` steps, ``tokens`` one
+    [N, 1, B, T + 1] array each), jitted over the replicas of ``reps`` with
+    the state donated.
+
+    Args:
+      reps: the topology.
+      delay: tau >= 1.
+      fragment: the fragment whose round it is (None without fragments).
+      donate: let the program reuse the state's buffers.
+      **step_kwargs: the rest of ``train_step``'s arguments (``grads_fn``, ``tx``, ...).
+    """
+    flag = True if fragment is None else fragment
+    phases = [(flag, False)] + [(False, False)] * (delay - 1) + [(False, flag)]
+    step_fns = tuple(functools.partial(train_step, sync_step=a, merge_step=b, **step_kwargs)
+                     for a, b in phases)  # fmt: skip
+    return jax.jit(reps.map(functools.partial(run_window, step_fns=step_fns)),
                    donate_argnums=0 if donate else ())
 
 
