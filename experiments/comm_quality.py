@@ -35,7 +35,7 @@ for _name in options.GRID_FLAGS:
 CONFIG = harness.ROOT / "configs" / "exp_table2.py"
 SEEDS = (0, 1, 2)
 SYNC_EVERY = 20
-COMMON = {"num_replicas": 8, "num_steps": 300, "eval_every": 50, "log_every": 5,
+COMMON = {"num_replicas": 8, "num_steps": 300, "eval_every": 50, "log_every": 10,
           "outer.sync_every": SYNC_EVERY}  # fmt: skip
 METHODS = {
     "noloco": {"method": "noloco", "outer.momentum": 0.5},
