@@ -366,6 +366,8 @@ def make_replicas(
       devices: devices to use for ``shard_map`` (default: the first ones).
       mesh_shape: intra-replica axes, e.g. ``{"fsdp": 4, "tensor": 2}``: each
         replica's leaves are split over F x T devices (``noloco_jax.sharding``).
+        With several processes each one holds whole replicas when they fit in it
+        (only the outer step then crosses processes).
 
     Returns:
       A ``Replicas``.
@@ -411,7 +413,31 @@ def make_replicas(
         return Replicas(num_replicas, axis_name, jax.make_mesh((num_replicas,), (axis_name,),
                                                                devices=devs))  # fmt: skip
     auto = jax.sharding.AxisType.Auto
-    mesh = jax.make_mesh((num_replicas, *shape.values()), (axis_name, *shape),
-                         axis_types=(jax.sharding.AxisType.Explicit, auto, auto),
-                         devices=devs)  # fmt: skip
+    types = (jax.sharding.AxisType.Explicit, auto, auto)
+    names, dims = (axis_name, *shape), (num_replicas, *shape.values())
+    grid = _whole_replicas_per_process(devs, dims)
+    mesh = (jax.make_mesh(dims, names, axis_types=types, devices=devs) if grid is None
+            else jax.sharding.Mesh(grid, names, axis_types=types))  # fmt: skip
     return Replicas(num_replicas, axis_name, mesh, leaf_axes=sharding.intra_replica_axes)
+
+
+def _whole_replicas_per_process(devices: np.ndarray, dims: tuple[int, ...]) -> np.ndarray | None:
+    """An (N, F, T) device array that gives each process whole replicas, or ``None``.
+
+    With several processes the replica axis spans the processes and each
+    replica's F x T devices lie in one process (their gathers stay on its fast
+    links; only the outer step crosses processes). ``None`` when the devices
+    belong to one process, or when they cannot be split so (a replica larger
+    than a process, or unequal processes): then the usual mesh order is used.
+    """
+    from jax.experimental import mesh_utils  # noqa: PLC0415
+
+    groups: dict[int, int] = {}
+    for d in devices:
+        groups[d.process_index] = groups.get(d.process_index, 0) + 1
+    sizes, per_replica = set(groups.values()), int(np.prod(dims[1:]))
+    if len(groups) < 2 or len(sizes) > 1 or sizes.pop() % per_replica or dims[0] % len(groups):
+        return None
+    return mesh_utils.create_hybrid_device_mesh(
+        (dims[0] // len(groups), *dims[1:]), (len(groups), *[1] * (len(dims) - 1)),
+        list(devices), process_is_granule=True)

@@ -146,6 +146,24 @@ def test_a_split_that_does_not_divide_is_refused():
         replicas.make_replicas(2, mesh_shape={"pipe": 2})
 
 
+class _FakeDevice:
+    def __init__(self, i, process):
+        self.id, self.process_index, self.platform, self.device_kind = i, process, "cpu", "cpu"
+
+
+def test_each_process_holds_whole_replicas():
+    """With several processes each replica's devices lie in one process, however the devices
+    are listed (tests/test_multihost.py trains on such a mesh)."""
+    devs = np.asarray([_FakeDevice(i, i % 2) for i in range(8)], dtype=object)  # interleaved
+    processes = lambda grid: [sorted({d.process_index for d in r.flat}) for r in grid]  # noqa: E731
+    assert processes(replicas._whole_replicas_per_process(devs, (2, 4, 1))) == [[0], [1]]
+    assert processes(replicas._whole_replicas_per_process(devs, (4, 1, 2))) == [[0], [0], [1], [1]]
+    assert replicas._whole_replicas_per_process(devs, (1, 4, 2)) is None  # larger than a process
+    uneven = np.asarray([_FakeDevice(i, i // 4) for i in range(6)], dtype=object)  # 4 + 2
+    assert replicas._whole_replicas_per_process(uneven, (3, 2, 1)) is None
+    assert replicas._whole_replicas_per_process(np.asarray(jax.devices()), (2, 4, 1)) is None
+
+
 # ---------------------------------------------------------------- the trainer on split replicas
 
 
