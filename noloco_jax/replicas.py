@@ -384,26 +384,26 @@ def make_replicas(
     shape = {a: int((mesh_shape or {}).get(a, 1)) for a in sharding.INTRA_AXES}
     unknown = sorted(set(mesh_shape or {}) - set(sharding.INTRA_AXES))
     if unknown or any(v < 1 for v in shape.values()):
-        raise ValueError(f"mesh_shape takes {list(sharding.INTRA_AXES)} with sizes >= 1, got "
-                         f"{mesh_shape!r}.")  # fmt: skip
+        raise errors.UserError(f"mesh_shape takes {list(sharding.INTRA_AXES)} with sizes >= 1, "
+                               f"got {mesh_shape!r}.")  # fmt: skip
     per_replica = shape[sharding.FSDP] * shape[sharding.TENSOR]
     all_devices = list(jax.devices() if devices is None else devices)
     need = num_replicas * per_replica
-    if backend == "auto":
-        spans = num_replicas > 1 or per_replica > 1
-        backend = "shard_map" if spans and len(all_devices) >= need else "vmap"
+    if backend == "auto":  # a split replica cannot be simulated: it needs its devices
+        spans = per_replica > 1 or (num_replicas > 1 and len(all_devices) >= need)
+        backend = "shard_map" if spans else "vmap"
     if backend == "vmap":
         if per_replica > 1:
-            raise ValueError(f"mesh_shape={mesh_shape!r} splits a replica over devices, which "
-                             f"needs backend='shard_map' (or 'auto' with {need} devices).")
+            raise errors.UserError(f"mesh_shape={mesh_shape!r} splits a replica over devices, "
+                                   f"which needs backend='shard_map' or 'auto'.")
         return Replicas(num_replicas, axis_name)
     if len(all_devices) < need and per_replica == 1:
-        raise ValueError(
+        raise errors.UserError(
             f"backend='shard_map' needs one device per replica: num_replicas={num_replicas} "
             f"but only {len(all_devices)} devices are visible. Use backend='vmap', fewer "
             f"replicas, or (on CPU) XLA_FLAGS=--xla_force_host_platform_device_count={need}.")
     if len(all_devices) < need:
-        raise ValueError(
+        raise errors.UserError(
             f"num_replicas={num_replicas} x fsdp={shape['fsdp']} x tensor={shape['tensor']} = "
             f"{need} devices are needed, {len(all_devices)} are visible. Use fewer replicas or a "
             f"smaller split (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={need})."

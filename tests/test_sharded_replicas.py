@@ -137,11 +137,21 @@ def test_hlo_noloco_sync_joins_equal_shards_of_different_replicas():
 
 
 def test_a_split_that_does_not_divide_is_refused():
-    _, params = models.init_params(CFG, 0)
-    with pytest.raises(ValueError, match=r"mesh.tensor=8 does not divide dim 2 \(size 4\)"):
+    _, params = models.init_params(CFG, 0)  # D 64, 4 heads (4 key/value heads)
+    sharding.check_divides(params, {"fsdp": 4, "tensor": 4})  # these divide
+    wk = r"\['blocks'\]\['attn'\]\['wk'\]"
+    with pytest.raises(ValueError, match=rf"mesh.tensor=8 is more than the 4 key/value heads "
+                                         rf"\(dim 2 of {wk}\) it splits; choose a divisor of 4\."):
         sharding.check_divides(params, {"tensor": 8})
-    with pytest.raises(ValueError, match="num_replicas=4 x fsdp=4 x tensor=1 = 16 devices"):
-        replicas.make_replicas(4, backend="shard_map", mesh_shape={"fsdp": 4})
+    with pytest.raises(ValueError, match=rf"mesh.fsdp=3 does not divide dim 1 of {wk} \(the "
+                                         rf"model dimension, size 64\); choose a divisor of 64\."):
+        sharding.check_divides(params, {"fsdp": 3})
+    with pytest.raises(ValueError, match=r"mesh.tensor=3 does not divide dim 2 .*key/value heads"):
+        sharding.check_divides(params, {"tensor": 3})
+    for backend in ("shard_map", "auto"):  # auto cannot simulate a split replica either
+        with pytest.raises(ValueError, match="num_replicas=4 x fsdp=4 x tensor=1 = 16 devices are "
+                                             "needed, 8 are visible"):  # fmt: skip
+            replicas.make_replicas(4, backend=backend, mesh_shape={"fsdp": 4})
     with pytest.raises(ValueError, match="mesh_shape takes"):
         replicas.make_replicas(2, mesh_shape={"pipe": 2})
 
