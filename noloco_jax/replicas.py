@@ -366,6 +366,8 @@ def make_replicas(
       devices: devices to use for ``shard_map`` (default: the first ones).
       mesh_shape: intra-replica axes, e.g. ``{"fsdp": 4, "tensor": 2}``: each
         replica's leaves are split over F x T devices (``noloco_jax.sharding``).
+        With several processes each one holds whole replicas when they fit in it
+        (only the outer step then crosses processes).
 
     Returns:
       A ``Replicas``.
@@ -382,26 +384,26 @@ def make_replicas(
     shape = {a: int((mesh_shape or {}).get(a, 1)) for a in sharding.INTRA_AXES}
     unknown = sorted(set(mesh_shape or {}) - set(sharding.INTRA_AXES))
     if unknown or any(v < 1 for v in shape.values()):
-        raise ValueError(f"mesh_shape takes {list(sharding.INTRA_AXES)} with sizes >= 1, got "
-                         f"{mesh_shape!r}.")  # fmt: skip
+        raise errors.UserError(f"mesh_shape takes {list(sharding.INTRA_AXES)} with sizes >= 1, "
+                               f"got {mesh_shape!r}.")  # fmt: skip
     per_replica = shape[sharding.FSDP] * shape[sharding.TENSOR]
     all_devices = list(jax.devices() if devices is None else devices)
     need = num_replicas * per_replica
-    if backend == "auto":
-        spans = num_replicas > 1 or per_replica > 1
-        backend = "shard_map" if spans and len(all_devices) >= need else "vmap"
+    if backend == "auto":  # a split replica cannot be simulated: it needs its devices
+        spans = per_replica > 1 or (num_replicas > 1 and len(all_devices) >= need)
+        backend = "shard_map" if spans else "vmap"
     if backend == "vmap":
         if per_replica > 1:
-            raise ValueError(f"mesh_shape={mesh_shape!r} splits a replica over devices, which "
-                             f"needs backend='shard_map' (or 'auto' with {need} devices).")
+            raise errors.UserError(f"mesh_shape={mesh_shape!r} splits a replica over devices, "
+                                   f"which needs backend='shard_map' or 'auto'.")
         return Replicas(num_replicas, axis_name)
     if len(all_devices) < need and per_replica == 1:
-        raise ValueError(
+        raise errors.UserError(
             f"backend='shard_map' needs one device per replica: num_replicas={num_replicas} "
             f"but only {len(all_devices)} devices are visible. Use backend='vmap', fewer "
             f"replicas, or (on CPU) XLA_FLAGS=--xla_force_host_platform_device_count={need}.")
     if len(all_devices) < need:
-        raise ValueError(
+        raise errors.UserError(
             f"num_replicas={num_replicas} x fsdp={shape['fsdp']} x tensor={shape['tensor']} = "
             f"{need} devices are needed, {len(all_devices)} are visible. Use fewer replicas or a "
             f"smaller split (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={need})."
@@ -411,7 +413,31 @@ def make_replicas(
         return Replicas(num_replicas, axis_name, jax.make_mesh((num_replicas,), (axis_name,),
                                                                devices=devs))  # fmt: skip
     auto = jax.sharding.AxisType.Auto
-    mesh = jax.make_mesh((num_replicas, *shape.values()), (axis_name, *shape),
-                         axis_types=(jax.sharding.AxisType.Explicit, auto, auto),
-                         devices=devs)  # fmt: skip
+    types = (jax.sharding.AxisType.Explicit, auto, auto)
+    names, dims = (axis_name, *shape), (num_replicas, *shape.values())
+    grid = _whole_replicas_per_process(devs, dims)
+    mesh = (jax.make_mesh(dims, names, axis_types=types, devices=devs) if grid is None
+            else jax.sharding.Mesh(grid, names, axis_types=types))  # fmt: skip
     return Replicas(num_replicas, axis_name, mesh, leaf_axes=sharding.intra_replica_axes)
+
+
+def _whole_replicas_per_process(devices: np.ndarray, dims: tuple[int, ...]) -> np.ndarray | None:
+    """An (N, F, T) device array that gives each process whole replicas, or ``None``.
+
+    With several processes the replica axis spans the processes and each
+    replica's F x T devices lie in one process (their gathers stay on its fast
+    links; only the outer step crosses processes). ``None`` when the devices
+    belong to one process, or when they cannot be split so (a replica larger
+    than a process, or unequal processes): then the usual mesh order is used.
+    """
+    from jax.experimental import mesh_utils  # noqa: PLC0415
+
+    groups: dict[int, int] = {}
+    for d in devices:
+        groups[d.process_index] = groups.get(d.process_index, 0) + 1
+    sizes, per_replica = set(groups.values()), int(np.prod(dims[1:]))
+    if len(groups) < 2 or len(sizes) > 1 or sizes.pop() % per_replica or dims[0] % len(groups):
+        return None
+    return mesh_utils.create_hybrid_device_mesh(
+        (dims[0] // len(groups), *dims[1:]), (len(groups), *[1] * (len(dims) - 1)),
+        list(devices), process_is_granule=True)

@@ -37,18 +37,34 @@ LLAMA_RULES: dict[str, tuple] = {
     "lm_head": (FSDP, TENSOR),  # [D, V]
 }
 
+# What each dim of those leaves is, for error messages.
+_ATTN = ("layers", "model dimension", "heads", "head dimension")
+_KV = ("layers", "model dimension", "key/value heads", "head dimension")
+_MLP_IN = ("layers", "model dimension", "MLP hidden units")
+_DIM_NAMES: dict[str, tuple] = {
+    "wq": _ATTN, "wk": _KV, "wv": _KV, "wo": ("layers", "heads", "head dimension", "model dimension"),
+    "w_gate": _MLP_IN, "w_up": _MLP_IN, "w_down": ("layers", "MLP hidden units", "model dimension"),
+    "embedding": ("vocabulary", "model dimension"), "lm_head": ("model dimension", "vocabulary"),
+}  # fmt: skip
+_COUNTED = ("heads", "key/value heads", "MLP hidden units")  # "more than the 4 heads"
+
 
 def _names(path: tuple) -> list[str]:
     return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
 
 
-def intra_replica_axes(path: tuple, local: Any, rules: dict[str, tuple] = LLAMA_RULES) -> tuple:
-    """The intra-replica mesh axis of each dim of one replica's leaf (``()``: whole)."""
+def _rule(path: tuple, local: Any, rules: dict[str, tuple]) -> tuple[str, tuple]:
+    """(parameter name, mesh axis of each dim) of one replica's leaf; ("", ()) if whole."""
     for name in reversed(_names(path)):
         rule = rules.get(name)
         if rule is not None and len(rule) == len(local.shape):
-            return rule
-    return ()
+            return name, rule
+    return "", ()
+
+
+def intra_replica_axes(path: tuple, local: Any, rules: dict[str, tuple] = LLAMA_RULES) -> tuple:
+    """The intra-replica mesh axis of each dim of one replica's leaf (``()``: whole)."""
+    return _rule(path, local, rules)[1]
 
 
 def check_divides(tree: Any, axis_sizes: dict[str, int], rules: dict[str, tuple] = LLAMA_RULES
@@ -59,13 +75,28 @@ def check_divides(tree: Any, axis_sizes: dict[str, int], rules: dict[str, tuple]
       tree: one replica's params (or any tree of its leaves).
       axis_sizes: e.g. ``{"fsdp": 4, "tensor": 2}``.
       rules: the logical rules.
+
+    Raises:
+      UserError: (a ``ValueError``) e.g. ``mesh.tensor=8 is more than the 4 heads
+        (dim 2 of ['blocks']['attn']['wq']) it splits; choose a divisor of 4.``
     """
     import jax  # noqa: PLC0415
 
+    from noloco_jax.errors import UserError  # noqa: PLC0415
+
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        for dim, axis in enumerate(intra_replica_axes(path, x, rules)):
+        name, rule = _rule(path, x, rules)
+        for dim, axis in enumerate(rule):
             size = axis_sizes.get(axis, 1) if axis else 1
             if size > 1 and x.shape[dim] % size:
-                raise ValueError(
-                    f"mesh.{axis}={size} does not divide dim {dim} (size {x.shape[dim]}) of "
-                    f"{jax.tree_util.keystr(path)}; choose a divisor of {x.shape[dim]}.")
+                names = _DIM_NAMES.get(name, ()) if rules is LLAMA_RULES else ()
+                where = f"dim {dim} of {jax.tree_util.keystr(path).removesuffix('.value')}"
+                raise UserError(_not_dividing(f"mesh.{axis}={size}", size, x.shape[dim], where,
+                                              names[dim] if names else ""))  # fmt: skip
+
+
+def _not_dividing(setting: str, size: int, n: int, where: str, what: str) -> str:
+    if size > n and what in _COUNTED:
+        return f"{setting} is more than the {n} {what} ({where}) it splits; choose a divisor of {n}."
+    what = f"the {what}, " if what else ""
+    return f"{setting} does not divide {where} ({what}size {n}); choose a divisor of {n}."

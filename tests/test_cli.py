@@ -132,6 +132,15 @@ CASES = {
         (["--config.mesh.fsdp=2", "--config.backend=vmap"],
          r"config\.mesh: fsdp=2 x tensor=1 splits a replica over devices"),
     ],
+    "a replica split over more devices than exist, or one that does not divide": [
+        (["--config.num_replicas=4", "--config.mesh.fsdp=4", "--config.backend=auto"],
+         r"num_replicas=4 x fsdp=4 x tensor=1 = 16 devices are needed, 8 are visible"),
+        (["--config.mesh.fsdp=3", "--config.backend=shard_map"],
+         r"mesh\.fsdp=3 does not divide dim 1 of \['blocks'\]\['attn'\]\['wk'\] \(the model "
+         r"dimension, size 64\); choose a divisor of 64"),
+        (["--config.mesh.tensor=8", "--config.backend=shard_map"],
+         r"mesh\.tensor=8 is more than the 4 key/value heads \(dim 2 of .*wk'\]\) it splits"),
+    ],
     "stages not dividing the layers": [
         (["--config.num_stages=3"], r"config\.num_stages=3 must divide the model's 2 layers"),
     ],

@@ -137,13 +137,41 @@ def test_hlo_noloco_sync_joins_equal_shards_of_different_replicas():
 
 
 def test_a_split_that_does_not_divide_is_refused():
-    _, params = models.init_params(CFG, 0)
-    with pytest.raises(ValueError, match=r"mesh.tensor=8 does not divide dim 2 \(size 4\)"):
+    _, params = models.init_params(CFG, 0)  # D 64, 4 heads (4 key/value heads)
+    sharding.check_divides(params, {"fsdp": 4, "tensor": 4})  # these divide
+    wk = r"\['blocks'\]\['attn'\]\['wk'\]"
+    with pytest.raises(ValueError, match=rf"mesh.tensor=8 is more than the 4 key/value heads "
+                                         rf"\(dim 2 of {wk}\) it splits; choose a divisor of 4\."):
         sharding.check_divides(params, {"tensor": 8})
-    with pytest.raises(ValueError, match="num_replicas=4 x fsdp=4 x tensor=1 = 16 devices"):
-        replicas.make_replicas(4, backend="shard_map", mesh_shape={"fsdp": 4})
+    with pytest.raises(ValueError, match=rf"mesh.fsdp=3 does not divide dim 1 of {wk} \(the "
+                                         rf"model dimension, size 64\); choose a divisor of 64\."):
+        sharding.check_divides(params, {"fsdp": 3})
+    with pytest.raises(ValueError, match=r"mesh.tensor=3 does not divide dim 2 .*key/value heads"):
+        sharding.check_divides(params, {"tensor": 3})
+    for backend in ("shard_map", "auto"):  # auto cannot simulate a split replica either
+        with pytest.raises(ValueError, match="num_replicas=4 x fsdp=4 x tensor=1 = 16 devices are "
+                                             "needed, 8 are visible"):  # fmt: skip
+            replicas.make_replicas(4, backend=backend, mesh_shape={"fsdp": 4})
     with pytest.raises(ValueError, match="mesh_shape takes"):
         replicas.make_replicas(2, mesh_shape={"pipe": 2})
+
+
+class _FakeDevice:
+    def __init__(self, i, process):
+        self.id, self.process_index, self.platform, self.device_kind = i, process, "cpu", "cpu"
+
+
+def test_each_process_holds_whole_replicas():
+    """With several processes each replica's devices lie in one process, however the devices
+    are listed (tests/test_multihost.py trains on such a mesh)."""
+    devs = np.asarray([_FakeDevice(i, i % 2) for i in range(8)], dtype=object)  # interleaved
+    processes = lambda grid: [sorted({d.process_index for d in r.flat}) for r in grid]  # noqa: E731
+    assert processes(replicas._whole_replicas_per_process(devs, (2, 4, 1))) == [[0], [1]]
+    assert processes(replicas._whole_replicas_per_process(devs, (4, 1, 2))) == [[0], [0], [1], [1]]
+    assert replicas._whole_replicas_per_process(devs, (1, 4, 2)) is None  # larger than a process
+    uneven = np.asarray([_FakeDevice(i, i // 4) for i in range(6)], dtype=object)  # 4 + 2
+    assert replicas._whole_replicas_per_process(uneven, (3, 2, 1)) is None
+    assert replicas._whole_replicas_per_process(np.asarray(jax.devices()), (2, 4, 1)) is None
 
 
 # ---------------------------------------------------------------- the trainer on split replicas
@@ -157,31 +185,86 @@ def _settings(corpus_dir, data_dir, fsdp, tensor=1, **overrides):
     return tiny_settings(corpus_dir, data_dir, **{**base, **overrides})
 
 
-def test_trainer_on_split_replicas_and_resharded_checkpoints(tmp_path, corpus_dir, data_dir):
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory, corpus_dir, data_dir):
+    """Finished 8-step trainer runs with 2 replicas of fsdp 1 and of fsdp 2: {fsdp: workdir}.
+
+    Checkpoints at steps 4 and 8; NoLoCo syncs every 4 steps. Tests only read them and
+    resume copies (``_killed_while_saving``).
+    """
+    from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
+
+    base = tmp_path_factory.mktemp("split_runs")
+    for fsdp in (1, 2):
+        train_and_evaluate(_settings(corpus_dir, data_dir, fsdp), base / str(fsdp), progress=False)
+    return {fsdp: base / str(fsdp) for fsdp in (1, 2)}
+
+
+def _killed_while_saving(finished, dst):
+    """A copy of a finished 8-step run as a process killed while saving step 8 leaves it:
+    metrics logged up to step 8, the checkpoint of step 4, orbax's unfinished directory of 8."""
+    from noloco_jax.trainer.checkpoint import Checkpointer  # noqa: PLC0415
+    from tests.helpers import copy_run  # noqa: PLC0415
+
+    run = copy_run(finished, dst)
+    (run / "checkpoints" / "8").rename(run / "checkpoints" / "8.orbax-checkpoint-tmp-1700000000")
+    assert Checkpointer(run / "checkpoints").latest_step() == 4
+    return run
+
+
+def _records(workdir, kind, key):
+    """[(step, value)] of every ``kind`` record in the order logged (a replay logs twice)."""
+    from noloco_jax.trainer.writers import read_jsonl  # noqa: PLC0415
+
+    return [(r["step"], r[key]) for r in read_jsonl(workdir / "metrics.jsonl", kind)]
+
+
+def test_trainer_on_split_replicas_and_resharded_checkpoints(tmp_path, corpus_dir, data_dir,
+                                                             split_runs):  # fmt: skip
     """The trainer with (replica 2, fsdp 2) trains like one device per replica (Adam: losses
     to rtol 1e-4), and its checkpoint restores bit for bit into fsdp 4 and fsdp 1."""
     from noloco_jax.trainer.loop import load_run, train_and_evaluate  # noqa: PLC0415
-    from noloco_jax.trainer.writers import read_jsonl  # noqa: PLC0415
 
-    losses = {}
-    for fsdp in (1, 2):
-        s = _settings(corpus_dir, data_dir, fsdp)
-        train_and_evaluate(s, tmp_path / str(fsdp), stop_at=4 if fsdp == 2 else None,
-                           progress=False)  # fmt: skip
-        losses[fsdp] = [r["train_loss"] for r in read_jsonl(tmp_path / str(fsdp) / "metrics.jsonl",
-                                                             "train")]  # fmt: skip
-    np.testing.assert_allclose(losses[2], losses[1][: len(losses[2])], rtol=1e-4)
-    restored = {f: load_run(_settings(corpus_dir, data_dir, f), tmp_path / "2")[1] for f in (1, 2, 4)}
+    losses = {f: [v for _, v in _records(split_runs[f], "train", "train_loss")] for f in (1, 2)}
+    assert len(losses[2]) == 4
+    np.testing.assert_allclose(losses[2], losses[1], rtol=1e-4)
+    restored = {f: load_run(_settings(corpus_dir, data_dir, f), split_runs[2])[1]
+                for f in (1, 2, 4)}  # fmt: skip
     for f in (1, 4):
         for a, b in zip(jax.tree.leaves(restored[f]), jax.tree.leaves(restored[2])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     spec = tuple(restored[4]["blocks"]["attn"]["wq"][...].sharding.spec)
     assert spec[:3] == ("replica", None, "fsdp")
-    # The run resumes on another split and finishes (a different N is still refused).
-    train_and_evaluate(_settings(corpus_dir, data_dir, 4), tmp_path / "2", progress=False)
+    # An interrupted run resumes on another split and finishes the same way (Adam: rtol
+    # 1e-4); a different N is still refused.
+    run = _killed_while_saving(split_runs[2], tmp_path / "run")
+    train_and_evaluate(_settings(corpus_dir, data_dir, 4), run, progress=False)
+    resumed = dict(_records(run, "train", "train_loss"))  # the replay's records come last
+    np.testing.assert_allclose([resumed[s] for s in (2, 4, 6, 8)], losses[2], rtol=1e-4)
     with pytest.raises(ValueError, match="num_replicas"):
         train_and_evaluate(_settings(corpus_dir, data_dir, 1, num_replicas=4, num_steps=12),
-                           tmp_path / "2", progress=False)  # fmt: skip
+                           run, progress=False)  # fmt: skip
+
+
+def test_killed_and_resumed_split_run_equals_an_uninterrupted_one(tmp_path, corpus_dir, data_dir,
+                                                                  split_runs):  # fmt: skip
+    """(replica 2, fsdp 2) killed while saving step 8, resumed from step 4 on the same split:
+    the replayed losses, the last evaluation and every array of the state at step 8 (params,
+    slow weights, Adam moments, outer momentum: the checkpoint's checksums) are bit for bit
+    those of the uninterrupted run."""
+    from noloco_jax.trainer.checkpoint import Checkpointer  # noqa: PLC0415
+    from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
+
+    full = split_runs[2]
+    run = _killed_while_saving(full, tmp_path / "run")
+    last = train_and_evaluate(_settings(corpus_dir, data_dir, 2), run, progress=False)
+    assert last["step"] == 8
+    train, evals = _records(run, "train", "train_loss"), _records(run, "eval", "val_ppl")
+    full_train, full_evals = _records(full, "train", "train_loss"), _records(full, "eval", "val_ppl")
+    assert train == full_train + full_train[2:]  # steps 6 and 8 trained again, the same way
+    assert evals == full_evals + full_evals[-1:]
+    sums = [Checkpointer(w / "checkpoints").read_meta(8)["checksums"] for w in (full, run)]
+    assert sums[0] == sums[1] and len(sums[0]) > 10
 
 
 def test_bad_mesh_settings(corpus_dir, data_dir):
