@@ -36,7 +36,8 @@ ALLOW_MIXED = flags.DEFINE_bool(
 RESULTS_DIR = flags.DEFINE_string("results_dir", None, "Where the results are and the pages go "
                                   "(default: experiments/results and experiments/).")
 BENCH = ["bench_overhead", "bench_clip_traffic", "bench_comm_volume", "bench_scaling",
-         "bench_compile_scale", "bench_compile_scale_shard_map", "bench_throughput", "bench_gpu"]
+         "bench_compile_scale", "bench_compile_scale_shard_map", "bench_throughput", "bench_gpu",
+         "pilot_cost"]
 
 
 def _nest(markdown: str) -> str:

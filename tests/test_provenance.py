@@ -190,3 +190,21 @@ def test_same_seed_same_code_is_bit_identical(corpus, tmp_path):
     a, b = (_leaves(tmp_path / "det_smoke" / name, cfg) for name in ("first", "second"))
     assert len(a) == len(b) > 0
     assert all(x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+def test_part_flag_is_checked():
+    from absl import app
+
+    from experiments import options
+
+    def parse(*argv):
+        with flagsaver.flagsaver():
+            flags.FLAGS.unparse_flags()
+            flags.FLAGS(["experiments.table2", *argv])
+            return options.grid_options()
+
+    assert parse("--part", "2/3").part == (2, 3) and parse().part is None
+    assert parse("--dry_run").dry_run
+    for bad in ("3/2", "0/2", "x", "1/2/3"):
+        with pytest.raises(app.UsageError, match="--part"):
+            parse("--part", bad)

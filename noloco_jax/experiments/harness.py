@@ -37,6 +37,7 @@ from typing import Any
 
 from ml_collections import config_dict
 
+from noloco_jax import errors
 from noloco_jax.experiments import provenance
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository (configs/, experiments/)
@@ -224,7 +225,7 @@ def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) 
     diff = provenance.config_differences(saved.get("config") or {}, info["config"])
     if diff:
         shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-        raise ValueError(
+        raise errors.UserError(
             f"run {workdir} was trained with another config ({shown}); use another "
             f"--runs_dir or another run name, or delete that workdir.")
     if write and not done and provenance.version_label(saved) != provenance.version_label(info):
@@ -251,7 +252,7 @@ def _part(todo: list, part: tuple[int, int] | None) -> list:
         return todo
     i, k = part
     if not 1 <= i <= k:
-        raise ValueError(f"part must be i/k with 1 <= i <= k, got {i}/{k}.")
+        raise errors.UserError(f"part must be i/k with 1 <= i <= k, got {i}/{k}.")
     return todo[i - 1::k]
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["REGIME", "METHODS", "SIZES", "SEEDS", "DP_SEEDS", "ALPHA", "LAST_K",
-           "PRIMARY", "SECONDARY", "SWEEPS", "SWEEP_SEEDS", "cell_seeds"]  # fmt: skip
+           "PRIMARY", "SECONDARY", "SWEEPS", "SWEEP_SEEDS", "ROUTING", "cell_seeds"]  # fmt: skip
 
 # Applied on top of configs/exp_table2.py by every run of the Table 2 family (table2, sweeps,
 # spread_vs_lr, dropout), so that runs they share are one run.
@@ -60,6 +60,10 @@ SWEEPS: dict[str, tuple[str, tuple[float, ...], float]] = {
     "sync_every": ("outer.sync_every", (5, 20, 50), 10),
 }
 SWEEP_SEEDS = 3
+
+# Fig. 4 (random vs fixed routing, no outer steps): replicas, stages of the tiny preset's 4
+# blocks, paired seeds.
+ROUTING = {"replicas": 8, "stages": 4, "seeds": 3}
 
 
 def cell_seeds(method: str, n: int, smoke: bool = False) -> tuple[int, ...]:
