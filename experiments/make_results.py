@@ -96,8 +96,9 @@ def main(argv: Sequence[str]) -> None:
                             + (f" and {len(what) - 4} more" if len(what) > 4 else "")
                             for label, what in sorted(found.items()))  # fmt: skip
         if not ALLOW_MIXED.value:
-            print(f"make_results: the results in {results} come from {len(found)} code "
-                  f"version(s), not one clean commit:\n{listing}\nRe-run the experiments "
+            print(f"make_results: the results in {results} are not all from one clean commit "
+                  f"({len(found)} version(s); 'unrecorded' = made before commits were "
+                  f"recorded, '+dirty' = uncommitted changes):\n{listing}\nRe-run the experiments "
                   "from one commit, or pass --allow_mixed_commits to build the page anyway "
                   "(it then lists the versions).", file=sys.stderr)  # fmt: skip
             sys.exit(2)

@@ -83,6 +83,9 @@ def test_runs_record_commit_config_and_seed_and_refuse_another_config(monkeypatc
     other = [harness.Run("a", {"seed": 3, "outer.seed": 4, "outer.gamma": 0.5})]
     with pytest.raises(ValueError, match=r"another config \(outer.gamma: 0.3 -> 0.5\)"):
         harness.run_grid(CONFIG, other, opts, runs_subdir="grid")
+    (tmp_path / "grid" / "a" / "run_info.json").unlink()  # a run of the days before run_info
+    with pytest.raises(ValueError, match="no run_info.json"):
+        harness.run_grid(CONFIG, runs, opts, runs_subdir="grid")
 
 
 def test_parts_and_dry_run(monkeypatch, tmp_path, capsys):
@@ -136,7 +139,7 @@ def test_make_results_refuses_mixed_commits_unless_told(tmp_path, capsys):
         _make_results(results)
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert "2 code version(s)" in err and "sweeps: run_a" in err and "--allow_mixed_commits" in err
+    assert "(2 version(s)" in err and "sweeps: run_a" in err and "--allow_mixed_commits" in err
     _make_results(results, "--allow_mixed_commits")
     page = (tmp_path / "RESULTS.md").read_text()
     assert "Code versions of these results" in page and f"`{'b' * 12}`: sweeps: (report)" in page

@@ -214,8 +214,11 @@ def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) 
     train)."""
     path = workdir / "run_info.json"
     if not path.exists():
-        if done:  # trained before provenance was recorded: say so, do not invent it
-            return {"commit": None, "dirty": None, "config": None, "note": "no run_info.json"}
+        if done or (workdir / "metrics.jsonl").exists() or (workdir / "checkpoints").exists():
+            raise errors.UserError(
+                f"run {workdir} was trained before runs recorded their code version and config "
+                "(no run_info.json), so it cannot be checked against this grid; delete it or "
+                "train into another --runs_dir.")  # fmt: skip
         if not write:
             return info
         workdir.mkdir(parents=True, exist_ok=True)
@@ -284,8 +287,10 @@ def run_grid(
       Each run's train and eval records and its run_info.
 
     Raises:
-      GridIncomplete: ``opts.part`` or ``opts.dry_run`` left runs untrained.
-      ValueError: a run's workdir holds a run trained with another config.
+      GridIncomplete: ``opts.part`` or ``opts.dry_run`` left runs untrained, or a run
+        stopped before its last step.
+      UserError: a run's workdir holds a run trained with another config, or one without
+        ``run_info.json`` (made before runs recorded it).
     """
     if opts.report_only:
         return _saved_metrics(opts.out_dir, [name or runs_subdir, runs_subdir], runs)
