@@ -2,9 +2,10 @@
 
     python -m experiments.dropout [--jobs 2] [--smoke ...]
 
-N = 8, Table 2 settings (config configs/exp_table2.py; its N = 8 seed-0 runs are p = 0). Each
-replica misses each outer round with probability p (deterministic from the seed). NoLoCo: a
-replica without its partner takes a local-only outer step; nothing blocks. DiLoCo "skip": the
+N = 8, the settings of the Table 2 runs (noloco_jax.experiments.table2.run_overrides; its
+N = 8 seed-0 runs are p = 0). Each replica misses each outer round with probability p
+(deterministic from the seed). NoLoCo: a replica without its partner takes a local-only outer
+step; nothing blocks. DiLoCo "skip": the
 present replicas all-reduce among themselves, absent ones step alone. DiLoCo "wait": the math of
 p = 0, but every round in which some replica is absent waits for it; with an absence lasting one
 round, the expected time per round grows by the factor 1 + (1 - (1 - p)^N).
@@ -17,9 +18,8 @@ from typing import Sequence
 
 from absl import app, flags
 
-from configs.exp_table2 import METHODS
 from experiments import options
-from noloco_jax.experiments import harness
+from noloco_jax.experiments import harness, plan, stats, table2
 
 for _name in options.GRID_FLAGS:
     flags.declare_key_flag(_name)
@@ -32,27 +32,34 @@ def grid(smoke: bool) -> list[harness.Run]:
     n = 2 if smoke else 8
     runs = []
     for method in ("noloco", "diloco"):
-        base = {**METHODS[method], "num_replicas": n, "seed": 0, "outer.seed": 0}
+        base = table2.run_overrides(method, n, 0)  # the Table 2 run is p = 0
         runs.append(harness.Run(f"{method}_n{n}_s0", base))
         for p in PROBS:
             runs.append(harness.Run(f"dropout_{method}_p{p}_n{n}", {**base, "fault.dropout_prob": p}))
     return runs
 
 
+def _metric(run: dict, period: int, key: str) -> float:
+    return stats.sync_aligned_mean(run["eval"], period, plan.LAST_K, key)
+
+
 def report(results: dict, opts: harness.Options) -> str:
     n = 2 if opts.smoke else 8
+    period = table2.sync_period(results[f"diloco_n{n}_s0"])
     rows = []
     for method, label in (("noloco", "NoLoCo"), ("diloco", "DiLoCo (skip)")):
         for p in (0.0, *PROBS):
             name = f"{method}_n{n}_s0" if p == 0 else f"dropout_{method}_p{p}_n{n}"
-            last = results[name]["eval"][-1]
-            rows.append([label, p, last["val_ppl"], last["val_ppl_avg_model"],
-                         last["replica_spread"], "1.00"])  # fmt: skip
-    base = results[f"diloco_n{n}_s0"]["eval"][-1]
+            run = results[name]
+            rows.append([label, p, _metric(run, period, "val_ppl"),
+                         _metric(run, period, "val_ppl_avg_model"),
+                         run["eval"][-1]["replica_spread"], "1.00"])  # fmt: skip
+    base = results[f"diloco_n{n}_s0"]
     for p in (0.0, *PROBS):
         slow = 1 + (1 - (1 - p) ** n)
-        rows.append(["DiLoCo (wait)", p, base["val_ppl"], base["val_ppl_avg_model"],
-                     base["replica_spread"], f"{slow:.2f}"])  # fmt: skip
+        rows.append(["DiLoCo (wait)", p, _metric(base, period, "val_ppl"),
+                     _metric(base, period, "val_ppl_avg_model"),
+                     base["eval"][-1]["replica_spread"], f"{slow:.2f}"])  # fmt: skip
     cmd = "python -m experiments.dropout" + (" --smoke" if opts.smoke else "")
     return (
         "## Replica drop-out: NoLoCo steps alone, DiLoCo must skip or wait\n\n"
@@ -61,7 +68,9 @@ def report(results: dict, opts: harness.Options) -> str:
         "with probability p. 'time factor' is the expected wall time per outer round relative "
         "to p = 0 (NoLoCo and DiLoCo-skip never wait; DiLoCo-wait waits whenever any of the N "
         "replicas is absent, assuming it returns one round later; compute time only).\n\n"
-        + harness.md_table(["method", "p", "final pooled PPL", "averaged model", "spread",
+        + f"PPL: the plan's metric (mean of the last {plan.LAST_K} evaluations at DiLoCo's "
+        f"sync steps, multiples of {period}); spread: at the last evaluation.\n\n"
+        + harness.md_table(["method", "p", "pooled PPL", "averaged model", "spread",
                             "time factor"], rows)  # fmt: skip
     )
 
@@ -69,8 +78,10 @@ def report(results: dict, opts: harness.Options) -> str:
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
     opts = options.grid_options()
-    results = harness.run_grid(CONFIG, grid(opts.smoke), opts, runs_subdir="table2",
-                               name="dropout")  # fmt: skip
+    results = options.train_grid(CONFIG, grid(opts.smoke), opts, runs_subdir="table2",
+                                 name="dropout")  # fmt: skip
+    if results is None:
+        return
     harness.write_outputs(opts, "dropout", results, report(results, opts))
 
 

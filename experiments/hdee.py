@@ -25,7 +25,7 @@ from experiments import options
 from noloco_jax import models
 from noloco_jax.data import ByteTokenizer
 from noloco_jax.data.batches import eval_windows
-from noloco_jax.experiments import harness
+from noloco_jax.experiments import harness, stats
 from noloco_jax.hdee import (ENSEMBLES, RULES, assign_tiers, compute, difficulty_bits_per_byte,
                              make_domains, ngram_bits_per_byte, plan_ensemble, posterior_weight_on,
                              rule_perplexities, size_config, token_logprobs, train_group)  # fmt: skip
@@ -144,7 +144,21 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 def _at_least(k: int, n: int, p: float) -> float:
     """P(X >= k) for X ~ Binomial(n, p)."""
-    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+    return stats.binomial_tail(n, k, p)
+
+
+def power_note(n: int) -> str:
+    """The power of the count test with ``n`` domains if the paper's rate (20 / 21) is true,
+    and the fewest domains that reach power 0.8 (issue 23: compute the power first)."""
+    here = stats.binomial_power(n, 2 / 3, 20 / 21, 0.05)
+    need = stats.domains_for_power(2 / 3, 20 / 21, 0.05, 0.8)
+    upto = need  # the exact test's power is not monotone in n: how far it stays >= 0.8
+    while upto < 60 and stats.binomial_power(upto + 1, 2 / 3, 20 / 21, 0.05)["power"] >= 0.8:
+        upto += 1
+    return (f"Power: with {n} domains the one-sided exact test at 5 % needs {here['critical']} "
+            f"of {n}, which happens with probability {here['power']:.2f} if a heterogeneous "
+            f"ensemble is lowest with the paper's rate 20/21 per domain; power 0.8 needs at "
+            f"least {need} domains (and stays above it for every count from {need} to {upto}).")
 
 
 def report(results: dict, c, opts: harness.Options) -> str:
@@ -269,7 +283,7 @@ def report(results: dict, c, opts: harness.Options) -> str:
         + "; M_He-I_Ho (width moved from easy to hard) by "
         + ", ".join(f"{tier_mean['dev_prior', t, 'M_He-I_Ho']:+.1f} % ({t})"
                     for t in ("easy", "medium", "hard", "held out"))
-        + ".\n"
+        + ".\n\n" + power_note(len(names)) + "\n"
     )
 
 
@@ -279,7 +293,7 @@ def main(argv: Sequence[str]) -> None:
     c = _settings(opts.smoke)
     if opts.report_only:  # re-write the report from a finished run's hdee.json
         results = json.loads((opts.out_dir / "hdee.json").read_text())
-        harness.write_outputs(opts, "hdee", results, report(results, c, opts))
+        harness.write_outputs(opts, "hdee", results, report(results, c, opts), config=c)
         return
     names = (SMOKE_DOMAINS if opts.smoke else {})  # the smoke run needs no Shakespeare
     domains = make_domains(**names, num_chars=c.num_chars, data_dir=opts.data_dir or None)
@@ -293,7 +307,7 @@ def main(argv: Sequence[str]) -> None:
         results["seeds"][seed] = run_seed(c, domains, difficulty, seed)
         print(f"seed {seed}: {time.time() - t0:.0f} s", flush=True)
         # Written after every seed, so a long run interrupted part-way keeps its seeds.
-        harness.write_outputs(opts, "hdee", results, report(results, c, opts))
+        harness.write_outputs(opts, "hdee", results, report(results, c, opts), config=c)
 
 
 if __name__ == "__main__":

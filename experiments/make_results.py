@@ -1,26 +1,43 @@
 """Assembles experiments/RESULTS.md and BENCHMARKS.md from the per-experiment markdown files.
 
-    python -m experiments.make_results
+    python -m experiments.make_results [--allow_mixed_commits] [--results_dir DIR]
 
-Each experiment script writes experiments/results/<name>.md (tables, the exact command,
-figure links); this stitches them under the hand-written summaries in
-experiments/results/_summary.md and experiments/results/_bench_summary.md.
+Each experiment script writes experiments/results/<name>.{md,json} (tables, the exact command,
+figure links; the json records the commit of the code that made it, see
+noloco_jax.experiments.provenance); this stitches the markdown under the hand-written summaries
+in experiments/results/_summary.md and experiments/results/_bench_summary.md.
+
+RESULTS.md is built only from results of one version of the code: if the results jsons of its
+sections (their reports and every run in them) were made by different commits, by a dirty tree
+or without a recorded commit, it says which and exits with status 2, unless
+``--allow_mixed_commits``, which builds the page and lists the versions at its top.
+BENCHMARKS.md (timings measured on purpose at different times) is not checked.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
+import sys
 from typing import Sequence
 
-from absl import app
+from absl import app, flags
+
+from noloco_jax.experiments import provenance
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SECTIONS = ["table2", "spread_vs_lr", "sweeps", "quadratic_theory", "routing_ablation",
             "dropout", "network_model", "streaming_netsim", "skippipe_schedules",
             "skippipe_training", "hdee"]
+ALLOW_MIXED = flags.DEFINE_bool(
+    "allow_mixed_commits", False,
+    "Build RESULTS.md even from results of different code versions (listed on the page).")
+RESULTS_DIR = flags.DEFINE_string("results_dir", None, "Where the results are and the pages go "
+                                  "(default: experiments/results and experiments/).")
 BENCH = ["bench_overhead", "bench_clip_traffic", "bench_comm_volume", "bench_scaling",
-         "bench_compile_scale", "bench_compile_scale_shard_map", "bench_throughput", "bench_gpu"]
+         "bench_compile_scale", "bench_compile_scale_shard_map", "bench_throughput", "bench_gpu",
+         "pilot_cost"]
 
 
 def _nest(markdown: str) -> str:
@@ -31,11 +48,33 @@ def _nest(markdown: str) -> str:
                      for line in markdown.splitlines()) + "\n"  # fmt: skip
 
 
-def _page(title: str, summary: str, names: list[str]) -> str:
-    parts = [f"# {title}\n", (RESULTS / summary).read_text() if (RESULTS / summary).exists() else ""]
+def versions(results: pathlib.Path, names: list[str]) -> dict[str, list[str]]:
+    """{code version: ["<name>: <run or (report)>", ...]} over the results jsons of ``names``."""
+    found: dict[str, list[str]] = {}
+    for name in names:
+        path = results / f"{name}.json"
+        if path.exists():
+            for label, what in provenance.versions_of(json.loads(path.read_text())).items():
+                found.setdefault(label, []).extend(f"{name}: {w}" for w in what)
+    return found
+
+
+def _versions_md(found: dict[str, list[str]]) -> str:
+    lines = ["## Code versions of these results\n",
+             "Built with `--allow_mixed_commits` from results of more than one version:\n"]
+    for label, what in sorted(found.items()):
+        shown = ", ".join(what[:6]) + (f" and {len(what) - 6} more" if len(what) > 6 else "")
+        lines.append(f"- `{label}`: {shown}")
+    return "\n".join(lines) + "\n"
+
+
+def _page(results: pathlib.Path, title: str, summary: str, names: list[str],
+          header: str = "") -> str:  # fmt: skip
+    parts = [f"# {title}\n", header,
+             (results / summary).read_text() if (results / summary).exists() else ""]
     missing = []
     for name in names:
-        path = RESULTS / f"{name}.md"
+        path = results / f"{name}.md"
         if path.exists():
             parts.append(_nest(path.read_text().replace("](../figures/", "](figures/")))
         else:
@@ -47,10 +86,28 @@ def _page(title: str, summary: str, names: list[str]) -> str:
 
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {list(argv[1:])}; it takes none.")
-    (HERE / "RESULTS.md").write_text(_page("Results", "_summary.md", SECTIONS))
-    (HERE / "BENCHMARKS.md").write_text(_page("Benchmarks", "_bench_summary.md", BENCH))
-    print("wrote", HERE / "RESULTS.md", HERE / "BENCHMARKS.md")
+        raise app.UsageError(f"unexpected arguments {list(argv[1:])}; it takes only flags.")
+    results = pathlib.Path(RESULTS_DIR.value) if RESULTS_DIR.value else RESULTS
+    pages = results.parent if RESULTS_DIR.value else HERE
+    found = versions(results, SECTIONS)
+    header = ""
+    if len(found) > 1 or "unrecorded" in found or any("+dirty" in v for v in found):
+        listing = "\n".join(f"  {label}: {', '.join(what[:4])}"
+                            + (f" and {len(what) - 4} more" if len(what) > 4 else "")
+                            for label, what in sorted(found.items()))  # fmt: skip
+        if not ALLOW_MIXED.value:
+            print(f"make_results: the results in {results} are not all from one clean commit "
+                  f"({len(found)} version(s); 'unrecorded' = made before commits were "
+                  f"recorded, '+dirty' = uncommitted changes):\n{listing}\nRe-run the experiments "
+                  "from one commit, or pass --allow_mixed_commits to build the page anyway "
+                  "(it then lists the versions).", file=sys.stderr)  # fmt: skip
+            sys.exit(2)
+        header = _versions_md(found)
+    elif found:
+        header = f"All results below come from commit `{next(iter(found))}`.\n"
+    (pages / "RESULTS.md").write_text(_page(results, "Results", "_summary.md", SECTIONS, header))
+    (pages / "BENCHMARKS.md").write_text(_page(results, "Benchmarks", "_bench_summary.md", BENCH))
+    print("wrote", pages / "RESULTS.md", pages / "BENCHMARKS.md")
 
 
 if __name__ == "__main__":

@@ -371,7 +371,8 @@ def run(*, smoke: bool, seed: int, out_dir: pathlib.Path, fig_dir: pathlib.Path)
     figs = {"fig5a": fig_dir / "network_fig5a.png", "fig5b": fig_dir / "network_fig5b.png"}
     plot_fig5a(result["fig5a"], figs["fig5a"])
     plot_fig5b(result["fig5b"], figs["fig5b"])
-    (out_dir / "network_model.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "network_model.json").write_text(
+        json.dumps({**result, "_provenance": harness.provenance_entry(cfg)}, indent=1))
     rel = {k: os.path.relpath(v, out_dir) for k, v in figs.items()}
     write_markdown(result, out_dir / "network_model.md", rel)
     print(f"wrote {out_dir / 'network_model.json'}, {out_dir / 'network_model.md'} and "

@@ -32,6 +32,12 @@ DATA_PATH = flags.DEFINE_string("data_path", "", "Local text files instead of Sh
 DATA_DIR = flags.DEFINE_string("data_dir", "", "TFDS data dir and caches.")
 REPORT_ONLY = flags.DEFINE_bool(
     "report_only", False, "Re-write the report from <out_dir>/<name>.json; train nothing.")
+PART = flags.DEFINE_string(
+    "part", "",
+    "i/k: train only the i-th of k interleaved parts of the unfinished runs (e.g. 1/3), for "
+    "spreading a grid over several calls; the report is written once every run is done.")
+DRY_RUN = flags.DEFINE_bool("dry_run", False, "List the grid's runs (done or to train); train "
+                            "nothing.")
 
 
 def old_spellings(*names: str) -> None:
@@ -44,11 +50,12 @@ def old_spellings(*names: str) -> None:
         flags.DEFINE_alias(name.replace("_", "-"), name, module_name="argparse spellings")
 
 
-old_spellings("out_dir", "runs_dir", "data_path", "data_dir", "report_only")
+old_spellings("out_dir", "runs_dir", "data_path", "data_dir", "report_only", "dry_run")
 
 # The flags a script reads, for its flags.declare_key_flag calls.
 OUT_FLAGS = ("smoke", "out_dir", "publish")
-GRID_FLAGS = (*OUT_FLAGS, "jobs", "runs_dir", "data_path", "data_dir", "report_only")
+GRID_FLAGS = (*OUT_FLAGS, "jobs", "runs_dir", "data_path", "data_dir", "report_only", "part",
+              "dry_run")
 
 
 def out_dir(default: pathlib.Path = harness.SCRATCH) -> pathlib.Path:
@@ -56,6 +63,19 @@ def out_dir(default: pathlib.Path = harness.SCRATCH) -> pathlib.Path:
     if OUT_DIR.value:
         return pathlib.Path(OUT_DIR.value)
     return harness.RESULTS if PUBLISH.value else default
+
+
+def part() -> tuple[int, int] | None:
+    """``--part i/k`` as (i, k); None when not given."""
+    if not PART.value:
+        return None
+    try:
+        i, k = (int(x) for x in PART.value.split("/"))
+    except ValueError:
+        raise app.UsageError(f"--part must be i/k (e.g. 2/3), got {PART.value!r}.") from None
+    if not 1 <= i <= k:
+        raise app.UsageError(f"--part i/k needs 1 <= i <= k, got {PART.value!r}.")
+    return i, k
 
 
 def grid_options() -> harness.Options:
@@ -68,6 +88,8 @@ def grid_options() -> harness.Options:
         data_path=DATA_PATH.value,
         data_dir=DATA_DIR.value,
         report_only=REPORT_ONLY.value,
+        part=part(),
+        dry_run=DRY_RUN.value,
     )
 
 
@@ -85,3 +107,14 @@ def start(argv: Sequence[str]) -> None:
         raise app.UsageError(f"unexpected arguments {list(argv[1:])}; every option is a --flag.")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+
+
+def train_grid(config: pathlib.Path, runs: list[harness.Run], opts: harness.Options, *,
+               runs_subdir: str, name: str) -> dict | None:  # fmt: skip
+    """``harness.run_grid``, or None (said on stdout) when ``--part`` or ``--dry_run`` left
+    runs untrained: a script then writes no report."""
+    try:
+        return harness.run_grid(config, runs, opts, runs_subdir=runs_subdir, name=name)
+    except harness.GridIncomplete as stop:
+        print(stop, flush=True)
+        return None

@@ -38,6 +38,7 @@ from absl import app, flags
 
 from experiments import options
 from noloco_jax import skippipe as sp
+from noloco_jax.experiments import harness
 
 COMMAND = "python -m experiments.skippipe_schedules"
 
@@ -260,7 +261,8 @@ def run(smoke: bool, out_dir: pathlib.Path) -> dict[str, Any]:
               "training_setting": TRAINING, "records": records,
               "seconds": time.perf_counter() - t0}  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "skippipe_schedules.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "skippipe_schedules.json").write_text(
+        json.dumps({**result, "_provenance": harness.provenance_entry(cfg)}, indent=1))
     write_markdown(result, out_dir / "skippipe_schedules.md")
     print(f"wrote {out_dir / 'skippipe_schedules.json'} and "
           f"{out_dir / 'skippipe_schedules.md'} in {result['seconds']:.0f} s", flush=True)

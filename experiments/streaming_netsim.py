@@ -134,7 +134,7 @@ def run(*, smoke: bool, out_dir: pathlib.Path) -> list[dict]:
     rel = "../figures/" if publishing else ""
     md = markdown(table) + f"\n![stall share]({rel}{fig_path.name})\n"
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"command": COMMAND, "rows": table}
+    results = {"command": COMMAND, "rows": table, "_provenance": harness.provenance_entry()}
     (out_dir / "streaming_netsim.json").write_text(json.dumps(results, indent=1, sort_keys=True))
     (out_dir / "streaming_netsim.md").write_text(md)
     print(f"wrote {out_dir / 'streaming_netsim.json'} and {out_dir / 'streaming_netsim.md'}",

@@ -1,17 +1,21 @@
-"""Beyond the paper: NoLoCo's gamma, group size n and sync period H, at N = 8.
+"""Beyond the paper: NoLoCo's gamma, group size n and sync period H, at N = 8, 3 seeds each.
 
-    python -m experiments.sweeps [--jobs 2] [--smoke ...]
+    python -m experiments.sweeps [--jobs 2] [--part i/k] [--dry_run] [--smoke ...]
 
 gamma is swept inside and outside the theory's sufficient range for alpha = 0.5, n = 2
 (0.5 < gamma < 1.5); n over {2, 4, 8} (n = 8 = N is DiLoCo-like averaging with NoLoCo's
-momentum); H over {5, 10, 20, 50}. Every other setting is the Table 2 NoLoCo run, whose
-N = 8 seed-0 run is the shared baseline (gamma = beta = 0.7, n = 2, H = 10).
-Writes experiments/results/sweeps.{json,md} and experiments/figures/sweeps.png.
+momentum); H over {5, 10, 20}, 50. Every other setting is the Table 2 NoLoCo run, whose
+N = 8 runs of seeds 0-2 are the shared baseline (gamma = beta = 0.7, n = 2, H = 10); the values
+and seeds are those of noloco_jax/experiments/plan.py. Each value is compared with the baseline
+paired by seed on the plan's metric (the last 3 evaluations at multiples of DiLoCo's H, which
+are sync steps of every H swept). Writes experiments/results/sweeps.{json,md} and
+experiments/figures/sweeps.png.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Sequence
 
 import matplotlib
@@ -20,93 +24,114 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from configs.exp_table2 import METHODS  # noqa: E402
 from experiments import options  # noqa: E402
-from noloco_jax.experiments import harness  # noqa: E402
+from noloco_jax.experiments import harness, plan, stats, table2  # noqa: E402
 from noloco_jax.quadratic import gamma_bounds  # noqa: E402
 
 for _name in options.GRID_FLAGS:
     flags.declare_key_flag(_name)
 
 CONFIG = harness.ROOT / "configs" / "exp_table2.py"
-BASE = {**METHODS["noloco"], "num_replicas": 8, "seed": 0, "outer.seed": 0}
-SWEEPS = {
-    "gamma": ("outer.gamma", [0.3, 1.2, 1.6, 2.2]),
-    "group_size": ("outer.group_size", [4, 8]),
-    "sync_every": ("outer.sync_every", [5, 20, 50]),
-}
-BASELINE = {"gamma": 0.7, "group_size": 2, "sync_every": 10}
-SMOKE_VALUES = {"gamma": [2.2], "group_size": [], "sync_every": [5]}  # n = 2: no groups > 2
+# The smoke version: n = 2 has no groups > 2; one seed of each value, two of the baseline.
+SMOKE_VALUES = {"gamma": [2.2], "group_size": [], "sync_every": [5]}
 
 
 def grid(smoke: bool) -> list[harness.Run]:
     n = 2 if smoke else 8
-    base = {**BASE, "num_replicas": n}
-    runs = [harness.Run(f"noloco_n{n}_s0", base)]
-    for sweep, (key, values) in SWEEPS.items():
-        for v in SMOKE_VALUES[sweep] if smoke else values:
-            runs.append(harness.Run(f"sweep_{sweep}_{v}_n{n}", {**base, key: v}))
+    runs = []
+    for seed in range(2 if smoke else plan.SWEEP_SEEDS):
+        base = table2.run_overrides("noloco", n, seed)
+        runs.append(harness.Run(f"noloco_n{n}_s{seed}", base))
+        for sweep, (key, values, _) in plan.SWEEPS.items():
+            for v in (SMOKE_VALUES[sweep] if seed == 0 else []) if smoke else values:
+                runs.append(harness.Run(f"sweep_{sweep}_{v}_n{n}_s{seed}", {**base, key: v}))
     return runs
 
 
 def _value(name: str, sweep: str) -> float | None:
-    parts = name.split("_")
     if name.startswith(f"sweep_{sweep}_"):
-        return float(parts[-2])
-    return float(BASELINE[sweep]) if name.startswith("noloco_") else None
+        return float(name.split("_")[-3])
+    return float(plan.SWEEPS[sweep][2]) if name.startswith("noloco_") else None
 
 
-def report(results: dict, opts: harness.Options) -> str:
+def _metric(run: dict, period: int, key: str = plan.PRIMARY) -> float:
+    value = stats.sync_aligned_mean(run["eval"], period, plan.LAST_K, key)
+    return value if math.isfinite(value) else math.inf
+
+
+def _sweep_rows(results: dict, sweep: str, period: int) -> tuple[list, dict]:
+    """Rows of one sweep (mean ± std over seeds, paired test vs the baseline) and the json."""
+    by_value: dict[float, dict[int, str]] = {}
+    for name in results:
+        v = _value(name, sweep) if not name.startswith("_") else None
+        if v is not None:
+            by_value.setdefault(v, {})[int(name.rsplit("_s", 1)[1])] = name
+    base = by_value[float(plan.SWEEPS[sweep][2])]
+    rows, out = [], {}
+    for v in sorted(by_value):
+        names = by_value[v]
+        ppl = {s: _metric(results[k], period) for s, k in names.items()}
+        avg = [_metric(results[k], period, plan.SECONDARY) for k in names.values()]
+        seeds = sorted(set(ppl) & set(base))
+        test = stats.paired_test([ppl[s] for s in seeds],
+                                 [_metric(results[base[s]], period) for s in seeds])
+        out[str(v)] = {"ppl": {str(s): p for s, p in ppl.items()}, "test_vs_baseline": test}
+        sd = statistics.stdev(ppl.values()) if len(ppl) > 1 else float("nan")
+        rows.append([v, f"{statistics.mean(ppl.values()):.3f} ± {sd:.3f} ({len(ppl)})",
+                     f"{statistics.mean(avg):.3f}", f"{test['mean']:+.3f}",
+                     "baseline" if names is base else f"{test['p']:.3g}"])  # fmt: skip
+    return rows, out
+
+
+def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
     lo, hi = gamma_bounds(0.5, 2)
+    period = (harness.smoke_overrides()["outer.sync_every"] if opts.smoke
+              else plan.METHODS["diloco"]["outer.sync_every"])  # fmt: skip
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
-    sections = []
-    for ax, sweep in zip(axes, SWEEPS):
-        rows = []
-        for name, run in results.items():
-            v = _value(name, sweep)
-            if v is None:
-                continue
-            last = run["eval"][-1]
-            note = ""
-            if sweep == "gamma":
-                note = "inside" if lo < v < hi else "outside"
-            finite = math.isfinite(last["val_ppl"])
-            rows.append([v, last["val_ppl"], last["val_ppl_avg_model"], last["val_ppl_ensemble"],
-                         last["replica_spread"], note if finite else note + ", diverged"])  # fmt: skip
-            steps = [r["step"] for r in run["eval"]]
-            ax.plot(steps, [r["replica_spread"] for r in run["eval"]], label=f"{sweep} = {v:g}")
-        rows.sort()
-        header = [sweep, "pooled PPL", "averaged model", "ensemble", "spread"]
+    sections, analysis = [], {"period": period}
+    for ax, sweep in zip(axes, plan.SWEEPS):
+        rows, analysis[sweep] = _sweep_rows(results, sweep, period)
+        header = [sweep, "pooled PPL", "averaged model", "Δ vs baseline (paired)", "p"]
         if sweep == "gamma":
             header.append(f"theory range ({lo:.2f}, {hi:.2f})")
-        else:
-            rows = [r[:-1] for r in rows]
+            rows = [r + ["inside" if lo < r[0] < hi else "outside"] for r in rows]
         sections.append(f"### {sweep}\n\n" + harness.md_table(header, rows))
+        for name, run in sorted(results.items()):
+            v = None if name.startswith("_") else _value(name, sweep)
+            if v is not None and name.endswith("_s0"):
+                ax.plot([r["step"] for r in run["eval"]],
+                        [r["replica_spread"] for r in run["eval"]], label=f"{sweep} = {v:g}")
         ax.set_yscale("log")
-        ax.set_title(f"cross-replica spread vs step: {sweep}")
+        ax.set_title(f"cross-replica spread vs step: {sweep} (seed 0)")
         ax.set_xlabel("inner step")
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = harness.save_figure(fig, harness.figure_path(opts, "sweeps"))
     plt.close(fig)
     cmd = "python -m experiments.sweeps" + (" --smoke" if opts.smoke else "")
-    return (
+    md = (
         "## Beyond the paper: gamma, group size and sync period\n\n"
         f"```bash\n{cmd}\n```\n\n"
-        "NoLoCo at N = 8, one seed, otherwise the Table 2 settings (baseline: gamma = beta = 0.7, "
-        "n = 2, H = 10). Final pooled, averaged-model and ensemble validation perplexity and the "
-        "final cross-replica weight std.\n\n"
+        "NoLoCo at N = 8, the Table 2 settings otherwise (baseline: gamma = beta = 0.7, n = 2, "
+        f"H = 10). PPL: the plan's metric (mean of the last {plan.LAST_K} evaluations at "
+        f"multiples of {period}), mean ± std (seeds); Δ: the mean paired difference to the "
+        f"baseline, p its two-sided paired t-test (a value is better or worse than the baseline "
+        f"only where p < {plan.ALPHA}); inf: diverged.\n\n"
         + "\n".join(sections)
         + f"\n![sweeps](../figures/{path.name})\n"
     )
+    return analysis, md
 
 
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
     opts = options.grid_options()
-    results = harness.run_grid(CONFIG, grid(opts.smoke), opts, runs_subdir="table2",
-                               name="sweeps")  # fmt: skip
-    harness.write_outputs(opts, "sweeps", results, report(results, opts))
+    results = options.train_grid(CONFIG, grid(opts.smoke), opts, runs_subdir="table2",
+                                 name="sweeps")  # fmt: skip
+    if results is None:
+        return
+    analysis, md = report(results, opts)
+    harness.write_outputs(opts, "sweeps", {**results, "_analysis": analysis}, md)
 
 
 if __name__ == "__main__":

@@ -47,16 +47,21 @@ def _run(script, dirs, *extra):
 
 def test_table2_smoke(dirs):
     results, md = _run("table2", dirs)
-    assert {"dp_n2_s0", "diloco_n2_s1", "noloco_n2_s0"} <= set(results)
+    assert {"dp_n2_s0", "diloco_n2_s1", "noloco_n2_s0", "diloco_h10_n2_s0"} <= set(results)
     assert "python -m experiments.table2 --smoke" in md and "| N = 2 |" in md
-    assert "paired by seed" in md
+    assert "paired by seed" in md and "| N = 2 | noloco-diloco |" in md
+    tests = results["_analysis"]["sizes"]["2"]["tests"]
+    assert tests["noloco-diloco"]["n"] == 2 and tests["noloco-diloco_h10"]["n"] == 1
+    assert results["noloco_n2_s0"]["run_info"]["seed"] == 0  # provenance of every run
+    assert set(results["_provenance"]["runs"]) == {k for k in results if not k.startswith("_")}
     assert (dirs[0] / "out" / "table2_fig3a.png").stat().st_size > 1000
 
 
 def test_spread_vs_lr_smoke_reuses_table2_runs(dirs):
     stats, md = _run("spread_vs_lr", dirs)
-    assert all(-1.0 <= v["pearson"] <= 1.0 for v in stats.values())
-    assert "Pearson" in md
+    runs = {k: v for k, v in stats.items() if not k.startswith("_")}  # _provenance
+    assert runs and all(-1.0 <= v["pearson"] <= 1.0 for v in runs.values())
+    assert "partial r (lr | step)" in md and "mid-round" in md
 
 
 def test_sweeps_smoke(dirs):
@@ -82,8 +87,9 @@ def test_plot_script_on_a_smoke_run(dirs, tmp_path):
 @pytest.mark.slow  # same harness as test_table2_smoke; ~30 s each
 def test_routing_ablation_smoke(dirs):
     results, md = _run("routing_ablation", dirs)
-    assert {"local_pp2_random_n2", "local_pp2_fixed_n2", "noloco_pp2_n2"} <= set(results)
-    assert "weight std ratio" in md
+    assert {"local_pp2_random_n2_s1", "local_pp2_fixed_n2_s0", "noloco_pp2_n2"} <= set(results)
+    assert "weight std ratio" in md and "2 paired seeds" in md
+    assert results["_analysis"]["test_val_ppl"]["n"] == 2  # paired by seed
 
 
 @pytest.mark.slow  # same harness as test_table2_smoke; ~30 s each
@@ -96,6 +102,12 @@ def test_skippipe_training_smoke(dirs):
     results, md = _run("skippipe_training", dirs)
     assert {"full", "skip50", "skip50_full10"} <= set(results)
     assert "50 % of stages" in md
+    analysis = results["_analysis"]
+    assert set(analysis["robustness"]["skip50"]) >= {"full_model", "0.75", "0.5",
+                                                     "normally_trained_full_model"}  # fmt: skip
+    eq = analysis["equal_time"]["skip50"]  # the full pipeline with a schedule ending there
+    assert eq["full_equal_time_steps"] < results["full"]["eval"][-1]["step"]
+    assert "full_until_skip50" in results and "schedule ending there" in md
 
 
 @pytest.mark.slow  # two training processes next to the same two runs in this one (~1-2 min)

@@ -40,7 +40,7 @@ def test_a_grid_loads_each_run_once_and_trains_the_config_as_loaded(monkeypatch,
 
     def train(config, workdir):  # stands in for training: records what it was given
         trained[workdir.name] = config
-        workdir.mkdir(parents=True)
+        (workdir / "checkpoints" / str(config.num_steps)).mkdir(parents=True)  # finished
         (workdir / "metrics.jsonl").write_text('{"kind": "eval", "step": 0, "val_ppl": 1.0}\n')
 
     monkeypatch.setattr(harness, "load_config", load)

@@ -6,6 +6,15 @@ is not trained again, so an interrupted experiment resumes where it stopped (and
 runs shared by two experiments are trained once). ``jobs > 1`` trains runs in
 parallel, each in a fresh worker process; ``jobs == 1`` trains in this process.
 
+Provenance: each run's workdir gets ``run_info.json`` (commit, dirty tree, full config,
+seeds; ``provenance.run_info``) when it starts; a finished or half-finished run whose recorded
+config differs from the grid's is refused, never silently reused; and every report's json
+carries ``_provenance``: the commit that wrote it and that of every run in it.
+
+Parts: ``Options.part = (i, k)`` trains only every k-th run of the grid starting at the i-th
+(1-based) and writes no report while runs are missing, so a long grid can be spread over
+several invocations (or machines sharing ``runs_dir``); the last call writes the report.
+
 Outputs: a re-run writes its report and figures to ``experiments/runs/results``
 (git-ignored) and says where; the scripts' ``--publish`` writes the tracked
 ``experiments/results`` and ``experiments/figures`` instead.
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import datetime
 import importlib.util
 import json
 import multiprocessing
@@ -27,15 +37,19 @@ from typing import Any
 
 from ml_collections import config_dict
 
+from noloco_jax import errors
+from noloco_jax.experiments import provenance
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository (configs/, experiments/)
 RESULTS = ROOT / "experiments" / "results"  # published (tracked): --publish
 FIGURES = ROOT / "experiments" / "figures"
 RUNS = ROOT / "experiments" / "runs"  # training runs (git-ignored)
 SCRATCH = RUNS / "results"  # default for re-runs (git-ignored)
 
-__all__ = ["ROOT", "RESULTS", "FIGURES", "RUNS", "SCRATCH", "Options", "Run",
+__all__ = ["ROOT", "RESULTS", "FIGURES", "RUNS", "SCRATCH", "Options", "Run", "GridIncomplete",
            "smoke_overrides", "data_overrides", "load_config", "run_grid", "read_run",
-           "write_outputs", "figure_path", "save_figure", "md_table"]  # fmt: skip
+           "train_in_processes", "plan_grid", "provenance_entry", "write_outputs", "figure_path", "save_figure",
+           "md_table"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +64,10 @@ class Options:
       data_path: local text files to train on instead of Shakespeare ("" = the config's data).
       data_dir: TFDS data dir and caches ("" = the config's).
       report_only: re-write the report from ``<out_dir>/<name>.json``, train nothing.
+      part: ``(i, k)``: train only runs i, i + k, i + 2k, ... of the grid (1-based, 1 <= i <=
+        k; the same runs whatever is done already), then stop with ``GridIncomplete`` if runs
+        of other parts are still missing; None trains all.
+      dry_run: train nothing; ``run_grid`` lists the runs, done or not, and stops.
     """
 
     smoke: bool = False
@@ -59,20 +77,27 @@ class Options:
     data_path: str = ""
     data_dir: str = ""
     report_only: bool = False
+    part: tuple[int, int] | None = None
+    dry_run: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One training run: a name (its workdir) and config overrides."""
+    """One training run: a name (its workdir) and config overrides.
+
+    ``pinned`` overrides apply after the smoke and data overrides (a run length computed for
+    the smoke version itself, say); ``overrides`` before them.
+    """
 
     name: str
     overrides: dict[str, Any]
+    pinned: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def smoke_overrides() -> dict[str, Any]:
     """A seconds-long version of any run: nano model, a few steps."""
     return {
-        "model.preset": "nano", "num_steps": 8, "log_every": 2, "eval_every": 4,
+        "model.preset": "nano", "num_steps": 8, "log_every": 2, "eval_every": 2,
         "checkpoint_every": 8, "global_batch_size": 8, "data.seq_len": 32,
         "data.eval_windows": 4, "optim.warmup_steps": 1, "backend": "vmap",
         "outer.sync_every": 2,
@@ -136,10 +161,16 @@ def _train_logged(config: config_dict.ConfigDict, workdir: pathlib.Path,
     _train(config, workdir)
 
 
-def _train_parallel(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]], jobs: int) -> None:
-    """Trains ``jobs`` runs at a time, each in a fresh process (a spawned worker per run)."""
+def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
+                       jobs: int) -> None:  # fmt: skip
+    """Trains ``jobs`` runs at a time, each in a fresh process (a spawned worker per run).
+
+    Args:
+      todo: (workdir, config) of each run; a run's output goes to ``<workdir>.log``.
+      jobs: runs at a time.
+    """
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context,
+    with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=context,
                                                 max_tasks_per_child=1) as pool:  # fmt: skip
         futures = {}
         for workdir, cfg in todo:
@@ -153,6 +184,10 @@ def _train_parallel(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]], job
             except Exception as err:
                 raise RuntimeError(f"run {name} failed; see {log}") from err
             print(f"finished {name}", flush=True)
+
+
+class GridIncomplete(RuntimeError):
+    """A part of a grid was trained (``Options.part``); other runs are still missing."""
 
 
 def _saved_metrics(out_dir: pathlib.Path, names: list[str], runs: list[Run]) -> dict:
@@ -173,6 +208,57 @@ def _saved_metrics(out_dir: pathlib.Path, names: list[str], runs: list[Run]) -> 
     return found
 
 
+def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) -> dict:
+    """The run_info.json a run keeps: the recorded one if it trained before (refused if its
+    config differs from ``info``'s), else ``info``, written now if ``write`` (it is about to
+    train)."""
+    path = workdir / "run_info.json"
+    if not path.exists():
+        if done or (workdir / "metrics.jsonl").exists() or (workdir / "checkpoints").exists():
+            raise errors.UserError(
+                f"run {workdir} was trained before runs recorded their code version and config "
+                "(no run_info.json), so it cannot be checked against this grid; delete it or "
+                "train into another --runs_dir.")  # fmt: skip
+        if not write:
+            return info
+        workdir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(info, indent=1, sort_keys=True))
+        return info
+    saved = json.loads(path.read_text())
+    diff = provenance.config_differences(saved.get("config") or {}, info["config"])
+    if diff:
+        shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+        raise errors.UserError(
+            f"run {workdir} was trained with another config ({shown}); use another "
+            f"--runs_dir or another run name, or delete that workdir.")
+    if write and not done and provenance.version_label(saved) != provenance.version_label(info):
+        saved.setdefault("resumed_at", []).append(
+            {k: info[k] for k in ("commit", "dirty", "diff_sha256")})
+        path.write_text(json.dumps(saved, indent=1, sort_keys=True))
+    return saved
+
+
+def plan_grid(config: pathlib.Path, runs: list[Run], opts: Options, runs_subdir: str
+              ) -> list[tuple[Run, pathlib.Path, config_dict.ConfigDict, bool]]:  # fmt: skip
+    """(run, workdir, config, done) for every run of the grid, configs loaded once."""
+    common = {**(smoke_overrides() if opts.smoke else {}), **data_overrides(opts)}
+    root = opts.runs_dir / (runs_subdir + ("_smoke" if opts.smoke else ""))
+    planned = []
+    for run in runs:
+        cfg = load_config(config, {**run.overrides, **common, **run.pinned})
+        planned.append((run, root / run.name, cfg, _done(root / run.name, int(cfg.num_steps))))
+    return planned
+
+
+def _part(todo: list, part: tuple[int, int] | None) -> list:
+    if part is None:
+        return todo
+    i, k = part
+    if not 1 <= i <= k:
+        raise errors.UserError(f"part must be i/k with 1 <= i <= k, got {i}/{k}.")
+    return todo[i - 1::k]
+
+
 def run_grid(
     config: pathlib.Path,
     runs: list[Run],
@@ -180,40 +266,64 @@ def run_grid(
     *,
     runs_subdir: str,
     name: str | None = None,
-) -> dict[str, dict[str, list[dict]]]:
-    """Trains every run not yet finished; returns {name: {"train": [...], "eval": [...]}}.
+) -> dict[str, dict[str, Any]]:
+    """Trains every run not yet finished; returns {name: {"train", "eval", "run_info"}}.
 
-    Each run's config is loaded once (``load_config``) and trained as it is. With
-    ``opts.report_only`` nothing is trained: the metrics saved by an earlier full run
-    (``<out_dir>/<name>.json``, ``name`` defaulting to ``runs_subdir``) are returned instead.
+    Each run's config is loaded once (``load_config``) and trained as it is; its
+    ``run_info.json`` (commit, config, seeds) is written when it starts and checked against
+    the grid's config whenever the run is met again. With ``opts.report_only`` nothing is
+    trained: the metrics saved by an earlier full run (``<out_dir>/<name>.json``, ``name``
+    defaulting to ``runs_subdir``) are returned instead.
 
     Args:
       config: the config file every run starts from.
       runs: the grid.
-      opts: smoke version, parallel jobs, folders and data.
+      opts: smoke version, parallel jobs, folders, data, part of the grid, dry run.
       runs_subdir: the runs' workdirs go in ``opts.runs_dir / runs_subdir`` (``_smoke`` added
         for the smoke version); experiments sharing runs share it.
       name: the report whose saved metrics ``report_only`` reads.
 
     Returns:
-      Each run's train and eval records.
+      Each run's train and eval records and its run_info.
+
+    Raises:
+      GridIncomplete: ``opts.part`` or ``opts.dry_run`` left runs untrained, or a run
+        stopped before its last step.
+      UserError: a run's workdir holds a run trained with another config, or one without
+        ``run_info.json`` (made before runs recorded it).
     """
     if opts.report_only:
         return _saved_metrics(opts.out_dir, [name or runs_subdir, runs_subdir], runs)
-    common = {**(smoke_overrides() if opts.smoke else {}), **data_overrides(opts)}
-    root = opts.runs_dir / (runs_subdir + ("_smoke" if opts.smoke else ""))
-    todo = []
-    for run in runs:
-        cfg = load_config(config, {**run.overrides, **common})
-        if not _done(root / run.name, int(cfg.num_steps)):
-            todo.append((root / run.name, cfg))
+    planned = plan_grid(config, runs, opts, runs_subdir)
+    if opts.dry_run:
+        for run, workdir, cfg, done in planned:
+            print(f"{'done' if done else 'todo'} {run.name} ({cfg.num_steps} steps) {workdir}")
+        raise GridIncomplete(f"dry run: {sum(not p[3] for p in planned)} of {len(planned)} "
+                             "runs to train.")  # fmt: skip
+    selected = {run.name for run, *_ in _part(planned, opts.part)}
+    state = provenance.git_state(ROOT)
+    infos = {run.name: _check_run_info(workdir, provenance.run_info(cfg, ROOT, state), done,
+                                       write=run.name in selected)
+             for run, workdir, cfg, done in planned}  # fmt: skip
+    todo = [(workdir, cfg) for run, workdir, cfg, done in planned
+            if run.name in selected and not done]  # fmt: skip
     if opts.jobs > 1:
-        _train_parallel(todo, opts.jobs)
+        train_in_processes(todo, opts.jobs)
     else:
         for workdir, cfg in todo:
             print(f"training {workdir.name}", flush=True)
             _train(cfg, workdir)
-    return {run.name: read_run(root / run.name) for run in runs}
+    missing = [run.name for run, workdir, cfg, _ in planned
+               if not _done(workdir, int(cfg.num_steps))]  # fmt: skip
+    if missing and opts.part:
+        raise GridIncomplete(f"part {opts.part[0]}/{opts.part[1]} trained {len(todo)} runs; "
+                             f"{len(missing)} of the grid's {len(planned)} are missing "
+                             f"(another part trains them): no report until all are done.")
+    if missing:  # stopped early (a signal) or failed without an error
+        raise GridIncomplete(f"runs {missing} did not reach their last step; run the same "
+                             "command again to resume them.")
+    return {run.name: {**read_run(workdir), "run_info": infos[run.name]}
+            for run, workdir, _, _ in planned}  # fmt: skip
 
 
 def read_run(workdir: pathlib.Path) -> dict[str, list[dict]]:
@@ -227,9 +337,54 @@ def read_run(workdir: pathlib.Path) -> dict[str, list[dict]]:
     return {kind: [recs[s] for s in sorted(recs)] for kind, recs in out.items()}
 
 
-def write_outputs(opts: Options, name: str, results: dict, markdown: str) -> None:
-    """Writes ``<out_dir>/<name>.json`` and ``.md`` and says where."""
+def _provenance(results: dict, runs: dict | None, config: Any) -> dict[str, Any]:
+    """The ``_provenance`` entry of a results json (see ``provenance.versions_of``)."""
+    runs = results if runs is None else runs
+    prov: dict[str, Any] = {
+        "writer": provenance.git_state(ROOT),
+        "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "runs": {name: {k: run["run_info"].get(k) for k in
+                        ("commit", "dirty", "diff_sha256", "seed", "outer_seed", "resumed_at")
+                        if k in run["run_info"]}
+                 for name, run in runs.items()
+                 if isinstance(run, dict) and isinstance(run.get("run_info"), dict)},
+    }  # fmt: skip
+    if config is not None:
+        prov["config"] = json.loads(json.dumps(config.to_dict() if hasattr(config, "to_dict")
+                                               else config, default=repr))  # fmt: skip
+    return prov
+
+
+def provenance_entry(config: Any = None) -> dict[str, Any]:
+    """The ``_provenance`` of a results json written without ``write_outputs`` (simulations):
+    the writer's commit, and ``config`` (the experiment's settings) when given."""
+    return _provenance({}, {}, config)
+
+
+def write_outputs(opts: Options, name: str, results: dict, markdown: str, *,
+                  runs: dict | None = None, config: Any = None) -> None:  # fmt: skip
+    """Writes ``<out_dir>/<name>.json`` and ``.md`` and says where.
+
+    The json gets ``_provenance``: the commit (and dirty state) of the code writing it, and of
+    every run in ``runs`` (default: the entries of ``results`` that carry a ``run_info``); a
+    ``_provenance`` already in ``results`` (a report re-written from its json) is kept inside
+    the new one as ``earlier``.
+
+    Args:
+      opts: where (``out_dir``).
+      name: the report's name.
+      results: what the json holds.
+      markdown: the report.
+      runs: the ``run_grid`` results the report was made from, when ``results`` is not them.
+      config: the settings of an experiment that trains without ``run_grid`` (recorded whole).
+    """
     opts.out_dir.mkdir(parents=True, exist_ok=True)
+    results = dict(results)
+    earlier = results.pop("_provenance", None)  # a report re-written from its saved json
+    prov = _provenance(results, runs, config)
+    if earlier:
+        prov["earlier"] = earlier
+    results["_provenance"] = prov
     (opts.out_dir / f"{name}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
     (opts.out_dir / f"{name}.md").write_text(markdown)
     print(f"wrote {opts.out_dir / (name + '.json')} and {opts.out_dir / (name + '.md')}",

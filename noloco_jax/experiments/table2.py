@@ -1,144 +1,215 @@
-"""Table 2 in miniature: final validation perplexity of DP, DiLoCo and NoLoCo for N = 4, 8, 16.
+"""Table 2 in miniature: DP, DiLoCo and NoLoCo (and DiLoCo at NoLoCo's H) for N = 4, 8, 16.
 
-The grid, the report and its figure; ``python -m experiments.table2`` is the script and
-``colabs/table2_miniature.ipynb`` the notebook that run it. The figure: the
-paper's relative difference (PPL_DiLoCo - PPL_NoLoCo) / PPL_DP over training
-(its Fig. 3A).
+The grid, the analysis and the report, all as fixed in ``plan`` before the runs;
+``python -m experiments.table2`` is the script and ``colabs/table2_miniature.ipynb`` the
+notebook that run it. The figure is the paper's relative difference
+(PPL_DiLoCo - PPL_NoLoCo) / PPL_DP over training (its Fig. 3A), with the evaluations at
+DiLoCo's sync steps and those mid-round as two series.
 """
 
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
-import scipy.stats
 from matplotlib.figure import Figure  # no pyplot: drawing never touches a notebook's backend
 
-from configs.exp_table2 import METHODS
-from noloco_jax.experiments import harness
+from noloco_jax.experiments import harness, plan, stats
 
 CONFIG = harness.ROOT / "configs" / "exp_table2.py"
+METHODS = plan.METHODS
+OUTER = ("noloco", "diloco", "diloco_h10")
+
+
+def run_overrides(method: str, n: int, seed: int) -> dict[str, Any]:
+    """The overrides of one run of the Table 2 family (shared by sweeps, dropout, Fig. 3B)."""
+    return {**plan.REGIME, **METHODS[method], "num_replicas": n, "seed": seed,
+            "outer.seed": seed}  # fmt: skip
 
 
 def grid(smoke: bool) -> list[harness.Run]:
-    sizes, seeds_mid = ((2,), (0, 1)) if smoke else ((4, 8, 16), (0, 1, 2))
-    mid = sizes[len(sizes) // 2]
+    """Every (method, N, seed) of the plan; the smoke version: N = 2, 2 seeds (DP 1)."""
     runs = []
-    for n in sizes:
-        for seed in seeds_mid if n == mid else (0,):
-            for method, over in METHODS.items():
-                over = {**over, "num_replicas": n, "seed": seed, "outer.seed": seed}
-                runs.append(harness.Run(f"{method}_n{n}_s{seed}", over))
+    for n in (2,) if smoke else plan.SIZES:
+        for method in METHODS:
+            for seed in plan.cell_seeds(method, n, smoke):
+                runs.append(harness.Run(f"{method}_n{n}_s{seed}", run_overrides(method, n, seed)))
     return runs
 
 
-def _final(run: dict, key: str = "val_ppl") -> float:
-    return run["eval"][-1][key]
+def parse_name(name: str) -> tuple[str, int, int]:
+    """``"diloco_h10_n8_s3"`` -> ("diloco_h10", 8, 3)."""
+    method, n, seed = name.rsplit("_", 2)
+    return method, int(n[1:]), int(seed[1:])
 
 
-def _cells(results: dict) -> dict[tuple[str, int], list[float]]:
-    cells: dict[tuple[str, int], list[float]] = {}
+def sync_period(run: dict, method: str = "diloco") -> int:
+    """The sync period of a run as it was trained (its run_info), else the plan's."""
+    cfg = (run.get("run_info") or {}).get("config") or {}
+    return int(cfg.get("outer", {}).get("sync_every") or METHODS[method]["outer.sync_every"])
+
+
+def reference_period(results: dict) -> int:
+    """DiLoCo's H in these results (2 in the smoke version): the steps the metric reads."""
+    diloco = [run for name, run in results.items()
+              if not name.startswith("_") and parse_name(name)[0] == "diloco"]  # fmt: skip
+    return sync_period(diloco[0]) if diloco else int(METHODS["diloco"]["outer.sync_every"])
+
+
+def metrics(results: dict, key: str = plan.PRIMARY) -> dict[tuple[str, int], dict[int, float]]:
+    """{(method, N): {seed: metric}}: ``key`` averaged over the last plan.LAST_K evaluations
+    at DiLoCo's sync steps."""
+    period = reference_period(results)
+    cells: dict[tuple[str, int], dict[int, float]] = {}
     for name, run in results.items():
-        method, n, _ = name.split("_")
-        cells.setdefault((method, int(n[1:])), []).append(_final(run))
+        if name.startswith("_"):
+            continue
+        method, n, seed = parse_name(name)
+        value = stats.sync_aligned_mean(run["eval"], period, plan.LAST_K, key)
+        cells.setdefault((method, n), {})[seed] = value
     return cells
 
 
-def _fmt(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+def _paired(cells: dict, a: tuple, b: tuple) -> dict[str, Any] | None:
+    seeds = sorted(set(cells.get(a, {})) & set(cells.get(b, {})))
+    if not seeds:
+        return None
+    test = stats.paired_test([cells[a][s] for s in seeds], [cells[b][s] for s in seeds])
+    return {**test, "seeds": seeds, "verdict": stats.verdict(test, plan.ALPHA)}
 
 
-def _rel_diff_curves(results: dict, sizes: list[int]) -> dict[int, list[tuple[int, float]]]:
-    """(PPL_DiLoCo - PPL_NoLoCo) / PPL_DP per eval step, averaged over matching seeds."""
-    curves = {}
-    for n in sizes:
-        seeds = sorted({k.split("_")[2] for k in results if f"_n{n}_" in k})
-        per_seed = []
-        for s in seeds:
-            ev = {m: {r["step"]: r["val_ppl"] for r in results[f"{m}_n{n}_{s}"]["eval"]}
-                  for m in METHODS}  # fmt: skip
-            steps = sorted(set(ev["dp"]) & set(ev["diloco"]) & set(ev["noloco"]))
-            per_seed.append({t: (ev["diloco"][t] - ev["noloco"][t]) / ev["dp"][t] for t in steps})
-        steps = sorted(set.intersection(*(set(p) for p in per_seed)))
-        curves[n] = [(t, statistics.mean(p[t] for p in per_seed)) for t in steps if t > 0]
-    return curves
+def analyse(results: dict) -> dict[str, Any]:
+    """The plan's tests for every N: the cells, the DP gaps and the paired tests.
+
+    Returns:
+      JSON-able: ``period``, and per N ``cells`` {method: {seed: metric}}, ``dp_gap``
+      {method: (mean - DP) / DP}, ``tests`` {comparison: paired test + verdict} for
+      noloco - diloco (primary), noloco - diloco_h10 (control), diloco_h10 - diloco (the
+      effect of H alone), and the secondary (NoLoCo's averaged-model PPL - DiLoCo).
+    """
+    cells = metrics(results)
+    avg = metrics(results, plan.SECONDARY)
+    out: dict[str, Any] = {"period": reference_period(results), "last_k": plan.LAST_K,
+                           "alpha": plan.ALPHA, "sizes": {}}  # fmt: skip
+    for n in sorted({n for _, n in cells}):
+        dp = statistics.mean(cells[("dp", n)].values()) if ("dp", n) in cells else None
+        per = {m: {str(s): v for s, v in cells[(m, n)].items()} for m in METHODS if (m, n) in cells}
+        gap = {m: (statistics.mean(cells[(m, n)].values()) - dp) / dp
+               for m in OUTER if (m, n) in cells and dp}  # fmt: skip
+        both = {**cells, ("noloco_avg", n): avg.get(("noloco", n), {})}
+        tests = {"noloco-diloco": _paired(cells, ("noloco", n), ("diloco", n)),
+                 "noloco-diloco_h10": _paired(cells, ("noloco", n), ("diloco_h10", n)),
+                 "diloco_h10-diloco": _paired(cells, ("diloco_h10", n), ("diloco", n)),
+                 "noloco_avg-diloco": _paired(both, ("noloco_avg", n), ("diloco", n))}
+        out["sizes"][str(n)] = {"cells": per, "dp": dp, "dp_gap": gap,
+                                "tests": {k: v for k, v in tests.items() if v}}  # fmt: skip
+    return out
 
 
-def _verdict(cells: dict, results: dict, sizes: list[int], mid: int) -> str:
-    lines = []
-    wins = sum(statistics.mean(cells[("noloco", n)]) <= statistics.mean(cells[("diloco", n)])
-               for n in sizes)  # fmt: skip
-    behind = sum(min(statistics.mean(cells[(m, n)]) for m in ("noloco", "diloco"))
-                 >= statistics.mean(cells[("dp", n)]) for n in sizes)  # fmt: skip
-    lines.append(f"- NoLoCo's final perplexity is at most DiLoCo's in {wins} of {len(sizes)} "
-                 f"replica counts; both are behind data parallel in {behind} of {len(sizes)}.")
-    seeds = sorted(k.split("_")[2] for k in results if k.startswith(f"noloco_n{mid}_"))
-    diffs = [_final(results[f"noloco_n{mid}_{s}"]) - _final(results[f"diloco_n{mid}_{s}"])
-             for s in seeds]  # fmt: skip
-    if len(diffs) > 1:
-        mean, sd = statistics.mean(diffs), statistics.stdev(diffs)
-        se = sd / len(diffs) ** 0.5
-        t = mean / se if se > 0 else float("inf")
-        p = 2 * scipy.stats.t.sf(abs(t), df=len(diffs) - 1)  # paired two-sided t-test
-        verdict = "significant" if p < 0.05 else "not significant"
-        lines.append(
-            f"- N = {mid}, paired by seed (same init and data order): PPL_NoLoCo − PPL_DiLoCo = "
-            f"{mean:+.3f} ± {sd:.3f} (mean ± std over {len(diffs)} seeds); paired t = {t:.2f}, "
-            f"df = {len(diffs) - 1}, two-sided p = {p:.2f}: {verdict} at the 5 % level."
-        )
-    return "\n".join(lines) + "\n"
+def rel_diff_series(results: dict, n: int) -> dict[str, list[tuple[int, float]]]:
+    """Fig. 3A: (PPL_DiLoCo - PPL_NoLoCo) / PPL_DP per eval step, mean over the paired seeds,
+    split into DiLoCo's sync steps ("sync") and the evaluations between them ("mid")."""
+    seeds = sorted(set(s for k in results if not k.startswith("_")
+                       for m, nn, s in [parse_name(k)] if nn == n and m == "noloco"))  # fmt: skip
+    dp_name = next(k for k in results if k.startswith(f"dp_n{n}_"))
+    dp = {r["step"]: r["val_ppl"] for r in results[dp_name]["eval"]}
+    per_seed = []
+    for s in seeds:
+        if f"diloco_n{n}_s{s}" not in results:
+            continue
+        ev = {m: {r["step"]: r["val_ppl"] for r in results[f"{m}_n{n}_s{s}"]["eval"]}
+              for m in ("noloco", "diloco")}  # fmt: skip
+        steps = set(dp) & set(ev["noloco"]) & set(ev["diloco"])
+        per_seed.append({t: (ev["diloco"][t] - ev["noloco"][t]) / dp[t] for t in steps})
+    steps = sorted(set.intersection(*(set(p) for p in per_seed))) if per_seed else []
+    mean = [statistics.mean(p[t] for p in per_seed) for t in steps]
+    sync, mid = stats.split_by_phase(steps, mean, reference_period(results))
+    return {"sync": sync, "mid": mid}
 
 
 def _plot(curves: dict, path) -> None:
-    fig = Figure(figsize=(6, 3.6))
+    fig = Figure(figsize=(6.5, 3.8))
     ax = fig.subplots()
-    for n, pts in curves.items():
-        ax.plot([t for t, _ in pts], [100 * v for _, v in pts], marker="o", ms=3, label=f"N = {n}")
+    for i, (n, series) in enumerate(curves.items()):
+        color = f"C{i}"
+        for phase, style in (("sync", "-o"), ("mid", ":x")):
+            pts = series[phase]
+            label = f"N = {n}, {'at DiLoCo sync steps' if phase == 'sync' else 'mid-round'}"
+            ax.plot([t for t, _ in pts], [100 * v for _, v in pts], style, ms=3, color=color,
+                    lw=1 if phase == "sync" else 0.6, label=label)  # fmt: skip
     ax.axhline(0, color="k", lw=0.6)
     ax.set_xlabel("inner step")
     ax.set_ylabel("(PPL_DiLoCo − PPL_NoLoCo) / PPL_DP  [%]")
     ax.set_title("Fig. 3A in miniature (positive: NoLoCo ahead)")
-    ax.legend()
+    ax.legend(fontsize=6)
     fig.tight_layout()
     harness.save_figure(fig, path)
 
 
-def report(results: dict, opts: harness.Options) -> str:
-    cells = _cells(results)
-    sizes = sorted({n for _, n in cells})
-    mid = sizes[len(sizes) // 2]
-    rows = [[f"N = {n}"] + [_fmt(cells[(m, n)]) for m in METHODS] for n in sizes]
-    curves = _rel_diff_curves(results, sizes)
+def _fmt(values: dict) -> str:
+    v = list(values.values())
+    if len(v) == 1:
+        return f"{v[0]:.3f}"
+    return f"{statistics.mean(v):.3f} ± {statistics.stdev(v):.3f} ({len(v)})"
+
+
+_READING = {"A < B": "holds", "A > B": "reversed", "no difference shown": "not shown"}
+
+
+def _test_rows(analysis: dict) -> list[list[Any]]:
+    rows = []
+    for n, size in analysis["sizes"].items():
+        for name, t in size["tests"].items():
+            p = "n/a" if t["p"] != t["p"] else f"{t['p']:.3g}"
+            rows.append([f"N = {n}", name, f"{t['mean']:+.4f} ± {t['sd']:.4f}", t["n"],
+                         f"{t['t']:.2f}" if t["t"] == t["t"] else "n/a", p,
+                         f"{t['negative']} / {t['positive']}", f"{t['sign_p']:.3g}",
+                         _READING[t["verdict"]]])  # fmt: skip
+    return rows
+
+
+def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
+    """The report of a finished grid: (analysis for the json, markdown)."""
+    analysis = analyse(results)
+    sizes = [int(n) for n in analysis["sizes"]]
+    curves = {n: rel_diff_series(results, n) for n in sizes}
+    analysis["fig3a"] = {str(n): c for n, c in curves.items()}
     fig = harness.figure_path(opts, "table2_fig3a")
     _plot(curves, fig)
-    evalrows = []
-    for name in sorted(results):
-        last = results[name]["eval"][-1]
-        evalrows.append([name, last["val_ppl"], last["val_ppl_avg_model"], last["val_ppl_ensemble"],
-                         last["val_ppl_best_replica"], last["replica_spread"]])  # fmt: skip
+    rows, gaps = [], []
+    for n in sizes:
+        size = analysis["sizes"][str(n)]
+        rows.append([f"N = {n}"] + [_fmt(size["cells"].get(m, {})) if m in size["cells"] else "–"
+                                    for m in METHODS])  # fmt: skip
+        gaps.append([f"N = {n}"] + [f"{100 * size['dp_gap'][m]:+.1f} %" if m in size["dp_gap"]
+                                    else "–" for m in OUTER])  # fmt: skip
     cmd = "python -m experiments.table2" + (" --smoke" if opts.smoke else "")
-    return (
+    r = plan.REGIME
+    md = (
         "## Table 2 in miniature: DP vs DiLoCo vs NoLoCo\n\n"
         f"```bash\n{cmd}\n```\n\n"
-        "Tiny Llama (1.1M params), byte-level Shakespeare, 600 inner steps of 32 x 64 tokens for "
-        "every method (equal steps and tokens; the global batch is split over the N replicas), "
-        "Adam 3e-3 with 50 warmup steps and cosine to 3e-4, clip 1.0. NoLoCo: H = 10, alpha = 0.5, "
-        "beta = gamma = 0.7, pairs. DiLoCo: H = 20, alpha = 0.3, beta = 0.7. Final pooled "
-        "validation perplexity (mean ± std over seeds where there are several):\n\n"
+        f"Llama preset `{r['model.preset']}`, byte-level Shakespeare, {r['num_steps']} inner "
+        "steps of 32 x 64 tokens for every method (the global batch split over the N replicas), "
+        f"Adam 3e-3, {r['optim.warmup_steps']} warmup steps, cosine to 3e-4, clip 1.0. NoLoCo: "
+        "H = 10, alpha = 0.5, beta = gamma = 0.7, pairs. DiLoCo: H = 20, alpha = 0.3, beta = 0.7; "
+        "diloco_h10: DiLoCo at NoLoCo's H = 10 (the control). Metric (fixed before the runs, "
+        f"experiments/README.md): pooled validation PPL averaged over the last {plan.LAST_K} "
+        f"evaluations at DiLoCo's sync steps (multiples of {analysis['period']}); mean ± std "
+        "(seeds):\n\n"
         + harness.md_table(["replicas", *METHODS], rows)
-        + "\n" + _verdict(cells, results, sizes, mid)
-        + "- Caveat: evaluations are every 50 steps and the last one (step 600) falls on a sync "
-        "step of both outer methods, where DiLoCo's replicas are identical (spread ~1e-9 below) "
-        "and its pooled perplexity is that of its averaged model; NoLoCo's replicas are never "
-        "identical. Between syncs DiLoCo's pooled perplexity is higher, so the final-step "
-        "comparison is the one most favourable to DiLoCo.\n"
+        + "\nGap to data parallel, (PPL − PPL_DP) / PPL_DP (the paper: a few %):\n\n"
+        + harness.md_table(["replicas", *OUTER], gaps)
+        + f"\nTests, paired by seed (same init and data order), two-sided, alpha = {plan.ALPHA}. "
+        "'noloco-diloco' is the primary test; 'NoLoCo ≤ DiLoCo' holds in a cell when its mean "
+        "difference is negative with p < alpha, is reversed when positive with p < alpha, and "
+        "is not shown otherwise. 'noloco_avg' is NoLoCo's averaged-model PPL (secondary).\n\n"
+        + harness.md_table(["cell", "A − B", "mean ± std", "pairs", "t", "p", "sign − / +",
+                            "sign p", "A < B?"], _test_rows(analysis))  # fmt: skip
         + f"\n![Fig. 3A in miniature](../figures/{fig.name})\n\n"
-        "Relative difference over training, (PPL_DiLoCo − PPL_NoLoCo)/PPL_DP in %: "
-        + "; ".join(f"N = {n}: " + ", ".join(f"{t}: {100 * v:+.2f}" for t, v in pts[-3:])
-                    for n, pts in curves.items())  # fmt: skip
-        + " (last three evaluations).\n\n"
-        "### Pooled vs averaged-model vs ensemble evaluation (final step)\n\n"
-        + harness.md_table(["run", "pooled PPL (paper)", "averaged model", "ensemble",
-                            "best replica", "spread"], evalrows)  # fmt: skip
+        "Fig. 3A at DiLoCo's sync steps, (PPL_DiLoCo − PPL_NoLoCo)/PPL_DP in % (mean over "
+        "seeds): "
+        + "; ".join(f"N = {n}: " + ", ".join(f"{t}: {100 * v:+.2f}" for t, v in c["sync"])
+                    for n, c in curves.items())  # fmt: skip
+        + ".\n"
     )
+    return analysis, md

@@ -1,0 +1,139 @@
+"""Which code made a result: the git commit, whether the tree was dirty, the config and seeds.
+
+Every training run of the harness gets a ``run_info.json`` in its workdir when it starts, and
+every results json a ``_provenance`` entry, so that a page built from several results files can
+check that they all come from one version of the code (``experiments.make_results``).
+
+Changes under the output folders (``experiments/results``, ``experiments/figures`` and the two
+pages built from them) do not make the tree dirty: publishing one experiment must not mark the
+runs of the next one as made by uncommitted code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import pathlib
+import subprocess
+from typing import Any
+
+__all__ = ["OUTPUT_PATHS", "git_state", "version_label", "run_info", "config_differences",
+           "versions_of"]  # fmt: skip
+
+# Paths (relative to the repository) whose changes do not count as a dirty tree.
+OUTPUT_PATHS = ("experiments/results", "experiments/figures", "experiments/RESULTS.md",
+                "experiments/BENCHMARKS.md", "experiments/runs")  # fmt: skip
+
+
+def _git(root: pathlib.Path, *args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                             timeout=30, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout
+
+
+def git_state(root: pathlib.Path) -> dict[str, Any]:
+    """The commit checked out at ``root`` and whether tracked or new files differ from it.
+
+    Args:
+      root: a folder inside the git checkout.
+
+    Returns:
+      ``{"commit": sha or None, "dirty": bool or None, "diff_sha256": str or None}``; None
+      where ``root`` is not a git checkout (an installed package). ``diff_sha256`` hashes the
+      uncommitted changes (``git diff HEAD`` and the names of new files) so that two dirty runs
+      can still be told apart.
+
+    Example:
+      >>> git_state(ROOT)["commit"]  # doctest: +SKIP
+      '8158966...'
+    """
+    commit = _git(root, "rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "dirty": None, "diff_sha256": None}
+    excluded = [f":(exclude){p}" for p in OUTPUT_PATHS]
+    status = _git(root, "status", "--porcelain", "--", ".", *excluded) or ""
+    dirty = bool(status.strip())
+    digest = None
+    if dirty:
+        diff = (_git(root, "diff", "HEAD", "--", ".", *excluded) or "") + status
+        digest = hashlib.sha256(diff.encode()).hexdigest()[:16]
+    return {"commit": commit.strip(), "dirty": dirty, "diff_sha256": digest}
+
+
+def version_label(state: dict[str, Any]) -> str:
+    """One string per code version: the commit, ``+dirty.<hash>`` if dirty, else "unrecorded"."""
+    if not state or not state.get("commit"):
+        return "unrecorded"
+    label = state["commit"][:12]
+    return label + f"+dirty.{state.get('diff_sha256')}" if state.get("dirty") else label
+
+
+def run_info(config: Any, root: pathlib.Path, state: dict[str, Any] | None = None
+             ) -> dict[str, Any]:  # fmt: skip
+    """What ``run_info.json`` records for a run: code version, full config and seeds.
+
+    Args:
+      config: the run's ``ConfigDict`` as trained.
+      root: the repository.
+      state: ``git_state(root)`` if already known (one look-up for a whole grid).
+
+    Returns:
+      A JSON-able dict.
+    """
+    cfg = json.loads(json.dumps(config.to_dict(), default=repr))
+    return {**(state if state is not None else git_state(root)), "config": cfg, "seed": cfg.get("seed"),
+            "outer_seed": cfg.get("outer", {}).get("seed"),
+            "jax": _version("jax"), "flax": _version("flax")}  # fmt: skip
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """Dotted fields present in both configs whose values differ: {field: (old, new)}.
+
+    A field only one of them has (an option added to the code since) is not a difference;
+    the commits recorded next to the configs tell those versions apart.
+    """
+    a, b = _flat(old), _flat(new)
+    return {k: (a[k], b[k]) for k in sorted(set(a) & set(b)) if a[k] != b[k]}
+
+
+def versions_of(results: dict) -> dict[str, list[str]]:
+    """{version label: [what has it]} over a results json: its writer and every run in it.
+
+    Args:
+      results: a results json as written by ``harness.write_outputs``.
+
+    Returns:
+      Labels of ``version_label``; a file without ``_provenance`` is all "unrecorded".
+    """
+    prov = results.get("_provenance") if isinstance(results, dict) else None
+    if not prov:
+        return {"unrecorded": ["(no _provenance)"]}
+    found: dict[str, list[str]] = {version_label(prov.get("writer", {})): ["(report)"]}
+    for name, state in sorted(prov.get("runs", {}).items()):
+        for part in (state, *state.get("resumed_at", [])):  # a run resumed by other code
+            found.setdefault(version_label(part), []).append(name)
+    if prov.get("earlier"):  # the report was re-written from a json made by other code
+        for label, what in versions_of({"_provenance": prov["earlier"]}).items():
+            found.setdefault(label, []).extend(f"earlier {w}" for w in what)
+    return found

@@ -1,0 +1,253 @@
+"""The statistics of the analysis plan (``plan``): the primary metric, paired tests, Fig. 3.
+
+Small functions on plain lists, each checked in tests/test_stats.py against numbers worked
+out by hand:
+
+- ``sync_aligned_mean``: the primary metric, a metric averaged over the last k evaluations
+  that fall on a sync step of a given period (DiLoCo's), the same steps for every method.
+- ``paired_test``: paired two-sided t-test and sign count of per-seed differences, and the
+  verdict of a cell at level alpha.
+- ``split_by_phase``: evaluations at sync steps vs mid-round (Fig. 3A's two series).
+- ``partial_correlation``: the correlation of two series with a third regressed out of both
+  (Fig. 3B: spread vs learning rate, given the step).
+- ``binomial_power`` / ``domains_for_power``: HDEE's count of domains against chance.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import scipy.stats
+
+__all__ = ["sync_aligned_steps", "sync_aligned_mean", "paired_test", "verdict", "sign_test",
+           "split_by_phase", "pearson", "partial_correlation", "binomial_tail",
+           "binomial_power", "domains_for_power", "paired_t_power", "seeds_for_power"]  # fmt: skip
+
+
+def sync_aligned_steps(steps: Sequence[int], period: int, last: int) -> list[int]:
+    """The last ``last`` of ``steps`` (after step 0) that are multiples of ``period``.
+
+    Args:
+      steps: evaluation steps.
+      period: the sync period H whose sync steps count.
+      last: how many.
+
+    Returns:
+      Sorted steps; fewer than ``last`` raises.
+
+    Raises:
+      ValueError: fewer than ``last`` aligned evaluations.
+
+    Example:
+      >>> sync_aligned_steps([25, 50, 75, 100, 125, 150, 175, 200], 20, 2)
+      [100, 200]
+    """
+    aligned = sorted(s for s in steps if s > 0 and s % period == 0)
+    if len(aligned) < last:
+        raise ValueError(f"only {len(aligned)} evaluations fall on a multiple of {period} "
+                         f"(steps {sorted(steps)}); the metric needs {last}.")  # fmt: skip
+    return aligned[-last:]
+
+
+def sync_aligned_mean(evals: Sequence[dict], period: int, last: int, key: str = "val_ppl"
+                      ) -> float:  # fmt: skip
+    """The primary metric: ``key`` averaged over the last ``last`` sync-aligned evaluations.
+
+    Args:
+      evals: eval records (``{"step": ..., key: ...}``), one per step.
+      period: the reference sync period (DiLoCo's H), the same for every method of a cell.
+      last: evaluations averaged.
+      key: the metric (pooled ``val_ppl``; ``val_ppl_avg_model`` for the secondary one).
+
+    Returns:
+      The mean of ``key`` at those steps.
+    """
+    by_step = {r["step"]: r[key] for r in evals}
+    return float(np.mean([by_step[s] for s in sync_aligned_steps(list(by_step), period, last)]))
+
+
+def sign_test(diffs: Sequence[float]) -> dict[str, float]:
+    """Two-sided exact sign test of paired differences (ties dropped).
+
+    Returns:
+      ``{"negative", "positive", "ties", "p"}``; p = P(a count at least as far from half as
+      this one | each sign has probability 1/2).
+    """
+    neg = sum(d < 0 for d in diffs)
+    pos = sum(d > 0 for d in diffs)
+    n = neg + pos
+    p = 1.0 if n == 0 else min(1.0, 2 * binomial_tail(n, max(neg, pos), 0.5))
+    return {"negative": neg, "positive": pos, "ties": len(diffs) - n, "p": p}
+
+
+def paired_test(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """Paired two-sided t-test of ``a - b`` (one pair per seed) and the sign count.
+
+    Args:
+      a: the metric of method A per seed.
+      b: the metric of method B for the same seeds, in the same order.
+
+    Returns:
+      ``mean`` and ``sd`` of the differences, ``t``, ``df``, two-sided ``p`` (nan with one
+      pair), and the sign test's ``negative``, ``positive``, ``ties``, ``sign_p``.
+
+    Example:
+      >>> r = paired_test([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
+      >>> round(r["t"], 4), r["df"], round(r["p"], 4)
+      (3.4641, 2, 0.0742)
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_test needs two equally long non-empty lists, got {len(a)} "
+                         f"and {len(b)}.")  # fmt: skip
+    d = np.asarray(a, float) - np.asarray(b, float)
+    n = len(d)
+    mean = float(d.mean())
+    sd = float(d.std(ddof=1)) if n > 1 else float("nan")
+    if n < 2:
+        t = p = float("nan")
+    elif sd == 0:
+        t, p = (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
+    else:
+        t = mean / (sd / math.sqrt(n))
+        p = float(2 * scipy.stats.t.sf(abs(t), df=n - 1))
+    sign = sign_test(d.tolist())
+    return {"mean": mean, "sd": sd, "n": n, "t": t, "df": n - 1, "p": p,
+            "negative": sign["negative"], "positive": sign["positive"], "ties": sign["ties"],
+            "sign_p": sign["p"]}  # fmt: skip
+
+
+def verdict(test: dict[str, float], alpha: float) -> str:
+    """The plan's reading of a paired test of A - B (A = NoLoCo, B = DiLoCo).
+
+    Returns:
+      "A < B" when the mean difference is negative and p < alpha, "A > B" when positive and
+      p < alpha, else "no difference shown" (which is not evidence of equality).
+    """
+    if not test["p"] < alpha:  # also nan (one seed)
+        return "no difference shown"
+    return "A < B" if test["mean"] < 0 else "A > B"
+
+
+def split_by_phase(steps: Sequence[int], values: Sequence[float], period: int
+                   ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:  # fmt: skip
+    """Fig. 3A's two series: points at sync steps of ``period`` and points mid-round.
+
+    Returns:
+      (sync-aligned [(step, value)], mid-round [(step, value)]), step 0 left out.
+    """
+    pts = [(int(s), float(v)) for s, v in zip(steps, values) if s > 0]
+    return [p for p in pts if p[0] % period == 0], [p for p in pts if p[0] % period]
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    """Pearson correlation (nan when a series is constant)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    sx, sy = x.std(), y.std()
+    if sx == 0 or sy == 0:
+        return float("nan")
+    return float(np.mean((x - x.mean()) * (y - y.mean())) / (sx * sy))
+
+
+def _residuals(y: np.ndarray, controls: np.ndarray) -> np.ndarray:
+    design = np.column_stack([np.ones(len(y)), controls])
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    return y - design @ coef
+
+
+def partial_correlation(x: Sequence[float], y: Sequence[float], control: Sequence[float]
+                        ) -> dict[str, float]:  # fmt: skip
+    """The correlation of ``x`` and ``y`` with a linear fit on ``control`` removed from both.
+
+    For Fig. 3B: x = spread, y = inner learning rate, control = step. A spread that only
+    drifts with time correlates with any monotone schedule; the partial correlation is what the
+    learning rate explains beyond the step. The p-value is the t-test of a partial correlation
+    with one control: t = r sqrt((n - 3) / (1 - r^2)), n - 3 degrees of freedom.
+
+    Args:
+      x: first series.
+      y: second series.
+      control: the series regressed out (with an intercept) of both.
+
+    Returns:
+      ``r`` (partial), ``p`` (two-sided), ``n``, and the plain correlations ``r_xy``,
+      ``r_xc``, ``r_yc``.
+    """
+    x, y, c = (np.asarray(v, float) for v in (x, y, control))
+    n = len(x)
+    if not n == len(y) == len(c) or n < 4:
+        raise ValueError(f"partial_correlation needs three equally long series of >= 4 points, "
+                         f"got {len(x)}, {len(y)}, {len(c)}.")  # fmt: skip
+    r = pearson(_residuals(x, c), _residuals(y, c))
+    if math.isnan(r):
+        p = float("nan")
+    elif abs(r) >= 1:
+        p = 0.0
+    else:
+        p = float(2 * scipy.stats.t.sf(abs(r) * math.sqrt((n - 3) / (1 - r * r)), df=n - 3))
+    return {"r": r, "p": p, "n": n, "r_xy": pearson(x, y), "r_xc": pearson(x, c),
+            "r_yc": pearson(y, c)}  # fmt: skip
+
+
+def binomial_tail(n: int, k: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    return float(sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+
+
+def _critical_count(n: int, p0: float, alpha: float) -> int:
+    """The smallest count k with P(X >= k | p0) <= alpha (n + 1 if none)."""
+    for k in range(n + 1):
+        if binomial_tail(n, k, p0) <= alpha:
+            return k
+    return n + 1
+
+
+def binomial_power(n: int, p0: float, p1: float, alpha: float) -> dict[str, float]:
+    """Power of the one-sided exact binomial test of a count of n against chance p0.
+
+    HDEE: a heterogeneous ensemble is lowest in X of n domains; under "all three ensembles are
+    equally good" X ~ Binomial(n, 2/3). If the true rate is p1 (the paper: 20 / 21), the test
+    that rejects for X >= k (k the smallest count with P(X >= k | p0) <= alpha) rejects with
+    probability P(X >= k | p1).
+
+    Returns:
+      ``critical`` count k, ``size`` P(X >= k | p0) and ``power`` P(X >= k | p1).
+    """
+    k = _critical_count(n, p0, alpha)
+    return {"critical": k, "size": binomial_tail(n, k, p0) if k <= n else 0.0,
+            "power": binomial_tail(n, k, p1) if k <= n else 0.0}  # fmt: skip
+
+
+def domains_for_power(p0: float, p1: float, alpha: float, power: float, max_n: int = 200
+                      ) -> int:  # fmt: skip
+    """The fewest domains n with ``binomial_power(n, p0, p1, alpha)["power"] >= power``.
+
+    The exact test's power is not monotone in n (the critical count moves in steps); this is
+    the first n that reaches it.
+    """
+    for n in range(1, max_n + 1):
+        if binomial_power(n, p0, p1, alpha)["power"] >= power:
+            return n
+    raise ValueError(f"no n <= {max_n} reaches power {power} (p0 = {p0}, p1 = {p1}).")
+
+
+def paired_t_power(n: int, effect: float, alpha: float) -> float:
+    """Power of the two-sided paired t-test with n pairs at standardised effect mean/sd.
+
+    Uses the noncentral t distribution: power = P(|T'| > t_crit), T' with n - 1 degrees of
+    freedom and noncentrality effect x sqrt(n).
+    """
+    if n < 2:
+        return 0.0
+    df, nc = n - 1, effect * math.sqrt(n)
+    crit = scipy.stats.t.ppf(1 - alpha / 2, df)
+    return float(scipy.stats.nct.sf(crit, df, nc) + scipy.stats.nct.cdf(-crit, df, nc))
+
+
+def seeds_for_power(effect: float, alpha: float, power: float, max_n: int = 1000) -> int:
+    """The fewest pairs n >= 2 whose paired t-test reaches ``power`` at ``effect``."""
+    for n in range(2, max_n + 1):
+        if paired_t_power(n, effect, alpha) >= power:
+            return n
+    raise ValueError(f"no n <= {max_n} reaches power {power} at effect {effect}.")

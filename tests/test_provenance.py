@@ -1,0 +1,213 @@
+"""One version (issue 23, item 9): results record the commit, config and seed of every run;
+make_results refuses results of different commits unless told; a run with the same seed and
+code is bit-identical."""
+
+import json
+import pathlib
+import subprocess
+
+import numpy as np
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+
+from noloco_jax.experiments import harness, provenance
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "tiny_noloco.py"
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                          text=True).stdout  # fmt: skip
+
+
+@pytest.fixture
+def repo(tmp_path):
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "config", "user.email", "t@t")
+    _git(tmp_path, "config", "user.name", "t")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "experiments" / "results").mkdir(parents=True)
+    (tmp_path / "experiments" / "results" / "a.json").write_text("{}")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "one")
+    return tmp_path
+
+
+def test_git_state_commit_dirty_and_outputs(repo):
+    head = _git(repo, "rev-parse", "HEAD").strip()
+    assert provenance.git_state(repo) == {"commit": head, "dirty": False, "diff_sha256": None}
+    (repo / "experiments" / "results" / "a.json").write_text('{"new": 1}')  # published output
+    (repo / "experiments" / "results" / "b.md").write_text("new")
+    assert provenance.git_state(repo)["dirty"] is False
+    (repo / "code.py").write_text("x = 2\n")
+    dirty = provenance.git_state(repo)
+    assert dirty["dirty"] is True and len(dirty["diff_sha256"]) == 16
+    assert provenance.version_label(dirty) == f"{head[:12]}+dirty.{dirty['diff_sha256']}"
+    (repo / "code.py").write_text("x = 3\n")  # another uncommitted change: another version
+    assert provenance.git_state(repo)["diff_sha256"] != dirty["diff_sha256"]
+    (repo / "code.py").write_text("x = 1\n")
+    (repo / "new_module.py").write_text("y = 1\n")  # a new file counts too
+    assert provenance.git_state(repo)["dirty"] is True
+    assert provenance.git_state(repo.parent)["commit"] is None  # not a checkout
+    assert provenance.version_label({"commit": None}) == "unrecorded"
+
+
+def _fake_train(trained):
+    def train(config, workdir):  # stands in for training: records what it was given
+        trained.append(workdir.name)
+        (workdir / "checkpoints" / str(config.num_steps)).mkdir(parents=True)
+        (workdir / "metrics.jsonl").write_text('{"kind": "eval", "step": 0, "val_ppl": 1.0}\n')
+
+    return train
+
+
+def test_runs_record_commit_config_and_seed_and_refuse_another_config(monkeypatch, tmp_path):
+    trained = []
+    monkeypatch.setattr(harness, "_train", _fake_train(trained))
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path / "out")
+    runs = [harness.Run("a", {"seed": 3, "outer.seed": 4, "outer.gamma": 0.3})]
+    results = harness.run_grid(CONFIG, runs, opts, runs_subdir="grid")
+    info = json.loads((tmp_path / "grid" / "a" / "run_info.json").read_text())
+    assert info["commit"] == provenance.git_state(ROOT)["commit"] and "dirty" in info
+    assert (info["seed"], info["outer_seed"], info["config"]["outer"]["gamma"]) == (3, 4, 0.3)
+    assert info["config"]["num_steps"] == harness.load_config(CONFIG, {}).num_steps  # full config
+    assert results["a"]["run_info"] == info
+    harness.write_outputs(opts, "rep", {"summary": 1}, "md", runs=results)
+    saved = json.loads((tmp_path / "out" / "rep.json").read_text())
+    prov = saved["_provenance"]
+    assert prov["writer"]["commit"] == info["commit"] and prov["runs"]["a"]["seed"] == 3
+    assert list(provenance.versions_of(saved)) == [provenance.version_label(info)]
+    assert harness.run_grid(CONFIG, runs, opts, runs_subdir="grid") and trained == ["a"]  # reused
+    other = [harness.Run("a", {"seed": 3, "outer.seed": 4, "outer.gamma": 0.5})]
+    with pytest.raises(ValueError, match=r"another config \(outer.gamma: 0.3 -> 0.5\)"):
+        harness.run_grid(CONFIG, other, opts, runs_subdir="grid")
+    (tmp_path / "grid" / "a" / "run_info.json").unlink()  # a run of the days before run_info
+    with pytest.raises(ValueError, match="no run_info.json"):
+        harness.run_grid(CONFIG, runs, opts, runs_subdir="grid")
+
+
+def test_parts_and_dry_run(monkeypatch, tmp_path, capsys):
+    trained = []
+    monkeypatch.setattr(harness, "_train", _fake_train(trained))
+    runs = [harness.Run(f"r{i}", {"seed": i}) for i in range(5)]
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path, dry_run=True)
+    with pytest.raises(harness.GridIncomplete, match="5 of 5 runs to train"):
+        harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+    assert trained == [] and capsys.readouterr().out.count("todo r") == 5
+    part = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path, part=(2, 2))
+    with pytest.raises(harness.GridIncomplete, match="3 of the grid's 5 are missing"):
+        harness.run_grid(CONFIG, runs, part, runs_subdir="g")
+    assert trained == ["r1", "r3"]
+    with pytest.raises(harness.GridIncomplete):  # part 2 again: nothing left to train
+        harness.run_grid(CONFIG, runs, part, runs_subdir="g")
+    assert trained == ["r1", "r3"]
+    first = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path, part=(1, 2))
+    assert len(harness.run_grid(CONFIG, runs, first, runs_subdir="g")) == 5  # the last part
+    assert trained == ["r1", "r3", "r0", "r2", "r4"]
+    with pytest.raises(ValueError, match="1 <= i <= k"):
+        harness.run_grid(CONFIG, [harness.Run("x", {"seed": 9})],
+                         harness.Options(jobs=1, runs_dir=tmp_path, part=(3, 2)), runs_subdir="g")
+
+
+def _results_json(folder, name, commit, dirty=False):
+    state = {"commit": commit, "dirty": dirty, "diff_sha256": "ab" if dirty else None}
+    prov = {"writer": state, "runs": {"run_a": dict(state, seed=0)}}
+    (folder / f"{name}.json").write_text(json.dumps({"run_a": {}, "_provenance": prov}))
+    (folder / f"{name}.md").write_text(f"## {name}\n\nbody of {name}\n")
+
+
+def _make_results(results_dir, *argv):
+    from experiments import make_results
+
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        make_results.main(flags.FLAGS(["make_results", "--results_dir", str(results_dir), *argv]))
+
+
+def test_make_results_refuses_mixed_commits_unless_told(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    _results_json(results, "table2", "a" * 40)
+    _results_json(results, "sweeps", "a" * 40)
+    _make_results(results)
+    page = (tmp_path / "RESULTS.md").read_text()
+    assert f"All results below come from commit `{'a' * 12}`" in page and "body of sweeps" in page
+    _results_json(results, "sweeps", "b" * 40)
+    with pytest.raises(SystemExit) as stop:
+        _make_results(results)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "(2 version(s)" in err and "sweeps: run_a" in err and "--allow_mixed_commits" in err
+    _make_results(results, "--allow_mixed_commits")
+    page = (tmp_path / "RESULTS.md").read_text()
+    assert "Code versions of these results" in page and f"`{'b' * 12}`: sweeps: (report)" in page
+    _results_json(results, "sweeps", "a" * 40, dirty=True)  # one commit, but a dirty tree
+    with pytest.raises(SystemExit):
+        _make_results(results)
+    (results / "sweeps.json").write_text('{"run_a": {}}')  # made before provenance existed
+    with pytest.raises(SystemExit):
+        _make_results(results)
+    assert "unrecorded" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from pydoc_data.topics import topics
+
+    folder = tmp_path_factory.mktemp("corpus")
+    for i, (_, text) in enumerate(sorted(topics.items())[:20]):
+        (folder / f"{i:02d}.txt").write_text(text, encoding="utf-8")
+    return folder
+
+
+def _leaves(workdir, config):
+    from noloco_jax.trainer import from_config
+    from noloco_jax.trainer.loop import load_run
+
+    _, params, _ = load_run(from_config(config), workdir)
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+@pytest.mark.slow  # two smoke trainings, compile-bound: 30 s idle, 220 s at load 10 (2 cores)
+def test_same_seed_same_code_is_bit_identical(corpus, tmp_path):
+    """Two smoke NoLoCo runs of one config, one after the other in this process: every logged
+    number (but the timings) and every parameter bit agree."""
+    over = {"method": "noloco", "num_replicas": 2, "seed": 1, "outer.seed": 1}
+    runs = [harness.Run("first", over), harness.Run("second", over)]
+    opts = harness.Options(smoke=True, jobs=1, runs_dir=tmp_path, out_dir=tmp_path,
+                           data_path=str(corpus), data_dir=str(tmp_path / "data"))  # fmt: skip
+    cfg = harness.load_config(CONFIG, {**over, **harness.smoke_overrides(),
+                                       **harness.data_overrides(opts)})  # fmt: skip
+    results = harness.run_grid(CONFIG, runs, opts, runs_subdir="det")
+
+    def logged(run):
+        return {kind: [{k: v for k, v in r.items() if k != "tokens_per_sec"} for r in run[kind]]
+                for kind in ("train", "eval")}  # fmt: skip
+
+    assert logged(results["first"]) == logged(results["second"])
+    assert len(results["first"]["eval"]) >= 4
+    a, b = (_leaves(tmp_path / "det_smoke" / name, cfg) for name in ("first", "second"))
+    assert len(a) == len(b) > 0
+    assert all(x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+def test_part_flag_is_checked():
+    from absl import app
+
+    from experiments import options
+
+    def parse(*argv):
+        with flagsaver.flagsaver():
+            flags.FLAGS.unparse_flags()
+            flags.FLAGS(["experiments.table2", *argv])
+            return options.grid_options()
+
+    assert parse("--part", "2/3").part == (2, 3) and parse().part is None
+    assert parse("--dry_run").dry_run
+    for bad in ("3/2", "0/2", "x", "1/2/3"):
+        with pytest.raises(app.UsageError, match="--part"):
+            parse("--part", bad)
