@@ -34,7 +34,7 @@ MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overfl
 RESUMABLE = frozenset(
     {"backend", "mesh.fsdp", "mesh.tensor", "eval_every", "checkpoint_every", "keep_checkpoints",
      "data.eval_windows", "data.data_dir", "profile_steps", "log.wandb", "log.wandb_project",
-     "log.wandb_run_name", "allow_resize"}
+     "log.wandb_run_name", "allow_resize", "model.remat"}
 )  # fmt: skip
 
 _SECTIONS: dict[str, type] = {}  # section name -> its settings class, in GROUPS order
@@ -75,6 +75,7 @@ class ModelSettings:
     vocab_size: int
     num_kv_heads: int
     tie_embeddings: bool
+    remat: bool
     init_from: str
 
 
