@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["FSDP", "TENSOR", "INTRA_AXES", "LLAMA_RULES", "intra_replica_axes", "check_divides",
-           "shard_batch", "gather_whole", "batch_split"]
+           "shard_batch", "gather_whole", "batch_split", "whole_lookups"]
 
 FSDP, TENSOR = "fsdp", "tensor"
 INTRA_AXES = (FSDP, TENSOR)
@@ -102,19 +102,31 @@ def shard_batch(x: Any) -> Any:
 
 
 def gather_whole(table: Any) -> Any:
-    """A weight made whole on every device of its replica, where ``shard_batch`` splits the batch.
+    """A table made whole on every device of its replica where ``whole_lookups()`` says so.
 
-    For the embedding table before its lookup: the compiler of jax 0.10.2
-    cannot build a lookup into a split table whose result is split by batch
-    (experiments/BENCHMARKS.md, compiler notes). FSDP gathers every other
+    For the embedding table before its lookup. FSDP gathers every other
     weight before use in the same way.
     """
     import jax  # noqa: PLC0415
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
-    if batch_split(None) == 1:
+    if not whole_lookups():
         return table
     return jax.lax.with_sharding_constraint(table, P(*[None] * table.ndim))
+
+
+def whole_lookups() -> bool:
+    """Whether a lookup here (a gather by index) must read a whole table.
+
+    True where the batch is split over ``fsdp`` and ``tensor`` splits too:
+    the compiler of jax 0.10.2 cannot build a lookup whose result is split by
+    batch there (experiments/BENCHMARKS.md, compiler notes).
+    """
+    import jax  # noqa: PLC0415
+
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return batch_split(None) > 1 and sizes.get(TENSOR, 1) > 1
 
 
 def batch_split(x: Any = None) -> int:

@@ -119,3 +119,8 @@ def test_remat_keeps_the_numbers_and_needs_less_scratch():
     for a, b in zip(jax.tree.leaves(out[True][1]), jax.tree.leaves(out[False][1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     assert temp[True] < temp[False], temp
+
+
+def test_remat_setting_must_be_a_bool():
+    with pytest.raises(ValueError, match="config.model.remat"):
+        st.from_config({"model": {"remat": "yes"}})

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from noloco_jax.models.presets import LlamaConfig
-from noloco_jax.sharding import batch_split, gather_whole, shard_batch
+from noloco_jax.sharding import gather_whole, shard_batch, whole_lookups
 
 __all__ = [
     "Llama",
@@ -371,7 +371,7 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
       loss_BxT in float32.
     """
     logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
-    if batch_split(logp_BxTxV) > 1:  # XLA aborts on the gather there (sharding.gather_whole)
+    if whole_lookups():  # the compiler cannot split this gather here (sharding.whole_lookups)
         picked_BxTxV = logp_BxTxV * jax.nn.one_hot(targets_BxT, logp_BxTxV.shape[-1],
                                                    dtype=logp_BxTxV.dtype)  # fmt: skip
         return -jnp.sum(picked_BxTxV, axis=-1)  # the one nonzero term: the same value

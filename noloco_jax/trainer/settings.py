@@ -273,6 +273,7 @@ def _validate_model(s: TrainSettings) -> None:
     check_choice("config.model.dtype", s.model.dtype, DTYPES)
     check_choice("config.model.param_dtype", s.model.param_dtype, DTYPES)
     check_int("config.model.vocab_size", s.model.vocab_size, minimum=0)
+    check_bool("config.model.remat", s.model.remat)
 
 
 def _validate_data(s: TrainSettings) -> None:
