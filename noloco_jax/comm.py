@@ -545,6 +545,28 @@ def _replica_split_by_compiler() -> bool:
     return bool(mesh.manual_axes) and bool(mesh.auto_axes)
 
 
+def _group_sums(leaves: list, wires: list, axis_name: str, pool: np.ndarray,
+                index: jax.typing.ArrayLike) -> list:  # fmt: skip
+    """Sums of ``leaves`` over this replica's group, in accumulation dtypes, in one message."""
+    if _own_value_travels(pool.shape[-1]):
+        # All leaves travel in one message per step, encoded before the switch;
+        # the branches hold only the collectives, and what arrives is added in
+        # order after it, leaf by leaf.
+        sums = [x.astype(_accum_dtype(x.dtype)) for x in leaves]
+        message = _encode(sums, wires)
+        branches = [functools.partial(_shifts, axis_name=axis_name, partition=p) for p in pool]
+        for received in _switch(index, branches, message):
+            sums = [a + r for a, r in zip(sums, _decode(received, sums, wires))]
+        return sums
+    # Partial sums travel: the branches sum flat buffers, one per
+    # (wire, accumulation) dtype, sending all of them in one message per step.
+    keys = _buffer_keys(leaves, wires)
+    buffer_wires = [w for w, _ in dict.fromkeys(keys)]
+    branches = [functools.partial(_butterfly_sum, wires=buffer_wires, axis_name=axis_name,
+                                  partition=p) for p in pool]  # fmt: skip
+    return _unpack(_switch(index, branches, _pack(leaves, keys)), leaves, keys)
+
+
 def group_mean(
     tree: PyTree,
     axis_name: str,
@@ -581,10 +603,6 @@ def group_mean(
         return per_kind[0]
     if quantize.is_codec(exchange_dtype):
         return _group_mean_codec(tree, axis_name, pool, index, exchange_dtype, weight)[0]
-    if weight is None and len(jax.tree.leaves(tree)) > 1 and _replica_split_by_compiler():
-        # Each leaf travels alone and in its shape: packing split leaves into one flat
-        # message would make the compiler move every shard inside the replica first.
-        return jax.tree.map(lambda x: group_mean(x, axis_name, pool, index, exchange_dtype), tree)
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
@@ -598,27 +616,13 @@ def group_mean(
         leaves.append(present.astype(jnp.float32))
         wires.append(jnp.float32)
     n = pool.shape[-1]
-    if _own_value_travels(n):
-        # All leaves travel in one message per step, encoded before the switch;
-        # the branches hold only the collectives, and what arrives is added in
-        # order after it, leaf by leaf.
-        sums = [x.astype(_accum_dtype(x.dtype)) for x in leaves]
-        message = _encode(sums, wires)
-        branches = [functools.partial(_shifts, axis_name=axis_name, partition=p) for p in pool]
-        for received in _switch(index, branches, message):
-            sums = [a + r for a, r in zip(sums, _decode(received, sums, wires))]
+    if len(leaves) > 1 and _replica_split_by_compiler():
+        # Each leaf (and the presence flag) travels alone and in its shape: packing split
+        # leaves into one flat message would make the compiler move every shard inside
+        # the replica first. The sums are the same, leaf by leaf.
+        sums = [_group_sums([x], [w], axis_name, pool, index)[0] for x, w in zip(leaves, wires)]
     else:
-        # Partial sums travel: the branches sum flat buffers, one per
-        # (wire, accumulation) dtype, sending all of them in one message per step.
-        keys = _buffer_keys(leaves, wires)
-        buffer_wires = [w for w, _ in dict.fromkeys(keys)]
-        branches = [
-            functools.partial(
-                _butterfly_sum, wires=buffer_wires, axis_name=axis_name, partition=p
-            )
-            for p in pool
-        ]
-        sums = _unpack(_switch(index, branches, _pack(leaves, keys)), leaves, keys)
+        sums = _group_sums(leaves, wires, axis_name, pool, index)
     if present is None:
         return jax.tree.unflatten(treedef, [v / n for v in sums])
     *sums, count = sums

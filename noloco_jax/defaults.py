@@ -69,6 +69,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("model.num_kv_heads", 0,
      "Key/value heads: 0 = num_heads (multi-head); a divisor of it = grouped-query attention."),
     ("model.tie_embeddings", False, "Output head = the input embedding table, transposed."),
+    ("model.remat", False,
+     "Recompute each block's activations in the backward pass (less memory, one more forward)."),
     # The checkpoint's config.json replaces the preset's shape; needs no [hf] extra.
     ("model.init_from", "",
      "A local Hugging Face Llama dir (config.json + *.safetensors): every replica starts there."),

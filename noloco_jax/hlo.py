@@ -14,7 +14,7 @@ import numpy as np
 
 __all__ = [
     "CollectiveOp", "collective_ops", "bytes_by_computation", "compiled_text",
-    "source_target_pairs", "replica_groups", "EntryGraph", "entry_graph",
+    "source_target_pairs", "replica_groups", "EntryGraph", "entry_graph", "crossing_bytes",
 ]  # fmt: skip
 
 _KINDS = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")
@@ -111,6 +111,34 @@ def bytes_by_computation(hlo_text: str, kind: str) -> dict[str, int]:
     for op in collective_ops(hlo_text):
         if op.kind == kind:
             out[op.computation] += op.bytes
+    return dict(out)
+
+
+def crossing_bytes(ops: list[CollectiveOp], replica_of: dict[int, int]) -> dict[str, int]:
+    """Bytes per device of the collectives that join devices of different replicas, by kind.
+
+    A collective-permute crosses when one of its pairs does; a reduction or
+    gather when one of its device groups spans replicas (no groups: all
+    devices, so it crosses when there are several replicas).
+
+    Args:
+      ops: ``collective_ops`` of a compiled program.
+      replica_of: device id -> the replica it belongs to.
+
+    Returns:
+      ``{kind: bytes}`` of the crossing collectives (operand bytes on one
+      device, each instruction counted once).
+    """
+    out: dict[str, int] = collections.defaultdict(int)
+    several = len(set(replica_of.values())) > 1
+    for op in ops:
+        links = op.pairs or op.groups
+        if op.kind == "collective-permute":
+            crosses = any(replica_of[a] != replica_of[b] for a, b in op.pairs)
+        else:
+            crosses = any(len({replica_of[d] for d in g}) > 1 for g in links) if links else several
+        if crosses:
+            out[op.kind] += op.bytes
     return dict(out)
 
 

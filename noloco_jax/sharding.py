@@ -10,6 +10,11 @@ name (optimizer-state leaves carry their parameter's name in their path):
 * ``tensor`` splits attention heads and the MLP hidden dimension
   (Megatron-style).
 
+Activations split their batch over ``fsdp`` (``shard_batch``): each of a
+replica's F devices runs its own share of the replica's sequences with
+gathered weights, so activation memory and compute per device fall with F
+as well.
+
 NoLoCo and DiLoCo stay unchanged: their collectives run over the "replica"
 axis only, so each device exchanges its own shard with the devices holding
 the same shard in the partner replicas.
@@ -19,7 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FSDP", "TENSOR", "INTRA_AXES", "LLAMA_RULES", "intra_replica_axes", "check_divides"]
+__all__ = ["FSDP", "TENSOR", "INTRA_AXES", "LLAMA_RULES", "intra_replica_axes", "check_divides",
+           "shard_batch", "gather_whole", "batch_split", "whole_lookups"]
 
 FSDP, TENSOR = "fsdp", "tensor"
 INTRA_AXES = (FSDP, TENSOR)
@@ -100,3 +106,77 @@ def _not_dividing(setting: str, size: int, n: int, where: str, what: str) -> str
         return f"{setting} is more than the {n} {what} ({where}) it splits; choose a divisor of {n}."
     what = f"the {what}, " if what else ""
     return f"{setting} does not divide {where} ({what}size {n}); choose a divisor of {n}."
+
+
+def shard_batch(x: Any) -> Any:
+    """Splits dim 0 (the batch) of an activation over the ``fsdp`` mesh axis, when there is one.
+
+    Without it the compiler follows the weights' split and every device of a
+    replica computes all of the replica's sequences (activation memory and
+    compute do not fall with F). The other dims are left to the compiler.
+
+    Args:
+      x: an activation whose first dim is the batch, inside a program over a
+        mesh with a compiler-placed ``fsdp`` axis (``make_replicas(...,
+        mesh_shape={"fsdp": F})``).
+
+    Returns:
+      ``x``, constrained; unchanged where no such axis exists (``vmap``, a 1-D
+      mesh, pipeline stages, F = 1) or F does not divide the batch.
+    """
+    import jax  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    if batch_split(x) == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, P(FSDP, *[P.UNCONSTRAINED] * (x.ndim - 1)))
+
+
+def gather_whole(table: Any) -> Any:
+    """A table made whole on every device of its replica where ``whole_lookups()`` says so.
+
+    For the embedding table before its lookup. FSDP gathers every other
+    weight before use in the same way.
+    """
+    import jax  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    if not whole_lookups():
+        return table
+    return jax.lax.with_sharding_constraint(table, P(*[None] * table.ndim))
+
+
+def whole_lookups() -> bool:
+    """Whether a lookup here (a gather by index) must read a whole table.
+
+    True where the batch is split over ``fsdp`` and ``tensor`` splits too:
+    the compiler of jax 0.10.2 cannot build a lookup whose result is split by
+    batch there (experiments/BENCHMARKS.md, compiler notes).
+    """
+    import jax  # noqa: PLC0415
+
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return batch_split(None) > 1 and sizes.get(TENSOR, 1) > 1
+
+
+def batch_split(x: Any = None) -> int:
+    """How many ways ``shard_batch`` splits the batch here (of ``x``, if given): F, or 1.
+
+    Args:
+      x: an activation whose first dim is the batch, or None.
+
+    Returns:
+      The size of the compiler-placed ``fsdp`` axis of the current mesh when it
+      has one (and it divides ``x``'s batch), else 1.
+    """
+    import jax  # noqa: PLC0415
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or FSDP not in mesh.axis_names:
+        return 1
+    kind = dict(zip(mesh.axis_names, mesh.axis_types))[FSDP]
+    size = dict(zip(mesh.axis_names, mesh.axis_sizes))[FSDP]
+    if kind == jax.sharding.AxisType.Manual or (x is not None and x.shape[0] % size):
+        return 1
+    return size

@@ -13,8 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script", [
     pytest.param("overhead", marks=pytest.mark.slow), "comm_volume",
     pytest.param("scaling", marks=pytest.mark.slow), "throughput", "clip_traffic",
-    "compile_scale", "diloco_exchange",
-])  # the slow two time ~25 s of repetitions each
+    "compile_scale", "diloco_exchange", pytest.param("sharded_memory", marks=pytest.mark.slow),
+])  # the slow two time ~25 s of repetitions each; sharded_memory compiles 6 programs
 def test_benchmark_smoke(script, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", f"experiments.bench.{script}", "--smoke", "--out_dir",

@@ -1,6 +1,7 @@
 """Bytes each replica sends per sync, read from the compiled HLO, for the paper's models.
 
     python -m experiments.bench.comm_volume [--smoke] [--replicas 8,16,32,64]
+        [--sections replicas,split] [--splits 1x1,2x1,4x1,2x2]
 
 For each paper model (abstract shapes only: jax.eval_shape, nothing allocated; bf16 params as
 in the paper) and replica count N, compiles the outer update under jax.shard_map on N
@@ -8,6 +9,11 @@ in the paper) and replica count N, compiles the outer update under jax.shard_map
 NoLoCo: gamma = beta, gamma != beta, bf16 exchange of f32 params. DiLoCo / data parallel: the
 all-reduce operand, converted to bytes sent per replica by a bandwidth-optimal ring
 (2 (N - 1) / N), which flatters them. Then feeds the bytes into noloco_jax.netsim.
+
+Section "split": the trainer's own sync program (noloco_jax.trainer.aot, the paper's settings)
+for N = 2 replicas, each whole on one device or split over F x T devices, NoLoCo, DiLoCo and
+data parallel; the bytes per device of every collective that joins two replicas
+(noloco_jax.hlo.crossing_bytes), against the whole replica's.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ EXTRAPOLATE = flags.DEFINE_list(
     "extrapolate", ["128", "256", "512", "1024"],
     "Larger N from the largest compiled N's (N-independent) HLO bytes, comma-separated; "
     "empty for none.")  # fmt: skip
+SECTIONS = flags.DEFINE_list("sections", ["replicas", "split"],
+                             "Tables to make: replicas (N = 8 ... 1024), split (F x T).")
+SPLITS = flags.DEFINE_list("splits", ["1x1", "2x1", "4x1", "2x2"],
+                           "Replica splits F x T for the split table (N = 2: 2 F T devices).")
 for _name in ("replicas", "extrapolate"):
     flags.register_validator(_name, lambda v: all(x.isdigit() and int(x) > 0 for x in v),
                              message="takes positive integers, comma-separated (8,16,32)")
@@ -95,15 +105,53 @@ def _add_row(rows, results, preset: str, num: int, n: int, name: str, b: dict, l
                  f"{times['datacenter']:.3g}", f"{times['internet']:.3g}"])  # fmt: skip
 
 
-def main(argv: Sequence[str]) -> None:
-    options.start(argv)
-    smoke = options.SMOKE.value
-    extrapolate = [8] if smoke else [int(x) for x in EXTRAPOLATE.value]
-    sizes = ["nano"] if smoke else ["small", "medium", "large"]
-    vocab = 256 if smoke else 128002
-    ns = [2, 4] if smoke else [int(x) for x in REPLICAS.value]
-    _use_cpu_devices(max(ns))
-    rows, results = [], {"env": common.environment(), "rows": []}
+def _split_row(preset: str, method: str, fsdp: int, tensor: int, vocab: int) -> dict:
+    """Cross-replica bytes per device of the trainer's sync program, N = 2, split F x T."""
+    from noloco_jax.trainer import aot  # noqa: PLC0415
+
+    s = common.paper_settings(preset, method, num_replicas=2, seq_len=64, fsdp=fsdp,
+                              tensor=tensor)  # fmt: skip
+    compiled = aot.compile_program(s, vocab, program="sync")
+    crossing = hlo.crossing_bytes(hlo.collective_ops(compiled.as_text()),
+                                  aot.device_replicas(compiled))  # fmt: skip
+    return {"model": preset, "method": method, "fsdp": fsdp, "tensor": tensor,
+            "crossing": crossing, "bytes": sum(crossing.values())}  # fmt: skip
+
+
+def split_table(sizes: list[str], methods: list[str], splits: list[tuple[int, int]],
+                vocab: int, smoke: bool) -> tuple[list[dict], str]:  # fmt: skip
+    """Rows and markdown of the split section."""
+    rows, table = [], []
+    for preset in sizes:
+        for method in methods:
+            whole = None
+            for fsdp, tensor in splits:
+                r = _split_row(preset, method, fsdp, tensor, vocab)
+                whole = whole or r["bytes"]
+                rows.append(r)
+                kinds = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(r["crossing"].items()))
+                table.append([preset, method, f"{fsdp} x {tensor}", f"{r['bytes'] / 1e6:.1f}",
+                              f"{r['bytes'] * fsdp * tensor / whole:.4f}", kinds])  # fmt: skip
+                print(table[-1], flush=True)
+    cmd = "python -m experiments.bench.comm_volume" + (" --smoke" if smoke else " --sections=split")
+    md = (f"### Bytes per device per sync between replicas, whole vs split replicas\n\n`{cmd}` — "
+          "the trainer's sync program (noloco_jax.trainer.aot: the paper's settings, float32 "
+          "params, Adam, guard on) for N = 2 replicas, each whole on one device (1 x 1) or split "
+          "over F x T devices (fsdp x tensor), compiled on simulated CPU devices; MB (10^6 "
+          "bytes) of the operands of every collective in it that joins devices of different "
+          "replicas (noloco_jax.hlo.crossing_bytes; each instruction once). Data parallel's "
+          "program is its step (one all-reduce of the gradients per step). 'x split' is the "
+          "bytes times F x T over the whole replica's: 1.0 is an exact 1 / (F x T). On the "
+          "CPU backend an all-reduce is float32 whatever the dtype.\n\n"
+          + common.md_table(["model", "method", "F x T", "MB per device", "x split",
+                             "collectives"], table))  # fmt: skip
+    return rows, md
+
+
+def replica_table(sizes: list[str], ns: list[int], extrapolate: list[int], vocab: int,
+                  smoke: bool) -> tuple[dict, str]:  # fmt: skip
+    """Results and markdown of the replicas section (N = 8 ... 1024)."""
+    rows, results = [], {"rows": []}
     per_device: dict[str, list[dict]] = {}
     for preset in sizes:
         bf16 = _abstract_params(preset, "bfloat16", vocab)
@@ -144,7 +192,31 @@ def main(argv: Sequence[str]) -> None:
           "in reasonable time), with the ring factor and netsim times for their own N.\n\n"
           + common.md_table(["model", "N", "method", "GB sent", "x bf16 model",
                              "sync s (datacenter)", "sync s (internet)"], rows))  # fmt: skip
-    common.write("bench_comm_volume", results, md, options.out_dir())
+    return results, md
+
+
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    smoke = options.SMOKE.value
+    extrapolate = [8] if smoke else [int(x) for x in EXTRAPOLATE.value]
+    sizes = ["nano"] if smoke else ["small", "medium", "large"]
+    vocab = 256 if smoke else 128002
+    ns = [2, 4] if smoke else [int(x) for x in REPLICAS.value]
+    sections = SECTIONS.value
+    splits = [(1, 1), (2, 2)] if smoke else [tuple(int(v) for v in x.split("x"))
+                                             for x in SPLITS.value]  # fmt: skip
+    _use_cpu_devices(max([*ns, *(2 * f * t for f, t in splits)]) if "replicas" in sections
+                     else max(2 * f * t for f, t in splits))  # fmt: skip
+    results, parts = {"env": common.environment(), "rows": []}, []
+    if "replicas" in sections:
+        found, md = replica_table(sizes, ns, extrapolate, vocab, smoke)
+        results["rows"], parts = found["rows"], [md]
+    if "split" in sections:
+        methods = ["noloco"] if smoke else ["noloco", "diloco", "dp"]
+        results["split"], md = split_table(sizes, methods, splits, vocab, smoke)
+        parts.append(md)
+    name = "bench_comm_volume" if "replicas" in sections else "bench_comm_volume_split"
+    common.write(name, results, "\n".join(parts), options.out_dir())
 
 
 if __name__ == "__main__":

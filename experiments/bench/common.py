@@ -155,3 +155,32 @@ class TrainerChunk:
             progs.append((self.sync, tokens[:, :1]))
         mems = [f.lower(state, t, np.int32(1)).compile().memory_analysis() for f, t in progs]
         return max(mems, key=lambda m: m.temp_size_in_bytes + m.output_size_in_bytes)
+
+
+def paper_settings(size: str, method: str = "noloco", *, num_replicas: int = 1,
+                   batch_per_replica: int = 1, seq_len: int = 1024, fsdp: int = 1,
+                   tensor: int = 1, remat: bool = False) -> Any:  # fmt: skip
+    """The trainer's settings of a paper run (configs/paper.py) on split replicas.
+
+    Args:
+      size: a paper size ("small", "medium", "large") or a smaller preset (its
+        settings are paper-small's with the preset swapped in).
+      method: "noloco", "diloco" or "dp".
+      num_replicas: N.
+      batch_per_replica: sequences per replica per step.
+      seq_len: tokens per sequence.
+      fsdp: F, devices each replica's weights split over.
+      tensor: T, devices its heads and MLP split over.
+      remat: recompute activations in the backward pass.
+
+    Returns:
+      Validated ``TrainSettings`` with ``backend="shard_map"``.
+    """
+    from configs import paper  # noqa: PLC0415
+    from noloco_jax.trainer import settings as st  # noqa: PLC0415
+
+    c = paper.paper_config(size if size in paper._SIZES else "small", method, num_replicas)
+    c.model.preset, c.backend = size, "shard_map"
+    c.global_batch_size, c.data.seq_len = batch_per_replica * num_replicas, seq_len
+    c.mesh.fsdp, c.mesh.tensor, c.model.remat = fsdp, tensor, remat
+    return st.from_config(c)

@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from noloco_jax.models.presets import LlamaConfig
+from noloco_jax.sharding import gather_whole, shard_batch, whole_lookups
 
 __all__ = [
     "Llama",
@@ -235,8 +236,8 @@ class Llama(nnx.Module):
                 f"sequence length {tokens_BxT.shape[1]} exceeds max_seq_len "
                 f"{self.cfg.max_seq_len}"
             )
-        x_BxTxD = jnp.take(self.embedding[...], tokens_BxT, axis=0)
-        return x_BxTxD.astype(self.dtype)
+        x_BxTxD = jnp.take(gather_whole(self.embedding[...]), tokens_BxT, axis=0)
+        return shard_batch(x_BxTxD.astype(self.dtype))
 
     def run_layers(self, x_BxTxD: jax.Array, layer_ids: jax.Array | None = None) -> jax.Array:
         """Applies decoder blocks in sequence with one ``jax.lax.scan``.
@@ -255,7 +256,10 @@ class Llama(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
 
         def apply_block(x_BxTxD: jax.Array, block_params: nnx.State) -> tuple[jax.Array, None]:
-            return nnx.merge(graphdef, block_params)(x_BxTxD), None
+            return shard_batch(nnx.merge(graphdef, block_params)(x_BxTxD)), None
+
+        if self.cfg.remat:  # keep only each block's input; recompute the rest backward
+            apply_block = jax.checkpoint(apply_block)
 
         if layer_ids is None:
             x_BxTxD, _ = jax.lax.scan(apply_block, x_BxTxD, stacked)
@@ -304,7 +308,8 @@ class Llama(nnx.Module):
             w_DxV = self.embedding[...].T.astype(self.dtype)
         else:
             w_DxV = self.lm_head[...].astype(self.dtype)
-        return jnp.einsum("btd,dv->btv", h_BxTxD, w_DxV, preferred_element_type=jnp.float32)
+        logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, w_DxV, preferred_element_type=jnp.float32)
+        return shard_batch(logits_BxTxV)
 
 
 def _split_new_model(cfg: LlamaConfig, key: jax.Array) -> tuple[nnx.GraphDef, nnx.State]:
@@ -366,6 +371,10 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
       loss_BxT in float32.
     """
     logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+    if whole_lookups():  # the compiler cannot split this gather here (sharding.whole_lookups)
+        picked_BxTxV = logp_BxTxV * jax.nn.one_hot(targets_BxT, logp_BxTxV.shape[-1],
+                                                   dtype=logp_BxTxV.dtype)  # fmt: skip
+        return -jnp.sum(picked_BxTxV, axis=-1)  # the one nonzero term: the same value
     target_logp_BxTx1 = jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)
     return -target_logp_BxTx1[..., 0]
 

@@ -47,6 +47,9 @@ class LlamaConfig:
         fewer = grouped-query attention (each K/V head serves N / K query heads).
       tie_embeddings: if True the output head is the transposed input embedding (one [V, D]
         table, as in many small Llama-family models); False (default) = separate ``lm_head``.
+      remat: if True each decoder block's activations are recomputed in the backward pass
+        instead of kept from the forward pass (``jax.checkpoint``): only the residual stream
+        between blocks is stored, at the cost of one more forward pass. Same numbers.
     """
 
     vocab_size: int
@@ -61,6 +64,7 @@ class LlamaConfig:
     param_dtype: str = "float32"
     num_kv_heads: int = 0
     tie_embeddings: bool = False
+    remat: bool = False
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -89,10 +93,11 @@ class LlamaConfig:
                 f"LlamaConfig.num_kv_heads must be 0 (= num_heads) or a divisor of num_heads "
                 f"({self.num_heads}), got {kv!r}"
             )
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(
-                f"LlamaConfig.tie_embeddings must be True or False, got {self.tie_embeddings!r}"
-            )
+        for name in ("tie_embeddings", "remat"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"LlamaConfig.{name} must be True or False, got {getattr(self, name)!r}"
+                )
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             if value not in _DTYPES:

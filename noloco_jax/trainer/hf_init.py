@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any
 
 import jax
 
-from noloco_jax.models import LlamaConfig
+from noloco_jax.models import LlamaConfig, init_params
 from noloco_jax.models.hf import load_llama, read_config, save_llama
 from noloco_jax.trainer.settings import TrainSettings
 
@@ -45,7 +46,12 @@ def prepare_hf_model(s: TrainSettings, vocab_size: int) -> tuple[LlamaConfig, An
     if cfg.tie_embeddings and s.num_stages > 1:
         raise ValueError("config.num_stages > 1 cannot split a model with tied embeddings "
                          "(the first and last stage would share one table).")  # fmt: skip
-    return load_llama(s.model.init_from, dtype=s.model.dtype, param_dtype=s.model.param_dtype)
+    cfg, graphdef, params = load_llama(s.model.init_from, dtype=s.model.dtype,
+                                       param_dtype=s.model.param_dtype)  # fmt: skip
+    if s.model.remat:  # the same weights, run by a model that recomputes its blocks
+        cfg = dataclasses.replace(cfg, remat=True)
+        graphdef = jax.eval_shape(lambda: init_params(cfg, 0))[0]
+    return cfg, graphdef, params
 
 
 def export_run(

@@ -120,8 +120,9 @@ def _model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
     if s.model.init_from:  # the checkpoint's config.json replaces the preset
         from noloco_jax.models.hf import read_config  # noqa: PLC0415
 
-        return read_config(s.model.init_from, dtype=s.model.dtype,
-                           param_dtype=s.model.param_dtype)  # fmt: skip
+        return dataclasses.replace(read_config(s.model.init_from, dtype=s.model.dtype,
+                                               param_dtype=s.model.param_dtype),
+                                   remat=s.model.remat)  # fmt: skip
     cfg = models.get_preset(
         s.model.preset,
         vocab_size=vocab_size,
@@ -130,6 +131,7 @@ def _model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
         max_seq_len=max(2048, s.data.seq_len),
         num_kv_heads=s.model.num_kv_heads,
         tie_embeddings=s.model.tie_embeddings,
+        remat=s.model.remat,
     )
     if cfg.tie_embeddings and s.num_stages > 1:
         raise ValueError("config.model.tie_embeddings=True cannot be split into "

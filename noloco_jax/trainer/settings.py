@@ -34,7 +34,7 @@ MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overfl
 RESUMABLE = frozenset(
     {"backend", "mesh.fsdp", "mesh.tensor", "eval_every", "checkpoint_every", "keep_checkpoints",
      "data.eval_windows", "data.data_dir", "profile_steps", "log.wandb", "log.wandb_project",
-     "log.wandb_run_name", "allow_resize"}
+     "log.wandb_run_name", "allow_resize", "model.remat"}
 )  # fmt: skip
 
 _SECTIONS: dict[str, type] = {}  # section name -> its settings class, in GROUPS order
@@ -75,6 +75,7 @@ class ModelSettings:
     vocab_size: int
     num_kv_heads: int
     tie_embeddings: bool
+    remat: bool
     init_from: str
 
 
@@ -308,6 +309,7 @@ def _validate_model(s: TrainSettings) -> None:
     check_choice("config.model.dtype", s.model.dtype, DTYPES)
     check_choice("config.model.param_dtype", s.model.param_dtype, DTYPES)
     check_int("config.model.vocab_size", s.model.vocab_size, minimum=0)
+    check_bool("config.model.remat", s.model.remat)
 
 
 def _validate_data(s: TrainSettings) -> None:

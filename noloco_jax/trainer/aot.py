@@ -1,0 +1,216 @@
+"""Per-device memory of the trainer's compiled programs, from shapes alone.
+
+``step_memory(settings, vocab_size)`` builds the trainer's own topology and
+programs for ``settings``, lowers one of them with abstract inputs
+(``jax.ShapeDtypeStruct`` placed with the trainer's shardings), compiles it
+and reads ``memory_analysis()``. Nothing is allocated and no data is read,
+so it answers "how many bytes does each device hold?" for models far larger
+than the machine asking.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from noloco_jax import models, replicas
+from noloco_jax.trainer.step import TrainState
+
+__all__ = ["StepMemory", "abstract_state", "compile_program", "memory_of", "step_memory",
+           "device_replicas"]
+
+_OUTER_FIELDS = frozenset({"slow_params", "outer_state"})
+_INNER_FIELDS = frozenset({"local_opt_state"})
+
+
+class StepMemory(NamedTuple):
+    """Bytes on one device for one compiled program of the trainer.
+
+    The first five split the program's inputs by what they hold, from the
+    compiled input shardings; the others are ``memory_analysis()``'s totals.
+
+    Attributes:
+      params: the model weights (fast weights).
+      optimizer: the inner optimizer's state (Adam moments; for data parallel,
+        all of its state).
+      outer: the outer state of NoLoCo / DiLoCo: slow weights and outer momentum.
+      counters: step counters and other scalars.
+      tokens: the batches the program reads.
+      argument: all inputs, as the compiler counts them.
+      output: all outputs (aliased onto the donated inputs: see ``alias``).
+      alias: output bytes that reuse donated input buffers.
+      temp: scratch the program needs while it runs: activations kept for the
+        backward pass, gradients, gathered weights, buffers.
+      generated_code: the compiled code.
+    """
+
+    params: int
+    optimizer: int
+    outer: int
+    counters: int
+    tokens: int
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    generated_code: int
+
+    @property
+    def state(self) -> int:
+        """Params + optimizer + outer state + counters: what the device holds between steps."""
+        return self.params + self.optimizer + self.outer + self.counters
+
+    @property
+    def peak(self) -> int:
+        """Inputs + scratch + outputs that are not aliased onto inputs: the program's footprint."""
+        return self.argument + self.temp + self.output - self.alias
+
+
+def _name(key: Any) -> str:
+    return str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key))))
+
+
+def _category(path: tuple, x: Any) -> str:
+    """The ``StepMemory`` field of an input leaf; ``path`` starts at (state, tokens, count)."""
+    if _name(path[0]) != "0":  # the tokens, then the count of steps to run
+        return "tokens" if _name(path[0]) == "1" else "counters"
+    field, rest = _name(path[1]), {_name(k) for k in path[2:]}
+    if field == "params":
+        return "params"
+    if field == "opt_state" and rest & _OUTER_FIELDS:
+        return "outer"
+    if field == "opt_state" and (rest & _INNER_FIELDS or len(x.shape) > 1):
+        return "optimizer"
+    return "counters"
+
+
+def abstract_state(reps: replicas.Replicas, tx: Any, params: Any) -> TrainState:
+    """The trainer's replicated, placed ``TrainState`` as ``jax.ShapeDtypeStruct`` leaves.
+
+    Args:
+      reps: the topology.
+      tx: the per-replica optimizer.
+      params: one replica's params (abstract or concrete).
+
+    Returns:
+      The state ``reps.put(replicas.replicate(...))`` would give, without allocating it.
+    """
+    single = jax.eval_shape(lambda p: TrainState(jnp.zeros([], jnp.int32), p, tx.init(p)), params)
+    return _placed(reps, single, lead=False)
+
+
+def _placed(reps: replicas.Replicas, single: Any, lead: bool) -> Any:
+    """Abstract leaves in the replicated layout with the shardings ``reps.put`` gives them.
+
+    ``lead``: the leaves already carry their leading replica axis.
+    """
+    n = reps.num_replicas
+
+    def place(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
+        shared = not lead and replicas.is_shared_leaf(x, path)
+        local = jax.ShapeDtypeStruct(x.shape[1:] if lead else x.shape, x.dtype)
+        shape = local.shape if shared else (n, *local.shape)
+        if reps.mesh is None:
+            return jax.ShapeDtypeStruct(shape, x.dtype)
+        spec = P() if shared else reps.spec(path, local, full_rank=True)
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(reps.mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(place, single)
+
+
+def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") -> Any:
+    """Compiles one of the trainer's two programs for ``settings`` with abstract inputs.
+
+    The topology, optimizer and programs are the trainer's own (``trainer.loop``);
+    the inputs are ``jax.ShapeDtypeStruct`` placed as the trainer places them.
+
+    Args:
+      settings: ``TrainSettings`` (model preset, method, replicas, mesh split,
+        batch and sequence length are read from it).
+      vocab_size: the tokenizer's vocabulary size V.
+      program: "sync" (the step that ends a round, one step; data parallel has
+        no rounds and gets its one program) or "inner" (a block of inner
+        steps, as many as the trainer fuses into one call).
+
+    Returns:
+      The ``jax.stages.Compiled`` program (``memory_analysis()``, ``as_text()``).
+    """
+    from noloco_jax.trainer import loop, optimizer  # noqa: PLC0415 (loop imports memory)
+
+    if program not in ("sync", "inner"):
+        raise ValueError(f"program must be 'sync' or 'inner', got {program!r}.")
+    s = settings
+    cfg = loop._model_config(s, vocab_size)
+    graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
+    build_tx = lambda: optimizer.build_optimizer(  # noqa: E731
+        s.method, s.optim, s.outer, num_steps=s.num_steps, num_replicas=s.num_replicas,
+        num_stages=s.num_stages, fault=s.fault)  # fmt: skip
+    reps, step_kwargs = loop._topology(s, cfg, graphdef, build_tx)
+    rounds = s.method in ("noloco", "diloco")
+    inner, sync = loop._programs(reps, step_kwargs, rounds, fragments=False)
+    run = sync if program == "sync" and sync is not None else inner
+    steps = 1 if run is sync else (math.gcd(s.log_every, s.outer.sync_every) if rounds
+                                   else s.log_every)  # fmt: skip
+    tokens = jax.ShapeDtypeStruct((s.num_replicas, steps, s.batch_per_replica, s.data.seq_len + 1),
+                                  jnp.int32)  # fmt: skip
+    state = abstract_state(reps, step_kwargs["tx"], params)
+    return run.lower(state, _placed(reps, tokens, lead=True), np.int32(1)).compile()
+
+
+def step_memory(settings: Any, vocab_size: int, *, program: str = "sync") -> StepMemory:
+    """Per-device bytes of one of the trainer's programs, compiled from shapes alone.
+
+    Args:
+      settings: ``TrainSettings``.
+      vocab_size: the tokenizer's vocabulary size V.
+      program: "sync" or "inner" (see ``compile_program``).
+
+    Returns:
+      ``memory_of`` the compiled program.
+
+    Example:
+      >>> from noloco_jax.trainer import settings as st
+      >>> s = st.from_config({"model": {"preset": "nano"}, "num_replicas": 1})
+      >>> m = step_memory(s, 256)
+      >>> m.state == m.params + m.optimizer + m.outer + m.counters
+      True
+    """
+    return memory_of(compile_program(settings, vocab_size, program=program))
+
+
+def memory_of(compiled: Any) -> StepMemory:
+    """Sorts a compiled trainer program's per-device input bytes by what they hold.
+
+    Args:
+      compiled: a program of ``compile_program`` (arguments: state, tokens, count).
+
+    Returns:
+      ``StepMemory``: the categories from the compiled input shardings, the
+      totals from ``memory_analysis()``.
+    """
+    totals = dict.fromkeys(("params", "optimizer", "outer", "counters", "tokens"), 0)
+    flat = jax.tree_util.tree_flatten_with_path(compiled.args_info[0])[0]
+    for (path, x), sh in zip(flat, jax.tree.leaves(compiled.input_shardings[0]), strict=True):
+        shape = sh.shard_shape(x.shape) if x.shape else ()
+        totals[_category(path, x)] += math.prod(shape) * np.dtype(x.dtype).itemsize
+    m = compiled.memory_analysis()
+    return StepMemory(**totals, argument=int(m.argument_size_in_bytes),
+                      output=int(m.output_size_in_bytes), alias=int(m.alias_size_in_bytes),
+                      temp=int(m.temp_size_in_bytes),
+                      generated_code=int(m.generated_code_size_in_bytes))  # fmt: skip
+
+
+def device_replicas(compiled: Any) -> dict[int, int]:
+    """Device id -> replica index, from the mesh of a ``compile_program`` program's state."""
+    shardings = [s for s in jax.tree.leaves(compiled.input_shardings[0])
+                 if isinstance(s, NamedSharding)]  # fmt: skip
+    if not shardings:  # vmap: every replica on one device
+        return {d.id: 0 for d in compiled.input_shardings[0][0].device_set}
+    devices = shardings[0].mesh.devices
+    return {devices[i].id: i[0] for i in np.ndindex(devices.shape)}
