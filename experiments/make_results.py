@@ -19,7 +19,8 @@ RESULTS = HERE / "results"
 SECTIONS = ["table2", "spread_vs_lr", "sweeps", "quadratic_theory", "routing_ablation",
             "dropout", "network_model", "streaming_netsim", "skippipe_schedules",
             "skippipe_training", "hdee"]
-BENCH = ["bench_overhead", "bench_clip_traffic", "bench_comm_volume", "bench_scaling",
+BENCH = ["bench_overhead", "bench_clip_traffic", "bench_comm_volume", "bench_comm_volume_split",
+         "bench_sharded_memory", "bench_scaling",
          "bench_compile_scale", "bench_compile_scale_shard_map", "bench_throughput", "bench_gpu"]
 
 
