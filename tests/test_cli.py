@@ -168,6 +168,7 @@ CASES = {
     "unknown flag, a flag value of the wrong type, a config file that does not exist": [
         (["--workdri=x"], r"Unknown command line flag 'workdri'. Did you mean: workdir"),
         (["--config.num_steps=many"], r"--config\.num_steps=many: invalid literal for int"),
+        (["--config.model.remat=yes"], r"--config\.model\.remat=yes: .*Non-boolean argument"),
         (["--config=configs/nope.py"], r"--config=configs/nope\.py: no such config file"),
         (["--config={root}/configs/tiny_noloco.py:huge"], r"unknown variant 'huge'.*quick"),
     ],

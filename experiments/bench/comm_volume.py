@@ -134,15 +134,16 @@ def split_table(sizes: list[str], methods: list[str], splits: list[tuple[int, in
                               f"{r['bytes'] * fsdp * tensor / whole:.4f}", kinds])  # fmt: skip
                 print(table[-1], flush=True)
     cmd = "python -m experiments.bench.comm_volume" + (" --smoke" if smoke else " --sections=split")
-    md = (f"### Bytes per device per sync between replicas, whole vs split replicas\n\n`{cmd}` — "
-          "the trainer's sync program (noloco_jax.trainer.aot: the paper's settings, float32 "
-          "params, Adam, guard on) for N = 2 replicas, each whole on one device (1 x 1) or split "
-          "over F x T devices (fsdp x tensor), compiled on simulated CPU devices; MB (10^6 "
-          "bytes) of the operands of every collective in it that joins devices of different "
-          "replicas (noloco_jax.hlo.crossing_bytes; each instruction once). Data parallel's "
-          "program is its step (one all-reduce of the gradients per step). 'x split' is the "
-          "bytes times F x T over the whole replica's: 1.0 is an exact 1 / (F x T). On the "
-          "CPU backend an all-reduce is float32 whatever the dtype.\n\n"
+    md = (f"### Bytes per device per sync between replicas, whole vs split replicas\n\n`{cmd}` "
+          f"(commit {common.git_commit()}) — the trainer's sync program (noloco_jax.trainer.aot: "
+          "the paper's settings, float32 params, Adam, guard on) for N = 2 replicas, each whole "
+          "on one device (1 x 1) or split over F x T devices (fsdp x tensor), compiled on "
+          "simulated CPU devices; MB (10^6 bytes) of the operands of every collective in it "
+          "that joins devices of different replicas (noloco_jax.hlo.crossing_bytes; each "
+          "instruction once). Data parallel's program is its step (one all-reduce of the "
+          "gradients per step). 'x split' is the bytes times F x T over the whole replica's: "
+          "1.0 is an exact 1 / (F x T). On the CPU backend an all-reduce is float32 whatever "
+          "the dtype.\n\n"
           + common.md_table(["model", "method", "F x T", "MB per device", "x split",
                              "collectives"], table))  # fmt: skip
     return rows, md

@@ -75,6 +75,17 @@ def paired_ratios(times: dict[str, list[float]], a: str, b: str) -> dict[str, fl
     return {"median": float(q[1]), "q25": float(q[0]), "q75": float(q[2])}
 
 
+def git_commit() -> str:
+    """The short hash of the checked-out commit (``unknown`` outside a git checkout)."""
+    import subprocess  # noqa: PLC0415
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=ROOT, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def environment() -> dict[str, str]:
     import flax
     import optax

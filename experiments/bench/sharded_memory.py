@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import time
 from typing import Sequence
 
@@ -133,14 +132,6 @@ def _smallest(rows: list[dict]) -> list[list]:
     return table
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=common.ROOT, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _markdown(cmd: str, state: list[dict], fits: list[dict], commit: str, vocab: int,
               seq_len: int) -> str:  # fmt: skip
     fit_rows = [[r["size"], r["batch"], "on" if r["remat"] else "off",
@@ -183,8 +174,8 @@ def main(argv: Sequence[str]) -> None:
     state = _state_rows(sizes, vocab, seq_len, ((1, 1), (2, 2)) if smoke else STATE_SPLITS)
     fits = _fit_rows(sizes, vocab, seq_len, max_split)
     cmd = "python -m experiments.bench.sharded_memory" + (" --smoke" if smoke else "")
-    results = {"env": common.environment(), "commit": _commit(), "state": state, "fit": fits,
-               "usable": USABLE.value, "chips": CHIPS}  # fmt: skip
+    results = {"env": common.environment(), "commit": common.git_commit(), "state": state,
+               "fit": fits, "usable": USABLE.value, "chips": CHIPS}  # fmt: skip
     common.write("bench_sharded_memory", results,
                  _markdown(cmd, state, fits, results["commit"], vocab, seq_len),
                  options.out_dir())  # fmt: skip

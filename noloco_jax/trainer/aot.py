@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from noloco_jax import models, replicas
+from noloco_jax.optim.fragments import by_layer_blocks
 from noloco_jax.trainer.step import TrainState
 
 __all__ = ["StepMemory", "abstract_state", "compile_program", "memory_of", "step_memory",
@@ -148,15 +149,16 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
     s = settings
     cfg = loop._model_config(s, vocab_size)
     graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
+    spec = by_layer_blocks(params, s.outer.fragments) if s.outer.fragments > 1 else None
     build_tx = lambda: optimizer.build_optimizer(  # noqa: E731
         s.method, s.optim, s.outer, num_steps=s.num_steps, num_replicas=s.num_replicas,
-        num_stages=s.num_stages, fault=s.fault)  # fmt: skip
+        num_stages=s.num_stages, fault=s.fault, fragment_spec=spec)  # fmt: skip
     reps, step_kwargs = loop._topology(s, cfg, graphdef, build_tx)
     rounds = s.method in ("noloco", "diloco")
-    inner, sync = loop._programs(reps, step_kwargs, rounds, fragments=False)
+    inner, sync = loop._programs(reps, step_kwargs, rounds, fragments=spec is not None)
     run = sync if program == "sync" and sync is not None else inner
-    steps = 1 if run is sync else (math.gcd(s.log_every, s.outer.sync_every) if rounds
-                                   else s.log_every)  # fmt: skip
+    period = s.outer.sync_every // s.outer.fragments
+    steps = 1 if run is sync else (math.gcd(s.log_every, period) if rounds else s.log_every)
     tokens = jax.ShapeDtypeStruct((s.num_replicas, steps, s.batch_per_replica, s.data.seq_len + 1),
                                   jnp.int32)  # fmt: skip
     state = abstract_state(reps, step_kwargs["tx"], params)
