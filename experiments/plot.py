@@ -4,7 +4,7 @@
 
 The PNG goes into the first run's workdir unless --out names another file.
 
-    python -m experiments.plot runs/tiny_noloco --replicas replicas.png   # per-replica panels
+    python -m experiments.plot runs/tiny_noloco --replicas_png replicas.png   # per-replica panels
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from noloco_jax.trainer.writers import read_jsonl  # noqa: E402
 
 OUT = flags.DEFINE_string("out", None, "PNG to write (default: <first workdir>/curves.png).")
 REPLICAS = flags.DEFINE_string(
-    "replicas", None, "Also draw the first run's per-replica loss and distance into this PNG.")
+    "replicas_png", None, "Also draw the first run's per-replica loss and distance into this PNG.")
 
 PANELS = [
     ("train", "train_loss", "train loss"),

@@ -201,7 +201,7 @@ SCRIPTS = sorted(
 
 # Imports every script in one interpreter (the imports of JAX and TensorFlow are paid once),
 # each as if alone: its flags are removed before the next, since two scripts may define one
-# name differently (--replicas is a count in demo, a list in comm_volume, a file in plot).
+# name differently (--replicas is a count in demo, a list in comm_volume).
 _EACH_ALONE = r"""
 import importlib, json, sys
 from absl import app, flags, logging
@@ -245,7 +245,7 @@ def test_help_through_python_m(script):
     assert f"python -m {script}" in proc.stdout  # the module's usage, then its flags
     shown = {"experiments.table2": ["--jobs:", "--[no]smoke:", "--out_dir:"],
              "experiments.bench.compile_scale": ["--[no]shard_map:", "--[no]smoke:", "--ns:"],
-             "experiments.plot": ["--replicas:", "--out:"]}[script]  # fmt: skip
+             "experiments.plot": ["--replicas_png:", "--out:"]}[script]  # fmt: skip
     assert all(flag in proc.stdout for flag in shown), proc.stdout
 
 

@@ -96,7 +96,7 @@ def test_plot_draws_per_replica_panels(run, tmp_path):
     workdir, _ = run
     png = tmp_path / "replicas.png"
     cmd = [sys.executable, str(ROOT / "experiments" / "plot.py"), str(workdir), "--out",
-           str(tmp_path / "curves.png"), "--replicas", str(png)]  # fmt: skip
+           str(tmp_path / "curves.png"), "--replicas_png", str(png)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
