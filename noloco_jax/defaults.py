@@ -144,6 +144,17 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
+def dotted(d: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested dict of settings as one level of dotted names: {"outer.sync_every": 50, ...}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(dotted(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def default(name: str) -> Any:
     """The default of one field, read from ``FIELDS`` at each call.
 

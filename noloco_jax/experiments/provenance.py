@@ -18,6 +18,8 @@ import pathlib
 import subprocess
 from typing import Any
 
+from noloco_jax import defaults
+
 __all__ = ["OUTPUT_PATHS", "git_state", "version_label", "run_info", "config_differences",
            "versions_of"]  # fmt: skip
 
@@ -97,23 +99,13 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def config_differences(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     """Dotted fields present in both configs whose values differ: {field: (old, new)}.
 
     A field only one of them has (an option added to the code since) is not a difference;
     the commits recorded next to the configs tell those versions apart.
     """
-    a, b = _flat(old), _flat(new)
+    a, b = defaults.dotted(old), defaults.dotted(new)
     return {k: (a[k], b[k]) for k in sorted(set(a) & set(b)) if a[k] != b[k]}
 
 

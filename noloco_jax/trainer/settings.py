@@ -441,16 +441,6 @@ def from_config(config: Any) -> TrainSettings:
     return validate(TrainSettings(**kwargs))
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _can_extend(saved: dict, current: dict) -> bool:
     """A longer run whose learning rate is the same at every step already taken.
 
@@ -468,9 +458,9 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
     ``num_steps`` may grow when the schedule allows it (``_can_extend``). A setting the
     checkpoint does not record (it predates the field) counts as its default.
     """
-    defaults = _flatten(TrainSettings().to_dict())  # fields added since the checkpoint
-    a = {**defaults, **_flatten(saved)}
-    b = _flatten(current)
+    known = defaults.dotted(TrainSettings().to_dict())  # fields added since the checkpoint
+    a = {**known, **defaults.dotted(saved)}
+    b = defaults.dotted(current)
     for d in (a, b):  # "corpus/" and "corpus" name the same corpus
         if d.get("data.path"):
             d["data.path"] = os.path.normpath(d["data.path"])
