@@ -25,15 +25,20 @@ def _tree(num=None, seed=0):
     return {"a": jax.random.normal(k1, lead + (40, 16)), "b": jax.random.normal(k2, lead + (300,))}
 
 
-@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
-@pytest.mark.parametrize("guard", [False, True])
-def test_sync_step_sends_a_quarter_of_float32_plus_scales(fmt, guard):
-    tx = local_steps(optax.sgd(0.1), noloco_outer(exchange_dtype=fmt), 5, nonfinite_guard=guard)
+def _sync_hlo(outer, guard):
+    """Compiled HLO of a sync step of ``local_steps(sgd, outer)`` over N shard_map replicas."""
+    tx = local_steps(optax.sgd(0.1), outer, 5, nonfinite_guard=guard)
     reps = replicas.make_replicas(N, backend="shard_map")
     params = reps.put(_tree(N))
     state = reps.init(tx, params)
     f = jax.jit(reps.map(lambda g, s, p: tx.update(g, s, p, sync_step=True)))
-    per_branch = hlo.bytes_by_computation(hlo.compiled_text(f, params, state, params),
+    return hlo.compiled_text(f, params, state, params)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("guard", [False, True])
+def test_sync_step_sends_a_quarter_of_float32_plus_scales(fmt, guard):
+    per_branch = hlo.bytes_by_computation(_sync_hlo(noloco_outer(exchange_dtype=fmt), guard),
                                           "collective-permute")  # fmt: skip
     single = _tree()
     want = comm.noloco_bytes_per_sync(single, exchange_dtype=fmt, with_presence=guard)
@@ -222,12 +227,7 @@ def test_diloco_without_quantisation_is_todays_update_bit_for_bit(fmt):
 
 
 def _diloco_sync_ops(fmt, guard):
-    tx = local_steps(optax.sgd(0.1), diloco_outer(exchange_dtype=fmt), 5, nonfinite_guard=guard)
-    reps = replicas.make_replicas(N, backend="shard_map")
-    params = reps.put(_tree(N))
-    state = reps.init(tx, params)
-    f = jax.jit(reps.map(lambda g, s, p: tx.update(g, s, p, sync_step=True)))
-    return hlo.collective_ops(hlo.compiled_text(f, params, state, params))
+    return hlo.collective_ops(_sync_hlo(diloco_outer(exchange_dtype=fmt), guard))
 
 
 @pytest.mark.parametrize("fmt,guard", [("int8", False), ("int8", True),
