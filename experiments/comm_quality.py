@@ -7,14 +7,16 @@ fits this grid on 2 CPU cores: 0.14 CPU s per step, measured by experiments.pilo
 with H = 20 here (so the two methods sync equally often), 300 inner steps, 3 seeds. Each
 option is changed one at a time from today's exchange (float32, P = 1, tau = 0):
 
-- fragments P = 2 (a fragment every 10 steps; P = 4 needs 4 layer blocks, nano has 2);
+- fragments P = 2 (a fragment every 10 steps) on nano;
+- fragments P in {1, 2, 4} on nano deepened to 4 blocks (``model.num_layers=4``: P = 4 needs
+  4 layer blocks, nano has 2), each compared with the 4-block P = 1 run;
 - delay tau in {1, 5} inner steps;
 - exchange in {bfloat16, int8, int8 + error feedback, float8_e4m3fn}.
 
 Metric (fixed before the runs, as in the fidelity plan): pooled validation perplexity
 averaged over the last 3 evaluations at sync steps (steps 100, 200, 300: multiples of H and
 of the eval cadence). Each option is compared with its method's baseline run of the same
-seed: mean paired difference, a two-sided paired t-test and the sign count.
+seed (``BASELINE``: the 4-block P = 1 run for the 4-block options, float32 nano otherwise): mean paired difference, a two-sided paired t-test and the sign count.
 Writes experiments/results/comm_quality.{json,md} (with --publish).
 """
 
@@ -50,7 +52,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "int8": {"outer.exchange_dtype": "int8"},
     "int8_ef": {"outer.exchange_dtype": "int8", "outer.error_feedback": True},
     "fp8": {"outer.exchange_dtype": "float8_e4m3fn"},
+    "L4_P1": {"model.num_layers": 4},
+    "L4_P2": {"model.num_layers": 4, "outer.fragments": 2},
+    "L4_P4": {"model.num_layers": 4, "outer.fragments": 4},
 }
+BASELINE = {"L4_P2": "L4_P1", "L4_P4": "L4_P1"}  # every other option: "f32"
 SMOKE_OPTIONS = ("f32", "P2", "tau1", "int8_ef")
 
 
@@ -96,8 +102,10 @@ def summarise(results: dict, smoke: bool) -> list[dict]:
                                            last=1 if smoke else 3) for s in seeds])
                   for o in (SMOKE_OPTIONS if smoke else OPTIONS)}  # fmt: skip
         for option, values in metric.items():
-            cmp = paired(values, metric["f32"]) if option != "f32" else {}
-            rows.append({"method": method, "option": option, "mean": float(values.mean()),
+            base = BASELINE.get(option, "f32")
+            cmp = {} if option in ("f32", "L4_P1") else paired(values, metric[base])
+            rows.append({"method": method, "option": option, "baseline": base if cmp else "",
+                         "mean": float(values.mean()),
                          "std": float(values.std(ddof=1)) if len(values) > 1 else 0.0,
                          "values": values.tolist(), **cmp})  # fmt: skip
     return rows
@@ -105,18 +113,21 @@ def summarise(results: dict, smoke: bool) -> list[dict]:
 
 def report(rows: list[dict], opts: harness.Options) -> str:
     table = [[r["method"], r["option"], f"{r['mean']:.4f} ± {r['std']:.4f}",
-              "" if "diff" not in r else f"{r['diff']:+.4f}",
+              "" if "diff" not in r else f"{r['diff']:+.4f} vs {r['baseline']}",
               "" if "p" not in r else f"{r['p']:.3f}",
               "" if "better" not in r else f"{r['better']}/{r['n']}"] for r in rows]  # fmt: skip
     cmd = "python -m experiments.comm_quality" + (" --smoke" if opts.smoke else "")
     return (
         "## Communication options: quality in miniature (issue 21)\n\n"
         f"```bash\n{cmd}\n```\n\n"
-        "nano model, N = 8, H = 20 for both methods, 300 inner steps, seeds 0-2. Metric: pooled validation "
-        "PPL over the last 3 evaluations at sync steps (100, 200, 300). Each option against "
-        "its method's float32 / P = 1 / tau = 0 run of the same seed: mean paired difference "
-        "(negative = better), two-sided paired t-test p, and how many seeds improved.\n\n"
-        + harness.md_table(["method", "option", "PPL (mean ± std)", "vs f32", "p", "better"],
+        "nano model (L4_*: nano with 4 blocks), N = 8, H = 20 for both methods, 300 inner steps, "
+        "seeds 0-2. Metric: pooled validation PPL over the last 3 evaluations at sync steps "
+        "(100, 200, 300). Each option against its method's baseline run of the same seed "
+        "(float32 / P = 1 / tau = 0 nano; L4_P1 for the 4-block options): mean paired "
+        "difference (negative = better), two-sided paired t-test p, and how many seeds "
+        "improved.\n\n"
+        + harness.md_table(["method", "option", "PPL (mean ± std)", "vs baseline", "p",
+                            "better"],
                            table)  # fmt: skip
     )
 

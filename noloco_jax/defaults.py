@@ -66,6 +66,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("model.dtype", "float32", 'Compute dtype: "float32" or "bfloat16".'),
     ("model.param_dtype", "float32", 'Parameter dtype: "float32" or "bfloat16".'),
     ("model.vocab_size", 0, "0 = the tokenizer's vocabulary size; otherwise it must equal it."),
+    ("model.num_layers", 0,
+     "Decoder blocks: 0 = the preset's depth; otherwise this many (the preset's width)."),
     ("model.num_kv_heads", 0,
      "Key/value heads: 0 = num_heads (multi-head); a divisor of it = grouped-query attention."),
     ("model.tie_embeddings", False, "Output head = the input embedding table, transposed."),

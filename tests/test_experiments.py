@@ -262,6 +262,22 @@ def test_comm_quality_metric_and_paired_test_by_hand():
     assert got["p"] == pytest.approx(0.18350, abs=1e-4)
 
 
+def test_comm_quality_compares_each_option_with_its_own_baseline():
+    """The 4-block fragment runs are paired with the 4-block P = 1 run, the rest with f32."""
+    from experiments import comm_quality as cq  # noqa: PLC0415
+
+    offset = {"f32": 0.0, "L4_P1": -1.0, "L4_P4": -0.5}  # L4_P4 is 0.5 worse than L4_P1
+    results = {cq.run_name(m, o, s): {"eval": [{"step": t, "val_ppl": 10.0 + s
+                                                + offset.get(o, 0.25)} for t in (100, 200, 300)]}
+               for m in cq.METHODS for o in cq.OPTIONS for s in cq.SEEDS}  # fmt: skip
+    rows = {(r["method"], r["option"]): r for r in cq.summarise(results, smoke=False)}
+    assert rows["noloco", "L4_P4"]["baseline"] == "L4_P1"
+    assert rows["noloco", "L4_P4"]["diff"] == pytest.approx(0.5)
+    assert rows["diloco", "tau5"]["baseline"] == "f32"
+    assert rows["diloco", "tau5"]["diff"] == pytest.approx(0.25)
+    assert "diff" not in rows["noloco", "L4_P1"] and "diff" not in rows["noloco", "f32"]
+
+
 @pytest.mark.slow  # 8 smoke runs (~2 min)
 def test_comm_quality_smoke(dirs):
     _, md = _run("comm_quality", dirs)

@@ -74,6 +74,7 @@ def _tiny(**overrides):
         ({"outer.group_size": 1}, "config.outer.group_size"),
         ({"eval_every": 30}, "config.eval_every"),
         ({"model.dtype": "float16"}, "config.model.dtype"),
+        ({"model.num_layers": -1}, "config.model.num_layers"),
         ({"data.source": "web"}, "config.data.source"),
         ({"data.source": "files"}, "config.data.path"),
         ({"data.source": "tfds"}, "config.data.tfds_name"),
@@ -117,6 +118,16 @@ def test_log_every_and_sync_every_must_divide_one_another(log, sync, method):
     with pytest.raises(ValueError, match=r"e\.g\. log_every=6 or outer\.sync_every=16"):
         settings_lib.from_config(_tiny(log_every=8, eval_every=24, checkpoint_every=48,
                                        **{"outer.sync_every": 18}))
+
+
+def test_num_layers_changes_the_depth_and_zero_keeps_the_preset():
+    """model.num_layers = 4 deepens nano (2 blocks) at the same width; 0 keeps the preset."""
+    from noloco_jax.trainer.loop import _model_config  # noqa: PLC0415
+
+    deep = settings_lib.from_config(_tiny(**{"model.preset": "nano", "model.num_layers": 4}))
+    plain = settings_lib.from_config(_tiny(**{"model.preset": "nano"}))
+    assert (_model_config(deep, 256).num_layers, _model_config(plain, 256).num_layers) == (4, 2)
+    assert _model_config(deep, 256).hidden_size == _model_config(plain, 256).hidden_size
 
 
 def test_defaults_come_from_the_one_table(monkeypatch):

@@ -59,17 +59,39 @@ def _reference(method, num_replicas):
     return losses, params
 
 
+def _assert_close_up_to_bf16_flips(params, ref_params):
+    """Float agreement everywhere except rare bf16 rounding flips, each inside its bound.
+
+    A bf16 exchange rounds the theta it sends to 8 significant bits. The split matmuls
+    add in another order, so theta can differ by a float32 ulp, and where that straddles
+    a bf16 rounding boundary the partner receives a value one bf16 ulp (<= 2^-7 |theta|)
+    away: the group mean moves by ulp / n, the outer step by beta ulp / n, and through
+    the heavy ball (sum of alpha^k <= 1 / (1 - alpha)) phi by beta ulp / (n (1 - alpha))
+    per flipped round. Measured (2 replicas, fsdp 4): 89 of 279168 weights off, by
+    0.35, 0.175, 0.7 and 1.4 bf16 ulps, i.e. beta / 2 times powers of two, the flip's
+    fingerprint; every other weight within float tolerance. So: at most 0.1 % of the
+    weights may leave float tolerance, and each by at most
+    ROUNDS * beta / (n (1 - alpha)) * 2^-7 * max |leaf|.
+    """
+    beta, alpha, n, rounds = 0.7, 0.5, 2, STEPS // H  # noloco_outer's defaults, this run
+    bound = rounds * beta / (n * (1 - alpha)) * 2.0**-7
+    off = total = 0
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        diff = np.abs(np.asarray(x, np.float64) - y)
+        off += int(np.sum(diff > 1e-5 * np.abs(y) + 1e-6))
+        total += diff.size
+        assert diff.max() <= bound * np.abs(y).max(), (diff.max(), np.abs(y).max())
+    assert off <= 1e-3 * total, f"{off} of {total} weights beyond float tolerance"
+
+
 def _check(method, num_replicas, mesh_shape):
     losses, params, state = _train(method, num_replicas, mesh_shape)
     ref_losses, ref_params = _reference(method, num_replicas)
-    # A bf16 exchange rounds what travels to bf16 (8 significant bits): a float32
-    # difference of one ulp can flip one rounding, moving a weight by up to 2^-8 of the
-    # exchanged value (the weights here are below 5e-3 in size: 2e-5). Seen: 2 of 16384
-    # weights off by 1.1e-5, 1 of 65536 by 8.5e-5 (relative 2.3e-3).
-    bf16 = method.endswith("bf16")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    assert_trees_close(params, ref_params, rtol=2.0**-8 if bf16 else 1e-5,
-                       atol=2e-5 if bf16 else 1e-6)
+    if method.endswith("bf16"):
+        _assert_close_up_to_bf16_flips(params, ref_params)
+    else:
+        assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6)
     return state
 
 

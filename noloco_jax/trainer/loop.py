@@ -132,6 +132,7 @@ def _model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
         num_kv_heads=s.model.num_kv_heads,
         tie_embeddings=s.model.tie_embeddings,
         remat=s.model.remat,
+        **({"num_layers": s.model.num_layers} if s.model.num_layers else {}),
     )
     if cfg.tie_embeddings and s.num_stages > 1:
         raise ValueError("config.model.tie_embeddings=True cannot be split into "

@@ -73,6 +73,7 @@ class ModelSettings:
     dtype: str
     param_dtype: str
     vocab_size: int
+    num_layers: int
     num_kv_heads: int
     tie_embeddings: bool
     remat: bool
@@ -309,6 +310,7 @@ def _validate_model(s: TrainSettings) -> None:
     check_choice("config.model.dtype", s.model.dtype, DTYPES)
     check_choice("config.model.param_dtype", s.model.param_dtype, DTYPES)
     check_int("config.model.vocab_size", s.model.vocab_size, minimum=0)
+    check_int("config.model.num_layers", s.model.num_layers, minimum=0)
     check_bool("config.model.remat", s.model.remat)
 
 
