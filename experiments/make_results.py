@@ -28,17 +28,17 @@ from noloco_jax.experiments import provenance
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SECTIONS = ["table2", "spread_vs_lr", "sweeps", "quadratic_theory", "routing_ablation",
-            "dropout", "network_model", "streaming_netsim", "skippipe_schedules",
+            "dropout", "network_model", "streaming_netsim", "comm_quality", "skippipe_schedules",
             "skippipe_training", "hdee"]
 ALLOW_MIXED = flags.DEFINE_bool(
     "allow_mixed_commits", False,
     "Build RESULTS.md even from results of different code versions (listed on the page).")
 RESULTS_DIR = flags.DEFINE_string("results_dir", None, "Where the results are and the pages go "
                                   "(default: experiments/results and experiments/).")
-BENCH = ["bench_overhead", "bench_clip_traffic", "bench_comm_volume", "bench_comm_volume_split",
-         "bench_sharded_memory", "bench_scaling",
+BENCH = ["bench_overhead", "bench_clip_traffic", "bench_comm_volume", "bench_diloco_exchange",
+         "bench_comm_volume_split", "bench_sharded_memory", "bench_scaling",
          "bench_compile_scale", "bench_compile_scale_shard_map", "bench_throughput", "bench_gpu",
-         "pilot_cost"]
+         "bench_overlap", "pilot_cost"]
 
 
 def _nest(markdown: str) -> str:

@@ -152,6 +152,22 @@ def test_make_results_refuses_mixed_commits_unless_told(tmp_path, capsys):
     assert "unrecorded" in capsys.readouterr().err
 
 
+def test_committed_pages_are_what_make_results_builds(tmp_path):
+    """RESULTS.md and BENCHMARKS.md are built, never edited: rebuilding them from the committed
+    experiments/results changes nothing (a section written only into a page would be lost)."""
+    import shutil  # noqa: PLC0415
+
+    from experiments import make_results  # noqa: PLC0415
+
+    shutil.copytree(make_results.RESULTS, tmp_path / "results")
+    _make_results(tmp_path / "results", "--allow_mixed_commits")
+    for page in ("RESULTS.md", "BENCHMARKS.md"):
+        built = (tmp_path / page).read_text()
+        assert built == (make_results.HERE / page).read_text(), (
+            f"experiments/{page} differs from what `python -m experiments.make_results` builds; "
+            f"edit experiments/results/ and rebuild it")
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     from pydoc_data.topics import topics

@@ -812,6 +812,7 @@ def _train_metrics(run: _Run, state: TrainState, step: int, k: int, losses: np.n
     """The train record of the ``k`` steps up to ``step``, from their [N, k] losses."""
     s = run.settings
     n_tokens = k * s.global_batch_size * s.data.seq_len
+    losses = np.asarray(losses, np.float64)  # means of float32 losses, without float32 rounding
     finite = np.isfinite(losses)
     guarded = s.fault.nonfinite_guard and s.method in ("noloco", "diloco")
     metrics = {
