@@ -57,6 +57,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "L4_P4": {"model.num_layers": 4, "outer.fragments": 4},
 }
 BASELINE = {"L4_P2": "L4_P1", "L4_P4": "L4_P1"}  # every other option: "f32"
+BASELINES = {"f32", *BASELINE.values()}  # the options compared with nothing
 SMOKE_OPTIONS = ("f32", "P2", "tau1", "int8_ef")
 
 
@@ -103,7 +104,7 @@ def summarise(results: dict, smoke: bool) -> list[dict]:
                   for o in (SMOKE_OPTIONS if smoke else OPTIONS)}  # fmt: skip
         for option, values in metric.items():
             base = BASELINE.get(option, "f32")
-            cmp = {} if option in ("f32", "L4_P1") else paired(values, metric[base])
+            cmp = {} if option in BASELINES else paired(values, metric[base])
             rows.append({"method": method, "option": option, "baseline": base if cmp else "",
                          "mean": float(values.mean()),
                          "std": float(values.std(ddof=1)) if len(values) > 1 else 0.0,
