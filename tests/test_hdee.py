@@ -27,6 +27,29 @@ def test_domains_are_deterministic_distinct_and_split_80_10_10():
         assert total == 5000 and len(d.train) == 4000 and len(d.dev) == 500
 
 
+SYNTHETIC = ("markov_b6", "csv_records", "log_lines", "dna", "sorting")
+
+
+def test_default_domains_give_the_count_test_power_and_new_sources_are_sound():
+    from noloco_jax.experiments import stats
+
+    names = dom.TRAINING_DOMAINS + dom.HELD_OUT_DOMAINS
+    assert len(set(names)) == len(names) and set(names) <= set(dom.SOURCES)
+    assert len(dom.TRAINING_DOMAINS) % 3 == 0  # equal difficulty thirds
+    assert stats.binomial_power(len(names), 2 / 3, 20 / 21, 0.05)["power"] >= 0.8
+    a = dom.make_domains(SYNTHETIC + ("python_tests", "pydoc_html"), (), num_chars=3000)
+    b = dom.make_domains(SYNTHETIC + ("python_tests", "pydoc_html"), (), num_chars=3000)
+    assert a == b and len({d.train for d in a}) == len(a)
+    assert all(len(d.train) + len(d.dev) + len(d.test) == 3000 for d in a)
+    lines = dom.sorting_text(2000).splitlines()[:-1]  # the last line may be cut
+    for line in lines:
+        xs, ys = line.removeprefix("sort ").split(" -> ")
+        assert sorted(map(int, xs.split())) == list(map(int, ys.split()))
+    assert "<stdlib>" in dom.pydoc_html_text(200_000)  # no machine path in the text
+    genes = [x for x in dom.dna_text(5000).splitlines() if not x.startswith(">")]
+    assert set("".join(genes)) == set("ACGT") and genes[0].startswith("ATG")
+
+
 def test_shakespeare_groups_come_from_the_named_plays():
     plays = {t: f"<{t}>" for t in dom.COMEDIES + dom.TRAGEDIES + dom.HISTORIES + dom.POEMS}
     text = dom.shakespeare_group(plays, dom.HISTORIES, 10_000)
