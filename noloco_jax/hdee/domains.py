@@ -66,6 +66,17 @@ class DomainSplits:
 # ---------------------------------------------------------------- synthetic sources
 
 
+def _lines_text(num_chars: int, rng: np.random.Generator,
+                line: Callable[[np.random.Generator, int], str], head: str = "") -> str:
+    """``head``, then lines ``line(rng, i)`` for i = 0, 1, ... until ``num_chars`` characters
+    (not counting ``head``) are written; the whole cut to ``num_chars``."""
+    parts, size, i = [head], 0, 0
+    while size < num_chars:
+        parts.append(line(rng, i))
+        size, i = size + len(parts[-1]), i + 1
+    return "".join(parts)[:num_chars]
+
+
 def markov_text(num_chars: int, branching: int, seed: int = 0) -> str:
     """Order-1 chain over 27 symbols; each symbol has ``branching`` equally likely successors."""
     if not 1 <= branching <= 27:
@@ -90,13 +101,12 @@ def _expression(rng: np.random.Generator, depth: int) -> str:
 
 def arithmetic_text(num_chars: int, seed: int = 1) -> str:
     """Lines ``expression=value`` of random integer arithmetic (the value is computable)."""
-    rng, lines, size = np.random.default_rng(seed), [], 0
-    while size < num_chars:
+
+    def line(rng: np.random.Generator, i: int) -> str:
         expr = _expression(rng, 3)
-        line = f"{expr}={eval(expr)}\n"  # noqa: S307 - digits, + - * and parentheses only
-        lines.append(line)
-        size += len(line)
-    return "".join(lines)[:num_chars]
+        return f"{expr}={eval(expr)}\n"  # noqa: S307 - digits, + - * and parentheses only
+
+    return _lines_text(num_chars, np.random.default_rng(seed), line)
 
 
 _WORDS = ("alpha", "beta", "gamma", "delta", "omega", "river", "stone", "cloud", "ember",
@@ -105,96 +115,90 @@ _WORDS = ("alpha", "beta", "gamma", "delta", "omega", "river", "stone", "cloud",
 
 def json_records_text(num_chars: int, seed: int = 2) -> str:
     """One JSON object per line with ids, names, scores and tags."""
-    rng, lines, size, i = np.random.default_rng(seed), [], 0, 0
-    while size < num_chars:
+
+    def line(rng: np.random.Generator, i: int) -> str:
         rec = {"id": i, "name": " ".join(rng.choice(_WORDS, 2)),
                "score": round(float(rng.random()), 3),
                "tags": list(rng.choice(_WORDS, int(rng.integers(0, 4)), replace=False))}
-        line = json.dumps(rec) + "\n"
-        lines.append(line)
-        size, i = size + len(line), i + 1
-    return "".join(lines)[:num_chars]
+        return json.dumps(rec) + "\n"
+
+    return _lines_text(num_chars, np.random.default_rng(seed), line)
 
 
 def csv_records_text(num_chars: int, seed: int = 3) -> str:
     """A CSV table of daily weather readings: date, station, temperature, humidity, rain flag."""
-    rng, size, day = np.random.default_rng(seed), 0, 0
-    lines = ["date,station,temp_c,humidity,rain\n"]
-    while size < num_chars:
+
+    def line(rng: np.random.Generator, day: int) -> str:
         temp = 12 + 10 * np.sin(2 * np.pi * day / 365) + rng.normal(0, 3)
-        line = (f"2020-{1 + day // 28 % 12:02d}-{1 + day % 28:02d},{rng.choice(_WORDS)},"
+        return (f"2020-{1 + day // 28 % 12:02d}-{1 + day % 28:02d},{rng.choice(_WORDS)},"
                 f"{temp:.1f},{int(rng.integers(20, 100))},{int(rng.random() < 0.3)}\n")
-        lines.append(line)
-        size, day = size + len(line), day + 1
-    return "".join(lines)[:num_chars]
+
+    return _lines_text(num_chars, np.random.default_rng(seed), line, head="date,station,temp_c,humidity,rain\n")
 
 
 def log_lines_text(num_chars: int, seed: int = 4) -> str:
     """Server log lines: a rising timestamp, a level, a worker, a request path, a latency."""
-    rng, lines, size, t = np.random.default_rng(seed), [], 0, 0
     levels = ("INFO", "INFO", "INFO", "WARN", "ERROR")
     paths = ("/api/items", "/api/users", "/health")
-    while size < num_chars:
+    t = 0  # seconds since midnight, rising by 0-4 s a line
+
+    def line(rng: np.random.Generator, i: int) -> str:
+        nonlocal t
         t += int(rng.integers(0, 5))
-        line = (f"{t // 3600:02d}:{t // 60 % 60:02d}:{t % 60:02d} {rng.choice(levels)} "
+        return (f"{t // 3600:02d}:{t // 60 % 60:02d}:{t % 60:02d} {rng.choice(levels)} "
                 f"worker-{int(rng.integers(0, 8))} GET {rng.choice(paths)}/"
                 f"{int(rng.integers(0, 999))} {int(rng.lognormal(3, 1))}ms\n")
-        lines.append(line)
-        size += len(line)
-    return "".join(lines)[:num_chars]
+
+    return _lines_text(num_chars, np.random.default_rng(seed), line)
 
 
 def dna_text(num_chars: int, seed: int = 5) -> str:
     """FASTA-like records of genes: start codon, codons drawn with a skewed usage, stop codon."""
-    rng = np.random.default_rng(seed)
     codons = np.array([a + b + c for a in "ACGT" for b in "ACGT" for c in "ACGT"])
+    rng = np.random.default_rng(seed)
     usage = rng.dirichlet(np.full(64, 0.3))
-    parts, size, i = [], 0, 0
-    while size < num_chars:
+
+    def record(rng: np.random.Generator, i: int) -> str:
         gene = "ATG" + "".join(rng.choice(codons, int(rng.integers(20, 120)), p=usage)) + "TAA"
-        rec = f">gene{i}\n" + "\n".join(gene[j:j + 60] for j in range(0, len(gene), 60)) + "\n"
-        parts.append(rec)
-        size, i = size + len(rec), i + 1
-    return "".join(parts)[:num_chars]
+        return f">gene{i}\n" + "\n".join(gene[j:j + 60] for j in range(0, len(gene), 60)) + "\n"
+
+    return _lines_text(num_chars, rng, record)
 
 
 def sorting_text(num_chars: int, seed: int = 6) -> str:
     """Lines ``sort a b c -> sorted`` of 3 to 9 random integers (the answer is computable)."""
-    rng, lines, size = np.random.default_rng(seed), [], 0
-    while size < num_chars:
+
+    def line(rng: np.random.Generator, i: int) -> str:
         xs = rng.integers(0, 100, int(rng.integers(3, 10)))
-        line = f"sort {' '.join(map(str, xs))} -> {' '.join(map(str, sorted(xs)))}\n"
-        lines.append(line)
-        size += len(line)
-    return "".join(lines)[:num_chars]
+        return f"sort {' '.join(map(str, xs))} -> {' '.join(map(str, sorted(xs)))}\n"
+
+    return _lines_text(num_chars, np.random.default_rng(seed), line)
 
 
 # ---------------------------------------------------------------- sources on this machine
 
 
-def python_code_text(num_chars: int) -> str:
-    """The standard library's top-level modules, in sorted order, concatenated."""
+def _stdlib_files_text(pattern: str, num_chars: int) -> str:
+    """The standard library's files matching ``pattern``, in sorted order, concatenated (only
+    as many files are read as the first ``num_chars`` characters need)."""
     stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
     parts, size = [], 0
-    for path in sorted(stdlib.glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        parts.append(text)
-        size += len(text)
-        if size >= num_chars:
-            break
-    return "".join(parts)[:num_chars]
-
-
-def python_tests_text(num_chars: int) -> str:
-    """The standard library's own tests (``test/test_*.py``), in sorted order, concatenated."""
-    tests = pathlib.Path(sysconfig.get_paths()["stdlib"]) / "test"
-    parts, size = [], 0
-    for path in sorted(tests.glob("test_*.py")):
+    for path in sorted(stdlib.glob(pattern)):
         parts.append(path.read_text(encoding="utf-8", errors="replace"))
         size += len(parts[-1])
         if size >= num_chars:
             break
     return "".join(parts)[:num_chars]
+
+
+def python_code_text(num_chars: int) -> str:
+    """The standard library's top-level modules, in sorted order, concatenated."""
+    return _stdlib_files_text("*.py", num_chars)
+
+
+def python_tests_text(num_chars: int) -> str:
+    """The standard library's own tests (``test/test_*.py``), in sorted order, concatenated."""
+    return _stdlib_files_text("test/test_*.py", num_chars)
 
 
 _PYDOC_MODULES = ("bisect", "calendar", "colorsys", "csv", "difflib", "fractions", "glob",
