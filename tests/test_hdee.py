@@ -1,5 +1,7 @@
 """HDEE in miniature: domains, tiers, equal compute, independent experts, ensemble rules."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,10 @@ def test_default_domains_give_the_count_test_power_and_new_sources_are_sound():
     for line in lines:
         xs, ys = line.removeprefix("sort ").split(" -> ")
         assert sorted(map(int, xs.split())) == list(map(int, ys.split()))
-    assert "<stdlib>" in dom.pydoc_html_text(200_000)  # no machine path in the text
+    html = dom.pydoc_html_text(200_000)
+    assert "<stdlib>" in html  # no machine path in the text
+    assert "IS_CHARACTER_JUNK at 0x&gt;" in html  # a default value, its address blanked
+    assert not re.search(r"at( |&nbsp;)0x[0-9a-f]", html)  # the same text in every process
     genes = [x for x in dom.dna_text(5000).splitlines() if not x.startswith(">")]
     assert set("".join(genes)) == set("ACGT") and genes[0].startswith("ATG")
 

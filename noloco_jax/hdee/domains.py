@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 import sysconfig
 import zlib
 from typing import Callable
@@ -133,7 +134,8 @@ def csv_records_text(num_chars: int, seed: int = 3) -> str:
         return (f"2020-{1 + day // 28 % 12:02d}-{1 + day % 28:02d},{rng.choice(_WORDS)},"
                 f"{temp:.1f},{int(rng.integers(20, 100))},{int(rng.random() < 0.3)}\n")
 
-    return _lines_text(num_chars, np.random.default_rng(seed), line, head="date,station,temp_c,humidity,rain\n")
+    head = "date,station,temp_c,humidity,rain\n"
+    return _lines_text(num_chars, np.random.default_rng(seed), line, head=head)
 
 
 def log_lines_text(num_chars: int, seed: int = 4) -> str:
@@ -160,7 +162,8 @@ def dna_text(num_chars: int, seed: int = 5) -> str:
 
     def record(rng: np.random.Generator, i: int) -> str:
         gene = "ATG" + "".join(rng.choice(codons, int(rng.integers(20, 120)), p=usage)) + "TAA"
-        return f">gene{i}\n" + "\n".join(gene[j:j + 60] for j in range(0, len(gene), 60)) + "\n"
+        lines = (gene[j:j + 60] for j in range(0, len(gene), 60))
+        return f">gene{i}\n" + "\n".join(lines) + "\n"
 
     return _lines_text(num_chars, rng, record)
 
@@ -213,6 +216,9 @@ def pydoc_html_text(num_chars: int) -> str:
     stdlib, parts = sysconfig.get_paths()["stdlib"], []
     for name in _PYDOC_MODULES:
         page = pydoc.HTMLDoc().page(name, pydoc.HTMLDoc().docmodule(importlib.import_module(name)))
+        # Default argument values print as "<function f at 0x7f...>" (spaces also as &nbsp;):
+        # the address differs from process to process, so it is blanked.
+        page = re.sub(r"(at(?: |&nbsp;)0x)[0-9a-f]+", r"\1", page)
         parts.append(page.replace(stdlib, "<stdlib>"))
     return "".join(parts)[:num_chars]
 
