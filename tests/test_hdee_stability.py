@@ -1,0 +1,61 @@
+"""experiments.hdee_stability: noise against signal between two HDEE runs, hand-computed."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from experiments.hdee_stability import compare
+from noloco_jax.errors import UserError
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _run(ppl: dict[str, dict[str, float]], tiers: dict[str, str]) -> dict:
+    """One seed's hdee.json entry with one rule, from {ensemble: {domain: ppl}}."""
+    return {"ppl": {e: {d: {"r": v} for d, v in ds.items()} for e, ds in ppl.items()},
+            "tiers": tiers}
+
+
+BEFORE = {"seeds": {"0": _run({"M_Ho-I_Ho": {"a": 10.0, "b": 20.0},
+                                "M_Ho-I_He": {"a": 9.0, "b": 22.0},
+                                "M_He-I_Ho": {"a": 11.0, "b": 21.0}}, {"a": "easy"})}}
+AFTER = {"seeds": {"0": _run({"M_Ho-I_Ho": {"a": 10.0, "b": 20.0},
+                               "M_Ho-I_He": {"a": 9.0, "b": 22.0},
+                               "M_He-I_Ho": {"a": 11.0, "b": 19.0}}, {"a": "hard"})}}
+
+
+def test_compare_matches_hand_computation():
+    r = compare(BEFORE, AFTER)["r"]
+    # Changes: five cells unchanged, one 21 -> 19: median of six |log ratios| is 0.
+    assert r["median_change"] == 0.0
+    # Gaps |log(best hetero / homo)|: a: log(9/10) twice; b: log(21/20) before, log(19/20) after.
+    gaps = sorted([abs(math.log(0.9))] * 2 + [math.log(21 / 20), abs(math.log(19 / 20))])
+    assert r["median_gap"] == pytest.approx((gaps[1] + gaps[2]) / 2, rel=1e-12)
+    assert (r["lowest_changed"], r["cells"]) == (1, 2)  # b: homogeneous -> M_He-I_Ho
+    assert (r["tiers_changed"], r["trained"]) == (1, 1)
+
+
+def test_compare_refuses_runs_of_other_seeds_or_domains():
+    with pytest.raises(UserError, match="seeds"):
+        compare(BEFORE, {"seeds": {"1": AFTER["seeds"]["0"]}})
+    other = json.loads(json.dumps(AFTER))
+    del other["seeds"]["0"]["ppl"]["M_Ho-I_Ho"]["b"]
+    with pytest.raises(UserError, match="domains"):
+        compare(BEFORE, other)
+
+
+def test_cli_prints_table_and_missing_file_exits_2(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(BEFORE))
+    (tmp_path / "b.json").write_text(json.dumps(AFTER))
+    cmd = [sys.executable, "-m", "experiments.hdee_stability", f"--before={tmp_path / 'a.json'}"]
+    ok = subprocess.run([*cmd, f"--after={tmp_path / 'b.json'}"], cwd=ROOT, capture_output=True,
+                        text=True)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert "1 / 2" in ok.stdout and "1 / 1" in ok.stdout
+    bad = subprocess.run([*cmd, f"--after={tmp_path / 'none.json'}"], cwd=ROOT,
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "--after: no file" in bad.stderr
+    assert "Traceback" not in bad.stderr
