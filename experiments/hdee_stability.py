@@ -64,6 +64,7 @@ def compare(before: dict, after: dict) -> dict[str, dict[str, float]]:
             raise UserError(f"seed {seed}: the runs differ in ensembles or domains; compare "
                             "runs of the same design.")
         domains = sorted(a["ppl"][HOMO])
+        tier_moves = sum(a["tiers"][d] != b["tiers"].get(d) for d in a["tiers"])  # rule-free
         for rule in sorted(a["ppl"][HOMO][domains[0]]):
             r = out.setdefault(rule, {"changes": [], "gaps": [], "lowest_changed": 0, "cells": 0,
                                       "tiers_changed": 0, "trained": 0})
@@ -73,7 +74,7 @@ def compare(before: dict, after: dict) -> dict[str, dict[str, float]]:
                 r["gaps"] += [_hetero_gap(a["ppl"], d, rule), _hetero_gap(b["ppl"], d, rule)]
                 r["lowest_changed"] += _lowest(a["ppl"], d, rule) != _lowest(b["ppl"], d, rule)
                 r["cells"] += 1
-            r["tiers_changed"] += sum(a["tiers"][d] != b["tiers"].get(d) for d in a["tiers"])
+            r["tiers_changed"] += tier_moves
             r["trained"] += len(a["tiers"])
     for r in out.values():
         r["median_change"] = statistics.median(r.pop("changes"))

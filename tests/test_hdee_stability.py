@@ -2,6 +2,7 @@
 
 import json
 import math
+import pathlib
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 from experiments.hdee_stability import compare
 from noloco_jax.errors import UserError
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(ppl: dict[str, dict[str, float]], tiers: dict[str, str]) -> dict:
