@@ -68,6 +68,34 @@ def test_static_inner_step_has_no_weight_cond_and_no_collective():
     assert hlo.collective_ops(text(True))  # the sync step exchanges with partners
 
 
+@pytest.mark.parametrize("check_phase,printed", [(True, True), ("count", False)])
+def test_a_wrong_phase_is_counted_and_printed_unless_count_only(capfd, check_phase, printed):
+    tx = local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 2, check_phase=check_phase)
+    p = jnp.zeros(3)
+    step = jax.jit(lambda s: tx.update(p, s, p, sync_step=True)[1])  # step 1 of 2: no round end
+    lowered = step.lower(tx.init(p))
+    assert ("callback" in lowered.as_text()) == printed  # only a printing check calls the host
+    state = step(tx.init(p))
+    jax.effects_barrier()
+    assert int(state.phase_errors) == 1
+    assert ("ERROR local_steps: sync_step=True" in capfd.readouterr().out) == printed
+
+
+def test_trainer_stops_on_a_phase_error():
+    tx = local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 2, check_phase="count")
+    p = jnp.zeros(3)
+    good = TrainState(jnp.zeros([], jnp.int32), p, tx.init(p))
+    loop._check_phase_errors(good, 2)  # no error counted: nothing happens
+    bad = good._replace(opt_state=good.opt_state._replace(phase_errors=jnp.ones([], jnp.int32)))
+    with pytest.raises(RuntimeError, match="by step 2 the trainer ran a sync step"):
+        loop._check_phase_errors(bad, 2)
+
+
+def test_check_phase_must_be_true_false_or_count():
+    with pytest.raises(ValueError, match="check_phase must be True, False or 'count'"):
+        local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 2, check_phase="yes")
+
+
 def test_sync_step_must_be_a_bool():
     tx = local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 2)
     p = jnp.zeros(3)

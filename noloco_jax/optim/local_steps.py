@@ -225,7 +225,8 @@ def _check_phases(sync_step: Any, merge_step: Any, num_frags: int, delay: int) -
 
 
 def _check_phase(count: jax.Array, sync_every: int, sync_step: Any, num_frags: int = 1,
-                 delay: int = 0, name: str = "sync_step") -> jax.Array:  # fmt: skip
+                 delay: int = 0, name: str = "sync_step", print_error: bool = True
+                 ) -> jax.Array:  # fmt: skip
     """1 (and a printed error) if ``sync_step`` disagrees with the counter, else 0.
 
     The print sits in a scalar ``lax.cond`` taken only on a mismatch, so a
@@ -249,8 +250,8 @@ def _check_phase(count: jax.Array, sync_every: int, sync_step: Any, num_frags: i
         )
 
     mesh = jax.sharding.get_abstract_mesh()
-    if not (mesh.manual_axes and mesh.auto_axes):  # jax 0.10 cannot print from a
-        lax.cond(wrong, report, lambda: None)  # partly manual shard_map: count only there
+    if print_error and not (mesh.manual_axes and mesh.auto_axes):  # jax 0.10 cannot print
+        lax.cond(wrong, report, lambda: None)  # from a partly manual shard_map: count there
     return wrong.astype(jnp.int32)
 
 
@@ -311,7 +312,7 @@ def local_steps(
     nonfinite_guard: bool = False,
     guard_axis_name: AxisName | None = None,
     slow_dtype: Any = None,
-    check_phase: bool = True,
+    check_phase: bool | str = True,
     fragments: Any = None,
     delay: int = 0,
     mixing: float = 1.0,
@@ -349,6 +350,8 @@ def local_steps(
       check_phase: with ``sync_step`` given, check it against the counter on
         the device (a scalar branch): a mismatch prints an error and counts in
         ``phase_errors`` (a raise from the device could abort a mesh program).
+        ``"count"``: count without printing, for a caller that reads
+        ``phase_errors`` itself (no host callback, so the program can be cached).
       delay: tau, the overlapped exchange (module docstring): each round's
         exchange starts tau steps before the round ends, the inner steps go
         on meanwhile, and its result is merged when the round ends. 0 (the
@@ -398,6 +401,8 @@ def local_steps(
     check_sync_every(sync_every)
     if slow_dtype is not None and not jnp.issubdtype(slow_dtype, jnp.floating):
         raise ValueError(f"slow_dtype must be None or a float dtype, got {slow_dtype!r}.")
+    if check_phase not in (True, False, "count"):
+        raise ValueError(f"check_phase must be True, False or 'count', got {check_phase!r}.")
     _check_accumulation(inner, sync_every)
     num_frags, spec = frag.num_fragments(fragments), fragments
     fragments = None if num_frags == 1 else fragments  # one fragment: today's update
@@ -455,10 +460,12 @@ def local_steps(
             branches = rules.on_device(params, operands, count, sync_every, num_frags, delay)
         else:  # the caller knows the phase statically (``trainer.step.sync_positions``)
             if check_phase:
-                errors = errors + _check_phase(count, sync_every, sync_step, num_frags, delay)
+                loud = check_phase != "count"
+                errors = errors + _check_phase(count, sync_every, sync_step, num_frags, delay,
+                                               print_error=loud)  # fmt: skip
                 if delay:
                     errors = errors + _check_phase(count, sync_every, merge_step, num_frags,
-                                                   name="merge_step")  # fmt: skip
+                                                   name="merge_step", print_error=loud)  # fmt: skip
             branches = rules.static(params, operands, sync_step, merge_step, delay)
         new_updates, slow, outer_state, local_opt_state, resets, anchor = branches
         return new_updates, LocalStepsState(count, slow, local_opt_state, outer_state, resets,

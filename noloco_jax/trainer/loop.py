@@ -283,6 +283,14 @@ def _check_counter(state: TrainState, step: int) -> None:
                          f"{step}; the checkpoint's optimizer state is inconsistent.")  # fmt: skip
 
 
+def _check_phase_errors(state: TrainState, step: int) -> None:
+    """Every step's phase (inner, sync) as the host ran it agreed with the optimizer's counter."""
+    found = find_local_steps_state(state.opt_state)
+    if found is not None and np.asarray(replicas.to_host(found.phase_errors)).any():
+        raise RuntimeError(f"internal error: by step {step} the trainer ran a sync step where the "
+                           f"optimizer's counter has none, or the reverse (phase_errors > 0).")
+
+
 def _skip_config(s: TrainSettings, num_layers: int) -> Any:
     if s.skip.num_stages == 0:
         return None
@@ -525,6 +533,7 @@ def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metric
         _report_reset(ses.writer, step, metrics["nonfinite_resets"], ses.bar)
     ses.last.update(metrics, step=step)
     ses.guard.after_chunk(state, start, step)
+    _check_phase_errors(state, step)
     ses.ckpt.check()  # a failed asynchronous save stops the run now
     if step % s.eval_every == 0 or step == s.num_steps:
         _evaluate(ses.run, state, step, ses.writer, ses.last, ses.bar)

@@ -96,7 +96,8 @@ def build_optimizer(
     guard_axis = STAGE_AXIS if stage is not None else None  # a replica spans its stages
     return optax.chain(clip, local_steps(inner, out, outer.sync_every, nonfinite_guard=guard,
                                          guard_axis_name=guard_axis, fragments=fragment_spec,
-                                         delay=outer.delay, mixing=outer.mixing))  # fmt: skip
+                                         delay=outer.delay, mixing=outer.mixing,
+                                         check_phase="count"))  # fmt: skip
 
 
 def _outer_step(method: str, outer: OuterSettings, axis: str | None, fault: FaultSettings
