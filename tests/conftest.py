@@ -8,33 +8,11 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-# One persistent compilation cache per test run, made by the process that starts pytest and
-# inherited (through the environment) by the xdist workers and by the CLI runs tests spawn:
-# a program compiled by one test is loaded, not recompiled, by the next. The cache key is the
-# program's HLO, compile options, devices, XLA flags and jax version, so a hit is the same
-# executable (the golden test checks bit-exactness with the cache on). A size limit turns on
-# jax's file lock, so that concurrent processes never read a half-written entry. Programs
-# with host callbacks are never cached (jax's rule). Removed when the run ends.
-_CACHE_OWNER = "JAX_COMPILATION_CACHE_DIR" not in os.environ
-if _CACHE_OWNER:
-    import tempfile  # noqa: E402
-
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="noloco_jax_xla_cache_")
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
-
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
-
-
-def pytest_unconfigure(config):
-    if _CACHE_OWNER and not os.environ.get("PYTEST_XDIST_WORKER"):
-        import shutil  # noqa: PLC0415
-
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
