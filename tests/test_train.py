@@ -119,6 +119,22 @@ def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, noloco_run):
     assert evals_full[-1]["val_ppl"] == evals_parts[12]["val_ppl"]
 
 
+def test_a_run_with_the_same_settings_reuses_the_compiled_programs(noloco_run):
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    s = noloco_run[0]
+    first, _ = loop._build(s)
+    again, _ = loop._build(s)  # a resume, a notebook cell run again: nothing to compile
+    assert (again.inner, again.sync, again.evaluate) == (first.inner, first.sync, first.evaluate)
+    assert again.calls is first.calls  # so the bar does not report a compile that did not happen
+    # Anything that shapes the programs (here the schedule, through num_steps) builds new ones,
+    # and the process keeps the newest KEEP_COMPILED.
+    others = [loop._build(variant(s, num_steps=n))[0] for n in range(13, 14 + loop.KEEP_COMPILED)]
+    assert len({id(r.inner) for r in [first, *others]}) == len(others) + 1
+    assert len(loop._COMPILED) == loop.KEEP_COMPILED
+    assert loop._build(s)[0].inner is not first.inner  # evicted, so built again
+
+
 def test_vmap_and_shard_map_train_the_same(tmp_path, noloco_run):
     s, vmap, _ = noloco_run
     train_and_evaluate(variant(s, backend="shard_map"), tmp_path, progress=False)

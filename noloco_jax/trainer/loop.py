@@ -7,8 +7,10 @@ fused chunks of steps, evaluating and checkpointing at chunk boundaries.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import hashlib
 import math
 import pathlib
 import signal
@@ -179,23 +181,55 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     )  # fmt: skip
     _check_memory(s, data.tokenizer.vocab_size, build_tx())
     sharding.check_divides(params0, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
-    reps, step_kwargs = _topology(s, cfg, graphdef, build_tx)
+    key = (s, int(data.tokenizer.vocab_size), hashlib.sha256(data.eval_windows.tobytes()).digest())
+    programs = _COMPILED.pop(key, None) or _Programs.make(s, cfg, graphdef, build_tx, spec,
+                                                          data.eval_windows)  # fmt: skip
+    _COMPILED[key] = programs  # the newest last
+    while len(_COMPILED) > KEEP_COMPILED:
+        _COMPILED.popitem(last=False)
     single = TrainState(jnp.zeros([], jnp.int32), params0, build_tx().init(params0))
-    state = reps.put(replicas.replicate(single, s.num_replicas))
+    state = programs.reps.put(replicas.replicate(single, s.num_replicas))
     rounds = s.method in ("noloco", "diloco")
     period = s.outer.sync_every // s.outer.fragments if rounds else None
     block = math.gcd(s.log_every, period) if rounds else s.log_every
-    delay = s.outer.delay if rounds else 0
-    inner, sync = _programs(reps, step_kwargs, rounds, fragments=spec is not None, delay=delay,
-                            num_fragments=s.outer.fragments)  # fmt: skip
-    evaluate = _make_evaluator(reps, graphdef, data.eval_windows)
     meta = {
         "settings": s.to_dict(),
         "batcher": data.batcher.state(),
         "vocab_size": int(data.tokenizer.vocab_size),
     }
-    return _Run(s, data, reps, params0, inner, sync, block, period, evaluate, meta,
-                delay=delay), state  # fmt: skip
+    return _Run(s, data, programs.reps, params0, programs.inner, programs.sync, block, period,
+                programs.evaluate, meta, calls=programs.calls,
+                delay=s.outer.delay if rounds else 0), state  # fmt: skip
+
+
+# A process keeps the programs of its last few runs: a run with the same settings, vocabulary
+# and evaluation windows (a notebook cell run again, a resume, a test repeating a run) reuses
+# them instead of compiling again. Same programs, so the same numbers.
+KEEP_COMPILED = 4
+
+
+@dataclasses.dataclass
+class _Programs:
+    """A run's topology and jitted programs, and which of them have run (so compiled)."""
+
+    reps: replicas.Replicas
+    inner: Callable
+    sync: Any
+    evaluate: Callable
+    calls: set = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def make(cls, s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable, spec: Any,
+             windows: np.ndarray) -> "_Programs":  # fmt: skip
+        reps, step_kwargs = _topology(s, cfg, graphdef, build_tx)
+        rounds = s.method in ("noloco", "diloco")
+        inner, sync = _programs(reps, step_kwargs, rounds, fragments=spec is not None,
+                                delay=s.outer.delay if rounds else 0,
+                                num_fragments=s.outer.fragments)  # fmt: skip
+        return cls(reps, inner, sync, _make_evaluator(reps, graphdef, windows))
+
+
+_COMPILED: "collections.OrderedDict[tuple, _Programs]" = collections.OrderedDict()
 
 
 def _topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
@@ -424,6 +458,9 @@ def train_and_evaluate(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Trains (or resumes) a run in ``workdir``; returns the last metrics.
+
+    A later call with the same settings and data in the same process (a resume, a notebook
+    cell run again) reuses this run's compiled programs (``KEEP_COMPILED`` runs are kept).
 
     Args:
       settings: validated ``TrainSettings``.
@@ -668,7 +705,6 @@ class _Escalation:
         self._ckpt, self._settings = ckpt, s
         self._before = _per_replica_resets(state, s.num_replicas)
         self._streak = np.zeros(s.num_replicas, np.int64)
-        self._finite = jax.jit(_per_replica_finite)
 
     def after_chunk(self, state: TrainState, start: int, stop: int) -> None:
         if not self._guard:
@@ -692,7 +728,7 @@ class _Escalation:
         """Raises instead of checkpointing weights the guard will not put back."""
         found = find_local_steps_state(state.opt_state)
         tree = found.slow_params if (self._guard and found is not None) else state.params
-        ok = np.asarray(replicas.to_host(self._finite(tree))).reshape(-1)
+        ok = np.asarray(replicas.to_host(_per_replica_finite(tree))).reshape(-1)
         if not ok.all():
             which = "slow weights" if tree is not state.params else "weights"
             self._fail(step, f"the {which} of replica(s) {np.flatnonzero(~ok).tolist()} are "
@@ -719,6 +755,7 @@ def _per_replica_resets(state: TrainState, num_replicas: int) -> np.ndarray:
     return counts.reshape(num_replicas, -1).max(1)
 
 
+@jax.jit
 def _per_replica_finite(tree: Any) -> jax.Array:
     """[N] bool: replica i's leaves are all finite (leading axis = replica)."""
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
