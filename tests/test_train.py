@@ -119,7 +119,7 @@ def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, noloco_run):
     assert evals_full[-1]["val_ppl"] == evals_parts[12]["val_ppl"]
 
 
-def test_a_run_with_the_same_settings_reuses_the_compiled_programs(noloco_run):
+def test_a_run_with_the_same_settings_reuses_the_compiled_programs(tmp_path, noloco_run):
     from noloco_jax.trainer import loop  # noqa: PLC0415
 
     s = noloco_run[0]
@@ -127,12 +127,20 @@ def test_a_run_with_the_same_settings_reuses_the_compiled_programs(noloco_run):
     again, _ = loop._build(s)  # a resume, a notebook cell run again: nothing to compile
     assert (again.inner, again.sync, again.evaluate) == (first.inner, first.sync, first.evaluate)
     assert again.calls is first.calls  # so the bar does not report a compile that did not happen
+    host_only = variant(s, eval_every=6, keep_checkpoints=5, data={"data_dir": str(tmp_path)})
+    assert loop._build(host_only)[0].inner is first.inner  # fields the programs never read
     # Anything that shapes the programs (here the schedule, through num_steps) builds new ones,
-    # and the process keeps the newest KEEP_COMPILED.
-    others = [loop._build(variant(s, num_steps=n))[0] for n in range(13, 14 + loop.KEEP_COMPILED)]
-    assert len({id(r.inner) for r in [first, *others]}) == len(others) + 1
-    assert len(loop._COMPILED) == loop.KEEP_COMPILED
-    assert loop._build(s)[0].inner is not first.inner  # evicted, so built again
+    # and the process keeps the newest KEEP_COMPILED (the other tests' programs are put back).
+    kept = loop._COMPILED.copy()
+    try:
+        others = [loop._build(variant(s, num_steps=n))[0]
+                  for n in range(13, 14 + loop.KEEP_COMPILED)]  # fmt: skip
+        assert len({id(r.inner) for r in [first, *others]}) == len(others) + 1
+        assert len(loop._COMPILED) == loop.KEEP_COMPILED
+        assert loop._build(s)[0].inner is not first.inner  # evicted, so built again
+    finally:
+        loop._COMPILED.clear()
+        loop._COMPILED.update(kept)
 
 
 def test_vmap_and_shard_map_train_the_same(tmp_path, noloco_run):

@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from noloco_jax import data as data_lib
+from noloco_jax import defaults
 from noloco_jax import ensemble, models, replicas, sharding
 from noloco_jax import pipeline as pl
 from noloco_jax.errors import CorruptCheckpointError, TrainingDivergedError, UserError
@@ -181,7 +182,7 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     )  # fmt: skip
     _check_memory(s, data.tokenizer.vocab_size, build_tx())
     sharding.check_divides(params0, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
-    key = (s, int(data.tokenizer.vocab_size), hashlib.sha256(data.eval_windows.tobytes()).digest())
+    key = _program_key(s, data)
     programs = _COMPILED.pop(key, None) or _Programs.make(s, cfg, graphdef, build_tx, spec,
                                                           data.eval_windows)  # fmt: skip
     _COMPILED[key] = programs  # the newest last
@@ -205,7 +206,7 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
 # A process keeps the programs of its last few runs: a run with the same settings, vocabulary
 # and evaluation windows (a notebook cell run again, a resume, a test repeating a run) reuses
 # them instead of compiling again. Same programs, so the same numbers.
-KEEP_COMPILED = 4
+KEEP_COMPILED = 8
 
 
 @dataclasses.dataclass
@@ -230,6 +231,25 @@ class _Programs:
 
 
 _COMPILED: "collections.OrderedDict[tuple, _Programs]" = collections.OrderedDict()
+
+# Fields the programs never read: the data reach them only through the vocabulary and the
+# evaluation windows (both in the key), and these top-level fields are host bookkeeping.
+# A field not listed here (a new one included) is part of the key.
+_HOST_DATA = ("source", "path", "tfds_name", "data_dir", "encoding", "tokenizer", "tokenizer_path",
+              "tokenizer_vocab_size", "validation_fraction", "eval_windows")  # fmt: skip
+_HOST_RUN = ("eval_every", "checkpoint_every", "keep_checkpoints", "profile_steps", "log",
+             "allow_resize")  # fmt: skip
+
+
+def _program_key(s: TrainSettings, data: DataBundle) -> tuple:
+    """What the compiled programs depend on: the settings less host-only fields, the data."""
+    d = dataclasses.asdict(s)
+    for name in _HOST_RUN:
+        d.pop(name)
+    for name in _HOST_DATA:
+        d["data"].pop(name)
+    windows = hashlib.sha256(data.eval_windows.tobytes()).digest()
+    return repr(sorted(defaults.dotted(d).items())), int(data.tokenizer.vocab_size), windows
 
 
 def _topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
@@ -460,7 +480,8 @@ def train_and_evaluate(
     """Trains (or resumes) a run in ``workdir``; returns the last metrics.
 
     A later call with the same settings and data in the same process (a resume, a notebook
-    cell run again) reuses this run's compiled programs (``KEEP_COMPILED`` runs are kept).
+    cell run again) reuses this run's compiled programs; a process keeps those of its last
+    ``KEEP_COMPILED`` runs.
 
     Args:
       settings: validated ``TrainSettings``.
