@@ -129,6 +129,8 @@ def test_a_run_with_the_same_settings_reuses_the_compiled_programs(tmp_path, nol
     assert again.calls is first.calls  # so the bar does not report a compile that did not happen
     host_only = variant(s, eval_every=6, keep_checkpoints=5, data={"data_dir": str(tmp_path)})
     assert loop._build(host_only)[0].inner is first.inner  # fields the programs never read
+    other_lr = loop._build(variant(s, optim={"learning_rate": 1e-3}))[0]
+    assert other_lr.inner is not first.inner and other_lr.evaluate is first.evaluate  # same model
     # Anything that shapes the programs (here the schedule, through num_steps) builds new ones,
     # and the process keeps the newest KEEP_COMPILED (the other tests' programs are put back).
     kept = loop._COMPILED.copy()
@@ -141,6 +143,7 @@ def test_a_run_with_the_same_settings_reuses_the_compiled_programs(tmp_path, nol
     finally:
         loop._COMPILED.clear()
         loop._COMPILED.update(kept)
+    assert len(loop._EVALUATORS) <= loop.KEEP_COMPILED
 
 
 def test_vmap_and_shard_map_train_the_same(tmp_path, noloco_run):

@@ -182,12 +182,8 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     )  # fmt: skip
     _check_memory(s, data.tokenizer.vocab_size, build_tx())
     sharding.check_divides(params0, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
-    key = _program_key(s, data)
-    programs = _COMPILED.pop(key, None) or _Programs.make(s, cfg, graphdef, build_tx, spec,
-                                                          data.eval_windows)  # fmt: skip
-    _COMPILED[key] = programs  # the newest last
-    while len(_COMPILED) > KEEP_COMPILED:
-        _COMPILED.popitem(last=False)
+    programs = _reuse(_COMPILED, _program_key(s, data),
+                      lambda: _Programs.make(s, cfg, graphdef, build_tx, spec, data))  # fmt: skip
     single = TrainState(jnp.zeros([], jnp.int32), params0, build_tx().init(params0))
     state = programs.reps.put(replicas.replicate(single, s.num_replicas))
     rounds = s.method in ("noloco", "diloco")
@@ -205,7 +201,8 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
 
 # A process keeps the programs of its last few runs: a run with the same settings, vocabulary
 # and evaluation windows (a notebook cell run again, a resume, a test repeating a run) reuses
-# them instead of compiling again. Same programs, so the same numbers.
+# them instead of compiling again, and one with another optimizer reuses the evaluator. Same
+# programs, so the same numbers.
 KEEP_COMPILED = 8
 
 
@@ -221,16 +218,29 @@ class _Programs:
 
     @classmethod
     def make(cls, s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable, spec: Any,
-             windows: np.ndarray) -> "_Programs":  # fmt: skip
+             data: DataBundle) -> "_Programs":  # fmt: skip
         reps, step_kwargs = _topology(s, cfg, graphdef, build_tx)
         rounds = s.method in ("noloco", "diloco")
         inner, sync = _programs(reps, step_kwargs, rounds, fragments=spec is not None,
                                 delay=s.outer.delay if rounds else 0,
                                 num_fragments=s.outer.fragments)  # fmt: skip
-        return cls(reps, inner, sync, _make_evaluator(reps, graphdef, windows))
+        evaluate = _reuse(_EVALUATORS, _evaluator_key(s, data),
+                          lambda: _make_evaluator(reps, graphdef, data.eval_windows))
+        return cls(reps, inner, sync, evaluate)
 
 
 _COMPILED: "collections.OrderedDict[tuple, _Programs]" = collections.OrderedDict()
+_EVALUATORS: "collections.OrderedDict[tuple, Callable]" = collections.OrderedDict()
+
+
+def _reuse(cache: collections.OrderedDict, key: tuple, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` when missing; the cache keeps its newest KEEP_COMPILED."""
+    value = cache.pop(key, None)
+    cache[key] = make() if value is None else value  # the newest last
+    while len(cache) > KEEP_COMPILED:
+        cache.popitem(last=False)
+    return cache[key]
+
 
 # Fields the programs never read: the data reach them only through the vocabulary and the
 # evaluation windows (both in the key), and these top-level fields are host bookkeeping.
@@ -239,6 +249,9 @@ _HOST_DATA = ("source", "path", "tfds_name", "data_dir", "encoding", "tokenizer"
               "tokenizer_vocab_size", "validation_fraction", "eval_windows")  # fmt: skip
 _HOST_RUN = ("eval_every", "checkpoint_every", "keep_checkpoints", "profile_steps", "log",
              "allow_resize")  # fmt: skip
+# The evaluator reads the topology and the model (with data.seq_len, which bounds its
+# positions): these fields and every model.* and mesh.* field.
+_EVALUATOR_FIELDS = ("num_replicas", "backend", "num_stages", "data.seq_len")
 
 
 def _program_key(s: TrainSettings, data: DataBundle) -> tuple:
@@ -248,8 +261,19 @@ def _program_key(s: TrainSettings, data: DataBundle) -> tuple:
         d.pop(name)
     for name in _HOST_DATA:
         d["data"].pop(name)
-    windows = hashlib.sha256(data.eval_windows.tobytes()).digest()
-    return repr(sorted(defaults.dotted(d).items())), int(data.tokenizer.vocab_size), windows
+    return repr(sorted(defaults.dotted(d).items())), *_data_key(data)
+
+
+def _evaluator_key(s: TrainSettings, data: DataBundle) -> tuple:
+    """What the evaluator depends on: the model, the topology and the data, not the optimizer."""
+    own = {k: v for k, v in defaults.dotted(dataclasses.asdict(s)).items()
+           if k.startswith(("model.", "mesh.")) or k in _EVALUATOR_FIELDS}  # fmt: skip
+    return repr(sorted(own.items())), *_data_key(data)
+
+
+
+def _data_key(data: DataBundle) -> tuple[int, bytes]:
+    return int(data.tokenizer.vocab_size), hashlib.sha256(data.eval_windows.tobytes()).digest()
 
 
 def _topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
