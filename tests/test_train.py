@@ -138,12 +138,12 @@ def test_a_run_with_the_same_settings_reuses_the_compiled_programs(tmp_path, nol
         others = [loop._build(variant(s, num_steps=n))[0]
                   for n in range(13, 14 + loop.KEEP_COMPILED)]  # fmt: skip
         assert len({id(r.inner) for r in [first, *others]}) == len(others) + 1
+        assert all(r.evaluate is first.evaluate for r in others)  # one model: one evaluator
         assert len(loop._COMPILED) == loop.KEEP_COMPILED
         assert loop._build(s)[0].inner is not first.inner  # evicted, so built again
     finally:
         loop._COMPILED.clear()
         loop._COMPILED.update(kept)
-    assert len(loop._EVALUATORS) <= loop.KEEP_COMPILED
 
 
 def test_vmap_and_shard_map_train_the_same(tmp_path, noloco_run):

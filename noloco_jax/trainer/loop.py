@@ -42,7 +42,8 @@ from noloco_jax.pipeline.routed import STAGE
 from noloco_jax.skippipe.training import SkipConfig
 from noloco_jax.trainer import grads
 from noloco_jax.trainer.resize import check_resume, restore_resized
-from noloco_jax.trainer.settings import TrainSettings, check_delay_windows, warnings_for
+from noloco_jax.trainer.settings import (ROUND_METHODS, TrainSettings, check_delay_windows,
+                                         warnings_for)
 from noloco_jax.trainer.step import (TrainState, eval_token_losses, make_program,
                                      make_window_program)
 from noloco_jax.trainer.writers import MetricWriter, Progress, read_jsonl
@@ -220,7 +221,7 @@ class _Programs:
     def make(cls, s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable, spec: Any,
              data: DataBundle) -> "_Programs":  # fmt: skip
         reps, step_kwargs = _topology(s, cfg, graphdef, build_tx)
-        rounds = s.method in ("noloco", "diloco")
+        rounds = s.method in ROUND_METHODS
         inner, sync = _programs(reps, step_kwargs, rounds, fragments=spec is not None,
                                 delay=s.outer.delay if rounds else 0,
                                 num_fragments=s.outer.fragments)  # fmt: skip
@@ -256,7 +257,7 @@ _EVALUATOR_FIELDS = ("num_replicas", "backend", "num_stages", "data.seq_len")
 
 def _program_key(s: TrainSettings, data: DataBundle) -> tuple:
     """What the compiled programs depend on: the settings less host-only fields, the data."""
-    d = dataclasses.asdict(s)
+    d = s.to_dict()
     for name in _HOST_RUN:
         d.pop(name)
     for name in _HOST_DATA:
@@ -266,10 +267,9 @@ def _program_key(s: TrainSettings, data: DataBundle) -> tuple:
 
 def _evaluator_key(s: TrainSettings, data: DataBundle) -> tuple:
     """What the evaluator depends on: the model, the topology and the data, not the optimizer."""
-    own = {k: v for k, v in defaults.dotted(dataclasses.asdict(s)).items()
+    own = {k: v for k, v in defaults.dotted(s.to_dict()).items()
            if k.startswith(("model.", "mesh.")) or k in _EVALUATOR_FIELDS}  # fmt: skip
     return repr(sorted(own.items())), *_data_key(data)
-
 
 
 def _data_key(data: DataBundle) -> tuple[int, bytes]:
