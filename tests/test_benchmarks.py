@@ -14,7 +14,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     pytest.param("overhead", marks=pytest.mark.slow), "comm_volume",
     pytest.param("scaling", marks=pytest.mark.slow), "throughput", "clip_traffic",
     "compile_scale", "diloco_exchange", pytest.param("sharded_memory", marks=pytest.mark.slow),
-])  # the slow two time ~25 s of repetitions each; sharded_memory compiles 6 programs
+    pytest.param("opt_level", marks=pytest.mark.slow),
+])  # overhead and scaling time ~25 s of repetitions each; sharded_memory compiles 6 programs;
+#     opt_level trains twice in fresh processes (~45 s)
 def test_benchmark_smoke(script, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", f"experiments.bench.{script}", "--smoke", "--out_dir",

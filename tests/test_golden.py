@@ -13,11 +13,17 @@ it moves with buffer alignment (what ran earlier in the process) and with the ma
 as one-ulp changes of some replicas' losses while every checksum and every perplexity
 stayed identical. The trainer logs the mean over ``log_every`` steps in float64, so k losses
 each within one ulp give a mean within one ulp.
+
+The six runs train in one subprocess at XLA's default optimization level, the one users run:
+the rest of the suite compiles with LLVM's optimizations off (``tests/conftest.py``), which
+moves the last bits.
 """
 
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -53,12 +59,34 @@ def _record(workdir: pathlib.Path, step: int) -> dict:
     }
 
 
+def _settings(name: str, corpus_dir: pathlib.Path, data_dir: pathlib.Path):
+    return tiny_settings(corpus_dir, data_dir, num_steps=8, eval_every=8, checkpoint_every=8,
+                         **RUNS[name])  # fmt: skip
+
+
+def _train_all(corpus_dir: pathlib.Path, data_dir: pathlib.Path, out: pathlib.Path) -> None:
+    """Trains every run of RUNS and writes its record to ``out/<name>.json``."""
+    for name in sorted(RUNS):
+        s = _settings(name, corpus_dir, data_dir)
+        train_and_evaluate(s, out / name, progress=False)
+        (out / f"{name}.json").write_text(json.dumps(_record(out / name, s.num_steps)))
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory, corpus_dir, data_dir) -> dict:
+    out = tmp_path_factory.mktemp("golden")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_NUMPY_RANK_PROMOTION": "raise"}  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "tests.test_golden", str(corpus_dir),
+                           str(data_dir), str(out)], env=env, cwd=GOLDEN.parents[2],
+                          capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in RUNS}
+
+
 @pytest.mark.parametrize("name", sorted(RUNS))
-def test_golden_losses(name, tmp_path, corpus_dir, data_dir):
-    s = tiny_settings(corpus_dir, data_dir, num_steps=8, eval_every=8, checkpoint_every=8,
-                      **RUNS[name])  # fmt: skip
-    train_and_evaluate(s, tmp_path, progress=False)
-    got = _record(tmp_path, s.num_steps)
+def test_golden_losses(name, records):
+    got = records[name]
     if os.environ.get("NOLOCO_WRITE_GOLDEN"):
         table = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
         table[name] = got
@@ -69,3 +97,7 @@ def test_golden_losses(name, tmp_path, corpus_dir, data_dir):
     assert got["train_loss_per_replica"].keys() == want["train_loss_per_replica"].keys()
     for step, losses in want["train_loss_per_replica"].items():  # one float32 ulp: 2^-23 relative
         np.testing.assert_allclose(got["train_loss_per_replica"][step], losses, rtol=2.0**-23)
+
+
+if __name__ == "__main__":  # the fixture's subprocess: CORPUS_DIR DATA_DIR OUT_DIR
+    _train_all(*map(pathlib.Path, sys.argv[1:4]))

@@ -20,6 +20,8 @@ import sys
 import pytest
 from pydoc_data.topics import topics
 
+from tests.conftest import FAST_COMPILE_FLAG
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -44,7 +46,7 @@ def _cmd(corpus, data_dir, workdir, *extra):
 
 def _env(devices: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAG}",
                TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu")  # fmt: skip
     return env
 
