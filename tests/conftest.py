@@ -72,11 +72,12 @@ def noloco_run(tmp_path_factory):
 # Test files in the order they are handed to the workers: the longest first (seconds on
 # 2 idle cores, roughly), so that the workers finish together; the rest follow in their
 # usual order. The files of NOLOCO_RUN_FILES count as one.
-LONGEST_FIRST = ("test_train.py", "test_experiments.py", "test_golden.py", "test_phased_steps.py",
-                 "test_resize.py", "test_pipeline.py", "test_sharded_replicas.py",
-                 "test_multihost.py", "test_skipping.py", "test_models.py", "test_colabs.py",
-                 "test_cli.py", "test_hdee.py", "test_comm.py", "test_optax_clients.py",
-                 "test_local_steps.py", "test_benchmarks.py", "test_theory.py")  # fmt: skip
+LONGEST_FIRST = ("test_train.py", "test_multihost.py", "test_golden.py", "test_experiments.py",
+                 "test_sharded_replicas.py", "test_phased_steps.py", "test_pipeline.py",
+                 "test_benchmarks.py", "test_resize.py", "test_models.py", "test_colabs.py",
+                 "test_hdee.py", "test_exchange8.py", "test_optax_clients.py", "test_skipping.py",
+                 "test_cli.py", "test_comm.py", "test_local_steps.py", "test_data.py",
+                 "test_overlap.py", "test_theory.py")  # fmt: skip
 
 
 def _unit(nodeid: str) -> str:
