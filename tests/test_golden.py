@@ -75,6 +75,8 @@ def _train_all(corpus_dir: pathlib.Path, data_dir: pathlib.Path, out: pathlib.Pa
 @pytest.fixture(scope="module")
 def records(tmp_path_factory, corpus_dir, data_dir) -> dict:
     out = tmp_path_factory.mktemp("golden")
+    # A literal, not conftest's DEVICES_FLAG: importing tests.conftest in the subprocess would
+    # add the level-0 flag there too.
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "JAX_NUMPY_RANK_PROMOTION": "raise"}  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "tests.test_golden", str(corpus_dir),

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from noloco_jax import models, replicas
 from noloco_jax.optim.fragments import by_layer_blocks
+from noloco_jax.trainer.settings import ROUND_METHODS
 from noloco_jax.trainer.step import TrainState
 
 __all__ = ["StepMemory", "abstract_state", "compile_program", "memory_of", "step_memory",
@@ -154,7 +155,7 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
         s.method, s.optim, s.outer, num_steps=s.num_steps, num_replicas=s.num_replicas,
         num_stages=s.num_stages, fault=s.fault, fragment_spec=spec)  # fmt: skip
     reps, step_kwargs = loop._topology(s, cfg, graphdef, build_tx)
-    rounds = s.method in ("noloco", "diloco")
+    rounds = s.method in ROUND_METHODS
     inner, sync = loop._programs(reps, step_kwargs, rounds, fragments=spec is not None)
     run = sync if program == "sync" and sync is not None else inner
     period = s.outer.sync_every // s.outer.fragments

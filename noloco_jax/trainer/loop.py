@@ -187,7 +187,7 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
                       lambda: _Programs.make(s, cfg, graphdef, build_tx, spec, data))  # fmt: skip
     single = TrainState(jnp.zeros([], jnp.int32), params0, build_tx().init(params0))
     state = programs.reps.put(replicas.replicate(single, s.num_replicas))
-    rounds = s.method in ("noloco", "diloco")
+    rounds = s.method in ROUND_METHODS
     period = s.outer.sync_every // s.outer.fragments if rounds else None
     block = math.gcd(s.log_every, period) if rounds else s.log_every
     meta = {
@@ -745,7 +745,7 @@ class _Escalation:
 
     def __init__(self, run: _Run, state: TrainState, ckpt: Checkpointer) -> None:
         s = run.settings
-        self._sync_every = s.outer.sync_every if s.method in ("noloco", "diloco") else None
+        self._sync_every = s.outer.sync_every if s.method in ROUND_METHODS else None
         self._guard = s.fault.nonfinite_guard and self._sync_every is not None
         self._ckpt, self._settings = ckpt, s
         self._before = _per_replica_resets(state, s.num_replicas)
@@ -905,7 +905,7 @@ def _train_metrics(run: _Run, state: TrainState, step: int, k: int, losses: np.n
     n_tokens = k * s.global_batch_size * s.data.seq_len
     losses = np.asarray(losses, np.float64)  # means of float32 losses, without float32 rounding
     finite = np.isfinite(losses)
-    guarded = s.fault.nonfinite_guard and s.method in ("noloco", "diloco")
+    guarded = s.fault.nonfinite_guard and s.method in ROUND_METHODS
     metrics = {
         # With the guard: the mean over finite replica losses (a replica the guard is
         # resetting is counted apart). Without: a NaN replica makes the loss NaN.

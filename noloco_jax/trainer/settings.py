@@ -356,7 +356,7 @@ def parse_profile_steps(text: Any) -> tuple[int, int] | None:
 def warnings_for(s: TrainSettings) -> list[str]:
     """Valid but suspicious settings, one line each (the trainer prints them at start)."""
     out = []
-    if s.method in ("noloco", "diloco") and s.outer.sync_every > s.num_steps:
+    if s.method in ROUND_METHODS and s.outer.sync_every > s.num_steps:
         out.append(f"config.outer.sync_every={s.outer.sync_every} > num_steps={s.num_steps}: the "
                    f"replicas never sync in this run (method={s.method!r} acts as 'local'); use "
                    f"sync_every <= num_steps.")
