@@ -24,7 +24,7 @@ from typing import Any, Sequence
 _REPO = pathlib.Path(__file__).resolve().parents[1]  # the default --config is in _REPO/configs
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# TensorFlow only reads the data here; without this it logs a oneDNN notice at import.
+# TensorFlow only prepares a corpus here (once); without this it logs a oneDNN notice at import.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 from absl import app, flags, logging  # noqa: E402

@@ -109,6 +109,36 @@ def test_concurrent_first_runs_prepare_the_dataset_once(text_dir, tmp_path):
     assert sources._is_stored(tmp_path, name)
 
 
+def test_a_prepared_corpus_is_read_without_tensorflow(text_dir, tmp_path):
+    # Preparing imports TensorFlow (TFDS writes with it); reading the array_record files back,
+    # as every later run and every process of a multi-process run does, must not.
+    first = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
+    stored = sources._dataset_dir(tmp_path, first.name)
+    assert list(stored.glob("*.array_record-*")) and not list(stored.glob("*.tfrecord-*"))
+    code = ("import sys; from noloco_jax import data; "
+            "c = data.load_corpus('files', path=sys.argv[1], data_dir=sys.argv[2]); "
+            "assert 'tensorflow' not in sys.modules, 'TF imported'; "
+            "print(len(c.train), len(c.validation), c.name)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(text_dir), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == [str(len(first.train)), str(len(first.validation)), first.name]
+
+
+def test_a_tfrecord_dataset_of_earlier_versions_is_still_read(text_dir, tmp_path, monkeypatch):
+    import tensorflow_datasets as tfds
+
+    real = tfds.dataset_builders.store_as_tfds_dataset
+    monkeypatch.setattr(tfds.dataset_builders, "store_as_tfds_dataset",
+                        lambda **kw: real(**{**kw, "file_format": "tfrecord"}))  # fmt: skip
+    old = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path / "old")
+    monkeypatch.undo()
+    assert list(sources._dataset_dir(tmp_path / "old", old.name).glob("*.tfrecord-*"))
+    new = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path / "new")
+    assert list(sources._dataset_dir(tmp_path / "new", new.name).glob("*.array_record-*"))
+    assert old == new and len(new.train) > 1
+
+
 def test_missing_and_empty_corpora(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         data.load_corpus("files", path=str(tmp_path / "nowhere"), data_dir=tmp_path)

@@ -10,6 +10,9 @@ Three sources, all offline at run time:
 * ``"files"`` - local text files (a file, a directory of ``*.txt``, or a
   glob), each file one document, prepared into a TFDS dataset whose name is a
   hash of the files, so a changed corpus gets a new dataset.
+
+The two prepared datasets are stored as array_record files, which TFDS reads
+without TensorFlow: only preparing them (once) imports it.
 * ``"tfds"`` - a named TFDS text dataset (``tiny_shakespeare``, ``lm1b``,
   ``c4``, ...) that the user has already prepared in the data dir.
 
@@ -128,16 +131,21 @@ def _write_tfds(name: str, splits: dict[str, list[tuple[str, str]]], data_dir: p
         features=features,
         split_datasets=split_datasets,
         data_dir=str(_tfds_dir(data_dir)),
+        file_format="array_record",  # random access, and readable without TensorFlow
     )
 
 
 def _read_split(builder, split: str) -> list[str]:
+    """The split's texts in title order. Datasets stored as array_record (the format this
+    module writes) are read without TensorFlow; older tfrecord ones through ``tf.data``."""
     import tensorflow_datasets as tfds  # noqa: PLC0415
 
-    ds = builder.as_dataset(split=split, shuffle_files=False)
-    rows = sorted(
-        (ex["title"].decode("utf-8"), ex["text"].decode("utf-8")) for ex in tfds.as_numpy(ds)
-    )
+    if builder.info.file_format == tfds.core.FileFormat.ARRAY_RECORD:
+        source = builder.as_data_source(split=split)
+        examples = (source[i] for i in range(len(source)))
+    else:
+        examples = tfds.as_numpy(builder.as_dataset(split=split, shuffle_files=False))
+    rows = sorted((ex["title"].decode("utf-8"), ex["text"].decode("utf-8")) for ex in examples)
     return [text for _, text in rows]
 
 
