@@ -36,6 +36,15 @@ import urllib.parse
 import urllib.request
 from typing import Iterable
 
+try:
+    # Imported now, not at the first read: it defines absl flags, and absl's flagsaver (tests,
+    # notebooks) deletes flags defined inside its context, which breaks every later read.
+    from array_record.python import array_record_data_source as _  # noqa: F401
+
+    _FILE_FORMAT = "array_record"
+except ImportError:  # no array_record wheel for this platform: TensorFlow reads the data
+    _FILE_FORMAT = "tfrecord"
+
 __all__ = ["Corpus", "default_data_dir", "load_corpus", "SOURCES", "texts_digest"]
 
 SOURCES = ("shakespeare", "files", "tfds")
@@ -131,7 +140,7 @@ def _write_tfds(name: str, splits: dict[str, list[tuple[str, str]]], data_dir: p
         features=features,
         split_datasets=split_datasets,
         data_dir=str(_tfds_dir(data_dir)),
-        file_format="array_record",  # random access, and readable without TensorFlow
+        file_format=_FILE_FORMAT,  # array_record is read without TensorFlow
     )
 
 
