@@ -126,7 +126,8 @@ def test_a_prepared_corpus_is_read_without_tensorflow(text_dir, tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(text_dir), str(tmp_path)],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-3:] == [str(len(first.train)), str(len(first.validation)), first.name]
+    counts = [str(len(first.train)), str(len(first.validation)), first.name]
+    assert out.stdout.split()[-3:] == counts
 
 
 def test_a_tfrecord_dataset_of_earlier_versions_is_still_read(text_dir, tmp_path, monkeypatch):

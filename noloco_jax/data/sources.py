@@ -10,11 +10,11 @@ Three sources, all offline at run time:
 * ``"files"`` - local text files (a file, a directory of ``*.txt``, or a
   glob), each file one document, prepared into a TFDS dataset whose name is a
   hash of the files, so a changed corpus gets a new dataset.
-
-The two prepared datasets are stored as array_record files, which TFDS reads
-without TensorFlow: only preparing them (once) imports it.
 * ``"tfds"`` - a named TFDS text dataset (``tiny_shakespeare``, ``lm1b``,
   ``c4``, ...) that the user has already prepared in the data dir.
+
+The first two are stored as array_record files, which TFDS reads without
+TensorFlow: only preparing them (once per data dir) imports it.
 
 TensorFlow Datasets is imported lazily: importing this module is cheap.
 """
@@ -37,8 +37,8 @@ import urllib.request
 from typing import Iterable
 
 try:
-    # Imported now, not at the first read: it defines absl flags, and absl's flagsaver (tests,
-    # notebooks) deletes flags defined inside its context, which breaks every later read.
+    # Imported now, not at the first read: it defines absl flags, and absl's flagsaver (in tests)
+    # deletes flags defined inside its context, which breaks every later read.
     from array_record.python import array_record_data_source as _  # noqa: F401
 
     _FILE_FORMAT = "array_record"
