@@ -1,15 +1,17 @@
-"""What the test suite's compile flag buys and costs, on the suite's standard training run.
+"""What the test suite's compile flags buy and cost, on the suite's standard training run.
 
     python -m experiments.bench.opt_level [--smoke] [--reps 3]
 
-The test suite (tests/conftest.py) runs XLA:CPU with ``--xla_backend_optimization_level=0``:
-LLVM's optimizations off. This trains the tests' shared NoLoCo run (nano preset, 4 vmap
+The test suite (tests/conftest.py) runs XLA:CPU with ``--xla_backend_optimization_level=0``
+(LLVM's optimizations off) and ``--xla_cpu_use_fusion_emitters=false`` (XLA:CPU's older fusion
+emitters, not the MLIR ones). This trains the tests' shared NoLoCo run (nano preset, 4 vmap
 replicas, H = 6, 12 steps, evaluations and checkpoints every 4, on Python's bundled help topics)
-in a fresh process per repetition, at XLA's default level and at level 0, interleaved
-(default, 0, default, 0, ...). Reported per level: XLA compile seconds summed over every program
-of the run (jax.monitoring's backend-compile events) and how many programs, the run's wall
-seconds, the final train loss and validation perplexity, and whether the final checkpoint's
-checksums equal the default level's. Ratios are level 0 / default, medians over repetitions.
+in a fresh process per repetition, with XLA's default flags, at level 0, and at level 0 with the
+older emitters, interleaved (default, 0, 0 + old, default, ...). Reported per flag set: XLA
+compile seconds summed over every program of the run (jax.monitoring's backend-compile events)
+and how many programs, the run's wall seconds, the final train loss and validation perplexity,
+and whether the final checkpoint's checksums equal the default's. Ratios are against the
+default flags, medians over repetitions.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ REPS = flags.DEFINE_integer("reps", 3, "Fresh processes per level (1 with --smok
 WORKER = flags.DEFINE_string("worker", None, "Internal: train once in this process and write "
                              "the record to this JSON file.")  # fmt: skip
 
-LEVELS = {"default": "", "0": "--xla_backend_optimization_level=0"}
+LEVELS = {"default": "", "0": "--xla_backend_optimization_level=0",
+          "0, old emitters": "--xla_backend_optimization_level=0 "
+                             "--xla_cpu_use_fusion_emitters=false"}  # fmt: skip
 STEPS = 12
 
 
@@ -109,18 +113,19 @@ def main(argv: Sequence[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(reps):
             for level in LEVELS:
-                runs[level].append(_spawn(level, pathlib.Path(tmp) / f"{level}_{i}.json"))
+                runs[level].append(_spawn(level, pathlib.Path(tmp) / f"{list(LEVELS).index(level)}_{i}.json"))
     results = {"env": common.environment(), "commit": common.git_commit(), "steps": STEPS,
                "runs": runs}  # fmt: skip
     rows = [_row(level, runs[level], runs["default"]) for level in LEVELS]
     cmd = "python -m experiments.bench.opt_level" + (" --smoke" if options.SMOKE.value else
                                                      f" --reps {reps}")  # fmt: skip
-    md = (f"### Compile flag of the test suite: XLA:CPU's default level vs LLVM at level 0\n\n"
+    md = (f"### Compile flags of the test suite: XLA:CPU's defaults vs LLVM at level 0 and the "
+          f"older fusion emitters\n\n"
           f"`{cmd}` — the tests' shared NoLoCo run (nano, 4 vmap replicas, H = 6, {STEPS} steps, "
-          f"evaluations and checkpoints every 4), one fresh process per run, levels interleaved, "
-          f"{reps} run(s) per level, medians; ratios against the default level "
+          f"evaluations and checkpoints every 4), one fresh process per run, flag sets interleaved, "
+          f"{reps} run(s) per set, medians; ratios against the default flags "
           f"({results['env']['cpu']}, commit {results['commit']}).\n\n"
-          + common.md_table(["level", "programs", "compile s", "compile ratio", "wall s",
+          + common.md_table(["XLA:CPU flags", "programs", "compile s", "compile ratio", "wall s",
                              "wall ratio", "final train loss", "final val ppl",
                              "checksums = default"], rows))  # fmt: skip
     common.write("bench_opt_level", results, md, options.out_dir())
