@@ -213,42 +213,31 @@ class Replicas:
         pad = [None] * (len(local.shape) - len(inner)) if full_rank else []
         return P(self.axis_name, *inner, *pad)
 
-    def _out_axes(self, fn: Callable[..., Any], in_axes: Any, args: Any) -> Any:
-        # Shapes only, without shardings: a sharded operand would make the vmap
-        # trace's gathers ambiguous on an explicit mesh.
-        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-        batched = jax.eval_shape(
-            jax.vmap(fn, in_axes=in_axes, axis_name=self.axis_name, axis_size=self.num_replicas),
-            *args,
-        )
-        # Shared outputs come back with a leading N under out_axes=0; peel it.
-        return jax.tree_util.tree_map_with_path(
-            lambda p, s: None
-            if is_shared_leaf(jax.ShapeDtypeStruct(s.shape[1:], s.dtype), p)
-            else 0,
-            batched,
-        )
-
     def _vmap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
-            in_axes = tuple(_stacked_axes(a, self.num_replicas) for a in args)
-            out_axes = self._out_axes(fn, in_axes, args)
+            in_axes: Any = tuple(_stacked_axes(a, self.num_replicas) for a in args)
             if self.num_replicas == 1:
                 # One replica: no batched ops (a size-1 batch axis made XLA:CPU ~1.5x
                 # slower), but the axis name stays bound for the collectives.
-                local = jax.tree.map(
-                    lambda x, a: x if a is None else x[0], args, in_axes, is_leaf=_is_none
-                )
-                return jax.vmap(
-                    fn, in_axes=None, out_axes=out_axes, axis_name=self.axis_name, axis_size=1
-                )(*local)
-            return jax.vmap(
-                fn,
-                in_axes=in_axes,
-                out_axes=out_axes,
-                axis_name=self.axis_name,
-                axis_size=self.num_replicas,
-            )(*args)
+                args = jax.tree.map(lambda x, a: x if a is None else x[0], args, in_axes,
+                                    is_leaf=_is_none)  # fmt: skip
+                in_axes = None
+            # One trace: the layout rule splits the outputs into per-replica and shared
+            # leaves while fn is traced (vmap then refuses a shared leaf that varies).
+            layout = []
+
+            def split(*local: Any) -> tuple[list, list]:
+                found, treedef = jax.tree_util.tree_flatten_with_path(fn(*local))
+                layout.append((treedef, [is_shared_leaf(x, p) for p, x in found]))
+                leaves = [(x, shared) for (_, x), shared in zip(found, layout[-1][1])]
+                return [x for x, sh in leaves if not sh], [x for x, sh in leaves if sh]
+
+            per, shared = jax.vmap(split, in_axes=in_axes, out_axes=(0, None),
+                                   axis_name=self.axis_name, axis_size=self.num_replicas
+                                   )(*args)  # fmt: skip
+            treedef, is_shared = layout[-1]
+            per, shared = iter(per), iter(shared)
+            return treedef.unflatten([next(shared) if sh else next(per) for sh in is_shared])
 
         return run
 
