@@ -5,8 +5,8 @@ trainer must reproduce them on XLA:CPU. A change that is meant to alter the numb
 the files and says why in its commit message. There are two tables, one per set of XLA flags:
 ``tests/golden/trainer_losses.json`` at XLA's default flags, the numbers users get (``-m slow``),
 and ``tests/golden/trainer_losses_test_flags.json`` at the flags the rest of the suite compiles
-with (``tests/conftest.py``: LLVM at level 0, the older fusion emitters), which compile in about
-a quarter of the time. The default-flags table is the one the trainer's refactor (issue 18)
+with (``tests/conftest.py``: LLVM at level 0, the older fusion emitters, one codegen part),
+which compile in about a fifth of the time. The default-flags table is the one the trainer's refactor (issue 18)
 reproduced; run it with ``-m slow`` after a change to the trainer. The test-flags table is the
 default suite's and the more sensitive of the two: between commits e755733 and a8c7372 (six
 trainer commits that left every default-flags bit alone) five of its six runs' checksums and
@@ -82,11 +82,9 @@ def _train_all(corpus_dir: pathlib.Path, data_dir: pathlib.Path, out: pathlib.Pa
 
 
 def _xla_flags(flag_set: str) -> str:
-    from tests.conftest import DEVICES_FLAG, FAST_COMPILE_FLAG, OLD_EMITTERS_FLAG  # noqa: PLC0415
+    from tests.conftest import DEVICES_FLAG, FAST_COMPILE_FLAGS  # noqa: PLC0415
 
-    if flag_set == "default_flags":
-        return DEVICES_FLAG
-    return f"{DEVICES_FLAG} {FAST_COMPILE_FLAG} {OLD_EMITTERS_FLAG}"
+    return DEVICES_FLAG if flag_set == "default_flags" else " ".join((DEVICES_FLAG, *FAST_COMPILE_FLAGS))
 
 
 @pytest.fixture(scope="module", params=[pytest.param("default_flags", marks=pytest.mark.slow),

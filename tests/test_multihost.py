@@ -20,7 +20,7 @@ import sys
 import pytest
 from pydoc_data.topics import topics
 
-from tests.conftest import FAST_COMPILE_FLAG, OLD_EMITTERS_FLAG
+from tests.conftest import FAST_COMPILE_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -46,8 +46,8 @@ def _cmd(corpus, data_dir, workdir, *extra):
 
 def _env(devices: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAG} "
-                         f"{OLD_EMITTERS_FLAG}",
+    env.update(XLA_FLAGS=" ".join((f"--xla_force_host_platform_device_count={devices}",
+                                   *FAST_COMPILE_FLAGS)),
                TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu")  # fmt: skip
     return env
 

@@ -3,15 +3,16 @@
     python -m experiments.bench.opt_level [--smoke] [--reps 3]
 
 The test suite (tests/conftest.py) runs XLA:CPU with ``--xla_backend_optimization_level=0``
-(LLVM's optimizations off) and ``--xla_cpu_use_fusion_emitters=false`` (XLA:CPU's older fusion
-emitters, not the MLIR ones). This trains the tests' shared NoLoCo run (nano preset, 4 vmap
-replicas, H = 6, 12 steps, evaluations and checkpoints every 4, on Python's bundled help topics)
-in a fresh process per repetition, with XLA's default flags, at level 0, and at level 0 with the
-older emitters, interleaved (default, 0, 0 + old, default, ...). Reported per flag set: XLA
-compile seconds summed over every program of the run (jax.monitoring's backend-compile events)
-and how many programs, the run's wall seconds, the final train loss and validation perplexity,
-and whether the final checkpoint's checksums equal the default's. Ratios are against the
-default flags, medians over repetitions.
+(LLVM's optimizations off), ``--xla_cpu_use_fusion_emitters=false`` (XLA:CPU's older fusion
+emitters, not the MLIR ones) and ``--xla_cpu_parallel_codegen_split_count=1`` (the LLVM module
+compiled in one part, not split for parallel compiling). This trains the tests' shared NoLoCo run
+(nano preset, 4 vmap replicas, H = 6, 12 steps, evaluations and checkpoints every 4, on Python's
+bundled help topics) in a fresh process per repetition, with XLA's default flags and with these
+flags added one at a time, interleaved (default, 0, 0 + old, 0 + old + one part, default, ...).
+Reported per flag set: XLA compile seconds summed over every program of the run
+(jax.monitoring's backend-compile events) and how many programs, the run's wall seconds, the
+final train loss and validation perplexity, and whether the final checkpoint's checksums equal
+the default's. Ratios are against the default flags, medians over repetitions.
 """
 
 from __future__ import annotations
@@ -33,14 +34,17 @@ from experiments.bench import common
 
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
-REPS = flags.DEFINE_integer("reps", 3, "Fresh processes per level (1 with --smoke).",
+REPS = flags.DEFINE_integer("reps", 3, "Fresh processes per flag set (1 with --smoke).",
                             lower_bound=1)  # fmt: skip
 WORKER = flags.DEFINE_string("worker", None, "Internal: train once in this process and write "
                              "the record to this JSON file.")  # fmt: skip
 
 LEVELS = {"default": "", "0": "--xla_backend_optimization_level=0",
           "0, old emitters": "--xla_backend_optimization_level=0 "
-                             "--xla_cpu_use_fusion_emitters=false"}  # fmt: skip
+                             "--xla_cpu_use_fusion_emitters=false",
+          "0, old emitters, one part": "--xla_backend_optimization_level=0 "
+                                       "--xla_cpu_use_fusion_emitters=false "
+                                       "--xla_cpu_parallel_codegen_split_count=1"}  # fmt: skip
 STEPS = 12
 
 
@@ -119,8 +123,8 @@ def main(argv: Sequence[str]) -> None:
     rows = [_row(level, runs[level], runs["default"]) for level in LEVELS]
     cmd = "python -m experiments.bench.opt_level" + (" --smoke" if options.SMOKE.value else
                                                      f" --reps {reps}")  # fmt: skip
-    md = (f"### Compile flags of the test suite: XLA:CPU's defaults vs LLVM at level 0 and the "
-          f"older fusion emitters\n\n"
+    md = (f"### Compile flags of the test suite: XLA:CPU's defaults vs LLVM at level 0, the older "
+          f"fusion emitters and one codegen part\n\n"
           f"`{cmd}` — the tests' shared NoLoCo run (nano, 4 vmap replicas, H = 6, {STEPS} steps, "
           f"evaluations and checkpoints every 4), one fresh process per run, flag sets interleaved, "
           f"{reps} run(s) per set, medians; ratios against the default flags "
