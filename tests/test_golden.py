@@ -9,8 +9,8 @@ with (``tests/conftest.py``: LLVM at level 0, the older fusion emitters, one cod
 which compile in about a fifth of the time. The default-flags table is the one the trainer's refactor (issue 18)
 reproduced; run it with ``-m slow`` after a change to the trainer. The test-flags table is the
 default suite's and the more sensitive of the two: between commits e755733 and a8c7372 (six
-trainer commits that left every default-flags bit alone) five of its six runs' checksums and
-one run's perplexity moved, every loss by under one ulp.
+trainer commits that left every default-flags bit alone), at level 0 with the older emitters,
+five of the six runs' checksums and one run's perplexity moved, every loss by under one ulp.
 
 What is bit for bit: the final checkpoint's per-array checksums (``checkpoint.fingerprint``:
 every replica's params, slow weights, optimizer moments and outer momentum) and the
