@@ -42,3 +42,28 @@ def test_single_replica_map_equals_the_vmap_of_two_replicas_restricted_to_one():
     _, y1 = one(step, w[:1], x[:1])
     _, y2 = two(step, w, x)
     np.testing.assert_allclose(y1, y2[:1], rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_map_traces_the_function_once_and_keeps_the_output_tree():
+    traces = []
+
+    def fn(step, w, x):
+        traces.append(None)  # a Python side effect: runs once per trace
+        return {"count": step + 1, "out": (x @ w, None), "norm": jnp.linalg.norm(w)}
+
+    w = jax.random.normal(jax.random.key(4), (3, 4, 2))
+    x = jax.random.normal(jax.random.key(5), (3, 5, 4))
+    got = jax.jit(replicas.Replicas(3).map(fn))(jnp.zeros([], jnp.int32), w, x)
+    assert len(traces) == 1
+    assert got["count"].shape == () and int(got["count"]) == 1  # shared: no replica axis
+    assert got["out"][1] is None and got["out"][0].shape == (3, 5, 2)
+    np.testing.assert_allclose(got["out"][0], jnp.einsum("nbi,nio->nbo", x, w), rtol=1e-5)
+    np.testing.assert_allclose(got["norm"], jnp.linalg.norm(w.reshape(3, -1), axis=1), rtol=1e-5)
+
+
+def test_vmap_map_refuses_an_integer_scalar_that_differs_between_replicas():
+    # Integer scalars are shared by the layout rule; one that varies cannot be, and must not
+    # silently become replica 0's value.
+    mapped = replicas.Replicas(2).map(lambda x: (x.sum(), lax.axis_index("replica")))
+    with np.testing.assert_raises_regex(ValueError, "out_axes"):
+        jax.jit(mapped)(jnp.ones((2, 3)))
