@@ -16,6 +16,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from pydoc_data.topics import topics
@@ -57,6 +58,24 @@ def _records(workdir):
     return [json.loads(x) for x in lines if x.strip()]
 
 
+def _wait_all(procs: list, timeout: float) -> None:
+    """Waits for every process; once one fails or time is up, stops the rest at once.
+
+    A process whose peer died would otherwise wait out jax.distributed's start-up timeout
+    (minutes) and the test would report that instead of the peer's error.
+    """
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.wait()
+
+
 def _distributed(num_processes: int, process_id: int, port: int) -> list[str]:
     return [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",
             f"--process_id={process_id}"]  # fmt: skip
@@ -93,14 +112,15 @@ def test_two_processes_match_one_process(tmp_path, corpus_and_data, topology):
         env=_env(8), capture_output=True, text=True, timeout=600)  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
     port = _free_port()
+    logs = [tmp_path / f"process_{i}.log" for i in range(2)]
     procs = [
         subprocess.Popen(_cmd(*corpus_and_data, tmp_path / "two", *flags, *_distributed(2, i, port)),
-                         env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)
+                         env=_env(4), stdout=log.open("w"), stderr=subprocess.STDOUT)
+        for i, log in enumerate(logs)
     ]  # fmt: skip
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    _wait_all(procs, timeout=600)
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"process {i} (port {port}):\n{log.read_text()[-3000:]}"
     a, b = _records(tmp_path / "one"), _records(tmp_path / "two")
     train = lambda recs: [r["train_loss"] for r in recs if r["kind"] == "train"]  # noqa: E731
     evals = lambda recs: [r["val_ppl"] for r in recs if r["kind"] == "eval"]  # noqa: E731
