@@ -6,11 +6,12 @@ the files and says why in its commit message. There are two tables, one per set 
 ``tests/golden/trainer_losses.json`` at XLA's default flags, the numbers users get (``-m slow``),
 and ``tests/golden/trainer_losses_test_flags.json`` at the flags the rest of the suite compiles
 with (``tests/conftest.py``: LLVM at level 0, the older fusion emitters, one codegen part),
-which compile in about a fifth of the time. The default-flags table is the one the trainer's refactor (issue 18)
-reproduced; run it with ``-m slow`` after a change to the trainer. The test-flags table is the
-default suite's and the more sensitive of the two: between commits e755733 and a8c7372 (six
-trainer commits that left every default-flags bit alone), at level 0 with the older emitters,
-five of the six runs' checksums and one run's perplexity moved, every loss by under one ulp.
+which compile in about a fifth of the time. The default-flags table is the one the trainer's
+refactor (issue 18) reproduced; run it with ``-m slow`` after a change to the trainer. The
+test-flags table is the default suite's and the more sensitive of the two: between commits
+e755733 and a8c7372 (six trainer commits that left every default-flags bit alone), at level 0
+with the older emitters, five of the six runs' checksums and one run's perplexity moved, every
+loss by under one ulp.
 
 What is bit for bit: the final checkpoint's per-array checksums (``checkpoint.fingerprint``:
 every replica's params, slow weights, optimizer moments and outer momentum) and the
@@ -84,7 +85,8 @@ def _train_all(corpus_dir: pathlib.Path, data_dir: pathlib.Path, out: pathlib.Pa
 def _xla_flags(flag_set: str) -> str:
     from tests.conftest import DEVICES_FLAG, FAST_COMPILE_FLAGS  # noqa: PLC0415
 
-    return DEVICES_FLAG if flag_set == "default_flags" else " ".join((DEVICES_FLAG, *FAST_COMPILE_FLAGS))
+    fast = () if flag_set == "default_flags" else FAST_COMPILE_FLAGS
+    return " ".join((DEVICES_FLAG, *fast))
 
 
 @pytest.fixture(scope="module", params=[pytest.param("default_flags", marks=pytest.mark.slow),

@@ -113,12 +113,14 @@ def test_two_processes_match_one_process(tmp_path, corpus_and_data, topology):
     assert one.returncode == 0, one.stderr[-3000:]
     port = _free_port()
     logs = [tmp_path / f"process_{i}.log" for i in range(2)]
-    procs = [
-        subprocess.Popen(_cmd(*corpus_and_data, tmp_path / "two", *flags, *_distributed(2, i, port)),
-                         env=_env(4), stdout=log.open("w"), stderr=subprocess.STDOUT)
-        for i, log in enumerate(logs)
-    ]  # fmt: skip
-    _wait_all(procs, timeout=600)
+    with logs[0].open("w") as out0, logs[1].open("w") as out1:
+        procs = [
+            subprocess.Popen(_cmd(*corpus_and_data, tmp_path / "two", *flags,
+                                  *_distributed(2, i, port)),
+                             env=_env(4), stdout=out, stderr=subprocess.STDOUT)
+            for i, out in enumerate((out0, out1))
+        ]  # fmt: skip
+        _wait_all(procs, timeout=600)
     for i, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"process {i} (port {port}):\n{log.read_text()[-3000:]}"
     a, b = _records(tmp_path / "one"), _records(tmp_path / "two")

@@ -116,8 +116,8 @@ def main(argv: Sequence[str]) -> None:
     runs: dict[str, list[dict]] = {level: [] for level in LEVELS}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(reps):
-            for level in LEVELS:
-                runs[level].append(_spawn(level, pathlib.Path(tmp) / f"{list(LEVELS).index(level)}_{i}.json"))
+            for j, level in enumerate(LEVELS):
+                runs[level].append(_spawn(level, pathlib.Path(tmp) / f"{j}_{i}.json"))
     results = {"env": common.environment(), "commit": common.git_commit(), "steps": STEPS,
                "runs": runs}  # fmt: skip
     rows = [_row(level, runs[level], runs["default"]) for level in LEVELS]
@@ -126,8 +126,8 @@ def main(argv: Sequence[str]) -> None:
     md = (f"### Compile flags of the test suite: XLA:CPU's defaults vs LLVM at level 0, the older "
           f"fusion emitters and one codegen part\n\n"
           f"`{cmd}` — the tests' shared NoLoCo run (nano, 4 vmap replicas, H = 6, {STEPS} steps, "
-          f"evaluations and checkpoints every 4), one fresh process per run, flag sets interleaved, "
-          f"{reps} run(s) per set, medians; ratios against the default flags "
+          f"evaluations and checkpoints every 4), one fresh process per run, flag sets "
+          f"interleaved, {reps} run(s) per set, medians; ratios against the default flags "
           f"({results['env']['cpu']}, commit {results['commit']}).\n\n"
           + common.md_table(["XLA:CPU flags", "programs", "compile s", "compile ratio", "wall s",
                              "wall ratio", "final train loss", "final val ppl",
