@@ -41,3 +41,16 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     assert {r["method"] for r in results["rows"]} == {"plain", "dp", "diloco", "noloco"}
     assert all(r["tokens_per_s"] > 0 for r in results["rows"])
     assert "not a GPU" in (tmp_path / "bench_gpu_dryrun.md").read_text()
+
+
+def test_throughput_case_flag_parses_and_refuses_bad_shapes():
+    from absl import app
+
+    from experiments.bench import throughput
+
+    assert throughput.parse_case("small,8,1024,10,7") == ("small", 8, 1024, 10, 7)
+    for bad, says in [("small,8,1024", "expected preset,batch"), ("tiny,8,0,10,7", "positive"),
+                      ("tiny,8,x,10,7", "positive"), ("huge,1,1,1,1", "preset must be one of")]:
+        with pytest.raises(app.UsageError, match=says) as err:
+            throughput.parse_case(bad)
+        assert err.value.exitcode == 2

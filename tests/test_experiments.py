@@ -15,6 +15,10 @@ from absl.testing import flagsaver
 from pydoc_data.topics import topics
 
 from noloco_jax.experiments import harness
+# Imported here, outside run_main's flagsaver: it imports array_record, which defines absl flags
+# at import, and a flag defined inside a flagsaver is deleted when the context exits, so a later
+# training run in the same worker failed with AttributeError (seen when xdist ordered it so).
+from noloco_jax.data import sources  # noqa: F401
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,7 @@
 """Training-step throughput vs a minimal hand-written single-replica JAX Adam loop.
 
     python -m experiments.bench.throughput [--smoke]
+    python -m experiments.bench.throughput --case small,8,1024,10,7   # a GPU-sized step
 
 Same model, same batch, same fused chunk of steps. "noloco_jax" is the trainer's step for one
 replica (its optimizer chain: clip, local_steps(adam, noloco_outer)), with the chunk's sync
@@ -28,8 +29,25 @@ from noloco_jax.trainer.settings import OptimSettings, OuterSettings
 from noloco_jax.trainer import grads
 from noloco_jax.trainer.step import TrainState, loss_fn
 
+CASES = flags.DEFINE_multi_string(
+    "case", None, "preset,batch,seq_len,steps,reps to time instead of the default cases "
+    "(repeatable); the vocabulary is 32k for small and larger presets, else 256.")
+DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                          "Compute dtype of the model (weights and optimizer state stay float32).")
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
+
+
+def parse_case(text: str) -> tuple[str, int, int, int, int]:
+    """``"small,8,1024,10,7"`` -> ("small", 8, 1024, 10, 7): preset, batch, seq_len, steps, reps."""
+    parts = text.split(",")
+    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
+        raise app.UsageError(f"--case={text!r}: expected preset,batch,seq_len,steps,reps "
+                             "with four positive integers, e.g. small,8,1024,10,7.", exitcode=2)
+    if parts[0] not in models.PRESETS:
+        raise app.UsageError(f"--case={text!r}: preset must be one of {sorted(models.PRESETS)}.",
+                             exitcode=2)
+    return (parts[0], *map(int, parts[1:]))
 
 
 def hand_written(graphdef, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, clip=1.0):
@@ -54,9 +72,13 @@ def main(argv: Sequence[str]) -> None:
     smoke = options.SMOKE.value
     cases = ([("nano", 2, 16, 4, 2)] if smoke else
              [("tiny", 8, 64, 20, 7), ("small", 1, 64, 2, 9)])  # preset, batch, seq, k, reps
+    if CASES.value:
+        cases = [parse_case(c) for c in CASES.value]
     rows, results = [], {"env": common.environment(), "rows": []}
     for preset, b, t, k, reps in cases:
-        cfg = models.get_preset(preset, vocab_size=256 if preset != "small" else 32000)
+        vocab = 256 if preset in ("nano", "tiny", "mini") else 32000
+        cfg = models.get_preset(preset, vocab_size=vocab, max_seq_len=max(t, 64),
+                                dtype=DTYPE.value)  # fmt: skip
         graphdef, params = models.init_params(cfg, 0)
         tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (k, b, t + 1)),
                              jnp.int32)  # fmt: skip
@@ -88,10 +110,12 @@ def main(argv: Sequence[str]) -> None:
                          round(tok["hand-written"]), round(tok[name]), f"{ratio:.3f}",
                          f"{paired['median']:.3f} ({paired['q25']:.3f}-{paired['q75']:.3f})"])
         results["rows"].append(rec)
-    cmd = "python -m experiments.bench.throughput" + (" --smoke" if smoke else "")
+    cmd = " ".join(["python -m experiments.bench.throughput", *(["--smoke"] if smoke else []),
+                    *(f"--case {c}" for c in CASES.value or []),
+                    *([f"--dtype {DTYPE.value}"] if DTYPE.value != "float32" else [])])
     md = (f"### Training-step throughput vs a hand-written JAX Adam loop\n\n`{cmd}` — one replica, "
-          f"fused chunks of steps, interleaved repetitions ({results['env']['device']}; 'small' "
-          "uses a 32k vocabulary to fit the CPU run in minutes). 'ratio' divides the medians; "
+          f"fused chunks of steps, interleaved repetitions ({results['env']['device']}, "
+          f"{DTYPE.value} compute; 'small' uses a 32k vocabulary). 'ratio' divides the medians; "
           "'paired' is the median (IQR) of the per-round ratios of two back-to-back chunks. The "
           "trainer runs with the non-finite guard on (fault.nonfinite_guard, the default), which "
           "adds a finiteness check of the weights after every step.\n\n"
