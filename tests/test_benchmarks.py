@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     pytest.param("scaling", marks=pytest.mark.slow), "throughput", "clip_traffic",
     "compile_scale", "diloco_exchange", pytest.param("sharded_memory", marks=pytest.mark.slow),
     pytest.param("opt_level", marks=pytest.mark.slow),
+    pytest.param("gpu_attention", marks=pytest.mark.slow),
 ])  # overhead and scaling time ~25 s of repetitions each; sharded_memory compiles 6 programs;
 #     opt_level trains twice in fresh processes (~45 s)
 def test_benchmark_smoke(script, tmp_path):
@@ -54,3 +55,13 @@ def test_throughput_case_flag_parses_and_refuses_bad_shapes():
         with pytest.raises(app.UsageError, match=says) as err:
             throughput.parse_case(bad)
         assert err.value.exitcode == 2
+
+
+def test_gpu_attention_counts_cudnn_fused_attention_calls():
+    from experiments.bench import gpu_attention
+
+    hlo = ('%a = custom-call(%q), custom_call_target="__cudnn$fmhaSoftmax"\n'
+           '%b = custom-call(%d), custom_call_target="__cudnn$fmhaSoftmaxBackward"\n'
+           '%c = custom-call(%x), custom_call_target="__cublas$lt$matmul"\n')
+    assert gpu_attention.cudnn_attention_calls(hlo) == 2
+    assert gpu_attention.cudnn_attention_calls(hlo.replace("cudnn$fmha", "other")) == 0
