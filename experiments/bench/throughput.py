@@ -77,7 +77,7 @@ def main(argv: Sequence[str]) -> None:
     rows, results = [], {"env": common.environment(), "rows": []}
     for preset, b, t, k, reps in cases:
         vocab = 256 if preset in ("nano", "tiny", "mini") else 32000
-        cfg = models.get_preset(preset, vocab_size=vocab, max_seq_len=max(t, 64),
+        cfg = models.get_preset(preset, vocab_size=vocab, max_seq_len=max(t, 2048),
                                 dtype=DTYPE.value)  # fmt: skip
         graphdef, params = models.init_params(cfg, 0)
         tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (k, b, t + 1)),
