@@ -1,11 +1,13 @@
 """Every benchmark script runs its --smoke version and writes a table."""
 
+import importlib
 import json
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from absl import flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,10 +46,28 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     assert "not a GPU" in (tmp_path / "bench_gpu_dryrun.md").read_text()
 
 
+def _import_alone(name: str):
+    """A script imported for its helpers; the absl flags it defined are removed again.
+
+    Two scripts may define one flag name (gpu and gpu_attention both have --reps), so a test
+    that imports one in this process must not leave its flags behind for the next. The flags
+    every script shares (``experiments.options``) stay.
+    """
+    importlib.import_module("experiments.options")
+    before = set(flags.FLAGS)
+    module = importlib.import_module(name)
+    added = set(flags.FLAGS) - before
+    for flag in added:
+        delattr(flags.FLAGS, flag)
+    if added:
+        del sys.modules[name]  # a later import defines them again
+    return module
+
+
 def test_throughput_case_flag_parses_and_refuses_bad_shapes():
     from absl import app
 
-    from experiments.bench import throughput
+    throughput = _import_alone("experiments.bench.throughput")
 
     assert throughput.parse_case("small,8,1024,10,7") == ("small", 8, 1024, 10, 7)
     for bad, says in [("small,8,1024", "expected preset,batch"), ("tiny,8,0,10,7", "positive"),
@@ -58,8 +78,7 @@ def test_throughput_case_flag_parses_and_refuses_bad_shapes():
 
 
 def test_gpu_attention_counts_cudnn_fused_attention_calls():
-    from experiments.bench import gpu_attention
-
+    gpu_attention = _import_alone("experiments.bench.gpu_attention")
     hlo = ('%a = custom-call(%q), custom_call_target="__cudnn$fmhaSoftmax"\n'
            '%b = custom-call(%d), custom_call_target="__cudnn$fmhaSoftmaxBackward"\n'
            '%c = custom-call(%x), custom_call_target="__cublas$lt$matmul"\n')
