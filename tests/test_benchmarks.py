@@ -30,6 +30,7 @@ def test_benchmark_smoke(script, tmp_path):
     results = json.loads((tmp_path / f"bench_{script}.json").read_text())
     md = (tmp_path / f"bench_{script}.md").read_text()
     assert results["env"]["jax"] and f"python -m experiments.bench.{script} --smoke" in md
+    assert results["env"]["commit"]  # the checkout's short hash ("unknown" without .git)
     assert md.count("|") > 10
 
 
@@ -84,3 +85,12 @@ def test_gpu_attention_counts_cudnn_fused_attention_calls():
            '%c = custom-call(%x), custom_call_target="__cublas$lt$matmul"\n')
     assert gpu_attention.cudnn_attention_calls(hlo) == 2
     assert gpu_attention.cudnn_attention_calls(hlo.replace("cudnn$fmha", "other")) == 0
+
+
+def test_environment_records_the_commit_and_takes_it_from_the_environment(monkeypatch):
+    from experiments.bench import common
+
+    monkeypatch.setenv("NOLOCO_JAX_COMMIT", "abc1234")
+    assert common.environment()["commit"] == "abc1234"
+    monkeypatch.delenv("NOLOCO_JAX_COMMIT")
+    assert common.environment()["commit"] == common.git_commit()

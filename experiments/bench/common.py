@@ -87,10 +87,18 @@ def git_commit() -> str:
 
 
 def environment() -> dict[str, str]:
+    """Where a benchmark ran: device, library versions and the code's commit.
+
+    The commit is ``$NOLOCO_JAX_COMMIT`` when set (a copy of the tree without ``.git``, as on a
+    lent GPU machine), else ``git rev-parse --short HEAD``.
+    """
+    import os  # noqa: PLC0415
+
     import flax
     import optax
 
     return {
+        "commit": os.environ.get("NOLOCO_JAX_COMMIT") or git_commit(),
         "device": str(jax.devices()[0].device_kind),
         "num_devices": str(jax.device_count()),
         "cpu": platform.processor() or platform.machine(),
