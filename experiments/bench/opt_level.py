@@ -118,8 +118,8 @@ def main(argv: Sequence[str]) -> None:
         for i in range(reps):
             for j, level in enumerate(LEVELS):
                 runs[level].append(_spawn(level, pathlib.Path(tmp) / f"{j}_{i}.json"))
-    results = {"env": common.environment(), "commit": common.git_commit(), "steps": STEPS,
-               "runs": runs}  # fmt: skip
+    env = common.environment()
+    results = {"env": env, "commit": env["commit"], "steps": STEPS, "runs": runs}
     rows = [_row(level, runs[level], runs["default"]) for level in LEVELS]
     cmd = "python -m experiments.bench.opt_level" + (" --smoke" if options.SMOKE.value else
                                                      f" --reps {reps}")  # fmt: skip

@@ -174,7 +174,8 @@ def main(argv: Sequence[str]) -> None:
     state = _state_rows(sizes, vocab, seq_len, ((1, 1), (2, 2)) if smoke else STATE_SPLITS)
     fits = _fit_rows(sizes, vocab, seq_len, max_split)
     cmd = "python -m experiments.bench.sharded_memory" + (" --smoke" if smoke else "")
-    results = {"env": common.environment(), "commit": common.git_commit(), "state": state,
+    env = common.environment()
+    results = {"env": env, "commit": env["commit"], "state": state,
                "fit": fits, "usable": USABLE.value, "chips": CHIPS}  # fmt: skip
     common.write("bench_sharded_memory", results,
                  _markdown(cmd, state, fits, results["commit"], vocab, seq_len),
