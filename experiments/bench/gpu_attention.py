@@ -17,12 +17,11 @@ import re
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 
 from experiments import options
 from experiments.bench import common
-from noloco_jax import models
+from noloco_jax import models, replicas
 from noloco_jax.models import llama
 from noloco_jax.trainer.step import loss_fn
 
@@ -59,7 +58,7 @@ def main(argv: Sequence[str]) -> None:
     cfg = models.get_preset(preset, vocab_size=vocab, max_seq_len=max(t, 64), dtype="bfloat16")
     graphdef, params = models.init_params(cfg, 0)
     tokens = jax.random.randint(jax.random.key(1), (2, b, t + 1), 1, vocab)
-    two = jax.tree.map(lambda x: jnp.stack([x, x]), params)
+    two = replicas.replicate(params, 2)
     cases = {"1 replica": ((params, tokens[0]), False), "2 replicas (vmap)": ((two, tokens), True)}
     fns, calls = {}, {}
     for case, (args, batched) in cases.items():
