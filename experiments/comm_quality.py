@@ -26,7 +26,7 @@ import math
 from typing import Any, Sequence
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from noloco_jax.experiments import harness, stats
@@ -145,4 +145,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

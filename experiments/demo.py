@@ -14,7 +14,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import optax
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from noloco_jax import local_steps, noloco_outer, replica_spread, replicas
@@ -68,4 +68,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from noloco_jax import models
@@ -311,4 +311,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

@@ -16,11 +16,10 @@ from __future__ import annotations
 import json
 import pathlib
 import statistics
-import sys
 from typing import Sequence
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from noloco_jax.errors import UserError
@@ -100,13 +99,9 @@ def _load(flag: str, path: str | None) -> dict:
 
 
 def main(argv: Sequence[str]) -> None:
-    options.start(argv)
-    try:
-        print(report(compare(_load("before", BEFORE.value), _load("after", AFTER.value))))
-    except UserError as e:
-        print(f"hdee_stability: {e}", file=sys.stderr)
-        sys.exit(2)
+    options.start(argv)  # a UserError below exits with status 2 (options.run)
+    print(report(compare(_load("before", BEFORE.value), _load("after", AFTER.value))))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

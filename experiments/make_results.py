@@ -23,6 +23,7 @@ from typing import Sequence
 
 from absl import app, flags
 
+from experiments import options
 from noloco_jax.experiments import provenance
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -113,4 +114,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

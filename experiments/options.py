@@ -5,17 +5,22 @@ defined here and imported, never defined twice. Names are the trainer's style (`
 the hyphenated spellings of the former argparse scripts (``--out-dir``) still work. A script
 lists the ones it reads with ``flags.declare_key_flag`` (so its ``--help`` shows them), calls
 ``start(argv)`` first in its ``main``, and turns the flags into the harness's options with
-``grid_options()`` or ``out_dir()`` once ``app.run`` has parsed the command line.
+``grid_options()`` or ``out_dir()`` once ``app.run`` has parsed the command line. Scripts
+start with ``options.run(main)``, which reports a user error as ``noloco-train`` does.
 """
 
 from __future__ import annotations
 
 import pathlib
-from typing import Sequence
+import sys
+from typing import Any, Callable, NoReturn, Sequence
 
 from absl import app, flags, logging
 
+from noloco_jax.errors import UserError
 from noloco_jax.experiments import harness
+
+USAGE_ERROR_EXIT = 2
 
 SMOKE = flags.DEFINE_bool("smoke", False, "Seconds-long version, for tests.")
 OUT_DIR = flags.DEFINE_string(
@@ -118,3 +123,44 @@ def train_grid(config: pathlib.Path, runs: list[harness.Run], opts: harness.Opti
     except harness.GridIncomplete as stop:
         print(stop, flush=True)
         return None
+
+
+def run(main: Callable[[list[str]], Any]) -> None:
+    """``app.run(main)``, with user errors reported in two lines and exit status 2.
+
+    A bad or unknown flag, an ``app.UsageError`` or a ``UserError`` (a ``ValueError`` that
+    names the field and what is allowed) prints the message and where the flags are listed,
+    with no traceback and no listing of every flag. Any other exception is a bug and keeps
+    its traceback.
+
+    Args:
+      main: the script's ``main(argv)``.
+    """
+    app.run(_reporting(main), flags_parser=_parse_flags)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        _refuse(str(err))
+
+
+def _reporting(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
+    def wrapped(argv: list[str]) -> Any:
+        try:
+            return main(argv)
+        except (app.UsageError, UserError) as err:
+            _refuse(str(err))
+
+    return wrapped
+
+
+def _refuse(message: str) -> NoReturn:
+    """Prints ``<script>: error: <message>`` and the pointer to --help; exits with status 2."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    script = spec.name if spec is not None else pathlib.Path(sys.argv[0]).stem
+    command = f"python -m {spec.name}" if spec is not None else sys.argv[0]
+    print(f"{script.rpartition('.')[2]}: error: {message.strip()}", file=sys.stderr)
+    print(f"({command} --help lists the flags.)", file=sys.stderr)
+    sys.exit(USAGE_ERROR_EXIT)

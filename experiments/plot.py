@@ -18,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from experiments import options  # noqa: E402
 from noloco_jax.trainer.writers import read_jsonl  # noqa: E402
 
 OUT = flags.DEFINE_string("out", None, "PNG to write (default: <first workdir>/curves.png).")
@@ -92,4 +93,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from noloco_jax import noloco_outer
@@ -85,4 +85,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

@@ -34,7 +34,7 @@ import time
 from typing import Any, Sequence
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from noloco_jax import skippipe as sp
@@ -275,4 +275,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

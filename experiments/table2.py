@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from noloco_jax.experiments import harness
@@ -38,4 +38,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

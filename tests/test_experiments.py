@@ -253,6 +253,34 @@ def test_help_through_python_m(script):
     assert all(flag in proc.stdout for flag in shown), proc.stdout
 
 
+USER_ERRORS = [
+    ("experiments.plot", [], "plot: error: name at least one run's workdir"),  # UsageError
+    ("experiments.hdee_stability", ["--nope"], "hdee_stability: error: Unknown command line "
+     "flag 'nope'"),  # a flag absl refuses
+    ("experiments.hdee_stability", ["--before=/no/such.json"],
+     "hdee_stability: error: --before: no file '/no/such.json'"),  # a UserError
+    ("experiments.bench.throughput", ["--case=small,8"], "throughput: error: --case='small,8': "
+     "expected preset,batch,seq_len,steps,reps"),
+]
+
+
+@pytest.mark.parametrize("script,args,says", USER_ERRORS)
+def test_user_errors_print_two_lines_and_exit_2(script, args, says):
+    proc = subprocess.run([sys.executable, "-m", script, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-2:]
+    assert last[0].startswith(says), proc.stderr[-3000:]
+    assert last[1] == f"(python -m {script} --help lists the flags.)"
+    assert "Traceback" not in proc.stderr and "flags:" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_every_script_runs_main_through_options_run():
+    for name in SCRIPTS:
+        source = (ROOT / (name.replace(".", "/") + ".py")).read_text()
+        assert "options.run(main)" in source and "app.run(" not in source, name
+
+
 def test_comm_quality_metric_and_paired_test_by_hand():
     from experiments import comm_quality  # noqa: PLC0415
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import optax
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from experiments.bench import common
@@ -53,4 +53,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

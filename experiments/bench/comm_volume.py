@@ -23,7 +23,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -221,4 +221,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

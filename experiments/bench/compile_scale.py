@@ -31,7 +31,7 @@ from typing import Sequence
 
 import jax
 import optax
-from absl import app, flags
+from absl import flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -206,4 +206,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

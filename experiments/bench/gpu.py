@@ -21,7 +21,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from experiments.bench import common
@@ -109,4 +109,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

@@ -17,7 +17,7 @@ import re
 from typing import Any, Callable, Sequence
 
 import jax
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from experiments.bench import common
@@ -90,4 +90,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)

@@ -24,7 +24,7 @@ import time
 from typing import Sequence
 
 import jax
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from experiments.bench import common
@@ -183,4 +183,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    options.run(main)
