@@ -113,6 +113,28 @@ def test_error_feedback_keeps_the_residual_bounded_and_the_average_unbiased():
     assert mean_fb < 0.25 * mean_plain, (mean_fb, mean_plain)
 
 
+def test_absent_replica_with_error_feedback_steps_on_its_own_pseudo_gradient():
+    """An absent replica's local step uses theta - phi, not theta + residual - phi."""
+    beta = 0.7
+    tx = noloco_outer(beta, 0.0, exchange_dtype="int8", error_feedback=True)
+    reps = replicas.make_replicas(N, backend="vmap")
+    update = jax.jit(reps.map(lambda g, s, p, a: tx.update(g, s, p, active=a)))
+    phi = jax.tree.map(jnp.zeros_like, _tree(N))
+    state = reps.init(tx, phi)
+    theta = _tree(N, seed=4)
+    delta, state = update(jax.tree.map(jnp.subtract, phi, theta), state, phi, jnp.ones(N, bool))
+    residual = state.residual
+    assert min(float(np.abs(x[1]).max()) for x in jax.tree.leaves(residual)) > 0  # in play
+    phi = jax.tree.map(jnp.add, phi, delta)
+    theta = jax.tree.map(jnp.add, phi, _tree(N, seed=5))
+    absent = jnp.array([True, False, True, True])
+    delta, state = update(jax.tree.map(jnp.subtract, phi, theta), state, phi, absent)
+    for d, t, f, e, kept in zip(*map(jax.tree.leaves, (delta, theta, phi, residual,
+                                                        state.residual))):  # fmt: skip
+        np.testing.assert_allclose(d[1], beta * (t[1] - f[1]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(kept[1], e[1])  # it sent nothing: its residual waits
+
+
 @pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])
 def test_bad_exchange_settings(factory):
     with pytest.raises(ValueError, match="exchange_dtype: must be None, a float dtype"):

@@ -417,6 +417,9 @@ def test_python_numbers_are_still_validated():
         diloco_outer(momentum=float("inf"))
     with pytest.raises(ValueError, match="gamma"):
         noloco_outer(learning_rate=optax.constant_schedule(0.7), gamma=optax.constant_schedule(1))
+    with pytest.raises(ValueError, match="gamma: a gamma of its own needs a constant"):
+        noloco_outer(learning_rate=optax.linear_schedule(0.1, 0.7, 5), gamma=0.5)
+    noloco_outer(learning_rate=optax.linear_schedule(0.1, 0.7, 5))  # gamma follows it
 
 
 def _train(tx, steps=6, num=N, params=None):

@@ -100,8 +100,10 @@ def diloco_outer(
       dropout_prob: each replica misses each round with this probability
         (``comm.presence_mask`` with ``seed``). DiLoCo then "skips" it: the
         present replicas all-reduce among themselves and an absent one takes a
-        local-only step (so its slow weights leave the shared ones). The
-        alternative, waiting for it, changes only wall time (see netsim).
+        local-only step. Its slow weights then leave the shared ones for good:
+        DiLoCo has no pull back, and nothing here re-sends it the shared weights
+        when it returns. The alternative, waiting for it, changes only wall
+        time (see netsim).
       seed: seeds the drop-outs.
       exchange_dtype: what the pseudo-gradients phi - theta travel as.
         ``None`` (or the params' own dtype): an all-reduce, as before. A

@@ -148,12 +148,13 @@ def _pseudo_gradient(
     if residual is None:
         bar = comm.group_mean(travel, axis_name, pool, index, exchange_dtype, present)
     else:  # error feedback: send value + residual; keep what the 8-bit message left out
-        travel = jax.tree.map(lambda x, e: x + e.astype(x.dtype), travel, residual)
+        plain, travel = travel, jax.tree.map(lambda x, e: x + e.astype(x.dtype), travel, residual)
         bar, sent = comm.group_mean_codec(travel, axis_name, pool, index, exchange_dtype,
                                           present)  # fmt: skip
         kept = lambda x, s, e: (x - s).astype(e.dtype)  # noqa: E731
-        if present is not None:  # an absent replica sent nothing: its residual stays
+        if present is not None:  # an absent replica sent nothing: its residual stays, and its
             kept = lambda x, s, e: jnp.where(present, (x - s).astype(e.dtype), e)  # noqa: E731
+            bar = jax.tree.map(lambda b, x: jnp.where(present, b, x), bar, plain)  # step is local
         residual = jax.tree.map(kept, travel, sent, residual)
     if gamma_over_beta is None:
         return jax.tree.map(lambda p, tb: (p - tb).astype(p.dtype), phi, bar), residual
@@ -205,6 +206,11 @@ def _gamma_over_beta(gamma: Any, beta: Any) -> Any:
         return lambda _: gamma / beta
     if callable(gamma):
         raise ValueError("gamma must be a number or an array, not a schedule.")
+    if callable(beta):  # the momentum buffer would carry gamma / beta_k of earlier rounds
+        raise errors.UserError(
+            "gamma: a gamma of its own needs a constant learning_rate, not a schedule (the "
+            "pull would be rescaled by the schedule's later values); pass gamma=None (gamma "
+            "follows the schedule) or a number as learning_rate.")  # fmt: skip
 
     def ratio(round_index: jax.Array) -> jax.Array:
         b = jnp.asarray(rate_at(beta, round_index), jnp.float32)
@@ -244,6 +250,8 @@ def noloco_outer(
         gamma = beta (the reference code), which lets only the fast weights
         travel. The theory's sufficient condition for bounded spread is
         alpha sqrt(n / (2 (n - 1))) < gamma < sqrt(n (2 + alpha^2) / (2 (n - 1))).
+        A gamma of its own needs a constant beta: with a schedule it is
+        refused, and an injected beta must not change between rounds.
       group_size: n, replicas per group (paper: 2); must divide the number of
         replicas on the axis (a lone replica, N = 1, needs no group).
       axis_name: the replica axis bound by ``jax.vmap`` or ``jax.shard_map``;
