@@ -6,9 +6,12 @@ N = 8, the settings of the Table 2 runs (noloco_jax.experiments.table2.run_overr
 N = 8 seed-0 runs are p = 0). Each replica misses each outer round with probability p
 (deterministic from the seed). NoLoCo: a replica without its partner takes a local-only outer
 step; nothing blocks. DiLoCo "skip": the
-present replicas all-reduce among themselves, absent ones step alone. DiLoCo "wait": the math of
-p = 0, but every round in which some replica is absent waits for it; with an absence lasting one
-round, the expected time per round grows by the factor 1 + (1 - (1 - p)^N).
+present replicas all-reduce among themselves, absent ones step alone (and stay apart: DiLoCo has
+no pull back). DiLoCo "skip, re-sync" (fault.resync_absent): an absent replica takes the present
+ones' step, as when a returning replica is sent the shared weights; its round's work is lost.
+DiLoCo "wait": the math of p = 0, but every round in which some replica is absent waits for it;
+with an absence lasting one round, the expected time per round grows by the factor
+1 + (1 - (1 - p)^N).
 Writes experiments/results/dropout.{json,md}.
 """
 
@@ -36,6 +39,10 @@ def grid(smoke: bool) -> list[harness.Run]:
         runs.append(harness.Run(f"{method}_n{n}_s0", base))
         for p in PROBS:
             runs.append(harness.Run(f"dropout_{method}_p{p}_n{n}", {**base, "fault.dropout_prob": p}))
+    base = table2.run_overrides("diloco", n, 0)
+    for p in PROBS:
+        runs.append(harness.Run(f"dropout_diloco_resync_p{p}_n{n}",
+                                {**base, "fault.dropout_prob": p, "fault.resync_absent": True}))
     return runs
 
 
@@ -47,9 +54,11 @@ def report(results: dict, opts: harness.Options) -> str:
     n = 2 if opts.smoke else 8
     period = table2.sync_period(results[f"diloco_n{n}_s0"])
     rows = []
-    for method, label in (("noloco", "NoLoCo"), ("diloco", "DiLoCo (skip)")):
+    for method, label in (("noloco", "NoLoCo"), ("diloco", "DiLoCo (skip)"),
+                          ("diloco_resync", "DiLoCo (skip, re-sync)")):  # fmt: skip
         for p in (0.0, *PROBS):
-            name = f"{method}_n{n}_s0" if p == 0 else f"dropout_{method}_p{p}_n{n}"
+            name = (f"{method.split('_')[0]}_n{n}_s0" if p == 0
+                    else f"dropout_{method}_p{p}_n{n}")  # fmt: skip
             run = results[name]
             rows.append([label, p, _metric(run, period, "val_ppl"),
                          _metric(run, period, "val_ppl_avg_model"),
@@ -67,7 +76,10 @@ def report(results: dict, opts: harness.Options) -> str:
         f"N = {n} replicas, Table 2 settings, one seed; each replica misses each outer round "
         "with probability p. 'time factor' is the expected wall time per outer round relative "
         "to p = 0 (NoLoCo and DiLoCo-skip never wait; DiLoCo-wait waits whenever any of the N "
-        "replicas is absent, assuming it returns one round later; compute time only).\n\n"
+        "replicas is absent, assuming it returns one round later; compute time only). "
+        "DiLoCo-skip: an absent replica steps alone and its slow weights stay apart; with "
+        "re-sync it takes the present replicas' step instead (its round's work is lost; the "
+        "download of the shared weights on return is not timed).\n\n"
         + f"PPL: the plan's metric (mean of the last {plan.LAST_K} evaluations at DiLoCo's "
         f"sync steps, multiples of {period}); spread: at the last evaluation.\n\n"
         + harness.md_table(["method", "p", "pooled PPL", "averaged model", "spread",

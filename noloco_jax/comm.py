@@ -718,18 +718,21 @@ def group_mean_codec(
 
 
 def all_replica_mean(
-    tree: PyTree, axis_name: str, weight: jax.Array | None = None, exchange_dtype: Any = None
+    tree: PyTree, axis_name: str, weight: jax.Array | None = None, exchange_dtype: Any = None,
+    *, absent_takes_mean: bool = False,
 ) -> PyTree:
     """All-reduce mean over every replica (DiLoCo and data-parallel).
 
     With ``weight`` (per-replica presence), present replicas average over the
-    present ones and an absent replica keeps its own value. With an
+    present ones and an absent replica keeps its own value, or with
+    ``absent_takes_mean`` gets their mean too (zeros when none is present). With an
     ``exchange_dtype`` narrower than a leaf (``jnp.bfloat16``, ``"int8"``,
     ``"float8_e4m3fn"``) the mean is ``all_replica_mean_wire``'s; a float
     ``exchange_dtype`` equal to every leaf's dtype changes nothing.
     """
     if not _same_as_leaves(tree, exchange_dtype):
-        return all_replica_mean_wire(tree, axis_name, exchange_dtype, weight)[0]
+        return all_replica_mean_wire(tree, axis_name, exchange_dtype, weight,
+                                     absent_takes_mean=absent_takes_mean)[0]  # fmt: skip
     if weight is None:
         return lax.pmean(tree, axis_name)
     present = weight > 0
@@ -737,7 +740,8 @@ def all_replica_mean(
 
     def leaf(x: jax.Array) -> jax.Array:
         total = lax.psum(jnp.where(present, x, jnp.zeros_like(x)), axis_name)
-        return jnp.where(present, total / jnp.maximum(count, 1.0), x)
+        mean = total / jnp.maximum(count, 1.0)
+        return mean if absent_takes_mean else jnp.where(present, mean, x)
 
     return jax.tree.map(leaf, tree)
 
@@ -801,8 +805,8 @@ def _shard_mean(rows: jax.Array, axis_name: str, wire: Any, present: jax.Array |
     return jnp.sum(values, axis=0) / count, count
 
 
-def _all_replica_mean_wire(tree: PyTree, axis_name: str, wire: Any,
-                           weight: jax.Array | None) -> tuple[PyTree, PyTree, PyTree]:  # fmt: skip
+def _all_replica_mean_wire(tree: PyTree, axis_name: str, wire: Any, weight: jax.Array | None,
+                           absent_takes_mean: bool) -> tuple[PyTree, PyTree, PyTree]:  # fmt: skip
     leaves, treedef = jax.tree.flatten(tree)
     if any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
         raise ValueError(f"exchange_dtype={wire!r} sends float leaves only.")
@@ -830,7 +834,7 @@ def _all_replica_mean_wire(tree: PyTree, axis_name: str, wire: Any,
     for x in leaves:
         stop = start + x.size
         m = means[start:stop].reshape(x.shape).astype(x.dtype)
-        outs[0].append(m if present is None else jnp.where(present, m, x))
+        outs[0].append(m if present is None or absent_takes_mean else jnp.where(present, m, x))
         outs[1].append(send_left[start:stop].reshape(x.shape))
         outs[2].append(relay_left[start:stop].reshape(x.shape))
         start = stop
@@ -838,7 +842,8 @@ def _all_replica_mean_wire(tree: PyTree, axis_name: str, wire: Any,
 
 
 def all_replica_mean_wire(
-    tree: PyTree, axis_name: str, exchange_dtype: Any, weight: jax.Array | None = None
+    tree: PyTree, axis_name: str, exchange_dtype: Any, weight: jax.Array | None = None,
+    *, absent_takes_mean: bool = False,
 ) -> tuple[PyTree, PyTree, PyTree]:
     """Mean over every replica whose collectives move ``exchange_dtype`` values only.
 
@@ -867,6 +872,8 @@ def all_replica_mean_wire(
       weight: optional per-replica presence (> 0 present): the present
         replicas average among themselves (the flag travels with step 1 as
         float32) and an absent replica gets its own value back.
+      absent_takes_mean: an absent replica gets the present replicas' mean
+        too (zeros when none is present), as ``all_replica_mean``.
 
     Returns:
       ``(mean, send_left, relay_left)``, trees like ``tree``: the mean (in
@@ -878,7 +885,7 @@ def all_replica_mean_wire(
       replicas' last residuals alone.
     """
     run = functools.partial(_all_replica_mean_wire, axis_name=axis_name, wire=exchange_dtype,
-                            weight=weight)  # fmt: skip
+                            weight=weight, absent_takes_mean=absent_takes_mean)  # fmt: skip
     per_kind = _per_kind(run, tree)
     return run(tree) if per_kind is None else per_kind
 

@@ -125,6 +125,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("outer.seed", 0, "Seed of the NoLoCo group draws (and of fault.dropout_prob's draws)."),
     # Missing NoLoCo partners step alone; DiLoCo leaves the replica out of its all-reduce.
     ("fault.dropout_prob", 0.0, "Each replica misses each outer round with this probability."),
+    # Without it a skipped DiLoCo replica steps alone and its slow weights stay apart for good.
+    ("fault.resync_absent", False,
+     "DiLoCo: a replica that missed a round takes the round's shared step (re-sync on return)."),
     # A caught replica poisons no partner, restarts from its last slow weights and an "event"
     # record goes to metrics.jsonl.
     ("fault.nonfinite_guard", True, "Exclude and reset replicas whose weights are not finite."),

@@ -100,6 +100,7 @@ def test_routing_ablation_smoke(dirs):
 def test_dropout_smoke(dirs):
     results, md = _run("dropout", dirs)
     assert "dropout_noloco_p0.3_n2" in results and "DiLoCo (wait)" in md
+    assert "dropout_diloco_resync_p0.3_n2" in results and "DiLoCo (skip, re-sync)" in md
 
 
 def test_skippipe_training_smoke(dirs):

@@ -73,6 +73,35 @@ def test_diloco_skip_averages_over_present_replicas():
     np.testing.assert_allclose(d, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("wire", [{}, {"exchange_dtype": jnp.bfloat16},
+                                  {"exchange_dtype": "int8"},
+                                  {"exchange_dtype": "int8", "error_feedback": True}])
+def test_diloco_resync_absent_keeps_one_set_of_slow_weights(wire):
+    """Absent replicas take the present ones' step; with none present, a momentum-only step."""
+    num, alpha, beta = 4, 0.3, 0.7
+    tx = diloco_outer(beta, alpha, resync_absent=True, **wire)
+    skip = diloco_outer(beta, alpha, **wire)
+    reps = replicas.make_replicas(num, backend="vmap")
+    update = jax.jit(reps.map(lambda g, s, f, a, t=tx: t.update(g, s, f, active=a)))
+    update_skip = jax.jit(reps.map(lambda g, s, f, a, t=skip: t.update(g, s, f, active=a)))
+    phi = jnp.zeros((num, 256))
+    state, state_skip = reps.init(tx, phi), reps.init(skip, phi)
+    m = np.zeros(256)  # the shared heavy-ball buffer, float path only
+    for r, act in enumerate([[1, 1, 1, 1], [1, 0, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]]):
+        active = jnp.array(act, bool)
+        theta = phi + jax.random.normal(jax.random.key(r), (num, 256))
+        delta, state = update(phi - theta, state, phi, active)
+        same, state_skip = update_skip(phi - theta, state_skip, phi, active)
+        present = np.asarray(act, bool)
+        np.testing.assert_array_equal(delta[present], same[present])  # present: unchanged
+        np.testing.assert_array_equal(delta, np.broadcast_to(delta[0], delta.shape))  # one step
+        if not wire:
+            g = (np.asarray(phi - theta)[present].mean(0) if present.any() else np.zeros(256))
+            m = alpha * m + g
+            np.testing.assert_allclose(delta[0], -beta * m, rtol=1e-5, atol=1e-6)
+        phi = phi + delta
+
+
 def _nan_guard_run(guard: bool):
     num = 4
     tx = local_steps(optax.sgd(0.1), noloco_outer(1.0, 0.0, seed=0), 2, nonfinite_guard=guard)

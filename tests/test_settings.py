@@ -94,6 +94,7 @@ def _tiny(**overrides):
         ({"outer.sync_every": 10}, "config.log_every=25 and config.outer.sync_every=10"),
         ({"method": "diloco", "outer.sync_every": 30}, "config.log_every=25 and config.outer"),
         ({"fault.dropout_prob": 1.0}, "config.fault.dropout_prob"),
+        ({"fault.resync_absent": True}, "config.fault.resync_absent: applies to method"),
         ({"skip.num_stages": 2, "skip.path_length": 3}, "config.skip.path_length"),
     ],
 )

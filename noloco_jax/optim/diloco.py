@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from noloco_jax import comm
+from noloco_jax import comm, errors
 from noloco_jax.optim.noloco import (
     check_dropout_prob,
     check_error_feedback,
@@ -56,17 +56,19 @@ class DiLoCoOuterState(NamedTuple):
 
 def _wire_mean(
     grad: optax.Updates, residual: Any, axis_name: str, exchange_dtype: Any,
-    present: jax.Array | None,
+    present: jax.Array | None, resync: bool = False,
 ) -> tuple[optax.Updates, Any]:  # fmt: skip
     """The mean pseudo-gradient over ``exchange_dtype`` messages, and the new residual."""
     if residual is None:
-        return comm.all_replica_mean(grad, axis_name, present, exchange_dtype), None
+        return comm.all_replica_mean(grad, axis_name, present, exchange_dtype,
+                                     absent_takes_mean=resync), None  # fmt: skip
     send = jax.tree.map(lambda g, e: g.astype(jnp.float32) + e, grad, residual)
-    mean, send_left, relay_left = comm.all_replica_mean_wire(send, axis_name, exchange_dtype,
-                                                             present)  # fmt: skip
+    mean, send_left, relay_left = comm.all_replica_mean_wire(
+        send, axis_name, exchange_dtype, present, absent_takes_mean=resync)
     mean = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grad)
-    if present is not None:  # an absent replica steps on its own gradient; its residual stays
-        mean = jax.tree.map(lambda m, g: jnp.where(present, m, g), mean, grad)
+    if present is not None:  # an absent replica sent nothing: its residual stays, and it
+        if not resync:  # steps on its own gradient (resync: on the shared mean)
+            mean = jax.tree.map(lambda m, g: jnp.where(present, m, g), mean, grad)
         send_left = jax.tree.map(lambda s, e: jnp.where(present, s, e), send_left, residual)
     return mean, jax.tree.map(jnp.add, send_left, relay_left)
 
@@ -81,6 +83,7 @@ def diloco_outer(
     seed: int = 0,
     exchange_dtype: Any = None,
     error_feedback: bool = False,
+    resync_absent: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo's outer step: SGD with momentum on the mean of all pseudo-gradients.
 
@@ -101,9 +104,9 @@ def diloco_outer(
         (``comm.presence_mask`` with ``seed``). DiLoCo then "skips" it: the
         present replicas all-reduce among themselves and an absent one takes a
         local-only step. Its slow weights then leave the shared ones for good:
-        DiLoCo has no pull back, and nothing here re-sends it the shared weights
-        when it returns. The alternative, waiting for it, changes only wall
-        time (see netsim).
+        DiLoCo has no pull back and, unless ``resync_absent``, nothing re-sends
+        it the shared weights when it returns. The alternative, waiting for
+        it, changes only wall time (see netsim).
       seed: seeds the drop-outs.
       exchange_dtype: what the pseudo-gradients phi - theta travel as.
         ``None`` (or the params' own dtype): an all-reduce, as before. A
@@ -122,6 +125,13 @@ def diloco_outer(
         its last messages left out (its own encoding, and the encoding of the
         mean shard it relays) to its next pseudo-gradient (kept in the state),
         so quantisation errors do not accumulate over rounds.
+      resync_absent: an absent replica (drop-out, or ``active=False``) sends
+        nothing but takes the present replicas' shared step (a momentum-only
+        step when none is present), as when a returning replica is sent the
+        shared weights: its progress of the round is lost and every replica's
+        slow weights stay one. The
+        non-finite guard of ``local_steps`` still keeps a caught replica's
+        own slow weights.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -143,6 +153,7 @@ def diloco_outer(
     check_static_args(seed=seed, dropout_prob=dropout_prob)
     check_exchange_dtype(exchange_dtype)
     check_error_feedback(error_feedback, exchange_dtype)
+    errors.check_bool("resync_absent", resync_absent)
     beta = check_rate("learning_rate", learning_rate)
     alpha = check_rate("momentum", momentum)
     sgd = optax.sgd(beta, momentum=alpha, nesterov=bool(nesterov))
@@ -172,10 +183,11 @@ def diloco_outer(
                 mine = comm.own_presence(state.round, axis_name, dropout_prob, seed)
                 present = mine if present is None else present & mine
             if exchange_dtype is None:
-                outer_grad = comm.all_replica_mean(outer_grad, axis_name, weight=present)
+                outer_grad = comm.all_replica_mean(outer_grad, axis_name, weight=present,
+                                                   absent_takes_mean=resync_absent)  # fmt: skip
             else:
                 outer_grad, residual = _wire_mean(outer_grad, residual, axis_name,
-                                                  exchange_dtype, present)  # fmt: skip
+                                                  exchange_dtype, present, resync_absent)
         delta, sgd_state = sgd.update(outer_grad, state.sgd_state, params)
         delta = zeros_where_none(delta, full) if full is not None else delta
         return delta, DiLoCoOuterState(optax.safe_int32_increment(state.round), sgd_state,

@@ -107,7 +107,8 @@ def _outer_step(method: str, outer: OuterSettings, axis: str | None, fault: Faul
         return diloco_outer(outer.learning_rate, outer.momentum, outer.nesterov, axis_name=axis,
                             dropout_prob=fault.dropout_prob, seed=outer.seed,
                             exchange_dtype=_exchange_dtype(outer.exchange_dtype),
-                            error_feedback=outer.error_feedback)  # fmt: skip
+                            error_feedback=outer.error_feedback,
+                            resync_absent=fault.resync_absent)  # fmt: skip
     return noloco_outer(outer.learning_rate, outer.momentum, gamma=outer.gamma,
                         group_size=outer.group_size, axis_name=axis, seed=outer.seed,
                         exchange_dtype=_exchange_dtype(outer.exchange_dtype),

@@ -126,6 +126,7 @@ class OuterSettings:
 @_table_defaults("fault")
 class FaultSettings:
     dropout_prob: float
+    resync_absent: bool
     nonfinite_guard: bool
     inject_nan_step: int
     inject_nan_replica: int
@@ -218,6 +219,9 @@ def validate(s: TrainSettings) -> TrainSettings:
         check_log_and_sync_every(s)
         check_delay_windows(s)
     _validate_fault(s.fault, s.num_replicas)
+    require(not s.fault.resync_absent or s.method == "diloco", "config.fault.resync_absent",
+            f"applies to method 'diloco' only (a NoLoCo replica rejoins through its group), got "
+            f"method={s.method!r}.")  # fmt: skip
     _validate_skip(s.skip, s.num_stages)
     parse_profile_steps(s.profile_steps)
     check_bool("config.log.wandb", s.log.wandb)
@@ -383,6 +387,7 @@ def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
 
 def _validate_fault(f: FaultSettings, num_replicas: int) -> None:
     check_dropout_prob(f.dropout_prob, "config.fault.dropout_prob")
+    check_bool("config.fault.resync_absent", f.resync_absent)
     check_bool("config.fault.nonfinite_guard", f.nonfinite_guard)
     check_int("config.fault.inject_nan_step", f.inject_nan_step, minimum=-1)
     check_int("config.fault.inject_nan_replica", f.inject_nan_replica, 0, num_replicas - 1,
