@@ -92,28 +92,36 @@ def main(argv: list[str]) -> None:
     from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
 
     config = flags.FLAGS.config
-    _fit_warmup(config, explicit="config.optim.warmup_steps" in flags.FLAGS)
+    _fit_warmup(config, explicit="config.optim.warmup_steps" in flags.FLAGS,
+                saved=_saved_run_length(flags.FLAGS.workdir))
     settings = from_config(config)
     last = train_and_evaluate(settings, flags.FLAGS.workdir, progress=flags.FLAGS.progress)
     print(json.dumps(dict(last), indent=1, sort_keys=True))
 
 
-def _fit_warmup(config: Any, explicit: bool) -> None:
+def _fit_warmup(config: Any, explicit: bool, saved: Any = None) -> None:
     """Shortens an inherited warmup that does not fit a shorter run, with a printed note.
 
     ``--config.num_steps=25`` on a config that warms up for 50 steps means "the same run,
     shorter": the warmup becomes the config's warmup-to-run ratio of the new length (at
-    least 1 step) and a note says so. A warmup given on the command line is never changed
-    (``settings.validate`` refuses one that does not fit).
+    least 1 step) and a note says so. A run resumed or extended from a checkpoint whose
+    warmup was fitted so keeps that warmup. A warmup given on the command line is never
+    changed (``settings.validate`` refuses one that does not fit).
 
     Args:
       config: the parsed ConfigDict (changed in place).
       explicit: whether ``--config.optim.warmup_steps`` was given.
+      saved: (warmup_steps, num_steps) of the workdir's newest checkpoint, or None.
     """
     from noloco_jax import defaults  # noqa: PLC0415
 
     steps, warmup = config.num_steps, config.optim.warmup_steps
     valid = all(isinstance(v, int) and not isinstance(v, bool) for v in (steps, warmup))
+    if not explicit and valid and saved is not None:
+        saved_warmup, saved_steps = saved
+        if warmup >= saved_steps and saved_warmup < steps:  # that run fitted this warmup
+            config.optim.warmup_steps = saved_warmup
+            return
     if explicit or not valid or steps < 2 or warmup < steps:
         return  # nothing to fit, or validation reports it
     ratio = defaults.default("optim.warmup_steps") / defaults.default("num_steps")
@@ -122,6 +130,27 @@ def _fit_warmup(config: Any, explicit: bool) -> None:
     print(f"note: optim.warmup_steps={warmup} does not fit num_steps={steps}; warming up for "
           f"{fitted} steps ({ratio:.0%} of the run, as the defaults). Set "
           f"--config.optim.warmup_steps to choose.", file=sys.stderr)  # fmt: skip
+
+
+def _saved_run_length(workdir: Any) -> tuple[int, int] | None:
+    """(optim.warmup_steps, num_steps) of ``workdir``'s newest checkpoint; None if unreadable."""
+    directory = pathlib.Path(str(workdir or "")) / "checkpoints"
+    if not str(workdir or "").strip() or not directory.is_dir():
+        return None
+    from noloco_jax import errors  # noqa: PLC0415
+    from noloco_jax.trainer.checkpoint import Checkpointer  # noqa: PLC0415
+
+    ckpt = Checkpointer(directory)
+    try:
+        step = ckpt.latest_step()
+        meta = {} if step is None else ckpt.read_meta(step)
+    except (errors.CorruptCheckpointError, errors.CheckpointRestoreError):
+        return None  # the trainer reports it when it restores
+    finally:
+        ckpt.close()
+    saved = meta.get("settings") or {}
+    pair = ((saved.get("optim") or {}).get("warmup_steps"), saved.get("num_steps"))
+    return pair if all(isinstance(v, int) for v in pair) else None
 
 
 def _maybe_initialize_distributed() -> None:

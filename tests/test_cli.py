@@ -165,6 +165,15 @@ CASES = {
           "--config.backend=shard_map"], r"one device per replica: num_replicas=16.*8 devices"),
     ],
     "workdir not writable": [(["--workdir={blocked}/run"], r"--workdir .*is not writable")],
+    "an empty `--workdir`": [(["--workdir="], r"--workdir is empty; name the run's directory")],
+    "an outer-round option with method dp or local": [
+        (["--config.method=dp", "--config.fault.dropout_prob=0.1"],
+         r"config\.fault\.dropout_prob: acts on the outer rounds of method noloco or diloco"),
+        (["--config.method=local", "--config.outer.exchange_dtype=int8"],
+         r"config\.outer\.exchange_dtype: acts on the outer rounds"),
+        (["--config.fault.resync_absent=True"],
+         r"config\.fault\.resync_absent: applies to method 'diloco' only"),
+    ],
     "unknown flag, a flag value of the wrong type, a config file that does not exist": [
         (["--workdri=x"], r"Unknown command line flag 'workdri'. Did you mean: workdir"),
         (["--config.num_steps=many"], r"--config\.num_steps=many: invalid literal for int"),
@@ -358,6 +367,23 @@ def test_fit_warmup_keeps_the_defaults_ratio(steps, expected, capsys):
     config.optim.warmup_steps = 50
     train._fit_warmup(config, explicit=True)  # given on the command line: left to validation
     assert config.optim.warmup_steps == 50
+
+
+def test_a_resumed_or_extended_run_keeps_its_fitted_warmup(finished_run, capsys):
+    saved = train._saved_run_length(finished_run.workdir)
+    assert saved == (1, 4)  # the finished run fitted the inherited 50 to 1 step
+    config = common.get_config()
+    config.num_steps = 30  # an extension: 50 would be fitted to 3 and the resume refused
+    train._fit_warmup(config, explicit=False, saved=saved)
+    assert config.optim.warmup_steps == 1 and "does not fit" not in capsys.readouterr().err
+    config.num_steps, config.optim.warmup_steps = 30, 2  # that run did not fit this warmup
+    train._fit_warmup(config, explicit=False, saved=(5, 10))
+    assert config.optim.warmup_steps == 2  # a real change: the resume check refuses it
+    config.optim.warmup_steps = 50
+    train._fit_warmup(config, explicit=True, saved=saved)  # given: never changed
+    assert config.optim.warmup_steps == 50
+    assert train._saved_run_length(finished_run.workdir / "none") is None
+    assert train._saved_run_length("") is None
 
 
 def _files(d: pathlib.Path) -> dict:

@@ -270,6 +270,19 @@ def test_every_replica_caught_stops_the_run(tmp_path, corpus_dir, data_dir):  # 
     assert Checkpointer(tmp_path / "checkpoints").latest_step() is None  # nothing bad saved
 
 
+def test_a_lone_replica_gone_nan_is_never_checkpointed(tmp_path, corpus_dir, data_dir):  # noqa
+    # The guard needs a partner to act: with one replica it is off (before, the trainer assumed
+    # it on, logged a finite mean loss and checkpointed NaN fast weights).
+    s = _settings(corpus_dir, data_dir, num_replicas=1, global_batch_size=2, checkpoint_every=2,
+                  fault={"inject_nan_step": 1})  # the first save (step 2) precedes the sync (4)
+    with pytest.raises(TrainingDivergedError, match=r"the weights of replica\(s\) \[0\] .*step "
+                       r"2.*acts for noloco and diloco with 2\+ replicas only"):  # fmt: skip
+        train_and_evaluate(s, tmp_path, progress=False)
+    train = read_jsonl(tmp_path / "metrics.jsonl", "train")
+    assert np.isnan(train[0]["train_loss"])  # not a mean over finite replicas
+    assert Checkpointer(tmp_path / "checkpoints").latest_step() is None
+
+
 def test_without_guard_nan_shows_in_the_loss_and_keeps_the_finite_checkpoint(
     tmp_path, corpus_dir, data_dir  # noqa: F811
 ):

@@ -82,6 +82,24 @@ def test_merge_to_half_the_replicas(base_run, tmp_path):
     assert after["val_ppl_avg_model"] == pytest.approx(before["val_ppl_avg_model"], rel=1e-5)
     assert last["step"] == 12 and np.isfinite(last["train_loss"])
     assert len(last["train_loss_per_replica"]) == 2
+    # The finished run asked to resize again: nothing resized, nothing written.
+    workdir = tmp_path / "n2"
+    before_files = (workdir / "metrics.jsonl").read_text()
+    again = train_and_evaluate(_settings(base_run, num_replicas=4, allow_resize=True), workdir,
+                               progress=False)  # fmt: skip
+    assert again["step"] == 12 and (workdir / "metrics.jsonl").read_text() == before_files
+
+
+def test_counts_go_on_across_a_resize_with_another_batch(base_run, tmp_path):
+    shutil.copytree(base_run / "run", tmp_path / "run")
+    s = _settings(base_run, num_replicas=2, global_batch_size=4, allow_resize=True)
+    train_and_evaluate(s, tmp_path / "run", progress=False)
+    seen = {r["step"]: r["tokens_seen"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl",
+                                                             "train")}  # fmt: skip
+    assert seen[8] == 8 * 8 * 32 and seen[12] == seen[8] + 4 * 4 * 32  # 8 then 4 sequences
+    sent = [r["bytes_sent_per_replica"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl",
+                                                           "train")]  # fmt: skip
+    assert sent == sorted(sent)
 
 
 def test_clone_to_twice_the_replicas(base_run, tmp_path):

@@ -43,7 +43,7 @@ from noloco_jax.skippipe.training import SkipConfig
 from noloco_jax.trainer import grads
 from noloco_jax.trainer.resize import check_resume, restore_resized
 from noloco_jax.trainer.settings import (ROUND_METHODS, TrainSettings, check_delay_windows,
-                                         warnings_for)
+                                         guard_acts, warnings_for)
 from noloco_jax.trainer.step import (TrainState, eval_token_losses, make_program,
                                      make_window_program)
 from noloco_jax.trainer.writers import MetricWriter, Progress, read_jsonl
@@ -168,6 +168,7 @@ class _Run:
     evaluate: Callable
     meta: dict
     resized_from: int | None = None  # the checkpoint's replica count after a resize
+    counted: tuple | None = None  # after a resize: (step, tokens seen, bytes sent) there
     calls: set = dataclasses.field(default_factory=set)  # programs called (so compiled) so far
     delay: int = 0  # tau, the steps between an exchange's start and its merge
 
@@ -378,8 +379,8 @@ def _skip_config(s: TrainSettings, num_layers: int) -> Any:
 
 
 def _ppl(loss: float) -> float:
-    """exp(loss), inf for a diverged run instead of an OverflowError."""
-    return math.exp(loss) if loss < 700 else float("inf")
+    """exp(loss): inf for a large loss instead of an OverflowError, NaN for a NaN loss."""
+    return math.exp(loss) if loss < 700 else float("inf") if loss >= 700 else float("nan")
 
 
 def _eval_batch_size(num_windows: int, limit: int = 16) -> int:
@@ -454,12 +455,8 @@ def _restore_or_init(
         except CorruptCheckpointError as err:
             _set_aside(ckpt, writer, step, err)
             continue
-        if old_n is not None:
-            run.resized_from = old_n
-            new_n = run.settings.num_replicas
-            message = f"resized from {old_n} to {new_n} replicas at step {step}"
-            print(message, flush=True)
-            writer.write(step, "event", {"event": "resize", "detail": message})
+        run.resized_from = old_n  # reported once training goes on (_report_resize)
+        run.counted = None if old_n is None else _counted_at(meta, step, run)
         return restored, step
     aside = ckpt.set_aside()
     if aside:
@@ -470,6 +467,27 @@ def _restore_or_init(
             f"another --workdir)."
         )
     return state, 0
+
+
+def _counted_at(meta: dict, step: int, run: _Run) -> tuple[int, int, float]:
+    """(step, tokens seen, bytes sent per replica) of a checkpoint, for counts across a resize.
+
+    Checkpoints record both; older ones are counted from their own settings.
+    """
+    if isinstance(meta.get("counted"), dict):
+        return step, meta["counted"]["tokens_seen"], meta["counted"]["bytes_sent_per_replica"]
+    old, s = meta["settings"], run.settings
+    return step, step * old["global_batch_size"] * old["data"]["seq_len"], optim_lib.bytes_sent(
+        s.method, s.outer, run.params0, num_replicas=old["num_replicas"], steps=step,
+        fault=s.fault)  # fmt: skip
+
+
+def _report_resize(run: _Run, writer: MetricWriter, step: int) -> None:
+    if run.resized_from is not None:
+        message = (f"resized from {run.resized_from} to {run.settings.num_replicas} replicas "
+                   f"at step {step}")  # fmt: skip
+        print(message, flush=True)
+        writer.write(step, "event", {"event": "resize", "detail": message})
 
 
 def _check_meta(meta: dict, step: int) -> None:
@@ -548,6 +566,7 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
             ckpt.close()
             writer.close()
             return _already_finished(workdir, step, verbose=first)
+        _report_resize(run, writer, step)
         bar = Progress(progress and first, settings.num_steps, step)
         saves = _SaveReport(ckpt, bar, sum(x.nbytes for x in jax.tree.leaves(state)), first)
         session = _Session(run, ckpt, writer, bar, saves, _Escalation(run, state, ckpt), stop)
@@ -622,7 +641,8 @@ def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metric
     if step % s.checkpoint_every == 0 or step == s.num_steps or ses.stop.requested:
         ses.guard.check_savable(state, step)
         ses.saves.report(wait=True)  # orbax waits for the previous save here anyway
-        ses.ckpt.save(step, state, ses.run.meta)
+        counted = {k: ses.last[k] for k in ("tokens_seen", "bytes_sent_per_replica")}
+        ses.ckpt.save(step, state, {**ses.run.meta, "counted": counted})
         ses.saves.pending.append(step)
 
 
@@ -746,7 +766,7 @@ class _Escalation:
     def __init__(self, run: _Run, state: TrainState, ckpt: Checkpointer) -> None:
         s = run.settings
         self._sync_every = s.outer.sync_every if s.method in ROUND_METHODS else None
-        self._guard = s.fault.nonfinite_guard and self._sync_every is not None
+        self._guard = guard_acts(s)  # the optimizer builds the guard on the same rule
         self._ckpt, self._settings = ckpt, s
         self._before = _per_replica_resets(state, s.num_replicas)
         self._streak = np.zeros(s.num_replicas, np.int64)
@@ -780,11 +800,16 @@ class _Escalation:
                              f"non-finite at step {step}")  # fmt: skip
 
     def _fail(self, step: int, what: str) -> None:
-        o = self._settings.optim
+        s = self._settings
+        o = s.optim
         kept = self._ckpt.latest_step()
         kept_text = (f"the last checkpoint (step {kept}) is kept" if kept is not None
                      else "no checkpoint was written")  # fmt: skip
-        guard = "" if self._guard else " or turn on config.fault.nonfinite_guard"
+        guard = ""
+        if not self._guard and s.method in ROUND_METHODS and s.num_replicas > 1:
+            guard = " or turn on config.fault.nonfinite_guard"
+        elif not self._guard and s.fault.nonfinite_guard:
+            guard = " (the non-finite guard acts for noloco and diloco with 2+ replicas only)"
         raise TrainingDivergedError(
             f"training diverged: {what}; the run cannot learn and was stopped, {kept_text}. "
             f"Lower config.optim.learning_rate (now {o.learning_rate}), raise optim.eps "
@@ -836,6 +861,9 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
 
 
 def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
+    if not str(workdir).strip():  # Path("") is the current directory
+        raise UserError("--workdir is empty; name the run's directory, e.g. "
+                        "--workdir=runs/my_run.")  # fmt: skip
     workdir = pathlib.Path(workdir)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -905,7 +933,7 @@ def _train_metrics(run: _Run, state: TrainState, step: int, k: int, losses: np.n
     n_tokens = k * s.global_batch_size * s.data.seq_len
     losses = np.asarray(losses, np.float64)  # means of float32 losses, without float32 rounding
     finite = np.isfinite(losses)
-    guarded = s.fault.nonfinite_guard and s.method in ROUND_METHODS
+    guarded = guard_acts(s)
     metrics = {
         # With the guard: the mean over finite replica losses (a replica the guard is
         # resetting is counted apart). Without: a NaN replica makes the loss NaN.
@@ -917,13 +945,22 @@ def _train_metrics(run: _Run, state: TrainState, step: int, k: int, losses: np.n
         "nonfinite_resets": _nonfinite_resets(state),
         "learning_rate": float(optim_lib.learning_rate_schedule(s.optim, s.num_steps)(step - 1)),
         "tokens_per_sec": n_tokens / seconds,
-        "tokens_seen": step * s.global_batch_size * s.data.seq_len,
-        "bytes_sent_per_replica": optim_lib.bytes_sent(
-            s.method, s.outer, run.params0, num_replicas=s.num_replicas, steps=step,
-            fault=s.fault,
-        ),
+        **_counts(run, step),
     }
     return metrics
+
+
+def _counts(run: _Run, step: int) -> dict[str, Any]:
+    """Tokens seen and bytes sent per replica by ``step``, counted on from the last resize."""
+    s = run.settings
+    since, tokens, sent = run.counted or (0, 0, 0.0)
+
+    def sent_by(steps: int) -> float:
+        return optim_lib.bytes_sent(s.method, s.outer, run.params0, num_replicas=s.num_replicas,
+                                    steps=steps, fault=s.fault)  # fmt: skip
+
+    return {"tokens_seen": tokens + (step - since) * s.global_batch_size * s.data.seq_len,
+            "bytes_sent_per_replica": sent + sent_by(step) - sent_by(since)}
 
 
 def _report_reset(writer: MetricWriter, step: int, total: float, bar: Progress) -> None:

@@ -219,6 +219,12 @@ def validate(s: TrainSettings) -> TrainSettings:
         check_log_and_sync_every(s)
         check_delay_windows(s)
     _validate_fault(s.fault, s.num_replicas)
+    for field, unused in (("fault.dropout_prob", s.fault.dropout_prob != 0),
+                          ("outer.exchange_dtype", s.outer.exchange_dtype != ""),
+                          ("outer.error_feedback", s.outer.error_feedback)):  # fmt: skip
+        require(not unused or s.method in ROUND_METHODS, f"config.{field}",
+                f"acts on the outer rounds of method noloco or diloco only, got "
+                f"method={s.method!r}; leave it at its default.")  # fmt: skip
     require(not s.fault.resync_absent or s.method == "diloco", "config.fault.resync_absent",
             f"applies to method 'diloco' only (a NoLoCo replica rejoins through its group), got "
             f"method={s.method!r}.")  # fmt: skip
@@ -253,6 +259,11 @@ def _validate_run(s: TrainSettings) -> None:
         require(getattr(s, name) % s.log_every == 0, f"config.{name}",
                 f"must be a multiple of log_every={s.log_every} (steps are fused in chunks of "
                 f"log_every), got {getattr(s, name)}.")  # fmt: skip
+
+
+def guard_acts(s: TrainSettings) -> bool:
+    """Whether the non-finite guard runs: it is on, with outer rounds and 2+ replicas."""
+    return s.fault.nonfinite_guard and s.method in ROUND_METHODS and s.num_replicas > 1
 
 
 def check_log_and_sync_every(s: TrainSettings) -> None:
