@@ -8,9 +8,13 @@ corrupt checkpoint instead of being trained on. A failed save raises
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
+import logging
 import pathlib
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -174,15 +178,19 @@ class Checkpointer:
             bytes or structure, missing files).
           CheckpointRestoreError: memory, permission or I/O errors.
         """
-        try:
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-                ),
-            )
-        except Exception as err:  # noqa: BLE001 - classified below
-            raise _restore_error(self.directory, step, err) from err
+        error = None
+        with _quiet_abandoned_reads():
+            try:
+                restored = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                    ),
+                )
+            except Exception as err:  # noqa: BLE001 - classified below
+                error = _restore_error(self.directory, step, err)  # the message keeps its gist;
+        if error is not None:  # err's frames (and orbax's failed reads) are gone by now
+            raise error
         state, meta = restored["state"], restored["meta"]
         _verify(state, meta, step)
         return state, meta
@@ -259,15 +267,41 @@ def _probe_writable(directory: pathlib.Path) -> None:
         ) from err
 
 
+@contextlib.contextmanager
+def _quiet_abandoned_reads() -> Iterator[None]:
+    """Silences the read tasks orbax abandons when one read of a damaged checkpoint fails.
+
+    Each would print its traceback and TensorStore spec (hundreds of lines) when collected;
+    the caller reports the failure itself, in one line, and must drop the error's traceback
+    inside this block so that the reads are collected here.
+    """
+    log = logging.getLogger("asyncio")
+    level, hook = log.level, sys.unraisablehook
+    log.setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda _: None
+    try:
+        yield
+    finally:
+        gc.collect()  # the abandoned tasks report (here, silently) when collected
+        sys.unraisablehook = hook
+        log.setLevel(level)
+
+
+def _brief(err: Exception) -> str:
+    """The error's first line, without TensorStore's spec dump."""
+    text = str(err).split(" See full TensorStore details")[0]
+    return text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
+
+
 def _restore_error(directory: pathlib.Path, step: int, err: Exception) -> Exception:
     if is_environment_error(err):
         return CheckpointRestoreError(
             f"could not read the checkpoint of step {step} under {directory} "
-            f"({type(err).__name__}: {str(err)[:300]}). This is an error of the machine "
+            f"({type(err).__name__}: {_brief(err)}). This is an error of the machine "
             f"(memory, permission, I/O), not of the checkpoint: nothing was changed. Fix it "
             f"and run again."
         )
-    return CorruptCheckpointError(f"checkpoint {step}: {type(err).__name__}: {str(err)[:300]}")
+    return CorruptCheckpointError(f"checkpoint {step}: {type(err).__name__}: {_brief(err)}")
 
 
 def _verify(state: Any, meta: dict, step: int) -> None:
