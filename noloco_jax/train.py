@@ -104,7 +104,7 @@ def _fit_warmup(config: Any, explicit: bool, saved: Any = None) -> None:
 
     ``--config.num_steps=25`` on a config that warms up for 50 steps means "the same run,
     shorter": the warmup becomes the config's warmup-to-run ratio of the new length (at
-    least 1 step) and a note says so. A run resumed or extended from a checkpoint whose
+    least 1 step; none for a one-step run) and a note says so. A run resumed or extended from a checkpoint whose
     warmup was fitted so keeps that warmup. A warmup given on the command line is never
     changed (``settings.validate`` refuses one that does not fit).
 
@@ -122,10 +122,10 @@ def _fit_warmup(config: Any, explicit: bool, saved: Any = None) -> None:
         if warmup >= saved_steps and saved_warmup < steps:  # that run fitted this warmup
             config.optim.warmup_steps = saved_warmup
             return
-    if explicit or not valid or steps < 2 or warmup < steps:
+    if explicit or not valid or steps < 1 or warmup < steps:
         return  # nothing to fit, or validation reports it
     ratio = defaults.default("optim.warmup_steps") / defaults.default("num_steps")
-    fitted = max(1, min(steps - 1, int(steps * ratio)))
+    fitted = min(steps - 1, max(1, int(steps * ratio)))  # a one-step run: no warmup
     config.optim.warmup_steps = fitted
     print(f"note: optim.warmup_steps={warmup} does not fit num_steps={steps}; warming up for "
           f"{fitted} steps ({ratio:.0%} of the run, as the defaults). Set "

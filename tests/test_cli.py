@@ -357,7 +357,8 @@ def test_an_inherited_warmup_is_fitted_to_a_shorter_run_with_a_note(finished_run
     assert meta["settings"]["optim"]["warmup_steps"] == 1
 
 
-@pytest.mark.parametrize("steps,expected", [(25, 2), (400, 40), (50, 5), (5, 1), (2, 1)])
+@pytest.mark.parametrize("steps,expected", [(25, 2), (400, 40), (50, 5), (5, 1), (2, 1),
+                                            (1, 0)])
 def test_fit_warmup_keeps_the_defaults_ratio(steps, expected, capsys):
     config = common.get_config()
     config.num_steps = steps
