@@ -233,6 +233,19 @@ def _unknown_field(err: BaseException, argv: Sequence[str]) -> str:
     return message + "."
 
 
+def _out_of_memory(err: BaseException) -> RuntimeError | None:
+    """XLA's out-of-memory error, restated with the settings that lower memory; else None."""
+    text = str(err).strip()
+    if type(err).__name__ not in ("JaxRuntimeError", "XlaRuntimeError") or (
+            not text.startswith("RESOURCE_EXHAUSTED")):  # fmt: skip
+        return None
+    return RuntimeError(
+        f"out of device memory ({text.splitlines()[0][:200]}). The memory check before the "
+        f"run counts the weights and optimizer state only; activations come on top. Lower "
+        f"config.global_batch_size or config.data.seq_len, set config.model.remat=True, use a "
+        f"smaller config.model.preset, or split each replica over devices (config.mesh.fsdp).")
+
+
 def _report(err: BaseException) -> None:
     """The one- or two-line report of a user error."""
     message = str(err).strip() or type(err).__name__
@@ -278,6 +291,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
         if debug:  # was kept, so a traceback adds nothing
             raise
         _report(err)
+        return RUN_FAILURE_EXIT
+    except RuntimeError as err:
+        if debug or not _out_of_memory(err):
+            raise
+        _report(_out_of_memory(err))
         return RUN_FAILURE_EXIT
     finally:
         sys.argv = saved

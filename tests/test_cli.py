@@ -114,6 +114,8 @@ CASES = {
                                               r"number > 0"),  # fmt: skip
         (["--config.global_batch_size=5"], r"config\.global_batch_size: 5 is not divisible"),
         (["--config.eval_every=3"], r"config\.eval_every: must be a multiple of log_every"),
+        (["--config.outer.sync_every=4", "--config.outer.fragments=4"],
+         r"config\.outer\.fragments=4 exceeds the model's 2 layers"),
         (["--config.model.dtype=float16"], r"config\.model\.dtype: must be one of"),
     ],
     "unknown method / backend / data source / tokenizer": [
@@ -304,6 +306,30 @@ def test_user_error_subprocess_exit_2_without_traceback(tmp_path):
     debug = subprocess.run(argv + ["--debug"], cwd=ROOT, capture_output=True, text=True,
                            timeout=300)  # fmt: skip
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_out_of_device_memory_is_a_short_run_failure(monkeypatch, tmp_path, capsys):
+    import jax  # noqa: PLC0415
+
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    def raising(text):
+        def run(*args, **kwargs):
+            raise jax.errors.JaxRuntimeError(text)
+
+        return run
+
+    monkeypatch.setattr(loop, "train_and_evaluate", raising(
+        "RESOURCE_EXHAUSTED: Out of memory allocating 9611047754432 bytes.\nmore XLA detail"))
+    code = train.cli(["noloco-train", f"--workdir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 2, err
+    assert err[0].startswith("noloco-train: error: out of device memory (RESOURCE_EXHAUSTED: "
+                             "Out of memory allocating 9611047754432 bytes.)")  # fmt: skip
+    assert "config.model.remat=True" in err[0]
+    monkeypatch.setattr(loop, "train_and_evaluate", raising("INTERNAL: a bug"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # a bug: its traceback
+        train.cli(["noloco-train", f"--workdir={tmp_path / 'run'}"])
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):

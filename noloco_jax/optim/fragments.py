@@ -42,6 +42,7 @@ def by_layer_blocks(
     *,
     stacked: str = "blocks",
     first: Sequence[str] = ("embedding",),
+    field: str = "fragments",
 ) -> PyTree:
     """Fragments of consecutive layers, for params with stacked blocks.
 
@@ -51,6 +52,7 @@ def by_layer_blocks(
       stacked: the key under which every leaf carries a leading layer axis.
       first: keys of leaves that go with the first fragment (the rest of the
         unstacked leaves go with the last).
+      field: the name the error messages give P ("config.outer.fragments" in the trainer).
 
     Returns:
       A spec tree (see the module docstring).
@@ -58,15 +60,15 @@ def by_layer_blocks(
     Raises:
       ValueError: if P is out of range or no leaf is stacked.
     """
-    check_fragments(num_fragments)
+    check_fragments(num_fragments, field=field)
     layers = {x.shape[0] for p, x in _leaves_with_path(params) if stacked in _names(p)}
     if not layers:
         raise ValueError(f"no parameter sits under a '{stacked}' key: nothing to split by layer.")
     (num_layers,) = layers
     if num_fragments > num_layers:
         raise ValueError(
-            f"fragments={num_fragments} exceeds the model's {num_layers} layers (each fragment "
-            f"needs at least one layer block); use fragments <= {num_layers}."
+            f"{field}={num_fragments} exceeds the model's {num_layers} layers (each fragment "
+            f"needs at least one layer block); use {field} <= {num_layers}."
         )
 
     def leaf(path: tuple, x: Any) -> Any:

@@ -150,7 +150,8 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
     s = settings
     cfg = loop._model_config(s, vocab_size)
     graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
-    spec = by_layer_blocks(params, s.outer.fragments) if s.outer.fragments > 1 else None
+    spec = (by_layer_blocks(params, s.outer.fragments, field="config.outer.fragments")
+            if s.outer.fragments > 1 else None)  # fmt: skip
     build_tx = lambda: optimizer.build_optimizer(  # noqa: E731
         s.method, s.optim, s.outer, num_steps=s.num_steps, num_replicas=s.num_replicas,
         num_stages=s.num_stages, fault=s.fault, fragment_spec=spec)  # fmt: skip

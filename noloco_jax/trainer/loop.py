@@ -176,7 +176,8 @@ class _Run:
 def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     data = prepare_data(s)
     cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
-    spec = by_layer_blocks(params0, s.outer.fragments) if s.outer.fragments > 1 else None
+    spec = (by_layer_blocks(params0, s.outer.fragments, field="config.outer.fragments")
+            if s.outer.fragments > 1 else None)  # fmt: skip
     build_tx = functools.partial(
         optim_lib.build_optimizer, s.method, s.optim, s.outer, num_steps=s.num_steps,
         num_replicas=s.num_replicas, num_stages=s.num_stages, fault=s.fault,
