@@ -37,6 +37,8 @@ GROUPS: tuple[tuple[str, str], ...] = (
 )
 
 FIELDS: tuple[tuple[str, Any, str], ...] = (
+    # With data.source="files" it also picks the held-out documents: runs of other seeds are
+    # scored on other validation files (compare methods at one seed; Shakespeare's split is fixed).
     ("seed", 0, "Seed of the model init (the same on all replicas) and of the data order."),
     # "local" = independent replicas, no communication: the paper's no-outer-step ablation.
     ("method", "noloco", 'Optimizer: "noloco", "diloco", "dp" (all-reduce every step), "local".'),

@@ -307,6 +307,9 @@ def test_without_guard_nan_shows_in_the_loss_and_keeps_the_finite_checkpoint(
         train_and_evaluate(s, tmp_path, progress=False)
     train = {r["step"]: r["train_loss"] for r in read_jsonl(tmp_path / "metrics.jsonl", "train")}
     assert np.isfinite(train[4]) and np.isnan(train[6])  # old code logged a healthy mean
+    last = {r["step"]: r["train_loss_last"] for r in read_jsonl(tmp_path / "metrics.jsonl",
+                                                                 "train")}  # fmt: skip
+    assert np.isnan(last[6])  # the last step's loss too (was a mean over finite replicas)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [4]
 
 

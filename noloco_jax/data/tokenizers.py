@@ -122,7 +122,8 @@ def train_sentencepiece(
 
     The model keeps text exactly: no normalization, whitespace kept as is, and
     newlines and any character not in the vocabulary encode as UTF-8 byte
-    pieces, so ``decode(encode(text)) == text`` for any text. Training is
+    pieces, so ``decode(encode(text)) == text`` for any text without U+2581
+    ("\u2581", SentencePiece's space mark, which comes back as a space). Training is
     single-threaded on the text's lines and seeded, hence deterministic.
 
     Args:

@@ -937,10 +937,11 @@ def _train_metrics(run: _Run, state: TrainState, step: int, k: int, losses: np.n
     guarded = guard_acts(s)
     metrics = {
         # With the guard: the mean over finite replica losses (a replica the guard is
-        # resetting is counted apart). Without: a NaN replica makes the loss NaN.
+        # resetting is counted apart). Without: a NaN replica makes the loss NaN (both).
         "train_loss": (float(losses[finite].mean()) if finite.any() else float("nan"))
         if guarded else float(losses.mean()),
-        "train_loss_last": float(np.nanmean(losses[:, -1])) if finite[:, -1].any() else float("nan"),
+        "train_loss_last": (float(np.nanmean(losses[:, -1])) if finite[:, -1].any() else
+                            float("nan")) if guarded else float(losses[:, -1].mean()),
         "train_loss_per_replica": [float(x) for x in losses.mean(1)],
         "nonfinite_replica_steps": int((~finite).sum()),
         "nonfinite_resets": _nonfinite_resets(state),
