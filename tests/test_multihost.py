@@ -96,11 +96,14 @@ def corpus_and_data(tmp_path_factory):
 TOPOLOGIES = {
     "replica8": (["--config.num_replicas=8"], 8, False),
     "replica2_fsdp4": (["--config.num_replicas=2", "--config.mesh.fsdp=4"], 4, True),
+    "replica4_stage2": (["--config.num_replicas=4", "--config.num_stages=2",
+                         "--config.backend=shard_map"], 4, False),
 }
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("topology", [*sorted(TOPOLOGIES), pytest.param(
+    "replica4_stage2", marks=pytest.mark.slow)])  # the evaluator gathers stage-split weights
 def test_two_processes_match_one_process(tmp_path, corpus_and_data, topology):
     from noloco_jax.trainer.checkpoint import Checkpointer  # noqa: PLC0415
 

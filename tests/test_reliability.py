@@ -299,6 +299,15 @@ def test_a_lone_replica_gone_nan_is_never_checkpointed(tmp_path, corpus_dir, dat
     assert Checkpointer(tmp_path / "checkpoints").latest_step() is None
 
 
+def test_random_routing_spreads_a_nan_replica_and_the_error_says_so(tmp_path, corpus_dir,
+                                                                     data_dir):  # noqa: F811
+    s = _settings(corpus_dir, data_dir, num_stages=2, routing="random",
+                  fault={"inject_nan_step": 1, "inject_nan_replica": 1})  # fmt: skip
+    with pytest.raises(TrainingDivergedError, match=r"every replica's weights were non-finite"
+                       r".*config\.routing='fixed' keeps replicas apart"):  # fmt: skip
+        train_and_evaluate(s, tmp_path, progress=False)
+
+
 def test_without_guard_nan_shows_in_the_loss_and_keeps_the_finite_checkpoint(
     tmp_path, corpus_dir, data_dir  # noqa: F811
 ):

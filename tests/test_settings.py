@@ -95,6 +95,8 @@ def _tiny(**overrides):
         ({"method": "diloco", "outer.sync_every": 30}, "config.log_every=25 and config.outer"),
         ({"fault.dropout_prob": 1.0}, "config.fault.dropout_prob"),
         ({"fault.resync_absent": True}, "config.fault.resync_absent: applies to method"),
+        ({"num_stages": 2, "outer.exchange_dtype": "int8"},
+         "config.outer.exchange_dtype: an 8-bit exchange with pipeline stages"),
         ({"skip.num_stages": 2, "skip.path_length": 3}, "config.skip.path_length"),
     ],
 )

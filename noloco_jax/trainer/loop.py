@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import os
 import pathlib
 import signal
 import threading
@@ -391,7 +392,7 @@ def _eval_batch_size(num_windows: int, limit: int = 16) -> int:
 def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) -> Callable:
     if reps.manual_axes - {reps.axis_name}:  # stages split by hand: evaluate a host copy
         evaluate = _make_evaluator(replicas.Replicas(reps.num_replicas), graphdef, windows)
-        return lambda params: evaluate(jax.device_get(params))
+        return lambda params: evaluate(jax.tree.map(replicas.to_host, params))  # all processes
     n = reps.num_replicas
     token_losses = functools.partial(
         eval_token_losses, graphdef=graphdef, batch_size=_eval_batch_size(len(windows))
@@ -811,6 +812,10 @@ class _Escalation:
             guard = " or turn on config.fault.nonfinite_guard"
         elif not self._guard and s.fault.nonfinite_guard:
             guard = " (the non-finite guard acts for noloco and diloco with 2+ replicas only)"
+        elif s.num_stages > 1 and s.routing == "random":
+            guard = (". With random routing between stages one replica's NaN reaches every "
+                     "replica along the routes, so the guard cannot isolate it; "
+                     "config.routing='fixed' keeps replicas apart")  # fmt: skip
         raise TrainingDivergedError(
             f"training diverged: {what}; the run cannot learn and was stopped, {kept_text}. "
             f"Lower config.optim.learning_rate (now {o.learning_rate}), raise optim.eps "
@@ -868,9 +873,9 @@ def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
     workdir = pathlib.Path(workdir)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / ".write_probe"
+        probe = workdir / f".write_probe.{jax.process_index()}.{os.getpid()}"  # one per process
         probe.write_text("ok")
-        probe.unlink()
+        probe.unlink(missing_ok=True)
     except OSError as err:
         raise ValueError(f"--workdir {str(workdir)!r} is not writable: {err}") from err
     return workdir

@@ -225,6 +225,11 @@ def validate(s: TrainSettings) -> TrainSettings:
         require(not unused or s.method in ROUND_METHODS, f"config.{field}",
                 f"acts on the outer rounds of method noloco or diloco only, got "
                 f"method={s.method!r}; leave it at its default.")  # fmt: skip
+    require(s.num_stages == 1 or s.outer.exchange_dtype not in ("int8", "float8_e4m3fn"),
+            "config.outer.exchange_dtype", f"an 8-bit exchange with pipeline stages "
+            f"(num_stages={s.num_stages}) is not supported: on the stage mesh each stage "
+            f"quantises its own weights, in the simulation the whole model does, so the two "
+            f"would train differently; use '' or 'bfloat16'.")  # fmt: skip
     require(not s.fault.resync_absent or s.method == "diloco", "config.fault.resync_absent",
             f"applies to method 'diloco' only (a NoLoCo replica rejoins through its group), got "
             f"method={s.method!r}.")  # fmt: skip
