@@ -92,8 +92,10 @@ def test_merge_to_half_the_replicas(base_run, tmp_path):
 
 def test_counts_go_on_across_a_resize_with_another_batch(base_run, tmp_path):
     shutil.copytree(base_run / "run", tmp_path / "run")
-    s = _settings(base_run, num_replicas=2, global_batch_size=4, allow_resize=True)
-    train_and_evaluate(s, tmp_path / "run", progress=False)
+    s = _settings(base_run, num_replicas=2, global_batch_size=4, allow_resize=True,
+                  checkpoint_every=2)  # fmt: skip
+    train_and_evaluate(s, tmp_path / "run", stop_at=10, progress=False)
+    train_and_evaluate(s, tmp_path / "run", progress=False)  # a plain resume at step 10
     seen = {r["step"]: r["tokens_seen"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl",
                                                              "train")}  # fmt: skip
     assert seen[8] == 8 * 8 * 32 and seen[12] == seen[8] + 4 * 4 * 32  # 8 then 4 sequences

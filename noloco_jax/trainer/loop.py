@@ -169,7 +169,7 @@ class _Run:
     evaluate: Callable
     meta: dict
     resized_from: int | None = None  # the checkpoint's replica count after a resize
-    counted: tuple | None = None  # after a resize: (step, tokens seen, bytes sent) there
+    counted: tuple | None = None  # the restored checkpoint's (step, tokens seen, bytes sent)
     calls: set = dataclasses.field(default_factory=set)  # programs called (so compiled) so far
     delay: int = 0  # tau, the steps between an exchange's start and its merge
 
@@ -458,7 +458,7 @@ def _restore_or_init(
             _set_aside(ckpt, writer, step, err)
             continue
         run.resized_from = old_n  # reported once training goes on (_report_resize)
-        run.counted = None if old_n is None else _counted_at(meta, step, run)
+        run.counted = _counted_at(meta, step, run) if old_n or "counted" in meta else None
         return restored, step
     aside = ckpt.set_aside()
     if aside:
@@ -966,8 +966,10 @@ def _counts(run: _Run, step: int) -> dict[str, Any]:
         return optim_lib.bytes_sent(s.method, s.outer, run.params0, num_replicas=s.num_replicas,
                                     steps=steps, fault=s.fault)  # fmt: skip
 
+    before = sent_by(since)  # a run never resized: exactly the direct count
     return {"tokens_seen": tokens + (step - since) * s.global_batch_size * s.data.seq_len,
-            "bytes_sent_per_replica": sent + sent_by(step) - sent_by(since)}
+            "bytes_sent_per_replica": sent_by(step) if sent == before
+            else sent + sent_by(step) - before}
 
 
 def _report_reset(writer: MetricWriter, step: int, total: float, bar: Progress) -> None:
