@@ -39,7 +39,7 @@ def grid(smoke: bool) -> list[harness.Run]:
         runs.append(harness.Run(f"{method}_n{n}_s0", base))
         for p in PROBS:
             runs.append(harness.Run(f"dropout_{method}_p{p}_n{n}", {**base, "fault.dropout_prob": p}))
-    base = table2.run_overrides("diloco", n, 0)
+    base = table2.run_overrides("diloco", n, 0)  # re-sync: DiLoCo's runs with one field more
     for p in PROBS:
         runs.append(harness.Run(f"dropout_diloco_resync_p{p}_n{n}",
                                 {**base, "fault.dropout_prob": p, "fault.resync_absent": True}))
@@ -54,11 +54,11 @@ def report(results: dict, opts: harness.Options) -> str:
     n = 2 if opts.smoke else 8
     period = table2.sync_period(results[f"diloco_n{n}_s0"])
     rows = []
-    for method, label in (("noloco", "NoLoCo"), ("diloco", "DiLoCo (skip)"),
-                          ("diloco_resync", "DiLoCo (skip, re-sync)")):  # fmt: skip
+    variants = (("noloco", "noloco", "NoLoCo"), ("diloco", "diloco", "DiLoCo (skip)"),
+                ("diloco_resync", "diloco", "DiLoCo (skip, re-sync)"))  # (name, p = 0 run, label)
+    for method, at_zero, label in variants:
         for p in (0.0, *PROBS):
-            name = (f"{method.split('_')[0]}_n{n}_s0" if p == 0
-                    else f"dropout_{method}_p{p}_n{n}")  # fmt: skip
+            name = f"{at_zero}_n{n}_s0" if p == 0 else f"dropout_{method}_p{p}_n{n}"
             run = results[name]
             rows.append([label, p, _metric(run, period, "val_ppl"),
                          _metric(run, period, "val_ppl_avg_model"),

@@ -19,8 +19,7 @@ from absl import app, flags, logging
 
 from noloco_jax.errors import UserError
 from noloco_jax.experiments import harness
-
-USAGE_ERROR_EXIT = 2
+from noloco_jax.train import USAGE_ERROR_EXIT
 
 SMOKE = flags.DEFINE_bool("smoke", False, "Seconds-long version, for tests.")
 OUT_DIR = flags.DEFINE_string(

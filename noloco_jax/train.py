@@ -293,9 +293,10 @@ def cli(argv: Sequence[str] | None = None) -> int:
         _report(err)
         return RUN_FAILURE_EXIT
     except RuntimeError as err:
-        if debug or not _out_of_memory(err):
+        oom = None if debug else _out_of_memory(err)
+        if oom is None:
             raise
-        _report(_out_of_memory(err))
+        _report(oom)
         return RUN_FAILURE_EXIT
     finally:
         sys.argv = saved

@@ -129,9 +129,8 @@ def diloco_outer(
         nothing but takes the present replicas' shared step (a momentum-only
         step when none is present), as when a returning replica is sent the
         shared weights: its progress of the round is lost and every replica's
-        slow weights stay one. The
-        non-finite guard of ``local_steps`` still keeps a caught replica's
-        own slow weights.
+        slow weights stay one. The non-finite guard of ``local_steps`` still
+        keeps a caught replica's own slow weights.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.

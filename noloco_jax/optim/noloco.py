@@ -152,9 +152,10 @@ def _pseudo_gradient(
         bar, sent = comm.group_mean_codec(travel, axis_name, pool, index, exchange_dtype,
                                           present)  # fmt: skip
         kept = lambda x, s, e: (x - s).astype(e.dtype)  # noqa: E731
-        if present is not None:  # an absent replica sent nothing: its residual stays, and its
+        if present is not None:  # an absent replica sent nothing: its residual stays and its
+            # local-only step uses its own theta, without the residual
             kept = lambda x, s, e: jnp.where(present, (x - s).astype(e.dtype), e)  # noqa: E731
-            bar = jax.tree.map(lambda b, x: jnp.where(present, b, x), bar, plain)  # step is local
+            bar = jax.tree.map(lambda b, x: jnp.where(present, b, x), bar, plain)
         residual = jax.tree.map(kept, travel, sent, residual)
     if gamma_over_beta is None:
         return jax.tree.map(lambda p, tb: (p - tb).astype(p.dtype), phi, bar), residual

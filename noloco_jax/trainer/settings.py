@@ -17,7 +17,7 @@ import math
 import os
 from typing import Any, Callable
 
-from noloco_jax import comm, defaults
+from noloco_jax import comm, defaults, quantize
 from noloco_jax.errors import UserError, check_bool, check_choice, check_int, check_number, require
 from noloco_jax.optim.fragments import check_fragments
 from noloco_jax.optim.local_steps import check_delay, check_mixing, check_sync_every
@@ -225,7 +225,7 @@ def validate(s: TrainSettings) -> TrainSettings:
         require(not unused or s.method in ROUND_METHODS, f"config.{field}",
                 f"acts on the outer rounds of method noloco or diloco only, got "
                 f"method={s.method!r}; leave it at its default.")  # fmt: skip
-    require(s.num_stages == 1 or s.outer.exchange_dtype not in ("int8", "float8_e4m3fn"),
+    require(s.num_stages == 1 or not quantize.is_codec(s.outer.exchange_dtype),
             "config.outer.exchange_dtype", f"an 8-bit exchange with pipeline stages "
             f"(num_stages={s.num_stages}) is not supported: on the stage mesh each stage "
             f"quantises its own weights, in the simulation the whole model does, so the two "
