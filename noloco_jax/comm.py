@@ -640,8 +640,8 @@ def _group_mean_codec(
     index: jax.typing.ArrayLike,
     fmt: str,
     weight: jax.Array | None = None,
-) -> tuple[PyTree, PyTree]:
-    """``group_mean`` with an 8-bit wire format; also returns what this replica sent.
+) -> tuple[PyTree, PyTree, PyTree]:
+    """``group_mean`` with an 8-bit wire format; also what it sent, and whether it joined.
 
     All leaves form one float32 vector, sent as ``quantize.encode`` bytes (with
     the presence flag's 4 bytes appended). Each member sums the *decoded*
@@ -685,17 +685,21 @@ def _group_mean_codec(
 
         branches = [functools.partial(butterfly, partition=p) for p in pool]
         total, count = _switch(index, branches, flat, flag)
+    # A present replica alone in its group exchanged nothing: like an absent one, it keeps
+    # its exact value rather than its own decoded message.
+    joined = jnp.array(True) if present is None else present & (count[0] > 1)
     means, sent, start = [], [], 0
     for x, orig in zip(leaves, jax.tree.leaves(tree)):
         stop = start + x.size
         v = (total[start:stop] / (n if present is None else jnp.maximum(count[0], 1.0)))
         v = v.reshape(x.shape)
         if present is not None:
-            v = jnp.where(present, v, orig.astype(v.dtype))
+            v = jnp.where(joined, v, orig.astype(v.dtype))
         means.append(v)
         sent.append(own[start:stop].reshape(x.shape))
         start = stop
-    return jax.tree.unflatten(treedef, means), jax.tree.unflatten(treedef, sent)
+    trees = (jax.tree.unflatten(treedef, x) for x in (means, sent, [joined] * len(means)))
+    return tuple(trees)
 
 
 def group_mean_codec(
@@ -705,16 +709,19 @@ def group_mean_codec(
     index: jax.typing.ArrayLike,
     fmt: str,
     weight: jax.Array | None = None,
-) -> tuple[PyTree, PyTree]:
-    """``group_mean`` with an 8-bit format, and the dequantised values this replica sent.
+) -> tuple[PyTree, PyTree, jax.Array]:
+    """``group_mean`` with an 8-bit format, what this replica sent, and whether it joined.
 
     The second output is what error feedback needs: the residual of this
-    replica's message is ``tree - sent``.
+    replica's message is ``tree - sent``. The third, a boolean scalar, is False
+    for a replica whose message nobody used: an absent one, or a present one
+    whose partners are all absent (both get their own exact ``tree`` back).
     """
     run = functools.partial(_group_mean_codec, axis_name=axis_name, pool=pool, index=index,
                             fmt=fmt, weight=weight)  # fmt: skip
     per_kind = _per_kind(run, tree)
-    return run(tree) if per_kind is None else per_kind
+    mean, sent, joined = run(tree) if per_kind is None else per_kind
+    return mean, sent, jax.tree.leaves(joined)[0]
 
 
 def all_replica_mean(

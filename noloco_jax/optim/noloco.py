@@ -149,13 +149,13 @@ def _pseudo_gradient(
         bar = comm.group_mean(travel, axis_name, pool, index, exchange_dtype, present)
     else:  # error feedback: send value + residual; keep what the 8-bit message left out
         plain, travel = travel, jax.tree.map(lambda x, e: x + e.astype(x.dtype), travel, residual)
-        bar, sent = comm.group_mean_codec(travel, axis_name, pool, index, exchange_dtype,
-                                          present)  # fmt: skip
+        bar, sent, joined = comm.group_mean_codec(travel, axis_name, pool, index,
+                                                  exchange_dtype, present)  # fmt: skip
         kept = lambda x, s, e: (x - s).astype(e.dtype)  # noqa: E731
-        if present is not None:  # an absent replica sent nothing: its residual stays and its
-            # local-only step uses its own theta, without the residual
-            kept = lambda x, s, e: jnp.where(present, (x - s).astype(e.dtype), e)  # noqa: E731
-            bar = jax.tree.map(lambda b, x: jnp.where(present, b, x), bar, plain)
+        if present is not None:  # absent, or present with no partner: nothing was used, so
+            # the residual stays and the local-only step uses its own theta, not theta + residual
+            kept = lambda x, s, e: jnp.where(joined, (x - s).astype(e.dtype), e)  # noqa: E731
+            bar = jax.tree.map(lambda b, x: jnp.where(joined, b, x), bar, plain)
         residual = jax.tree.map(kept, travel, sent, residual)
     if gamma_over_beta is None:
         return jax.tree.map(lambda p, tb: (p - tb).astype(p.dtype), phi, bar), residual
