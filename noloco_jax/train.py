@@ -13,6 +13,7 @@ traceback. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -178,8 +179,53 @@ def _maybe_initialize_distributed() -> None:
 # ---------------------------------------------------------------- flag parsing and errors
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, with bad flags raised as ``ValueError`` (exit 2, no traceback)."""
+def _take_none(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Takes ``--config.<field>=None`` out of ``argv``: absl would parse "None" as a float.
+
+    Returns:
+      ``argv`` without those arguments, and the fields whose last override is None
+      (for ``_set_none`` to apply after parsing; a later value wins over None).
+    """
+    kept, last, i = [], {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        field = re.match(r"^--?config\.([\w.]+)(=(.*))?$", arg) if i else None
+        value = field and (field.group(3) if field.group(2) else
+                           argv[i + 1] if i + 1 < len(argv) else None)  # fmt: skip
+        if field and value == "None":
+            last[field.group(1)] = None
+            i += 1 if field.group(2) else 2
+            continue
+        if field:
+            last[field.group(1)] = arg
+        kept.append(arg)
+        i += 1
+    return kept, [name for name, value in last.items() if value is None]
+
+
+def _set_none(config: Any, names: Sequence[str]) -> None:
+    """Sets each field to None; only fields whose default is None may be."""
+    from noloco_jax import defaults  # noqa: PLC0415
+
+    allowed = [n for n, v, _ in defaults.FIELDS if isinstance(v, defaults.Unset)]
+    for name in names:
+        node, _, leaf = name.rpartition(".")
+        target = config
+        for part in filter(None, node.split(".")):
+            target = target.get(part) if hasattr(target, "get") else None
+        if not hasattr(target, "get") or leaf not in target:
+            raise ValueError(f"unknown config field --config.{name}.")
+        if name not in allowed:
+            raise ValueError(f"--config.{name}=None: this field needs a value; None is allowed "
+                             f"for {', '.join('config.' + n for n in allowed)}.")  # fmt: skip
+        target[leaf] = None
+
+
+def _parse_flags(argv: list[str], none_fields: Sequence[str] = ()) -> list[str]:
+    """absl's parser, with bad flags raised as ``ValueError`` (exit 2, no traceback).
+
+    ``none_fields`` (from ``_take_none``) are set to None after parsing.
+    """
     _check_config_file(argv)
     # A second call in one process (tests) starts afresh: ml_collections defines the
     # --config.* override flags at each parse.
@@ -188,7 +234,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if flags.FLAGS.is_parsed():
         flags.FLAGS.unparse_flags()
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
+        _set_none(flags.FLAGS.config, none_fields)
+        return rest
     except flags.Error as err:
         raise ValueError(_clean_flag_error(str(err))) from err
     except (AttributeError, KeyError) as err:  # ml_collections: an unknown --config.<field>
@@ -270,6 +318,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     debug = any(a in _DEBUG_ARGS for a in argv[1:])
     if not any(re.match(r"^--?config(=|$)", a) for a in argv[1:]):
         argv.insert(1, f"--config={_REPO / 'configs' / 'tiny_noloco.py'}")
+    argv, none_fields = _take_none(argv)
     saved = sys.argv
     try:
         sys.argv = argv[:1]  # --config's default is read without the overrides
@@ -277,7 +326,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
         sys.argv = argv  # ml_collections reads the --config.* overrides from sys.argv
         if any(a in _HELP_ARGS for a in argv[1:]):
             return _print_help()
-        app.run(main, argv=argv, flags_parser=_parse_flags)
+        app.run(main, argv=argv, flags_parser=functools.partial(_parse_flags,
+                                                                 none_fields=none_fields))
     except SystemExit as done:
         if any(a in ("--helpfull", "-helpfull") for a in argv[1:]):
             return 0  # absl exits 1 after its full help

@@ -108,6 +108,7 @@ CASES = {
                                      r"--config\.num_replicas\?"),  # fmt: skip
         (["--config.model.presett=x"], r"--config\.model\.presett; did you mean --config\.model\."
                                        r"preset\?"),  # fmt: skip
+        (["--config.outer.gama=None"], r"unknown config field --config\.outer\.gama\."),
     ],
     "out-of-range or inconsistent value": [
         (["--config.optim.learning_rate=-1"], r"config\.optim\.learning_rate: must be a finite "
@@ -117,6 +118,8 @@ CASES = {
         (["--config.outer.sync_every=4", "--config.outer.fragments=4"],
          r"config\.outer\.fragments=4 exceeds the model's 2 layers"),
         (["--config.model.dtype=float16"], r"config\.model\.dtype: must be one of"),
+        (["--config.num_steps=None"], r"--config\.num_steps=None: this field needs a value; "
+                                      r"None is allowed for config\.outer\.gamma\."),  # fmt: skip
     ],
     "unknown method / backend / data source / tokenizer": [
         (["--config.method=adam"], r"config\.method: must be one of \['noloco'"),
@@ -330,6 +333,20 @@ def test_out_of_device_memory_is_a_short_run_failure(monkeypatch, tmp_path, caps
     monkeypatch.setattr(loop, "train_and_evaluate", raising("INTERNAL: a bug"))
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # a bug: its traceback
         train.cli(["noloco-train", f"--workdir={tmp_path / 'run'}"])
+
+
+@pytest.mark.parametrize("overrides, gamma", [
+    (["--config.outer.gamma=0.3", "--config.outer.gamma=None"], None),
+    (["--config.outer.gamma", "None"], None),
+    (["--config.outer.gamma=None", "--config.outer.gamma=0.3"], 0.3),  # the last one wins
+])  # fmt: skip
+def test_none_sets_a_field_whose_default_is_none(overrides, gamma, monkeypatch, tmp_path):
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    seen = []
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda s, *a, **k: seen.append(s) or {})
+    assert train.cli(["noloco-train", f"--workdir={tmp_path}", *overrides]) == 0
+    assert seen[0].outer.gamma == gamma
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
