@@ -1,11 +1,14 @@
 """Training with skipped stages: paths obey the rules, skipped blocks get no gradient."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.stats
 
-from noloco_jax import models
+from noloco_jax import models, skippipe
 from noloco_jax.skippipe import training as skipping
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.step import loss_fn
@@ -30,6 +33,27 @@ def test_paths_obey_the_rules(swaps):
     assert swaps == any((np.diff(p[1:]) < 0).any() for p in paths)
     with pytest.raises(ValueError, match="path_length"):
         skipping.sample_stage_paths(jax.random.key(0), num_stages=4, path_length=5, num_paths=1)
+
+
+@pytest.mark.parametrize("num_stages, path_length", [(8, 3), (10, 4)])
+@pytest.mark.parametrize("swaps", [False, True])
+def test_paths_keep_skippipes_jump_limit_and_are_uniform(num_stages, path_length, swaps):
+    """No step lands more than 4 stages above the frontier; a swap reaches back one stage."""
+    rules = skippipe.PathRules(num_stages=num_stages, path_length=path_length,
+                               allow_swaps=swaps, max_swaps=1)  # fmt: skip
+    paths = np.asarray(skipping.sample_stage_paths(
+        jax.random.key(1), num_stages=num_stages, path_length=path_length, num_paths=6000,
+        swaps=swaps)).tolist()  # fmt: skip
+    bad = [(p, skippipe.check_stage_path(p, rules)) for p in paths]
+    assert not [b for b in bad if b[1]], bad[:3]
+    if swaps:
+        assert any(p != sorted(p) for p in paths)
+        return
+    valid = [p for p in skippipe.valid_stage_paths(rules) if list(p) == sorted(p)]
+    counts = collections.Counter(map(tuple, paths))
+    assert set(counts) == set(valid)  # every valid sorted path is drawn, and only those
+    observed = [counts[p] for p in valid]
+    assert scipy.stats.chisquare(observed).pvalue > 1e-3, observed  # uniform over them
 
 
 def test_layer_ids_and_zero_gradient_for_skipped_blocks():

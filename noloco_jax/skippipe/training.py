@@ -2,10 +2,11 @@
 
 The L blocks form S stages of L / S blocks. Every sequence visits ``path_length`` stages:
 stage 0 (which in SkipPipe also holds the embedding and the loss) and a random subset of
-the others, in increasing order, optionally with one adjacent pair swapped. The blocks of the
-visited stages run in path order via ``run_layers``; skipped blocks get exactly zero gradient
-from that sequence. Paths are drawn per (step, replica, sequence) from the run's seed, so
-they are identical on every device and reproducible on resume.
+the others, in increasing order, within SkipPipe's jump limit, optionally with two
+neighbouring stages swapped. The blocks of the visited stages run in path order via
+``run_layers``; skipped blocks get exactly zero gradient from that sequence. Paths are
+drawn per (step, replica, sequence) from the run's seed, so they are identical on every
+device and reproducible on resume.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from noloco_jax.models import cross_entropy
 
 __all__ = [
     "SkipConfig",
+    "MAX_JUMP",
     "check_path_length",
     "sample_stage_paths",
     "layer_ids_for",
@@ -60,39 +62,85 @@ def check_path_length(path_length: int, num_stages: int, *, field: str = "path_l
     errors.check_int(field, path_length, 1, num_stages, f"{stages_field}={num_stages}")
 
 
+MAX_JUMP = 4
+"""SkipPipe's limit: a path lands at most 4 stages above the highest stage it has reached."""
+
+
 def sample_stage_paths(
     key: jax.Array, *, num_stages: int, path_length: int, num_paths: int, swaps: bool = False
 ) -> jax.Array:
     """Random stage paths, int32 [num_paths, path_length]: stage 0 then sorted others.
+
+    Each path is uniform over the sorted paths that obey SkipPipe's rules
+    (``skippipe.PathRules``): no step lands more than ``MAX_JUMP`` stages above the
+    highest stage reached, which only rules paths out when ``num_stages > MAX_JUMP + 1``.
 
     Args:
       key: PRNG key.
       num_stages: S.
       path_length: stages visited, stage 0 included (1 <= path_length <= S).
       num_paths: how many paths.
-      swaps: with probability 1/2 per path, swap one random adjacent pair after stage 0.
+      swaps: with probability 1/2 per path, pick one position after stage 0 and swap it
+        with the next, if the two are neighbouring stages (a swap reaches back one stage)
+        and the jump stays within ``MAX_JUMP``; otherwise the path stays sorted.
 
     Returns:
       The paths (skip ratio = (S - path_length) / S).
     """
     check_path_length(path_length, num_stages)
     k_pick, k_swap = jax.random.split(key)
+    keys = jax.random.split(k_pick, num_paths)
+    if num_stages - 1 <= MAX_JUMP:  # every subset obeys the jump limit
 
-    def one(k: jax.Array) -> jax.Array:
-        others = jax.random.permutation(k, num_stages - 1)[: path_length - 1] + 1
-        return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.sort(others).astype(jnp.int32)])
+        def one(k: jax.Array) -> jax.Array:
+            others = jax.random.permutation(k, num_stages - 1)[: path_length - 1] + 1
+            return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.sort(others).astype(jnp.int32)])
 
-    paths = jax.vmap(one)(jax.random.split(k_pick, num_paths))
+        paths = jax.vmap(one)(keys)
+    else:
+        paths = jax.vmap(lambda k: _jump_limited_path(k, num_stages, path_length))(keys)
     if swaps and path_length >= 3:
         paths = jax.vmap(_maybe_swap)(paths, jax.random.split(k_swap, num_paths))
     return paths
+
+
+def _gap_logits(num_stages: int, path_length: int) -> np.ndarray:
+    """log-weights [path_length, S, MAX_JUMP] of the next gap, for uniform jump-limited paths.
+
+    ``ways[k, s]`` counts the ways to visit k more stages above stage s (gaps 1..MAX_JUMP,
+    all below S); a gap g from s with k left is drawn with weight ``ways[k - 1, s + g]``.
+    """
+    ways = np.zeros((path_length, num_stages + MAX_JUMP))
+    ways[0, :num_stages] = 1.0
+    for k in range(1, path_length):
+        for s in range(num_stages):
+            ways[k, s] = ways[k - 1, s + 1 : s + 1 + MAX_JUMP].sum()
+    nxt = np.stack([ways[:, 1 + g : 1 + g + num_stages] for g in range(MAX_JUMP)], -1)
+    with np.errstate(divide="ignore"):
+        logits = np.log(np.concatenate([np.zeros_like(nxt[:1]), nxt[:-1]]))
+    return logits.astype(np.float32)
+
+
+def _jump_limited_path(key: jax.Array, num_stages: int, path_length: int) -> jax.Array:
+    """One path, uniform over the sorted paths whose gaps are at most ``MAX_JUMP``."""
+    logits = jnp.asarray(_gap_logits(num_stages, path_length))
+
+    def step(stage: jax.Array, inputs: tuple) -> tuple[jax.Array, jax.Array]:
+        k, left = inputs
+        stage = stage + 1 + jax.random.categorical(k, logits[left, stage]).astype(jnp.int32)
+        return stage, stage
+
+    left = jnp.arange(path_length - 1, 0, -1)
+    _, later = lax.scan(step, jnp.int32(0), (jax.random.split(key, path_length - 1), left))
+    return jnp.concatenate([jnp.zeros(1, jnp.int32), later])
 
 
 def _maybe_swap(path: jax.Array, key: jax.Array) -> jax.Array:
     k_do, k_pos = jax.random.split(key)
     pos = jax.random.randint(k_pos, (), 1, path.shape[0] - 1)  # swap (pos, pos + 1), pos >= 1
     swapped = path.at[pos].set(path[pos + 1]).at[pos + 1].set(path[pos])
-    return jnp.where(jax.random.bernoulli(k_do), swapped, path)
+    allowed = (path[pos + 1] - path[pos] == 1) & (path[pos + 1] - path[pos - 1] <= MAX_JUMP)
+    return jnp.where(jax.random.bernoulli(k_do) & allowed, swapped, path)
 
 
 def layer_ids_for(stage_paths: jax.Array, layers_per_stage: int) -> jax.Array:
