@@ -85,6 +85,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("data.path", "",
      'source="files": a file, a directory of .txt files or a glob; "tokens": the directory.'),
     ("data.tfds_name", "", 'For source="tfds": the name of a dataset prepared in the data dir.'),
+    ("data.max_documents", 0,
+     'For source="tfds": read only the first this many documents of each split (0 = all; '
+     "c4 does not fit in memory)."),
     ("data.data_dir", "", "Data dir for TFDS datasets and caches; \"\" = $NOLOCO_DATA_DIR or "
      "~/.cache/noloco_jax."),
     ("data.encoding", "utf-8",

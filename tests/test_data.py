@@ -199,6 +199,23 @@ def test_named_tfds_dataset(tmp_path):
     assert len(lm1b.train) == len(lm1b.validation) == 6  # "test" stands in for validation
 
 
+def test_trainer_reads_max_documents_of_a_tfds_dataset(tmp_path):
+    import tensorflow_datasets as tfds
+
+    from noloco_jax.trainer.loop import prepare_data
+    from tests.test_train import tiny_settings
+
+    def train_tokens(max_documents):
+        s = tiny_settings(tmp_path, tmp_path, num_replicas=2, global_batch_size=2,
+                          data={"source": "tfds", "path": "", "tfds_name": "tiny_shakespeare",
+                                "max_documents": max_documents, "seq_len": 8})  # fmt: skip
+        return prepare_data(s).train_tokens
+
+    with tfds.testing.mock_data(num_examples=12, policy=tfds.testing.MockPolicy.USE_CODE):
+        every, first3 = train_tokens(0), train_tokens(3)
+    assert 0 < first3 < every  # the first 3 of 12 documents
+
+
 def test_named_tfds_dataset_not_prepared(tmp_path):
     expected = r"(?s)not prepared.*never downloads.*source=\"files\""
     with pytest.raises(FileNotFoundError, match=expected):

@@ -71,6 +71,7 @@ def prepare_data(s: TrainSettings) -> DataBundle:
             data_dir=data_dir,
             path=s.data.path or None,
             tfds_name=s.data.tfds_name or None,
+            max_documents=s.data.max_documents or None,
             validation_fraction=s.data.validation_fraction,
             seed=s.seed,
             encoding=s.data.encoding,

@@ -85,6 +85,7 @@ class DataSettings:
     source: str
     path: str
     tfds_name: str
+    max_documents: int
     data_dir: str
     encoding: str
     tokenizer: str
@@ -345,6 +346,9 @@ def _validate_data(s: TrainSettings) -> None:
             "sentencepiece is trained on text; data.source='tokens' needs 'byte' or 'hf'.")
     require(d.source != "tfds" or bool(d.tfds_name), "config.data.tfds_name",
             "must name a TFDS dataset when data.source='tfds'.")
+    check_int("config.data.max_documents", d.max_documents, minimum=0)
+    require(d.source == "tfds" or d.max_documents == 0, "config.data.max_documents",
+            f"applies to data.source='tfds' only, got data.source={d.source!r}.")
     check_choice("config.data.tokenizer", d.tokenizer, ("byte", "sentencepiece", "hf"))
     require(d.tokenizer != "hf" or bool(d.tokenizer_path), "config.data.tokenizer_path",
             "must name a directory holding tokenizer.json when data.tokenizer='hf'.")
