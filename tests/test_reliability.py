@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from noloco_jax.errors import (
 from noloco_jax.trainer import settings as settings_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like, is_environment_error
 from noloco_jax.trainer.lock import WorkdirLock
+from noloco_jax.trainer import loop
 from noloco_jax.trainer.loop import load_run, train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
 from tests.helpers import copy_run
@@ -306,6 +308,31 @@ def test_random_routing_spreads_a_nan_replica_and_the_error_says_so(tmp_path, co
     with pytest.raises(TrainingDivergedError, match=r"every replica's weights were non-finite"
                        r".*config\.routing='fixed' keeps replicas apart"):  # fmt: skip
         train_and_evaluate(s, tmp_path, progress=False)
+
+
+def test_the_consecutive_reset_count_survives_a_resume(finished_run, monkeypatch):
+    """A replica reset at every sync stops the run after MAX_CONSECUTIVE_RESETS syncs, also
+    when the run was interrupted and resumed in between (the count was reset to 0)."""
+    s, workdir = finished_run
+    meta = Checkpointer(workdir / "checkpoints").read_meta(12)
+    assert meta["reset_streak"] == [0] * s.num_replicas  # every save records the count
+    resets = iter(np.arange(10)[:, None] * np.eye(s.num_replicas)[1])  # replica 1, each sync
+    monkeypatch.setattr(loop, "_per_replica_resets", lambda state, n: next(resets))
+
+    def escalation(streak):
+        run = types.SimpleNamespace(settings=s, streak=streak)
+        return loop._Escalation(run, None, ckpt=Checkpointer(workdir / "checkpoints"))
+
+    h = s.outer.sync_every
+    first = escalation(None)
+    for k in (1, 2):  # chunks of one sync each
+        first.after_chunk(None, k * h - 1, k * h)
+    assert first.streak.tolist() == [0, 2, 0, 0]
+    resumed = escalation(first.streak.tolist())  # as restored from the checkpoint's meta
+    with pytest.raises(TrainingDivergedError, match=r"replica 1's weights were non-finite at "
+                       r"3 consecutive syncs"):  # fmt: skip
+        resumed.after_chunk(None, 3 * h - 1, 3 * h)
+    assert escalation([0, 2]).streak.tolist() == [0] * 4  # another replica count: start afresh
 
 
 def test_without_guard_nan_shows_in_the_loss_and_keeps_the_finite_checkpoint(

@@ -171,6 +171,7 @@ class _Run:
     meta: dict
     resized_from: int | None = None  # the checkpoint's replica count after a resize
     counted: tuple | None = None  # the restored checkpoint's (step, tokens seen, bytes sent)
+    streak: list | None = None  # the restored checkpoint's consecutive resets per replica
     calls: set = dataclasses.field(default_factory=set)  # programs called (so compiled) so far
     delay: int = 0  # tau, the steps between an exchange's start and its merge
 
@@ -460,6 +461,7 @@ def _restore_or_init(
             continue
         run.resized_from = old_n  # reported once training goes on (_report_resize)
         run.counted = _counted_at(meta, step, run) if old_n or "counted" in meta else None
+        run.streak = None if old_n else meta.get("reset_streak")
         return restored, step
     aside = ckpt.set_aside()
     if aside:
@@ -645,7 +647,8 @@ def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metric
         ses.guard.check_savable(state, step)
         ses.saves.report(wait=True)  # orbax waits for the previous save here anyway
         counted = {k: ses.last[k] for k in ("tokens_seen", "bytes_sent_per_replica")}
-        ses.ckpt.save(step, state, {**ses.run.meta, "counted": counted})
+        ses.ckpt.save(step, state, {**ses.run.meta, "counted": counted,
+                                    "reset_streak": ses.guard.streak.tolist()})  # fmt: skip
         ses.saves.pending.append(step)
 
 
@@ -772,7 +775,8 @@ class _Escalation:
         self._guard = guard_acts(s)  # the optimizer builds the guard on the same rule
         self._ckpt, self._settings = ckpt, s
         self._before = _per_replica_resets(state, s.num_replicas)
-        self._streak = np.zeros(s.num_replicas, np.int64)
+        kept = run.streak is not None and len(run.streak) == s.num_replicas  # saved, same N
+        self.streak = np.asarray(run.streak if kept else [0] * s.num_replicas, np.int64)
 
     def after_chunk(self, state: TrainState, start: int, stop: int) -> None:
         if not self._guard:
@@ -783,14 +787,14 @@ class _Escalation:
         if syncs == 0:
             return
         every = caught >= syncs
-        self._streak = np.where(every, self._streak + syncs, 0)
+        self.streak = np.where(every, self.streak + syncs, 0)
         if every.all():
             self._fail(stop, f"every replica's weights were non-finite at the sync(s) up to "
                              f"step {stop}")  # fmt: skip
-        if (self._streak >= MAX_CONSECUTIVE_RESETS).any():
-            worst = int(np.argmax(self._streak))
+        if (self.streak >= MAX_CONSECUTIVE_RESETS).any():
+            worst = int(np.argmax(self.streak))
             self._fail(stop, f"replica {worst}'s weights were non-finite at "
-                             f"{int(self._streak[worst])} consecutive syncs")  # fmt: skip
+                             f"{int(self.streak[worst])} consecutive syncs")  # fmt: skip
 
     def check_savable(self, state: TrainState, step: int) -> None:
         """Raises instead of checkpointing weights the guard will not put back."""
