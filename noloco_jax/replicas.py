@@ -232,9 +232,14 @@ class Replicas:
                 leaves = [(x, shared) for (_, x), shared in zip(found, layout[-1][1])]
                 return [x for x, sh in leaves if not sh], [x for x, sh in leaves if sh]
 
-            per, shared = jax.vmap(split, in_axes=in_axes, out_axes=(0, None),
-                                   axis_name=self.axis_name, axis_size=self.num_replicas
-                                   )(*args)  # fmt: skip
+            try:
+                per, shared = jax.vmap(split, in_axes=in_axes, out_axes=(0, None),
+                                       axis_name=self.axis_name, axis_size=self.num_replicas
+                                       )(*args)  # fmt: skip
+            except ValueError as err:
+                if "but out_axes is None" not in str(err):
+                    raise
+                raise _varying_scalar_error() from err
             treedef, is_shared = layout[-1]
             per, shared = iter(per), iter(shared)
             return treedef.unflatten([next(shared) if sh else next(per) for sh in is_shared])
@@ -248,6 +253,20 @@ class Replicas:
                 tree, axes)
 
         def run(*args: Any) -> Any:
+            try:
+                return placed_run(*args)
+            except ValueError as err:
+                if "which implies that the corresponding output value is replicated" in str(err):
+                    raise _varying_scalar_error() from err
+                if "does not match the specs of the input" not in str(err):
+                    raise
+                raise ValueError(
+                    f"Replicas.map: an input is not placed over the {self.axis_name!r} mesh "
+                    f"axis ({str(err).split(' for arg: ')[-1].split('.')[0]}). Pass every "
+                    f"per-replica input (params, batches) through reps.put(...) outside the "
+                    f"jitted step; reps.init places the optimizer state.") from None
+
+        def placed_run(*args: Any) -> Any:
             in_axes = tuple(_stacked_axes(a, self.num_replicas) for a in args)
             in_specs = specs(args, in_axes, 1)
 
@@ -315,6 +334,14 @@ class Replicas:
             return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
         return jax.tree_util.tree_map_with_path(place, tree)
+
+
+def _varying_scalar_error() -> ValueError:
+    return ValueError(
+        "Replicas.map: an integer or boolean scalar output is computed per replica, but the "
+        "replicated layout keeps such scalars shared (one copy for all replicas, for the step "
+        "and round counters). A per-replica integer must have a shape: store it as shape [1] "
+        "(e.g. a step counter kept in the params).")
 
 
 def to_host(x: Any) -> np.ndarray:

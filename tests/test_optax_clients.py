@@ -1,6 +1,8 @@
 """The optimizer core as an optax user drives it: the documented paths, Flax NNX, optax's
 wrappers, schedules, low-precision params and the traps each of them used to hide."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -405,9 +407,20 @@ def test_inject_hyperparams_of_the_outer_step_equals_fixed_rates():
     np.testing.assert_array_equal(np.asarray(d3), 0.0)  # the injected value is used
 
 
-def test_injecting_a_structural_argument_names_the_static_args():
-    with pytest.raises(ValueError, match="INJECT_STATIC_ARGS"):
-        optax.inject_hyperparams(noloco_outer)(learning_rate=0.6).init(jnp.zeros(3))
+@pytest.mark.parametrize("factory, module", [(noloco_outer, "noloco"), (diloco_outer, "diloco")])
+def test_injecting_a_structural_argument_names_the_static_args(factory, module):
+    with pytest.raises(ValueError, match=f"noloco_jax.optim.{module}.INJECT_STATIC_ARGS"):
+        optax.inject_hyperparams(factory)(learning_rate=0.6).init(jnp.zeros(3))
+    static = importlib.import_module(f"noloco_jax.optim.{module}").INJECT_STATIC_ARGS
+    tx = optax.inject_hyperparams(factory, static_args=static)(learning_rate=0.6)  # the fix works
+    assert float(tx.init(jnp.zeros(3)).hyperparams["learning_rate"]) == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])
+@pytest.mark.parametrize("seed", [-1, 1.5, 2**32, True])
+def test_a_bad_seed_is_refused_at_construction(factory, seed):
+    with pytest.raises(ValueError, match=r"seed: must be an integer in \[0, 2\*\*32 - 1\]"):
+        factory(seed=seed)
 
 
 def test_python_numbers_are_still_validated():
@@ -525,3 +538,22 @@ def test_fused_clip_equals_optax_clip_inside_local_steps():
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
+
+
+def test_the_readme_api_example_runs_as_written_over_8_devices():
+    """README "API in one example", with its undefined names filled in; the tests see 8 CPU
+    devices, so backend="auto" is shard_map: every input must be placed (it once was not)."""
+    import pathlib  # noqa: PLC0415
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    block = text.split("## API in one example", 1)[1].split("```python\n", 1)[1].split("```")[0]
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (3, 8, 4, 5))
+    scope = {
+        "loss_fn": lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2),
+        "params0": {"w": jnp.zeros((5, 1))},
+        "batches": [(x[t], x[t].sum(-1, keepdims=True)) for t in range(3)],
+    }
+    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102
+    assert scope["reps"].backend == "shard_map"
+    assert scope["params"]["w"].shape == (8, 5, 1) and np.isfinite(scope["params"]["w"]).all()

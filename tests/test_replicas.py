@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 from noloco_jax import replicas
@@ -61,9 +62,22 @@ def test_vmap_map_traces_the_function_once_and_keeps_the_output_tree():
     np.testing.assert_allclose(got["norm"], jnp.linalg.norm(w.reshape(3, -1), axis=1), rtol=1e-5)
 
 
-def test_vmap_map_refuses_an_integer_scalar_that_differs_between_replicas():
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_map_refuses_an_integer_scalar_that_differs_between_replicas(backend):
     # Integer scalars are shared by the layout rule; one that varies cannot be, and must not
-    # silently become replica 0's value.
-    mapped = replicas.Replicas(2).map(lambda x: (x.sum(), lax.axis_index("replica")))
-    with np.testing.assert_raises_regex(ValueError, "out_axes"):
-        jax.jit(mapped)(jnp.ones((2, 3)))
+    # silently become replica 0's value. The message names the rule and the fix.
+    reps = replicas.make_replicas(8, backend=backend)
+    mapped = reps.map(lambda x: (x.sum(), lax.axis_index("replica")))
+    with pytest.raises(ValueError, match=r"scalar output is computed per replica, but the "
+                       r"replicated layout keeps such scalars shared.*shape \[1\]"):  # fmt: skip
+        jax.jit(mapped)(reps.put(jnp.ones((8, 3))))
+
+
+def test_shard_map_names_reps_put_for_an_input_left_unplaced():
+    reps = replicas.make_replicas(8, backend="shard_map")
+    mapped = jax.jit(reps.map(lambda x, b: x + b.sum()))
+    x = reps.put(jnp.ones((8, 3)))
+    with pytest.raises(ValueError, match=r"an input is not placed over the 'replica' mesh axis "
+                       r"\(float32\[8,16\]\)\. Pass every per-replica input .* reps\.put"):
+        mapped(x, jnp.ones((8, 16)))  # the batch was not put
+    assert mapped(x, reps.put(jnp.ones((8, 16)))).shape == (8, 3)

@@ -183,15 +183,21 @@ INJECT_STATIC_ARGS = ("group_size", "seed", "dropout_prob", "pool_size")
 """Arguments to keep static in ``optax.inject_hyperparams(noloco_outer, static_args=...)``."""
 
 
-def check_static_args(**values: Any) -> None:
-    """Raises if a structural argument is an array (e.g. injected by ``inject_hyperparams``)."""
+def check_static_args(module: str = "noloco", **values: Any) -> None:
+    """Raises if a structural argument is an array (e.g. injected by ``inject_hyperparams``).
+
+    ``module`` names the ``noloco_jax.optim`` module whose ``INJECT_STATIC_ARGS`` to use.
+    A ``seed`` must also be an integer in [0, 2**32 - 1], as the trainer's.
+    """
     for name, value in values.items():
         if isinstance(value, (jax.Array, np.ndarray)):
             raise ValueError(
                 f"{name} shapes the compiled exchange and must be a Python number, got an "
                 f"array. With optax.inject_hyperparams pass "
-                f"static_args=noloco_jax.optim.noloco.INJECT_STATIC_ARGS."
+                f"static_args=noloco_jax.optim.{module}.INJECT_STATIC_ARGS."
             )
+    if "seed" in values:
+        errors.check_int("seed", values["seed"], 0, 2**32 - 1, "2**32 - 1")
 
 
 def _gamma_over_beta(gamma: Any, beta: Any) -> Any:
