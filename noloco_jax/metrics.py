@@ -19,8 +19,10 @@ def replica_spread(params: Any, axis_name: str) -> jax.Array:
           / total number of elements ),
 
     a population std pooled over every parameter, as logged by the reference
-    code (``Model/std``). Computed in float32. This is a diagnostic: it uses an
-    all-replica mean, so call it at evaluation time, not in the training step.
+    code (``Model/std``). Computed in float32 on the differences from replica 0
+    (the std does not change), so identical replicas give exactly 0 and a small
+    spread is not lost to rounding of the weights. This is a diagnostic: it uses
+    all-replica means, so call it at evaluation time, not in the training step.
 
     Args:
       params: this replica's parameter tree.
@@ -37,6 +39,9 @@ def replica_spread(params: Any, axis_name: str) -> jax.Array:
     """
     comm.axis_size(axis_name)
     leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(params)]
+    first = jax.lax.axis_index(axis_name) == 0
+    refs = jax.lax.psum([jnp.where(first, x, jnp.zeros_like(x)) for x in leaves], axis_name)
+    leaves = [x - r for x, r in zip(leaves, refs)]
     means = comm.all_replica_mean(leaves, axis_name)
     sq = sum(jnp.sum(jnp.square(x - m)) for x, m in zip(leaves, means))
     total = comm.tree_num_elements(leaves)

@@ -92,6 +92,23 @@ def test_per_replica_loss_and_distance_in_jsonl(run):
         assert pooled == pytest.approx(r["replica_spread"], rel=1e-3)
 
 
+@pytest.mark.parametrize("num", [3, 8])
+def test_replica_spread_is_exact_for_identical_and_nearly_identical_replicas(num):
+    import jax  # noqa: PLC0415
+
+    from noloco_jax import replica_spread  # noqa: PLC0415
+
+    spread = jax.jit(jax.vmap(lambda q: replica_spread(q, "r"), axis_name="r"))
+    x = 1000.0 + np.random.default_rng(0).normal(size=5000).astype(np.float32)
+    same = np.broadcast_to(x, (num, 5000)).astype(np.float32)
+    assert float(spread(same)[0]) == 0.0  # the mean of 3 equal values used to round away
+    # Replicas up to 1e-3 apart around weights of 1000: a mean of the weights rounds at
+    # 6e-5 (this spread came out 1% high, and identical replicas' as 4e-5).
+    near = (same + np.linspace(0, 1e-3, num, dtype=np.float32)[:, None]).astype(np.float32)
+    exact = np.sqrt(np.mean((near.astype(np.float64) - near.mean(0, dtype=np.float64)) ** 2))
+    assert float(spread(near)[0]) == pytest.approx(exact, rel=1e-4)
+
+
 def test_plot_draws_per_replica_panels(run, tmp_path):
     workdir, _ = run
     png = tmp_path / "replicas.png"

@@ -134,7 +134,7 @@ class LocalStepsState(NamedTuple):
 
 
 def _update_dtype(p: Any) -> Any:
-    """Updates to a float param travel in at least float32, so a sync lands exactly."""
+    """Updates to a float param travel in at least float32 (a 16-bit sync lands exactly)."""
     return jnp.promote_types(jnp.result_type(p), jnp.float32)
 
 
@@ -169,11 +169,12 @@ def _same_varying_axes(a: Any, b: Any) -> tuple[Any, Any]:
 
 
 def _landing(new_slow: Any, params: Any, updates: Any) -> Any:
-    """Updates that move each float param exactly onto phi (rounded to its dtype).
+    """Updates that move each float param onto phi (rounded to its dtype).
 
     Formed in at least float32: the difference of two bf16 numbers is exact
     there, so ``params + jump`` is phi's bf16 value itself, not a rounding of
-    a rounded jump. Non-float leaves keep the inner update.
+    a rounded jump. A float32 param lands within one rounding of phi (the sum
+    rounds). Non-float leaves keep the inner update.
     """
 
     def jump(s: Any, p: Any, u: Any) -> Any:
@@ -338,7 +339,9 @@ def local_steps(
         the whole replica, so all its shards reset together.
       slow_dtype: dtype of phi and of the outer state (e.g. ``jnp.float32``
         master weights for bf16 params); default: each param's own dtype.
-        After every sync the params are phi rounded to their dtype, exactly.
+        After every sync the params are phi rounded to their dtype: exactly for
+        16-bit params, within one float32 rounding for float32 params (optax
+        adds the jump phi - theta to theta, which rounds once).
       fragments: None (every sync moves all params), or a fragment spec
         (``noloco_jax.optim.fragments.by_layer_blocks(params, P)``): the
         params are split into P fragments and fragment p syncs at the steps t
@@ -450,7 +453,7 @@ def local_steps(
         count = optax.safe_int32_increment(state.count)
         errors = state.phase_errors
         # Both branches return float updates in at least float32 (apply_updates
-        # adds in that width and casts once), so a sync lands exactly on phi.
+        # adds in that width and casts once), so a 16-bit sync lands exactly on phi.
         inner_updates = jax.tree.map(
             lambda u, p: u.astype(_update_dtype(p)) if is_float(p) else u, inner_updates, params
         )
