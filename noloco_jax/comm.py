@@ -345,6 +345,13 @@ def _exchange_perms(partition: np.ndarray) -> list[list[tuple[int, int]]]:
     return perms
 
 
+def _position(partition: np.ndarray, axis_name: str) -> jax.Array:
+    """This replica's position in its group of ``partition`` [groups, n] (an int32 scalar)."""
+    table = np.zeros(partition.size, np.int32)
+    table[partition.reshape(-1)] = np.tile(np.arange(partition.shape[1]), partition.shape[0])
+    return jnp.asarray(table)[lax.axis_index(axis_name)]
+
+
 def _uint_of(dtype: Any) -> Any:
     return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize]
 
@@ -645,8 +652,9 @@ def _group_mean_codec(
 
     All leaves form one float32 vector, sent as ``quantize.encode`` bytes (with
     the presence flag's 4 bytes appended). Each member sums the *decoded*
-    values, its own included, so the members of a group compute one mean.
-    With a butterfly the partial sums are re-quantised at every step.
+    messages, its own included, in group-position order, so the members of a
+    group compute one mean, bit for bit. With a butterfly the partial sums are
+    re-quantised at every step.
     """
     leaves, treedef = jax.tree.flatten(tree)
     if any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
@@ -667,20 +675,36 @@ def _group_mean_codec(
         count = flag if present is None else _from_words(message[wire:], jnp.float32, 1)
         return quantize.decode(message[:wire], size, fmt), count
 
+    def in_order(messages: list, position: jax.Array, source_of: Any) -> tuple:
+        """Sum of the decoded messages in group-position order. Every member decodes the same
+        bytes in the same order, so the group agrees bit for bit (the compiler cannot fold a
+        member's own message back into its unrounded values: the choice is made at run time)."""
+        total = count = None
+        for q in range(len(messages)):
+            values, c = dec(lax.select_n(source_of(q, position), *messages))
+            total, count = (values, c) if total is None else (total + values, count + c)
+        return total, count
+
     own = quantize.roundtrip(flat, fmt)
     n = pool.shape[-1]
     if _own_value_travels(n):
-        branches = [functools.partial(_shifts, axis_name=axis_name, partition=p) for p in pool]
-        total, count = own, flag
-        for received in _switch(index, branches, enc(flat, flag)):
-            values, c = dec(received)
-            total, count = total + values, count + c
+
+        def shifts(message: jax.Array, partition: np.ndarray) -> tuple:
+            # messages[k] came from position (p - k) mod n, for k = 0 (its own) to n - 1
+            messages = [message, *_shifts(message, axis_name, partition)]
+            return in_order(messages, _position(partition, axis_name), lambda q, p: (p - q) % n)
+
+        branches = [functools.partial(shifts, partition=p) for p in pool]
+        total, count = _switch(index, branches, enc(flat, flag))
     else:
 
         def butterfly(values: jax.Array, count: jax.Array, partition: np.ndarray) -> tuple:
-            for perm in _exchange_perms(partition):
-                got, c = dec(lax.ppermute(enc(values, count), axis_name, perm))
-                values, count = quantize.roundtrip(values, fmt) + got, count + c
+            position = _position(partition, axis_name)
+            for b, perm in enumerate(_exchange_perms(partition)):
+                mine = enc(values, count)
+                pair = [mine, lax.ppermute(mine, axis_name, perm)]
+                # the partner's is first when this member holds the higher position
+                values, count = in_order(pair, position, lambda q, p: ((p >> b) & 1) ^ q)
             return values, count
 
         branches = [functools.partial(butterfly, partition=p) for p in pool]
