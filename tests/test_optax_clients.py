@@ -263,6 +263,28 @@ def test_apply_if_finite_around_local_steps_is_refused_under_vmap_too():
         step(params, state, params)
 
 
+@pytest.mark.parametrize("after", [optax.scale(0.5), optax.chain(optax.identity(),
+                                                                 optax.scale(0.5))])
+def test_a_stage_after_local_steps_in_a_chain_is_refused(after):
+    reps = replicas.make_replicas(N, backend="vmap")
+    params = random_tree(jax.random.key(0), N)
+    ok = optax.chain(optax.clip_by_global_norm(1.0), local_steps(optax.adam(0.1), noloco_outer(), 2))
+    reps.init(optax.chain(optax.identity(), ok), params)  # before it (and nested): fine
+    bad = optax.chain(ok, after)
+    with pytest.raises(ValueError, match="a transformation follows local_steps in an optax.chain"):
+        reps.init(optax.chain(optax.identity(), bad), params)
+
+
+def test_swapped_inner_and_outer_are_named():
+    reps = replicas.make_replicas(N, backend="vmap")
+    params = random_tree(jax.random.key(0), N)
+    with pytest.raises(ValueError, match=r"the order is local_steps\(inner, outer, sync_every\)"):
+        reps.init(local_steps(noloco_outer(), optax.adam(1e-3), 2), params)
+    hierarchical = local_steps(local_steps(optax.adam(1e-3), noloco_outer(), 2),
+                               diloco_outer(axis_name=None), 4)  # an outer step nested: fine
+    reps.init(hierarchical, params)
+
+
 def test_apply_if_finite_inside_local_steps_works():
     tx = local_steps(optax.apply_if_finite(optax.adam(0.1), 3), noloco_outer(), 2)
     reps = replicas.make_replicas(N, backend="vmap")

@@ -425,10 +425,12 @@ def local_steps(
         anchor = None
         if delay:
             anchor = jax.tree.map(lambda p: jnp.array(p, copy=True), float_leaves(params))
+        local_opt_state = inner.init(params)
+        _check_not_an_outer_step(local_opt_state)
         return LocalStepsState(
             count=jnp.zeros([], jnp.int32),
             slow_params=slow,
-            local_opt_state=inner.init(params),
+            local_opt_state=local_opt_state,
             outer_state=outer.init(slow) if fragments is None else tuple(
                 outer.init(frag.take(slow, fragments, p)) for p in range(num_frags)),
             nonfinite_resets=jnp.zeros([], jnp.float32),
@@ -651,6 +653,31 @@ def restore_nonfinite(
     return params
 
 
+def _check_not_an_outer_step(inner_state: optax.OptState) -> None:
+    """``local_steps(noloco_outer(), optax.adam(...), H)``: the arguments swapped."""
+    from noloco_jax.optim.diloco import DiLoCoOuterState  # noqa: PLC0415
+    from noloco_jax.optim.noloco import NoLoCoOuterState  # noqa: PLC0415
+
+    kinds = (NoLoCoOuterState, DiLoCoOuterState)
+    stop = lambda x: isinstance(x, (*kinds, LocalStepsState))  # noqa: E731 (nested: allowed)
+    if any(isinstance(x, kinds) for x in jax.tree.leaves(inner_state, is_leaf=stop)):
+        raise ValueError(
+            "local_steps: its inner optimizer holds an outer step (noloco_outer or "
+            "diloco_outer); the order is local_steps(inner, outer, sync_every), e.g. "
+            "local_steps(optax.adam(1e-3), noloco_outer(), 50).")
+
+
+def _follows_local_steps(opt_state: optax.OptState) -> bool:
+    """Whether a chain state (a plain tuple) holds a stage after its ``local_steps``."""
+    if type(opt_state) is tuple:
+        holds = [find_local_steps_state(x) is not None for x in opt_state]
+        if any(holds[:-1]):
+            return True
+    is_chain = lambda x: x is not opt_state and type(x) is tuple  # noqa: E731
+    return any(_follows_local_steps(x)
+               for x in jax.tree.leaves(opt_state, is_leaf=is_chain) if is_chain(x))  # fmt: skip
+
+
 def check_composition(opt_state: optax.OptState) -> None:
     """Refuses optax wrappers that desynchronise the replicas of ``local_steps``.
 
@@ -659,7 +686,9 @@ def check_composition(opt_state: optax.OptState) -> None:
     ``shard_map`` its partners wait for a message that never comes);
     ``optax.MultiSteps`` around it runs the update, and so a sync's exchange,
     on every micro-step. Both work *inside* ``local_steps`` (as ``inner``),
-    where a ``MultiSteps`` count must divide ``sync_every``.
+    where a ``MultiSteps`` count must divide ``sync_every``. A stage after
+    ``local_steps`` in an ``optax.chain`` is refused too: it would change the
+    sync step's update.
 
     Args:
       opt_state: the (single-replica or replicated) optimizer state.
@@ -667,6 +696,11 @@ def check_composition(opt_state: optax.OptState) -> None:
     Raises:
       ValueError: naming the wrapper and the fix.
     """
+    if _follows_local_steps(opt_state):
+        raise ValueError(
+            "a transformation follows local_steps in an optax.chain: it would change the "
+            "sync step's update, so theta would not land on phi. Put it before local_steps, "
+            "or inside it, in the inner optimizer.")
     wrappers = (optax.ApplyIfFiniteState, optax.MultiStepsState)
     is_wrapper = lambda x: isinstance(x, wrappers)  # noqa: E731
     for node in jax.tree.leaves(opt_state, is_leaf=is_wrapper):
