@@ -47,7 +47,7 @@ def grid(smoke: bool) -> list[harness.Run]:
 
 
 def _metric(run: dict, period: int, key: str) -> float:
-    return stats.sync_aligned_mean(run["eval"], period, plan.LAST_K, key)
+    return stats.run_metric(run, period, plan.LAST_K, key)
 
 
 def report(results: dict, opts: harness.Options) -> str:

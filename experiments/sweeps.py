@@ -55,7 +55,7 @@ def _value(name: str, sweep: str) -> float | None:
 
 
 def _metric(run: dict, period: int, key: str = plan.PRIMARY) -> float:
-    value = stats.sync_aligned_mean(run["eval"], period, plan.LAST_K, key)
+    value = stats.run_metric(run, period, plan.LAST_K, key)
     return value if math.isfinite(value) else math.inf
 
 

@@ -52,6 +52,37 @@ def test_paired_t_test_edge_cases():
         stats.paired_test([1.0, 2.0], [1.0])
 
 
+def test_a_nan_value_is_an_error_and_a_diverged_pair_is_named():
+    with pytest.raises(ValueError, match=r"pair\(s\) \[1\] hold a NaN value"):
+        stats.paired_test([1.0, float("nan"), 3.0], [0.0, 0.0, 0.0])  # was p = nan, "no diff."
+    with pytest.raises(ValueError, match="NaN"):
+        stats.sign_test([1.0, float("nan")])  # was counted as a tie
+    r = stats.paired_test([6.1, math.inf, 6.3], [6.0, 6.2, 6.1])  # a diverged run scores inf
+    assert r["diverged"] == 1 and math.isnan(r["p"]) and r["positive"] == 3
+    assert stats.verdict(r, 0.05) == "not tested: 1 of 3 pairs diverged"
+    assert stats.paired_test([1.0, 2.0], [0.0, 0.5])["diverged"] == 0
+
+
+def test_a_run_that_stopped_early_is_not_compared_at_other_steps():
+    evals = [{"step": s, "val_ppl": 10.0 - s / 1000} for s in range(100, 1501, 100)]
+    run = {"eval": evals, "run_info": {"config": {"num_steps": 2000}}}
+    with pytest.raises(ValueError, match="end at step 1500, before its num_steps=2000"):
+        stats.run_metric(run, 100, 3)
+    run["run_info"]["config"]["num_steps"] = 1500
+    assert stats.run_metric(run, 100, 3) == pytest.approx(10.0 - 1.4)
+
+
+def test_paired_t_power_has_no_nan_where_scipy_has():
+    powers = [stats.paired_t_power(n, e, 0.05) for n in (2, 3, 4, 7)
+              for e in np.arange(0.5, 8, 0.05)]  # fmt: skip
+    assert not np.isnan(powers).any()  # scipy's nct gave nan at e.g. n = 7, effect 3.21
+    assert stats.paired_t_power(7, 3.21, 0.05) > 0.9999
+    # where scipy answers, the integral agrees with it
+    crit = stats.scipy.stats.t.ppf(0.975, 6)
+    assert stats._power_by_integration(crit, 6, 0.86 * math.sqrt(7)) == pytest.approx(
+        stats.paired_t_power(7, 0.86, 0.05), abs=1e-9)
+
+
 def test_sign_test_by_hand():
     assert stats.sign_test([-1] * 7)["p"] == pytest.approx(2 / 128)  # 7 of 7
     assert stats.sign_test([-1] * 6 + [1])["p"] == pytest.approx(2 * 8 / 128)  # 6 of 7

@@ -19,10 +19,11 @@ import math
 from typing import Sequence
 
 import numpy as np
+import scipy.integrate
 import scipy.stats
 
 __all__ = ["sync_aligned_steps", "sync_aligned_mean", "paired_test", "verdict", "sign_test",
-           "split_by_phase", "pearson", "partial_correlation", "binomial_tail",
+           "split_by_phase", "pearson", "run_metric", "partial_correlation", "binomial_tail",
            "binomial_power", "domains_for_power", "paired_t_power", "seeds_for_power"]  # fmt: skip
 
 
@@ -68,6 +69,28 @@ def sync_aligned_mean(evals: Sequence[dict], period: int, last: int, key: str = 
     return float(np.mean([by_step[s] for s in sync_aligned_steps(list(by_step), period, last)]))
 
 
+def run_metric(run: dict, period: int, last: int, key: str = "val_ppl") -> float:
+    """``sync_aligned_mean`` of a stored run, refusing a run that stopped before its end.
+
+    A run whose evaluations end early would be read at other steps than its pair, which
+    the plan forbids (every method at the same steps).
+
+    Args:
+      run: a results entry (``{"eval": [...], "run_info": {"config": {"num_steps": ...}}}``).
+      period, last, key: as ``sync_aligned_mean``.
+
+    Raises:
+      ValueError: the evaluations end before the run's ``num_steps``.
+    """
+    planned = run.get("run_info", {}).get("config", {}).get("num_steps")
+    reached = max((r["step"] for r in run["eval"]), default=0)
+    if planned is not None and reached < planned:
+        raise ValueError(f"a run's evaluations end at step {reached}, before its num_steps="
+                         f"{planned}: it stopped early and would be compared at other steps "
+                         f"than its pair. Finish it (rerun the experiment) or drop it.")
+    return sync_aligned_mean(run["eval"], period, last, key)
+
+
 def sign_test(diffs: Sequence[float]) -> dict[str, float]:
     """Two-sided exact sign test of paired differences (ties dropped).
 
@@ -75,6 +98,8 @@ def sign_test(diffs: Sequence[float]) -> dict[str, float]:
       ``{"negative", "positive", "ties", "p"}``; p = P(a count at least as far from half as
       this one | each sign has probability 1/2).
     """
+    if any(math.isnan(d) for d in diffs):
+        raise ValueError("sign_test: a difference is NaN (a run without its metric).")
     neg = sum(d < 0 for d in diffs)
     pos = sum(d > 0 for d in diffs)
     n = neg + pos
@@ -91,7 +116,12 @@ def paired_test(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
 
     Returns:
       ``mean`` and ``sd`` of the differences, ``t``, ``df``, two-sided ``p`` (nan with one
-      pair), and the sign test's ``negative``, ``positive``, ``ties``, ``sign_p``.
+      pair), the sign test's ``negative``, ``positive``, ``ties``, ``sign_p``, and
+      ``diverged``: pairs with an infinite value (a diverged run scored inf), for which the
+      t-test is undefined (t and p nan; ``verdict`` names them).
+
+    Raises:
+      ValueError: unequal or empty lists, or a NaN value (a run without its metric).
 
     Example:
       >>> r = paired_test([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
@@ -101,21 +131,27 @@ def paired_test(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
     if len(a) != len(b) or not a:
         raise ValueError(f"paired_test needs two equally long non-empty lists, got {len(a)} "
                          f"and {len(b)}.")  # fmt: skip
-    d = np.asarray(a, float) - np.asarray(b, float)
+    values = np.stack([np.asarray(a, float), np.asarray(b, float)])
+    if np.isnan(values).any():
+        bad = sorted(set(np.flatnonzero(np.isnan(values).any(0)).tolist()))
+        raise ValueError(f"paired_test: pair(s) {bad} hold a NaN value (a run without its "
+                         f"metric); drop the pair or score a diverged run as inf.")  # fmt: skip
+    diverged = int(np.isinf(values).any(0).sum())
+    d = values[0] - values[1]
     n = len(d)
-    mean = float(d.mean())
-    sd = float(d.std(ddof=1)) if n > 1 else float("nan")
-    if n < 2:
+    mean = float(d.mean()) if not np.isnan(d).any() else float("nan")  # inf - inf: nan
+    sd = float(d.std(ddof=1)) if n > 1 and not diverged else float("nan")
+    if n < 2 or diverged:
         t = p = float("nan")
     elif sd == 0:
         t, p = (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
     else:
         t = mean / (sd / math.sqrt(n))
         p = float(2 * scipy.stats.t.sf(abs(t), df=n - 1))
-    sign = sign_test(d.tolist())
+    sign = sign_test(np.nan_to_num(d, nan=0.0).tolist())  # inf - inf: a tie
     return {"mean": mean, "sd": sd, "n": n, "t": t, "df": n - 1, "p": p,
             "negative": sign["negative"], "positive": sign["positive"], "ties": sign["ties"],
-            "sign_p": sign["p"]}  # fmt: skip
+            "sign_p": sign["p"], "diverged": diverged}  # fmt: skip
 
 
 def verdict(test: dict[str, float], alpha: float) -> str:
@@ -125,6 +161,8 @@ def verdict(test: dict[str, float], alpha: float) -> str:
       "A < B" when the mean difference is negative and p < alpha, "A > B" when positive and
       p < alpha, else "no difference shown" (which is not evidence of equality).
     """
+    if test.get("diverged"):
+        return f"not tested: {test['diverged']} of {test['n']} pairs diverged"
     if not test["p"] < alpha:  # also nan (one seed)
         return "no difference shown"
     return "A < B" if test["mean"] < 0 else "A > B"
@@ -242,7 +280,21 @@ def paired_t_power(n: int, effect: float, alpha: float) -> float:
         return 0.0
     df, nc = n - 1, effect * math.sqrt(n)
     crit = scipy.stats.t.ppf(1 - alpha / 2, df)
-    return float(scipy.stats.nct.sf(crit, df, nc) + scipy.stats.nct.cdf(-crit, df, nc))
+    power = scipy.stats.nct.sf(crit, df, nc) + scipy.stats.nct.cdf(-crit, df, nc)
+    if math.isnan(power):  # scipy's noncentral t gives nan for some large noncentralities
+        power = _power_by_integration(crit, df, nc)
+    return float(power)
+
+
+def _power_by_integration(crit: float, df: int, nc: float) -> float:
+    """P(|T'| > crit) for T' = (Z + nc) / sqrt(V / df), integrated over V ~ chi2(df)."""
+
+    def given(v: float) -> float:
+        s = crit * math.sqrt(v / df)
+        return scipy.stats.norm.cdf(nc - s) + scipy.stats.norm.cdf(-nc - s)
+
+    density = scipy.stats.chi2(df).pdf
+    return float(scipy.integrate.quad(lambda v: given(v) * density(v), 0, math.inf)[0])
 
 
 def seeds_for_power(effect: float, alpha: float, power: float, max_n: int = 1000) -> int:

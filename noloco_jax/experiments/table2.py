@@ -65,7 +65,7 @@ def metrics(results: dict, key: str = plan.PRIMARY) -> dict[tuple[str, int], dic
         if name.startswith("_"):
             continue
         method, n, seed = parse_name(name)
-        value = stats.sync_aligned_mean(run["eval"], period, plan.LAST_K, key)
+        value = stats.run_metric(run, period, plan.LAST_K, key)
         cells.setdefault((method, n), {})[seed] = value
     return cells
 
