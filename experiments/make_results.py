@@ -56,6 +56,10 @@ def versions(results: pathlib.Path, names: list[str]) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for name in names:
         path = results / f"{name}.json"
+        if (results / f"{name}.md").exists() and not path.exists():
+            raise app.UsageError(
+                f"{results / name}.md has no {name}.json beside it, so the code version of "
+                f"its numbers cannot be checked; rerun the experiment or remove the .md.")
         if path.exists():
             for label, what in provenance.versions_of(json.loads(path.read_text())).items():
                 found.setdefault(label, []).extend(f"{name}: {w}" for w in what)

@@ -49,7 +49,10 @@ def test_git_state_commit_dirty_and_outputs(repo):
     assert provenance.git_state(repo)["diff_sha256"] != dirty["diff_sha256"]
     (repo / "code.py").write_text("x = 1\n")
     (repo / "new_module.py").write_text("y = 1\n")  # a new file counts too
-    assert provenance.git_state(repo)["dirty"] is True
+    one = provenance.git_state(repo)
+    assert one["dirty"] is True
+    (repo / "new_module.py").write_text("y = 2\n")  # and so does its content
+    assert provenance.git_state(repo)["diff_sha256"] != one["diff_sha256"]
     assert provenance.git_state(repo.parent)["commit"] is None  # not a checkout
     assert provenance.version_label({"commit": None}) == "unrecorded"
 
@@ -124,6 +127,18 @@ def _make_results(results_dir, *argv):
     with flagsaver.flagsaver():
         flags.FLAGS.unparse_flags()
         make_results.main(flags.FLAGS(["make_results", "--results_dir", str(results_dir), *argv]))
+
+
+def test_make_results_refuses_a_section_page_without_its_results_file(tmp_path):
+    from absl import app  # noqa: PLC0415
+
+    results = tmp_path / "results"
+    results.mkdir()
+    _results_json(results, "table2", "a" * 40)
+    (results / "hdee.md").write_text("## hdee\n\nnumbers of unknown provenance\n")
+    with pytest.raises(app.UsageError, match=r"hdee\.md has no hdee\.json beside it"):
+        _make_results(results)
+    assert not (tmp_path / "RESULTS.md").exists()
 
 
 def test_make_results_refuses_mixed_commits_unless_told(tmp_path, capsys):

@@ -46,8 +46,8 @@ def git_state(root: pathlib.Path) -> dict[str, Any]:
     Returns:
       ``{"commit": sha or None, "dirty": bool or None, "diff_sha256": str or None}``; None
       where ``root`` is not a git checkout (an installed package). ``diff_sha256`` hashes the
-      uncommitted changes (``git diff HEAD`` and the names of new files) so that two dirty runs
-      can still be told apart.
+      uncommitted changes (``git diff HEAD``, and the names and contents of new files) so that
+      two dirty runs can still be told apart.
 
     Example:
       >>> git_state(ROOT)["commit"]  # doctest: +SKIP
@@ -62,7 +62,14 @@ def git_state(root: pathlib.Path) -> dict[str, Any]:
     digest = None
     if dirty:
         diff = (_git(root, "diff", "HEAD", "--", ".", *excluded) or "") + status
-        digest = hashlib.sha256(diff.encode()).hexdigest()[:16]
+        h = hashlib.sha256(diff.encode())
+        top = pathlib.Path(_git(root, "rev-parse", "--show-toplevel").strip())
+        new_files = _git(root, "ls-files", "--others", "--exclude-standard", "--full-name", "--",
+                         ".", *excluded) or ""  # fmt: skip
+        for name in sorted(new_files.splitlines()):
+            path = top / name
+            h.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b""))
+        digest = h.hexdigest()[:16]
     return {"commit": commit.strip(), "dirty": dirty, "diff_sha256": digest}
 
 
