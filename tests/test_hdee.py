@@ -88,11 +88,17 @@ def test_the_three_ensembles_cost_the_same_compute():
     assert steps == {"easy": 75, "medium": 150, "hard": 225}
     sizes = {p.tier: p.size for p in ex.plan_ensemble("M_He-I_Ho", tiers, 150, 75)}
     assert sizes == {"easy": "S", "medium": "M", "hard": "L"}
-    # With more hard than easy domains the heterogeneous-steps ensemble costs more: the
-    # accounting is computed, not assumed.
+    # With more hard than easy domains the heterogeneous ensembles would cost more compute
+    # than the homogeneous one (the accounting is computed, not assumed): refused.
     lopsided = {**tiers, "g": "hard"}
-    assert ex.compute(ex.plan_ensemble("M_Ho-I_He", lopsided, 150, 75), configs) > ex.compute(
+    unequal = [ex.ExpertPlan(d, t, "M", 150 + {"easy": -75, "medium": 0, "hard": 75}[t])
+               for d, t in lopsided.items()]  # what M_Ho-I_He planned before
+    assert ex.compute(unequal, configs) > ex.compute(
         ex.plan_ensemble("M_Ho-I_Ho", lopsided, 150, 75), configs)
+    for kind in ("M_Ho-I_He", "M_He-I_Ho"):
+        with pytest.raises(ValueError, match="only with as many easy as hard domains, got 2 "
+                                             "easy and 3 hard of 7"):  # fmt: skip
+            ex.plan_ensemble(kind, lopsided, 150, 75)
 
 
 def _group(streams, steps, seed=0):

@@ -62,6 +62,12 @@ def plan_ensemble(kind: str, tiers: dict[str, str], steps: int, delta: int) -> l
     if not 0 <= delta < steps:
         raise ValueError(f"delta must be in [0, steps={steps}), got {delta!r}.")
     by_tier = {"easy": -1, "medium": 0, "hard": 1}
+    counts = {t: sum(v == t for v in tiers.values()) for t in by_tier}
+    if kind != "M_Ho-I_Ho" and counts["easy"] != counts["hard"]:
+        raise ValueError(
+            f"{kind} matches the homogeneous ensemble's compute only with as many easy as hard "
+            f"domains, got {counts['easy']} easy and {counts['hard']} hard of {len(tiers)} "
+            f"(assign_tiers splits a multiple of 3 domains evenly).")
     plans = []
     for domain in sorted(tiers, key=lambda d: (by_tier[tiers[d]], d)):
         tier = tiers[domain]

@@ -2,7 +2,10 @@
 
 Every replica pair is joined by the same link. A message pays the link's
 latency once and its bytes at the link's bandwidth; links are full duplex, so
-sending and receiving overlap.
+sending and receiving overlap. So a pair exchange is one latency, where the
+paper's latency model (§5.3, ``latency_model``) charges a pairwise average
+2·t_c: with no bandwidth cost, tree all-reduce / pair is 2·log2 N here and
+log2 N there.
 """
 
 from __future__ import annotations
