@@ -208,6 +208,11 @@ def _sched(**kw):
     return sp.make_schedule(**args)
 
 
+def _part_edit(edit):
+    """The test setting's partition, changed by ``edit`` (a list of node tuples per stage)."""
+    return [tuple(int(n) for n in nodes) for nodes in edit(list(_setting("geo", 18, 4, 3)[1]))]
+
+
 @pytest.mark.parametrize("call, field", [
     (lambda: sp.PathRules(1, 1), "num_stages"),
     (lambda: sp.PathRules(4, 5), "path_length"),
@@ -236,6 +241,14 @@ def _sched(**kw):
     (lambda: _sched(time_limit_s=0.0), "time_limit_s"),
     (lambda: _sched(max_restarts=0), "max_restarts"),
     (lambda: _sched(rules=sp.PathRules(6, 3)), "partition"),
+    (lambda: sp.PathRules(4.5, 2), "num_stages"),  # was accepted, then a TypeError
+    (lambda: sp.PathRules(4, 2, max_jump=True), "max_jump"),
+    (lambda: _sched(partition=_part_edit(lambda p: [p[0], (), *p[2:]])), "partition"),
+    (lambda: _sched(partition=_part_edit(lambda p: [p[0][1:], *p[1:]])), "partition"),
+    (lambda: _sched(partition=_part_edit(lambda p: [p[0] + (99,), *p[1:]])), "partition"),
+    (lambda: _sched(partition=_part_edit(lambda p: [p[0] + p[1][:1], *p[1:]])), "partition"),
+    (lambda: _sched(kind="skippipe_no_tc2", message_bytes=-1e12), "message_bytes"),
+    (lambda: _sched(kind="full", message_bytes=float("nan")), "message_bytes"),
     (lambda: sp.simulate(_net3(), [(0, 1, 2, 0)], memory=0, message_bytes=1.0), "memory"),
     (lambda: sp.simulate(_net3(), [(0, 1, 2, 0)], memory=1, message_bytes=-1.0),
      "message_bytes"),

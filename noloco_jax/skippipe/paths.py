@@ -23,6 +23,8 @@ import dataclasses
 import itertools
 from typing import Mapping, Sequence
 
+import numpy as np
+
 __all__ = ["PathRules", "check_stage_path", "check_path", "valid_stage_paths"]
 
 
@@ -50,6 +52,11 @@ class PathRules:
     max_jump: int = 4
 
     def __post_init__(self) -> None:
+        for name in ("num_stages", "path_length", "max_swaps", "max_swap_distance",
+                     "max_total_swap_distance", "max_jump"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.num_stages < 2:
             raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
         if not 2 <= self.path_length <= self.num_stages:

@@ -32,6 +32,7 @@ The result is a pure function of the inputs and ``seed`` as long as
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Sequence
 
@@ -226,8 +227,10 @@ def _plan(prob: _Problem, heads: Sequence[int], order: Sequence[int], mode: str,
         head = heads[mb]
         seqs = loads.candidates(lookahead=True) or loads.candidates(lookahead=False)
         if not seqs:
-            raise RuntimeError(f"no feasible path left for microbatch {mb}; "
-                               "raise memory or stage_cap, or lower microbatches")  # fmt: skip
+            raise RuntimeError(f"no feasible path left for microbatch {mb}; raise memory or "
+                               f"stage_cap, or lower microbatches (the capacity check counts "
+                               f"every later stage, also ones the path rules never reach, "
+                               f"e.g. beyond max_jump)")  # fmt: skip
         if mode == "random":
             seq = seqs[int(rng.integers(len(seqs)))]
             path = [head] + [int(rng.choice(loads.free_nodes(s))) for s in seq[1:]] + [head]
@@ -275,13 +278,29 @@ def full_pipeline_chains(network: Network, partition: Partition,
     return [tuple(int(n) for n in c) for c in chains]
 
 
+def _check_partition(partition: Partition, network: Network, rules: PathRules) -> None:
+    """Every stage non-empty; every node of the network in exactly one stage."""
+    if len(partition) != rules.num_stages:
+        raise ValueError(f"partition must have num_stages={rules.num_stages} stages, "
+                         f"got {len(partition)}")  # fmt: skip
+    empty = [k for k, nodes in enumerate(partition) if len(nodes) == 0]
+    if empty:
+        raise ValueError(f"partition: stage(s) {empty} hold no node.")
+    nodes = [int(n) for stage in partition for n in stage]
+    count = network.num_nodes
+    outside = sorted({n for n in nodes if not 0 <= n < count})
+    twice = sorted({n for n in nodes if nodes.count(n) > 1})
+    missing = sorted(set(range(count)) - set(nodes))
+    if outside or twice or missing:
+        raise ValueError(f"partition must place each of the network's {count} nodes in exactly "
+                         f"one stage: outside the network {outside}, in two places {twice}, "
+                         f"left out {missing}.")  # fmt: skip
+
+
 def _check(kind: str, partition: Partition, rules: PathRules, microbatches: int, memory: int,
            stage_cap: int | None, time_limit_s: float, max_restarts: int) -> int:  # fmt: skip
     if kind not in SCHEDULES:
         raise ValueError(f"kind must be one of {SCHEDULES}, got {kind!r}")
-    if len(partition) != rules.num_stages:
-        raise ValueError(f"partition must have num_stages={rules.num_stages} stages, "
-                         f"got {len(partition)}")  # fmt: skip
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     if memory < 1:
@@ -326,6 +345,9 @@ def make_schedule(kind: str, network: Network, partition: Partition, rules: Path
     Returns:
       The ``Schedule``.
     """
+    _check_partition(partition, network, rules)
+    if not (math.isfinite(message_bytes) and message_bytes >= 0):
+        raise ValueError(f"message_bytes must be a finite number >= 0, got {message_bytes!r}")
     cap = _check(kind, partition, rules, microbatches, memory, stage_cap, time_limit_s,
                  max_restarts)  # fmt: skip
     t0 = time.perf_counter()
