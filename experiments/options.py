@@ -132,10 +132,19 @@ def run(main: Callable[[list[str]], Any]) -> None:
     with no traceback and no listing of every flag. Any other exception is a bug and keeps
     its traceback.
 
+    ``--help`` (and ``--helpshort``, ``--helpfull``) exits 0 (absl exits 1 after it).
+
     Args:
       main: the script's ``main(argv)``.
     """
-    app.run(_reporting(main), flags_parser=_parse_flags)
+    try:
+        app.run(_reporting(main), flags_parser=_parse_flags)
+    except SystemExit as done:
+        asked = any(a.lstrip("-") in ("help", "helpshort", "helpfull", "h", "?")
+                    for a in sys.argv[1:])  # fmt: skip
+        if asked and done.code == 1:
+            raise SystemExit(0) from None
+        raise
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

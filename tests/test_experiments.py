@@ -247,6 +247,7 @@ def test_help_through_python_m(script):
     proc = subprocess.run([sys.executable, "-m", script, "--helpshort"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.returncode  # absl's own exit status after help is 1
     assert f"python -m {script}" in proc.stdout  # the module's usage, then its flags
     shown = {"experiments.table2": ["--jobs:", "--[no]smoke:", "--out_dir:"],
              "experiments.bench.compile_scale": ["--[no]shard_map:", "--[no]smoke:", "--ns:"],
