@@ -2,9 +2,11 @@
 
     python -m experiments.streaming_netsim [--smoke] [--publish] [--out_dir=DIR]
 
-For the paper's small / medium / large models (float32 params) and a datacenter (100 Gbit/s,
-0.01 ms) and an internet (1 Gbit/s, 50 ms) link: one replica's burst per sync, sync time, the
-share of wall time it stalls, and the bandwidth above which an overlap of tau steps hides the
+For the paper's small / medium / large models at their nominal (OPT) sizes, 125M / 1.3B /
+6.8B (the Llama models as configured are larger: network_model.py uses their counts), float32
+params, and a datacenter (100 Gbit/s, 0.01 ms) and an internet (1 Gbit/s, 50 ms) link: one
+replica's burst per sync, sync time, the share of wall time it stalls, and the bandwidth
+above which an overlap of tau steps hides the
 exchange, for P in {1, 2, 5} (dividing H = 50), tau in {0, 1, 5} and float32 / bfloat16 /
 int8 / float8 on the wire (H = 50). NoLoCo (n = 2) does not depend on N; DiLoCo's ring
 all-reduce is listed for N in {8, 64, 1024}. This is the cost model only; the optimizer's

@@ -7,7 +7,9 @@ synthetic sources whose difficulty is set by construction (a Markov chain with a
 branching factor, arithmetic, sorting, JSON and CSV records, log lines, FASTA-like genes).
 Difficulty is measured, not assumed: the bits per byte of a small reference model, an
 interpolated byte n-gram fit on the domain's train split and scored on its dev split
-(``ngram_bits_per_byte``); training domains are cut into easy / medium / hard thirds by it.
+(``ngram_bits_per_byte``); ``assign_tiers`` cuts the training domains into easy / medium /
+hard thirds by a measured difficulty (the experiment's default is the dev bits/byte of the M
+seed model, ``configs/exp_hdee.py``'s ``difficulty``; the n-gram measure is its alternative).
 ``difficulty_bits_per_byte`` (zlib, level 9) is a second, model-free measure; it rewards
 repeats up to 32 KB apart that a short-context model cannot use, and so ranks e.g. arithmetic
 (short, unpredictable digits, few long repeats) hardest where small language models find it easy.

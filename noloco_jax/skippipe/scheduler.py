@@ -20,7 +20,7 @@ Every stage-0 node ("head") sends ``microbatches`` microbatches; each is an
 
 Load caps (SkipPipe's CBS conflict types 1 and 2): a non-first node serves at
 most ``memory`` microbatches per iteration, and a later stage at most
-``stage_cap`` (default: its size x ``memory``). The node cap makes every skip
+``stage_cap`` (default: the largest later stage's size x ``memory``). The node cap makes every skip
 schedule deadlock-free in the simulator. A look-ahead keeps enough spare
 capacity for the agents still to be planned (a 0/1 matrix with row sums L-1
 and column sums <= c_s exists iff sum_s min(c_s, r) >= r (L-1) for r rows).
