@@ -263,6 +263,8 @@ USER_ERRORS = [
      "hdee_stability: error: --before: no file '/no/such.json'"),  # a UserError
     ("experiments.bench.throughput", ["--case=small,8"], "throughput: error: --case='small,8': "
      "expected preset,batch,seq_len,steps,reps"),
+    ("experiments.dropout", ["--report_only", "--out_dir=/nonexistent_results"],
+     "dropout: error: --report_only: no saved metrics for"),  # was a FileNotFoundError traceback
 ]
 
 

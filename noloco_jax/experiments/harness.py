@@ -202,7 +202,7 @@ def _saved_metrics(out_dir: pathlib.Path, names: list[str], runs: list[Run]) -> 
                           and "eval" in saved[r.name]})  # fmt: skip
     missing = sorted({r.name for r in runs} - set(found))
     if missing:
-        raise FileNotFoundError(
+        raise errors.UserError(
             f"--report_only: no saved metrics for {missing} in {out_dir} ({', '.join(names)}.json)."
         )
     return found
