@@ -561,10 +561,28 @@ def _group_sums(leaves: list, wires: list, axis_name: str, pool: np.ndarray,
         # order after it, leaf by leaf.
         sums = [x.astype(_accum_dtype(x.dtype)) for x in leaves]
         message = _encode(sums, wires)
-        branches = [functools.partial(_shifts, axis_name=axis_name, partition=p) for p in pool]
-        for received in _switch(index, branches, message):
-            sums = [a + r for a, r in zip(sums, _decode(received, sums, wires))]
-        return sums
+        n = pool.shape[-1]
+        if n == 2:  # a + b = b + a: both members already add the same two numbers
+            branches = [functools.partial(_shifts, axis_name=axis_name, partition=p)
+                        for p in pool]  # fmt: skip
+            (received,) = _switch(index, branches, message)
+            return [a + r for a, r in zip(sums, _decode(received, sums, wires))]
+
+        def shifted(message: jax.Array, partition: np.ndarray) -> tuple:
+            # terms[k] came from position (p - k) mod n; add them in position order, so every
+            # member adds the same numbers in the same order (its own value when it travels
+            # unrounded, i.e. the wire is the accumulation dtype)
+            terms = [sums, *(_decode(r, sums, wires) for r in _shifts(message, axis_name,
+                                                                        partition))]  # fmt: skip
+            p = _position(partition, axis_name)
+            out = None
+            for q in range(n):
+                term = [lax.select_n((p - q) % n, *t) for t in zip(*terms)]
+                out = term if out is None else [a + b for a, b in zip(out, term)]
+            return tuple(out)
+
+        branches = [functools.partial(shifted, partition=p) for p in pool]
+        return list(_switch(index, branches, message))
     # Partial sums travel: the branches sum flat buffers, one per
     # (wire, accumulation) dtype, sending all of them in one message per step.
     keys = _buffer_keys(leaves, wires)

@@ -76,6 +76,19 @@ def test_group_mean_matches_numpy(n_replicas, n):
         np.testing.assert_allclose(mean, _numpy_group_mean(np.asarray(x), pool[idx]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("n_replicas,n", [(6, 3), (8, 2), (8, 4), (10, 5)])
+def test_group_members_agree_bit_for_bit(n_replicas, n):
+    """With cyclic shifts (n = 3, 5) members added the same values in different orders."""
+    x = jax.random.normal(jax.random.key(1), (n_replicas, 3000))
+    pool = comm.partition_pool(n_replicas, n, seed=0)
+    run = jax.vmap(lambda v: comm.group_mean(v, "r", pool, 0), axis_name="r")
+    optimized = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+    mean = np.asarray(jax.jit(run).lower(x).compile(compiler_options=optimized)(x))
+    for g in pool[0]:
+        np.testing.assert_array_equal(mean[g], np.broadcast_to(mean[g[0]], mean[g].shape))
+    np.testing.assert_allclose(mean, _numpy_group_mean(np.asarray(x), pool[0]), atol=1e-6)
+
+
 def test_group_mean_bf16_exchange_rounds_only_what_travels():
     x = jnp.linspace(1.0, 2.0, 4 * 3, dtype=jnp.float32).reshape(4, 3) + 1e-3
     pool = comm.partition_pool(4, 2, seed=0)
@@ -153,9 +166,16 @@ def _reference_group_mean(tree, axis_name, partition, exchange_dtype, weight):
             for perm in perms:
                 acc = acc + send(acc, wire, perm)
             return acc
-        total = acc  # cyclic shifts: the own value travels
-        for perm in perms:
-            total = total + send(acc, wire, perm)
+        # cyclic shifts: the own value travels; terms[k] came from position (p - k) mod n, and
+        # the sum runs in position order (every member adds the same numbers in one order)
+        terms = [acc] + [send(acc, wire, perm) for perm in perms]
+        position = np.zeros(partition.size, np.int32)
+        for group in partition:
+            position[group] = np.arange(n)
+        p = jnp.asarray(position)[jax.lax.axis_index(axis_name)]
+        total = jax.lax.select_n(p, *terms)  # position 0's value, q = 0
+        for q in range(1, n):
+            total = total + jax.lax.select_n((p - q) % n, *terms)
         return total
 
     leaves, treedef = jax.tree.flatten(tree)
