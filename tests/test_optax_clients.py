@@ -275,6 +275,16 @@ def test_a_stage_after_local_steps_in_a_chain_is_refused(after):
         reps.init(optax.chain(optax.identity(), bad), params)
 
 
+def test_an_update_outside_reps_map_names_the_fix():
+    reps = replicas.make_replicas(N, backend="vmap")
+    params = random_tree(jax.random.key(0), N)
+    tx = local_steps(optax.adam(1e-3), noloco_outer(), 2)
+    state = reps.init(tx, params)
+    with pytest.raises(ValueError, match=r"got the state of all replicas at once .* leading "
+                       r"axis of 4\): call it per replica, e\.g\. jax\.jit\(reps\.map"):
+        jax.jit(tx.update)(params, state, params)  # was a broadcasting error in Adam
+
+
 def test_swapped_inner_and_outer_are_named():
     reps = replicas.make_replicas(N, backend="vmap")
     params = random_tree(jax.random.key(0), N)

@@ -448,6 +448,12 @@ def local_steps(
             raise ValueError("local_steps.update needs params= the current (fast) weights.")
         if is_batched(state.count):
             raise ValueError(BATCHED_COUNTER_FIX)
+        if jnp.ndim(state.nonfinite_resets) != 0:  # a per-replica scalar, seen with its N axis
+            raise ValueError(
+                "local_steps.update got the state of all replicas at once (its per-replica "
+                f"leaves have a leading axis of {jnp.shape(state.nonfinite_resets)[0]}): "
+                "call it per replica, e.g. jax.jit(reps.map(train_step)) with reps = "
+                "noloco_jax.replicas.make_replicas(N).")
         sync_step = extra_args.pop("sync_step", None)
         merge_step = extra_args.pop("merge_step", None)
         _check_phases(sync_step, merge_step, num_frags, delay)
