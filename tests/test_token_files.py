@@ -69,12 +69,26 @@ def test_sharded_batches_read_only_the_local_replicas(tmp_path):
     assert sorted(set(asked)) == [(r,) for r in range(8)]  # one replica per device, no more
 
 
+def test_a_token_file_alive_at_interpreter_exit_closes_quietly(tmp_path):
+    write_tokens(tmp_path / "t.npy", [np.arange(10)], vocab_size=256)
+    code = ("import sys; from noloco_jax.data.token_files import TokenFile; "
+            f"KEPT = TokenFile({str(tmp_path / 't.npy')!r}); print(len(KEPT))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "10", out.stderr[-2000:]
+    assert "Exception ignored" not in out.stderr, out.stderr[-2000:]  # os.close was gone
+
+
 def test_tokens_source_bad_inputs(tmp_path):
     with pytest.raises(FileNotFoundError, match="train.npy"):
         open_token_dir(tmp_path, 256)
     write_tokens(tmp_path / "train.npy", [np.array([1, 2, 299])], vocab_size=300)
     write_tokens(tmp_path / "validation.npy", [np.array([1, 2])], vocab_size=300)
     with pytest.raises(ValueError, match="token id 299, outside the tokenizer's vocabulary of 256"):
+        open_token_dir(tmp_path, 256)
+    padded = np.array([5, -1, 7, -1], np.int32)  # -1 padding in a hand-made int32 stream
+    np.save(tmp_path / "train.npy", padded)  # was accepted; the model read -1 as id 255
+    with pytest.raises(ValueError, match=r"token id -1; ids must be in \[0, 256\)"):
         open_token_dir(tmp_path, 256)
     with pytest.raises(ValueError, match=r"must lie in \[0, 10\)"):
         write_tokens(tmp_path / "x.npy", [np.array([10])], vocab_size=10)

@@ -106,14 +106,15 @@ class TokenFile:
         self._fd = os.open(self.path, os.O_RDONLY)
         self._digest: str | None = None
         self._max: int | None = None
+        self._min = 0
 
     def __len__(self) -> int:
         return self.shape[0]
 
-    def __del__(self) -> None:
+    def __del__(self, _close: Any = os.close) -> None:  # bound now: at exit os.close is gone
         fd = getattr(self, "_fd", None)
         if fd is not None:
-            os.close(fd)
+            _close(fd)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` in the file's dtype."""
@@ -142,12 +143,12 @@ class TokenFile:
             yield self.read(start, start + size)
 
     def _scan(self) -> None:
-        h, top = hashlib.sha256(), -1
+        h, top, low = hashlib.sha256(), -1, 0
         for chunk in self.chunks():
             h.update(chunk.astype(np.int32).tobytes())  # same hash as an in-memory int32 stream
             if chunk.size:
-                top = max(top, int(chunk.max()))
-        self._digest, self._max = h.hexdigest()[:16], top
+                top, low = max(top, int(chunk.max())), min(low, int(chunk.min()))
+        self._digest, self._max, self._min = h.hexdigest()[:16], top, low
 
     def digest(self) -> str:
         """sha256 (16 hex digits) of the stream as int32 bytes, read in chunks (once)."""
@@ -160,6 +161,12 @@ class TokenFile:
         if self._max is None:
             self._scan()
         return self._max
+
+    def min_id(self) -> int:
+        """The smallest id in the stream if negative, else 0 (0 when empty)."""
+        if self._max is None:
+            self._scan()
+        return self._min
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         """The whole stream in memory (small streams and tests only)."""
@@ -179,7 +186,7 @@ def open_token_dir(directory: str | pathlib.Path, vocab_size: int) -> tuple[Toke
 
     Raises:
       FileNotFoundError: a missing directory or file.
-      ValueError: an id outside the vocabulary.
+      ValueError: an id outside the vocabulary (below 0 or not below ``vocab_size``).
     """
     directory = pathlib.Path(directory).expanduser()
     out = []
@@ -191,6 +198,11 @@ def open_token_dir(directory: str | pathlib.Path, vocab_size: int) -> tuple[Toke
                 f"ids per split (noloco_jax.data.token_files.write_tokens writes one)."
             )
         stream = TokenFile(path)
+        if stream.min_id() < 0:
+            raise ValueError(
+                f"{path} holds token id {stream.min_id()}; ids must be in [0, {vocab_size}) "
+                f"(a negative id, e.g. -1 padding, would be read as id {vocab_size - 1} by the "
+                f"model). Drop the padding: documents are joined into one stream.")  # fmt: skip
         if stream.max_id() >= vocab_size:
             raise ValueError(
                 f"{path} holds token id {stream.max_id()}, outside the tokenizer's vocabulary "

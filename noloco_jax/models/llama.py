@@ -224,7 +224,8 @@ class Llama(nnx.Module):
         """Looks up token embeddings.
 
         Args:
-          tokens_BxT: integer token ids in [0, V). Out-of-range ids give NaN rows.
+          tokens_BxT: integer token ids in [0, V). Ids >= V give NaN rows; negative ids
+            wrap around as NumPy indices do (the data loaders refuse them).
 
         Returns:
           x_BxTxD in the compute dtype.
