@@ -333,6 +333,7 @@ def test_byte_tokenizer():
     assert tok.decode(np.append(ids, tok.eos_id)) == text
     assert tok.encode("a\x00b").tolist() == [97, 98]  # NUL is reserved for eos
     assert tok.decode([104, 105]) == "hi" and tok.decode([0xFF]) == "\ufffd"
+    assert tok.decode(tok.encode("a\ud800b")) == "a\ufffdb"  # a lone surrogate (was "a?b")
     with pytest.raises(ValueError, match="byte ids"):
         tok.decode([256])
     with pytest.raises(ValueError, match="exactly 256"):
@@ -366,10 +367,14 @@ def test_sentencepiece_trained_locally_and_cached(tmp_path, monkeypatch):
     # Deterministic: training the same text again gives the same model bytes.
     retrained = data.train_sentencepiece(TEXTS, vocab_size=300, model_path=tmp_path / "b.model")
     assert retrained.name == tok.name
+    assert tok.decode(tok.encode("a\udc80b")) == "a\ufffdb"  # was a RuntimeError from C++
     with pytest.raises(ValueError, match="vocab_size"):
         data.train_sentencepiece(TEXTS, vocab_size=100, model_path=tmp_path / "x.model")
     with pytest.raises(ValueError, match="already holds a model with vocab_size=300"):
         data.train_sentencepiece(TEXTS, vocab_size=400, model_path=tmp_path / "b.model")
+    with pytest.raises(ValueError, match=r"vocab_size=259 leaves room for only 1 character "
+                       r"piece\(s\).*use a larger vocab_size"):  # was "the texts are empty"
+        data.train_sentencepiece(TEXTS, vocab_size=259, model_path=tmp_path / "y.model")
     with pytest.raises(ValueError, match="vocab_size"):
         data.make_tokenizer("sentencepiece", corpus=corpus, cache_dir=tmp_path)
 

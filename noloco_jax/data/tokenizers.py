@@ -39,6 +39,15 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
+def _well_formed(text: str) -> str:
+    """``text`` with each lone surrogate (not encodable as UTF-8) replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255; id 0 (NUL, stripped from text) ends documents."""
 
@@ -47,8 +56,9 @@ class ByteTokenizer:
     name = "byte256"
 
     def encode(self, text: str) -> np.ndarray:
-        """UTF-8 bytes of ``text`` (NUL characters, reserved for eos, are dropped)."""
-        data = text.replace("\x00", "").encode("utf-8", errors="replace")
+        """UTF-8 bytes of ``text`` (NUL characters, reserved for eos, are dropped; a lone
+        surrogate, which UTF-8 cannot hold, becomes U+FFFD)."""
+        data = _well_formed(text.replace("\x00", "")).encode("utf-8")
         return np.frombuffer(data, np.uint8).astype(np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -76,8 +86,8 @@ class SentencePieceTokenizer:
         self.name = "sp" + hashlib.sha256(blob).hexdigest()[:12]
 
     def encode(self, text: str) -> np.ndarray:
-        """int32 ids of ``text`` (no eos appended)."""
-        return np.asarray(self._sp.encode(text), np.int32)
+        """int32 ids of ``text`` (no eos appended; a lone surrogate becomes U+FFFD)."""
+        return np.asarray(self._sp.encode(_well_formed(text)), np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; eos ids are dropped."""
@@ -108,6 +118,12 @@ def _training_lines(texts: Iterable[str], vocab_size: int) -> list[str]:
         table = {ord(ch): None for ch in counts if ch not in keep}
         lines = [line.translate(table) for line in lines]
         lines = [line for line in lines if line.strip()]
+        if not lines:
+            raise ValueError(
+                f"vocab_size={vocab_size} leaves room for only {budget} character piece(s) "
+                f"besides the {_SP_RESERVED} reserved ones, and the {budget} most frequent "
+                f"character(s) leave no text to learn merges from; use a larger vocab_size, "
+                f"e.g. {_SP_RESERVED + 2 * 64} or more.")  # fmt: skip
     return lines
 
 
@@ -180,8 +196,8 @@ def train_sentencepiece(
         )
     except RuntimeError as err:
         raise ValueError(
-            f"sentencepiece training with vocab_size={vocab_size} failed (too large a vocabulary "
-            f"for this corpus?): {err}"
+            f"sentencepiece training with vocab_size={vocab_size} failed (more pieces than this "
+            f"corpus has merges for, or too few for its characters): {err}"
         ) from err
     model_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = model_path.with_name(f"{model_path.name}.tmp{os.getpid()}")
