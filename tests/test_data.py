@@ -467,6 +467,15 @@ def test_batcher_errors():
         b.batch(-1)
     with pytest.raises(ValueError, match="replica"):
         b.shard(4)
+    for rows in ([4], [-1]):  # were a bare IndexError / numpy's own message
+        with pytest.raises(ValueError, match=r"replicas: must be an integer in \[0, 3\]"):
+            b.batch(0, replicas=rows)
+    stream = np.asarray(STREAM)
+    for bad, says in [(stream + 0.7, "integer ids, got dtype float64"),  # were truncated
+                      (np.append(stream, 2**31 + 5).astype(np.int64), r"\[0, 2\*\*31 - 1\]"),
+                      (np.append(stream, -1), r"\[0, 2\*\*31 - 1\], got -1")]:  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            data.ReplicaBatcher(bad, num_replicas=4, batch_size=3, seq_len=16)
 
 
 def test_check_compatible():

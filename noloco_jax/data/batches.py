@@ -76,6 +76,16 @@ def _open_cache(path: pathlib.Path, on_disk: bool) -> np.ndarray | TokenFile:
     return TokenFile(path) if on_disk else np.load(path).astype(np.int32)
 
 
+def _as_ids(tokens: Any) -> np.ndarray:
+    """An in-memory stream as int32 ids; non-integer values or ids beyond int32 are refused."""
+    array = np.asarray(tokens)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"tokens must hold integer ids, got dtype {array.dtype}.")
+    if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"token ids must be in [0, 2**31 - 1], got {array.min()}..{array.max()}.")
+    return array.astype(np.int32)
+
+
 class ReplicaBatcher:
     """Per-replica training batches from one token stream.
 
@@ -106,7 +116,7 @@ class ReplicaBatcher:
                             ("seq_len", seq_len)]:  # fmt: skip
             check_int(name, value)
         check_int("seed", seed, minimum=0)
-        self.tokens = tokens if isinstance(tokens, TokenFile) else np.asarray(tokens, np.int32)
+        self.tokens = tokens if isinstance(tokens, TokenFile) else _as_ids(tokens)
         self.num_replicas, self.batch_size, self.seq_len, self.seed = (
             num_replicas, batch_size, seq_len, seed)  # fmt: skip
         if self.tokens.ndim != 1:
@@ -156,6 +166,8 @@ class ReplicaBatcher:
         epoch, k = divmod(step, self.steps_per_epoch)
         sl = slice(k * self.batch_size, (k + 1) * self.batch_size)
         rows = range(self.num_replicas) if replicas is None else replicas
+        for r in rows:
+            check_int("replicas", r, 0, self.num_replicas - 1)
         return np.stack([self._order(r, epoch)[sl] for r in rows]).astype(np.int64)
 
     def batch(self, step: int, replicas: Sequence[int] | None = None) -> np.ndarray:
