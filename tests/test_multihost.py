@@ -101,9 +101,13 @@ TOPOLOGIES = {
 }
 
 
+SLOW_TOPOLOGIES = ("replica4_stage2",)  # the evaluator gathers stage-split weights (30 s)
+
+
+@pytest.mark.parametrize("topology", [
+    *(t for t in sorted(TOPOLOGIES) if t not in SLOW_TOPOLOGIES),
+    *(pytest.param(t, marks=pytest.mark.slow) for t in SLOW_TOPOLOGIES)])  # fmt: skip
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("topology", [*sorted(TOPOLOGIES), pytest.param(
-    "replica4_stage2", marks=pytest.mark.slow)])  # the evaluator gathers stage-split weights
 def test_two_processes_match_one_process(tmp_path, corpus_and_data, topology):
     from noloco_jax.trainer.checkpoint import Checkpointer  # noqa: PLC0415
 
