@@ -751,19 +751,19 @@ def group_mean_codec(
     index: jax.typing.ArrayLike,
     fmt: str,
     weight: jax.Array | None = None,
-) -> tuple[PyTree, PyTree, jax.Array]:
+) -> tuple[PyTree, PyTree, PyTree]:
     """``group_mean`` with an 8-bit format, what this replica sent, and whether it joined.
 
     The second output is what error feedback needs: the residual of this
-    replica's message is ``tree - sent``. The third, a boolean scalar, is False
-    for a replica whose message nobody used: an absent one, or a present one
-    whose partners are all absent (both get their own exact ``tree`` back).
+    replica's message is ``tree - sent``. The third, a tree like ``tree`` of
+    boolean scalars (one per leaf, typed like its leaf under ``shard_map``), is
+    False for a replica whose message nobody used: an absent one, or a present
+    one whose partners are all absent (both get their own exact ``tree`` back).
     """
     run = functools.partial(_group_mean_codec, axis_name=axis_name, pool=pool, index=index,
                             fmt=fmt, weight=weight)  # fmt: skip
     per_kind = _per_kind(run, tree)
-    mean, sent, joined = run(tree) if per_kind is None else per_kind
-    return mean, sent, jax.tree.leaves(joined)[0]
+    return run(tree) if per_kind is None else per_kind
 
 
 def all_replica_mean(

@@ -256,9 +256,10 @@ class Replicas:
             try:
                 return placed_run(*args)
             except ValueError as err:
-                if "which implies that the corresponding output value is replicated" in str(err):
-                    raise _varying_scalar_error() from err
-                if "does not match the specs of the input" not in str(err):
+                text = str(err)
+                if "is P() which implies that the corresponding output value" in text:
+                    raise _varying_scalar_error() from err  # a shared (P()) leaf that varies
+                if "does not match the specs of the input" not in text:
                     raise
                 raise ValueError(
                     f"Replicas.map: an input is not placed over the {self.axis_name!r} mesh "

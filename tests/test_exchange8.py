@@ -165,6 +165,37 @@ def test_a_replica_whose_partners_are_all_absent_steps_on_its_exact_theta(feedba
             np.testing.assert_array_equal(kept[0], e[0])  # nobody used its message
 
 
+def test_error_feedback_with_drop_out_on_a_replica_by_stage_mesh():
+    """Leaves split over stages and leaves replicated over them, each with its own presence
+    flag: one flag typed like the first kind made the stage-replicated leaves stage-varying,
+    and shard_map refused the output."""
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    mesh = jax.make_mesh((N, 2), ("replica", "stage"))
+    tx = noloco_outer(0.7, 0.0, exchange_dtype="int8", error_feedback=True, dropout_prob=0.4,
+                      seed=3)  # fmt: skip
+    a = jax.random.normal(jax.random.key(0), (N, 2, 6))
+    b = jax.random.normal(jax.random.key(1), (N, 5))
+
+    def body(a, b):
+        theta = {"a": a[0], "b": b[0]}
+        phi = jax.tree.map(jnp.zeros_like, theta)
+        delta, _ = tx.update(jax.tree.map(jnp.subtract, phi, theta), tx.init(phi), phi)
+        return delta["a"][None], delta["b"][None]
+
+    specs = (P("replica", "stage"), P("replica"))
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs))
+    da, db = map(np.asarray, run(*(jax.device_put(x, NamedSharding(mesh, s))
+                                   for x, s in zip((a, b), specs))))  # fmt: skip
+    a, b = np.asarray(a), np.asarray(b)
+    present = np.asarray(comm.presence_mask(0, N, 0.4, 3))
+    for r in np.flatnonzero(~present):  # an absent replica steps on its own theta alone
+        np.testing.assert_allclose(db[r], 0.7 * b[r], rtol=1e-6)
+        np.testing.assert_allclose(da[r], 0.7 * a[r], rtol=1e-6)
+    assert (~present).any() and np.isfinite(np.asarray(da)).all()
+
+
 @pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])
 def test_bad_exchange_settings(factory):
     with pytest.raises(ValueError, match="exchange_dtype: must be None, a float dtype"):

@@ -73,6 +73,18 @@ def test_map_refuses_an_integer_scalar_that_differs_between_replicas(backend):
         jax.jit(mapped)(reps.put(jnp.ones((8, 3))))
 
 
+def test_a_float_output_varying_over_a_stage_axis_keeps_jaxs_error():
+    # Only a shared (P()) leaf gets the integer-scalar message; here the float leaf's spec is
+    # P('replica') and it varies over the manual stage axis.
+    mesh = jax.make_mesh((4, 2), ("replica", "stage"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)  # fmt: skip
+    reps = replicas.Replicas(4, "replica", mesh, leaf_axes=lambda path, leaf: ())
+    mapped = jax.jit(reps.map(lambda x: x * (1.0 + lax.axis_index("stage"))))
+    with pytest.raises(ValueError, match=r"is P\('replica',\) which implies") as caught:
+        mapped(reps.put(jnp.ones((4, 3))))
+    assert "integer or boolean scalar" not in str(caught.value)
+
+
 def test_shard_map_names_reps_put_for_an_input_left_unplaced():
     reps = replicas.make_replicas(8, backend="shard_map")
     mapped = jax.jit(reps.map(lambda x, b: x + b.sum()))

@@ -152,11 +152,13 @@ def _pseudo_gradient(
         bar, sent, joined = comm.group_mean_codec(travel, axis_name, pool, index,
                                                   exchange_dtype, present)  # fmt: skip
         kept = lambda x, s, e: (x - s).astype(e.dtype)  # noqa: E731
-        if present is not None:  # absent, or present with no partner: nothing was used, so
-            # the residual stays and the local-only step uses its own theta, not theta + residual
-            kept = lambda x, s, e: jnp.where(joined, (x - s).astype(e.dtype), e)  # noqa: E731
-            bar = jax.tree.map(lambda b, x: jnp.where(joined, b, x), bar, plain)
-        residual = jax.tree.map(kept, travel, sent, residual)
+        if present is None:
+            residual = jax.tree.map(kept, travel, sent, residual)
+        else:  # absent, or present with no partner: nothing was used, so the residual
+            # stays and the local-only step uses its own theta, not theta + residual
+            residual = jax.tree.map(lambda x, s, e, j: jnp.where(j, kept(x, s, e), e),
+                                    travel, sent, residual, joined)  # fmt: skip
+            bar = jax.tree.map(lambda b, x, j: jnp.where(j, b, x), bar, plain, joined)
     if gamma_over_beta is None:
         return jax.tree.map(lambda p, tb: (p - tb).astype(p.dtype), phi, bar), residual
     theta_bar, phi_bar = bar
