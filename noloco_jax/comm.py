@@ -608,11 +608,14 @@ def group_mean(
       pool: static partitions, [K, N // n, n] (see ``partition_pool``).
       index: traced, replica-uniform int selecting the partition.
       exchange_dtype: dtype of what travels; ``None`` keeps each leaf's dtype.
-        The local contribution and the accumulation stay in at least float32.
-        ``"int8"`` or ``"float8_e4m3fn"``: all leaves travel as one block-wise
-        8-bit message with float32 scales (``noloco_jax.quantize``), and every
-        member adds the quantised value of its own contribution too, so the
-        group agrees on one mean.
+        The local contribution and the accumulation stay in at least float32,
+        so the members of a group agree bit for bit only when nothing is
+        rounded on the wire: float32 leaves, or 16-bit leaves whose own values
+        travel (n = 2, 3, 5, ...; a butterfly's float32 partial sums travel
+        rounded). ``"int8"`` or ``"float8_e4m3fn"``: all leaves travel as one
+        block-wise 8-bit message with float32 scales (``noloco_jax.quantize``),
+        and every member decodes its own message too, so the group always
+        agrees on one mean, bit for bit.
       weight: optional per-replica presence (> 0 present). Present replicas
         average over the present members of their group; an absent replica
         gets its own value back, and its value (even NaN) reaches no one. The

@@ -180,19 +180,29 @@ def _maybe_initialize_distributed() -> None:
 
 
 def _take_none(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Takes ``--config.<field>=None`` out of ``argv``: absl would parse "None" as a float.
+    """Takes ``--config.<field>=None`` out of ``argv`` for fields whose default is None.
+
+    absl would parse "None" as the field's type (a float for ``outer.gamma``). Flag files
+    are expanded first, so the order of all overrides is kept; ``--`` ends the flags.
 
     Returns:
       ``argv`` without those arguments, and the fields whose last override is None
       (for ``_set_none`` to apply after parsing; a later value wins over None).
     """
+    from noloco_jax import defaults  # noqa: PLC0415
+
+    allowed = {n for n, v, _ in defaults.FIELDS if isinstance(v, defaults.Unset)}
+    argv = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)
     kept, last, i = [], {}, 0
     while i < len(argv):
         arg = argv[i]
+        if i and arg == "--":
+            kept.extend(argv[i:])
+            break
         field = re.match(r"^--?config\.([\w.]+)(=(.*))?$", arg) if i else None
         value = field and (field.group(3) if field.group(2) else
                            argv[i + 1] if i + 1 < len(argv) else None)  # fmt: skip
-        if field and value == "None":
+        if field and value == "None" and field.group(1) in allowed:
             last[field.group(1)] = None
             i += 1 if field.group(2) else 2
             continue
@@ -204,20 +214,14 @@ def _take_none(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _set_none(config: Any, names: Sequence[str]) -> None:
-    """Sets each field to None; only fields whose default is None may be."""
-    from noloco_jax import defaults  # noqa: PLC0415
-
-    allowed = [n for n, v, _ in defaults.FIELDS if isinstance(v, defaults.Unset)]
+    """Sets each field (one whose default is None, from ``_take_none``) to None."""
     for name in names:
         node, _, leaf = name.rpartition(".")
         target = config
         for part in filter(None, node.split(".")):
             target = target.get(part) if hasattr(target, "get") else None
         if not hasattr(target, "get") or leaf not in target:
-            raise ValueError(f"unknown config field --config.{name}.")
-        if name not in allowed:
-            raise ValueError(f"--config.{name}=None: this field needs a value; None is allowed "
-                             f"for {', '.join('config.' + n for n in allowed)}.")  # fmt: skip
+            raise ValueError(f"--config.{name}=None: this config has no field {name}.")
         target[leaf] = None
 
 
@@ -318,11 +322,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
     debug = any(a in _DEBUG_ARGS for a in argv[1:])
     if not any(re.match(r"^--?config(=|$)", a) for a in argv[1:]):
         argv.insert(1, f"--config={_REPO / 'configs' / 'tiny_noloco.py'}")
-    argv, none_fields = _take_none(argv)
     saved = sys.argv
     try:
         sys.argv = argv[:1]  # --config's default is read without the overrides
         _define_flags()
+        argv, none_fields = _take_none(argv)
         sys.argv = argv  # ml_collections reads the --config.* overrides from sys.argv
         if any(a in _HELP_ARGS for a in argv[1:]):
             return _print_help()

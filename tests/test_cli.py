@@ -108,7 +108,8 @@ CASES = {
                                      r"--config\.num_replicas\?"),  # fmt: skip
         (["--config.model.presett=x"], r"--config\.model\.presett; did you mean --config\.model\."
                                        r"preset\?"),  # fmt: skip
-        (["--config.outer.gama=None"], r"unknown config field --config\.outer\.gama\."),
+        (["--config.outer.gama=None"], r"unknown config field --config\.outer\.gama; did you "
+                                       r"mean --config\.outer\.gamma\?"),  # fmt: skip
     ],
     "out-of-range or inconsistent value": [
         (["--config.optim.learning_rate=-1"], r"config\.optim\.learning_rate: must be a finite "
@@ -118,8 +119,6 @@ CASES = {
         (["--config.outer.sync_every=4", "--config.outer.fragments=4"],
          r"config\.outer\.fragments=4 exceeds the model's 2 layers"),
         (["--config.model.dtype=float16"], r"config\.model\.dtype: must be one of"),
-        (["--config.num_steps=None"], r"--config\.num_steps=None: this field needs a value; "
-                                      r"None is allowed for config\.outer\.gamma\."),  # fmt: skip
     ],
     "unknown method / backend / data source / tokenizer": [
         (["--config.method=adam"], r"config\.method: must be one of \['noloco'"),
@@ -182,6 +181,7 @@ CASES = {
     "unknown flag, a flag value of the wrong type, a config file that does not exist": [
         (["--workdri=x"], r"Unknown command line flag 'workdri'. Did you mean: workdir"),
         (["--config.num_steps=many"], r"--config\.num_steps=many: invalid literal for int"),
+        (["--config.num_steps=None"], r"--config\.num_steps=None: invalid literal for int"),
         (["--config.model.remat=yes"], r"--config\.model\.remat=yes: .*Non-boolean argument"),
         (["--config=configs/nope.py"], r"--config=configs/nope\.py: no such config file"),
         (["--config={root}/configs/tiny_noloco.py:huge"], r"unknown variant 'huge'.*quick"),
@@ -339,13 +339,19 @@ def test_out_of_device_memory_is_a_short_run_failure(monkeypatch, tmp_path, caps
     (["--config.outer.gamma=0.3", "--config.outer.gamma=None"], None),
     (["--config.outer.gamma", "None"], None),
     (["--config.outer.gamma=None", "--config.outer.gamma=0.3"], 0.3),  # the last one wins
+    (["--config.outer.gamma=None", "--flagfile={sets_0.3}"], 0.3),  # in flag-file order too
+    (["--config.outer.gamma=0.3", "--flagfile={sets_none}"], None),
 ])  # fmt: skip
 def test_none_sets_a_field_whose_default_is_none(overrides, gamma, monkeypatch, tmp_path):
     from noloco_jax.trainer import loop  # noqa: PLC0415
 
+    for name, value in [("sets_0.3", "0.3"), ("sets_none", "None")]:
+        (tmp_path / name).write_text(f"--config.outer.gamma={value}\n")
+    overrides = [o.replace("{sets_0.3}", str(tmp_path / "sets_0.3"))
+                 .replace("{sets_none}", str(tmp_path / "sets_none")) for o in overrides]
     seen = []
     monkeypatch.setattr(loop, "train_and_evaluate", lambda s, *a, **k: seen.append(s) or {})
-    assert train.cli(["noloco-train", f"--workdir={tmp_path}", *overrides]) == 0
+    assert train.cli(["noloco-train", f"--workdir={tmp_path / 'run'}", *overrides]) == 0
     assert seen[0].outer.gamma == gamma
 
 

@@ -141,21 +141,22 @@ def test_absent_replica_with_error_feedback_steps_on_its_own_pseudo_gradient():
 
 
 @pytest.mark.parametrize("feedback", [False, True])
-@pytest.mark.parametrize("group_size", [2, 4])  # pairs and a butterfly
-def test_a_replica_whose_partners_are_all_absent_steps_on_its_exact_theta(feedback, group_size):
+@pytest.mark.parametrize("group_size, num", [(2, N), (4, N), (3, 6)])  # pairs, butterfly, shifts
+def test_a_replica_whose_partners_are_all_absent_steps_on_its_exact_theta(feedback, group_size,
+                                                                         num):  # fmt: skip
     """Alone in its group, a present replica exchanged nothing: no 8-bit rounding, residual kept."""
     beta = 0.7
     tx = noloco_outer(beta, 0.0, group_size=group_size, exchange_dtype="int8",
                       error_feedback=feedback)  # fmt: skip
-    reps = replicas.make_replicas(N, backend="vmap")
+    reps = replicas.make_replicas(num, backend="vmap")
     update = jax.jit(reps.map(lambda g, s, p, a: tx.update(g, s, p, active=a)))
-    phi = jax.tree.map(jnp.zeros_like, _tree(N))
+    phi = jax.tree.map(jnp.zeros_like, _tree(num))
     state = reps.init(tx, phi)
-    delta, state = update(jax.tree.map(jnp.subtract, phi, _tree(N, seed=4)), state, phi,
-                          jnp.ones(N, bool))  # fmt: skip
+    delta, state = update(jax.tree.map(jnp.subtract, phi, _tree(num, seed=4)), state, phi,
+                          jnp.ones(num, bool))  # fmt: skip
     phi = jax.tree.map(jnp.add, phi, delta)
-    theta = jax.tree.map(jnp.add, phi, _tree(N, seed=5))
-    alone = jnp.array([True, False, False, False])  # replica 0 is the only one present
+    theta = jax.tree.map(jnp.add, phi, _tree(num, seed=5))
+    alone = jnp.arange(num) == 0  # replica 0 is the only one present
     new_delta, new_state = update(jax.tree.map(jnp.subtract, phi, theta), state, phi, alone)
     for d, t, f in zip(*map(jax.tree.leaves, (new_delta, theta, phi))):
         np.testing.assert_allclose(d[0], beta * (t[0] - f[0]), rtol=1e-6, atol=1e-6)

@@ -273,6 +273,11 @@ def test_a_stage_after_local_steps_in_a_chain_is_refused(after):
     bad = optax.chain(ok, after)
     with pytest.raises(ValueError, match="a transformation follows local_steps in an optax.chain"):
         reps.init(optax.chain(optax.identity(), bad), params)
+    mask = jax.tree.map(lambda _: True, params)
+    mask["b"] = False  # local_steps on some leaves, plain SGD on the others: fine
+    split = optax.chain(optax.masked(local_steps(optax.adam(0.1), noloco_outer(), 2), mask),
+                        optax.masked(optax.sgd(0.1), jax.tree.map(lambda m: not m, mask)))
+    reps.init(split, params)
 
 
 def test_an_update_outside_reps_map_names_the_fix():

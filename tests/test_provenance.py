@@ -53,6 +53,11 @@ def test_git_state_commit_dirty_and_outputs(repo):
     assert one["dirty"] is True
     (repo / "new_module.py").write_text("y = 2\n")  # and so does its content
     assert provenance.git_state(repo)["diff_sha256"] != one["diff_sha256"]
+    (repo / "new_module.py").unlink()
+    (repo / 'caf\u00e9 "q".py').write_text("z = 1\n")  # a name git quotes without -z
+    before = provenance.git_state(repo)["diff_sha256"]
+    (repo / 'caf\u00e9 "q".py').write_text("z = 2\n")
+    assert provenance.git_state(repo)["diff_sha256"] != before
     assert provenance.git_state(repo.parent)["commit"] is None  # not a checkout
     assert provenance.version_label({"commit": None}) == "unrecorded"
 

@@ -333,6 +333,15 @@ def test_the_consecutive_reset_count_survives_a_resume(finished_run, monkeypatch
                        r"3 consecutive syncs"):  # fmt: skip
         resumed.after_chunk(None, 3 * h - 1, 3 * h)
     assert escalation([0, 2]).streak.tolist() == [0] * 4  # another replica count: start afresh
+    # The restore hands the saved count to the run (the escalation above starts from it).
+    read = Checkpointer.read_meta
+    monkeypatch.setattr(Checkpointer, "read_meta",
+                        lambda self, step: {**read(self, step), "reset_streak": [0, 2, 0, 0]})
+    run, state = loop._build(s)
+    ckpt = Checkpointer(workdir / "checkpoints")
+    _, step = loop._restore_or_init(run, state, ckpt, writer=None)
+    ckpt.close()
+    assert step == 12 and run.streak == [0, 2, 0, 0]
 
 
 def test_without_guard_nan_shows_in_the_loss_and_keeps_the_finite_checkpoint(

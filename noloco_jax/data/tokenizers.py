@@ -40,7 +40,11 @@ class Tokenizer(Protocol):
 
 
 def _well_formed(text: str) -> str:
-    """``text`` with each lone surrogate (not encodable as UTF-8) replaced by U+FFFD."""
+    """``text`` with each lone surrogate (not encodable as UTF-8) replaced by U+FFFD.
+
+    A high and a low surrogate written as two code points in a row join into their
+    character, as UTF-16 would read them.
+    """
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -64,11 +64,15 @@ def git_state(root: pathlib.Path) -> dict[str, Any]:
         diff = (_git(root, "diff", "HEAD", "--", ".", *excluded) or "") + status
         h = hashlib.sha256(diff.encode())
         top = pathlib.Path(_git(root, "rev-parse", "--show-toplevel").strip())
-        new_files = _git(root, "ls-files", "--others", "--exclude-standard", "--full-name", "--",
-                         ".", *excluded) or ""  # fmt: skip
-        for name in sorted(new_files.splitlines()):
+        new_files = _git(root, "ls-files", "-z", "--others", "--exclude-standard", "--full-name",
+                         "--", ".", *excluded) or ""  # fmt: skip
+        for name in sorted(filter(None, new_files.split("\0"))):  # -z: names unquoted
+            h.update(name.encode() + b"\0")
             path = top / name
-            h.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b""))
+            if path.is_file():
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
         digest = h.hexdigest()[:16]
     return {"commit": commit.strip(), "dirty": dirty, "diff_sha256": digest}
 

@@ -674,10 +674,15 @@ def _check_not_an_outer_step(inner_state: optax.OptState) -> None:
 
 
 def _follows_local_steps(opt_state: optax.OptState) -> bool:
-    """Whether a chain state (a plain tuple) holds a stage after its ``local_steps``."""
+    """Whether a chain state (a plain tuple) holds a stage after its ``local_steps``.
+
+    A masked stage after it (``optax.masked``) is allowed: the masks keep it on other leaves,
+    as in ``chain(masked(local_steps(...), m), masked(sgd, not m))``.
+    """
     if type(opt_state) is tuple:
         holds = [find_local_steps_state(x) is not None for x in opt_state]
-        if any(holds[:-1]):
+        later = opt_state[holds.index(True) + 1:] if any(holds) else ()
+        if any(not isinstance(x, optax.MaskedState) for x in later):
             return True
     is_chain = lambda x: x is not opt_state and type(x) is tuple  # noqa: E731
     return any(_follows_local_steps(x)
