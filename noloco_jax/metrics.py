@@ -37,7 +37,8 @@ def replica_spread(params: Any, axis_name: str) -> jax.Array:
       >>> jax.vmap(lambda x: replica_spread(x, "r"), axis_name="r")(p).tolist()
       [1.0, 1.0]
     """
-    comm.axis_size(axis_name)
+    if comm.axis_size(axis_name) == 1:  # one replica: no spread (and no collective, which
+        return jnp.zeros([], jnp.float32)  # XLA refuses over a size-1 axis of split leaves)
     leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(params)]
     first = jax.lax.axis_index(axis_name) == 0
     refs = jax.lax.psum([jnp.where(first, x, jnp.zeros_like(x)) for x in leaves], axis_name)

@@ -800,7 +800,8 @@ class _Escalation:
         """Raises instead of checkpointing weights the guard will not put back."""
         found = find_local_steps_state(state.opt_state)
         tree = found.slow_params if (self._guard and found is not None) else state.params
-        ok = np.asarray(replicas.to_host(_per_replica_finite(tree))).reshape(-1)
+        per_leaf = [np.asarray(replicas.to_host(v)) for v in _per_replica_finite(tree)]
+        ok = np.stack(per_leaf).all(0)
         if not ok.all():
             which = "slow weights" if tree is not state.params else "weights"
             self._fail(step, f"the {which} of replica(s) {np.flatnonzero(~ok).tolist()} are "
@@ -837,11 +838,14 @@ def _per_replica_resets(state: TrainState, num_replicas: int) -> np.ndarray:
 
 
 @jax.jit
-def _per_replica_finite(tree: Any) -> jax.Array:
-    """[N] bool: replica i's leaves are all finite (leading axis = replica)."""
+def _per_replica_finite(tree: Any) -> list[jax.Array]:
+    """Per float leaf, [N] bool: replica i's values are all finite (leading axis = replica).
+
+    Combined on the host: with one replica split over devices the leaves' results come with
+    different shardings, which one ``stack`` refuses.
+    """
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    per_leaf = [jnp.isfinite(x).reshape(x.shape[0], -1).all(1) for x in leaves]
-    return jnp.stack(per_leaf).all(0)
+    return [jnp.isfinite(x).reshape(x.shape[0], -1).all(1) for x in leaves]
 
 
 def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, last: dict,
