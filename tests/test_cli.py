@@ -167,6 +167,10 @@ CASES = {
     "more replicas (× stages) than devices with `backend=shard_map`": [
         (["--config.num_replicas=16", "--config.global_batch_size=16",
           "--config.backend=shard_map"], r"one device per replica: num_replicas=16.*8 devices"),
+        (["--config.num_replicas=16", "--config.global_batch_size=16", "--config.mesh.fsdp=2",
+          "--config.backend=auto", "--config.model.preset=small"],  # the memory check took
+         # this split run for vmap and advised one device per replica
+         r"num_replicas=16 x fsdp=2 x tensor=1 = 32 devices are needed, 8 are visible"),
     ],
     "workdir not writable": [(["--workdir={blocked}/run"], r"--workdir .*is not writable")],
     "an empty `--workdir`": [(["--workdir="], r"--workdir is empty; name the run's directory")],

@@ -346,8 +346,10 @@ def _check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
     cfg = _model_config(s, vocab_size)
     abstract = jax.eval_shape(lambda: models.init_params(cfg, s.seed)[1])
     backend = s.backend
-    if backend == "auto":
-        backend = "shard_map" if 1 < s.num_replicas <= jax.device_count() else "vmap"
+    if backend == "auto":  # make_replicas' rule: a split replica always needs its devices
+        split = s.mesh.fsdp * s.mesh.tensor
+        spans = split > 1 or 1 < s.num_replicas <= jax.device_count()
+        backend = "shard_map" if spans else "vmap"
     per_device = memory.state_bytes_per_device(abstract, tx, num_replicas=s.num_replicas,
                                                backend=backend, num_stages=s.num_stages)
     per_device //= s.mesh.fsdp * s.mesh.tensor  # a replica split over F x T devices
