@@ -355,6 +355,9 @@ def test_without_guard_nan_shows_in_the_loss_and_keeps_the_finite_checkpoint(
     last = {r["step"]: r["train_loss_last"] for r in read_jsonl(tmp_path / "metrics.jsonl",
                                                                  "train")}  # fmt: skip
     assert np.isnan(last[6])  # the last step's loss too (was a mean over finite replicas)
+    evals = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl", "eval")}
+    assert np.isnan(evals[8]["val_ppl"]) and np.isnan(evals[8]["val_ppl_worst_replica"])
+    assert np.isfinite(evals[8]["val_ppl_best_replica"])  # the finite replicas' best (was NaN)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [4]
 
 

@@ -389,6 +389,12 @@ def _ppl(loss: float) -> float:
     return math.exp(loss) if loss < 700 else float("inf") if loss >= 700 else float("nan")
 
 
+def _lowest(values: np.ndarray) -> float:
+    """The smallest non-NaN value (NaN when every value is NaN)."""
+    finite = values[~np.isnan(values)]
+    return float(finite.min()) if finite.size else float("nan")
+
+
 def _eval_batch_size(num_windows: int, limit: int = 16) -> int:
     return max(d for d in range(1, min(limit, num_windows) + 1) if num_windows % d == 0)
 
@@ -415,7 +421,7 @@ def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray)
             # The paper's metric: exp of the mean per-sequence CE pooled over replicas.
             "val_ppl": _ppl(float(seq.mean())),
             "val_loss": float(seq.mean()),
-            "val_ppl_best_replica": _ppl(float(seq.mean(1).min())),
+            "val_ppl_best_replica": _ppl(_lowest(seq.mean(1))),  # a NaN replica is not best
             "val_ppl_worst_replica": _ppl(float(seq.mean(1).max())),
             "val_ppl_avg_model": _ppl(float(replicas.to_host(averaged(params, single)).mean())),
             # All replicas as one model: the mean of their next-token distributions.
