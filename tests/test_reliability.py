@@ -493,6 +493,10 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
         "config.outer.sync_every=10 > num_steps=8: the replicas never sync in this run "
         "(method='noloco' acts as 'local'); use sync_every <= num_steps."]
     assert settings_lib.warnings_for(_settings(corpus_dir, data_dir)) == []
+    late = _settings(corpus_dir, data_dir, profile_steps="10:20")  # num_steps = 8: silently none
+    assert settings_lib.warnings_for(late) == [
+        "config.profile_steps='10:20' starts at or after num_steps=8: no trace will be written."]
+    assert settings_lib.warnings_for(_settings(corpus_dir, data_dir, profile_steps="2:20")) == []
 
 
 # --- 10. memory -------------------------------------------------------------------------

@@ -384,6 +384,10 @@ def warnings_for(s: TrainSettings) -> list[str]:
         out.append(f"config.outer.sync_every={s.outer.sync_every} > num_steps={s.num_steps}: the "
                    f"replicas never sync in this run (method={s.method!r} acts as 'local'); use "
                    f"sync_every <= num_steps.")
+    window = parse_profile_steps(s.profile_steps)
+    if window is not None and window[0] >= s.num_steps:
+        out.append(f"config.profile_steps={s.profile_steps!r} starts at or after num_steps="
+                   f"{s.num_steps}: no trace will be written.")
     return out
 
 
