@@ -120,6 +120,21 @@ def test_plot_draws_per_replica_panels(run, tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_wandb_run_id_is_kept_for_a_resume_and_new_for_a_fresh_run(tmp_path):
+    from noloco_jax.trainer.observability import wandb_run_id  # noqa: PLC0415
+
+    first = wandb_run_id(tmp_path / "run")
+    assert first.startswith("noloco-") and wandb_run_id(tmp_path / "run") == first  # a resume
+    (tmp_path / "run" / "wandb_run_id").unlink()  # rm -rf runs/x, then a fresh run in runs/x
+    assert wandb_run_id(tmp_path / "run") != first  # was the same, path-derived id
+    old = tmp_path / "old"
+    (old / "checkpoints" / "8").mkdir(parents=True)  # a run from before the file existed
+    import hashlib  # noqa: PLC0415
+
+    legacy = "noloco-" + hashlib.sha256(str(old.resolve()).encode()).hexdigest()[:12]
+    assert wandb_run_id(old) == legacy == (old / "wandb_run_id").read_text().strip()
+
+
 def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     s = _settings(tmp_path, log={"wandb": True})

@@ -80,15 +80,33 @@ def check_sinks(s: TrainSettings) -> None:
 def make_sinks(s: TrainSettings, workdir: pathlib.Path) -> list[Any]:
     """The extra metric sinks the settings ask for (W&B), for process 0.
 
-    The W&B run id is derived from the workdir, so a resumed run continues the same W&B run.
+    A resumed run continues the same W&B run (``wandb_run_id``).
     """
     if not s.log.wandb:
         return []
-    import hashlib  # noqa: PLC0415
-
-    run_id = "noloco-" + hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:12]
     return [WandbSink(workdir, project=s.log.wandb_project, run_name=s.log.wandb_run_name,
-                      config=s.to_dict(), resume_id=run_id)]  # fmt: skip
+                      config=s.to_dict(), resume_id=wandb_run_id(workdir))]  # fmt: skip
+
+
+def wandb_run_id(workdir: pathlib.Path) -> str:
+    """The workdir's W&B run id, kept in ``workdir/wandb_run_id``: a resume continues its run,
+    and a fresh run in a reused path gets a new one (a path-derived id resumed the old run,
+    whose higher steps made W&B drop the new run's records). A workdir with checkpoints
+    from before the file existed keeps the path-derived id it used."""
+    import hashlib  # noqa: PLC0415
+    import uuid  # noqa: PLC0415
+
+    path = pathlib.Path(workdir) / "wandb_run_id"
+    if path.is_file():
+        return path.read_text().strip()
+    if any((pathlib.Path(workdir) / "checkpoints").glob("[0-9]*")):
+        run_id = "noloco-" + hashlib.sha256(str(pathlib.Path(workdir).resolve()).encode()
+                                            ).hexdigest()[:12]  # fmt: skip
+    else:
+        run_id = "noloco-" + uuid.uuid4().hex[:12]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    return run_id
 
 
 class Profiler:
