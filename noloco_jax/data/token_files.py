@@ -145,7 +145,7 @@ class TokenFile:
     def _scan(self) -> None:
         h, top, low = hashlib.sha256(), -1, 0
         for chunk in self.chunks():
-            h.update(chunk.astype(np.int32).tobytes())  # same hash as an in-memory int32 stream
+            h.update(chunk.astype(np.int32))  # same hash as an in-memory int32 stream (no copy)
             if chunk.size:
                 top, low = max(top, int(chunk.max())), min(low, int(chunk.min()))
         self._digest, self._max, self._min = h.hexdigest()[:16], top, low
