@@ -263,7 +263,7 @@ class Replicas:
                     raise
                 raise ValueError(
                     f"Replicas.map: an input is not placed over the {self.axis_name!r} mesh "
-                    f"axis ({str(err).split(' for arg: ')[-1].split('.')[0]}). Pass every "
+                    f"axis ({text.split(' for arg: ')[-1].split('.')[0]}). Pass every "
                     f"per-replica input (params, batches) through reps.put(...) outside the "
                     f"jitted step; reps.init places the optimizer state.") from None
 

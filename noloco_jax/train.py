@@ -214,15 +214,12 @@ def _take_none(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _set_none(config: Any, names: Sequence[str]) -> None:
-    """Sets each field (one whose default is None, from ``_take_none``) to None."""
-    for name in names:
-        node, _, leaf = name.rpartition(".")
-        target = config
-        for part in filter(None, node.split(".")):
-            target = target.get(part) if hasattr(target, "get") else None
-        if not hasattr(target, "get") or leaf not in target:
-            raise ValueError(f"--config.{name}=None: this config has no field {name}.")
-        target[leaf] = None
+    """Sets each field (one whose default is None, from ``_take_none``) to None.
+
+    ConfigDict's own dotted update, as ``harness.load_config`` uses: a config without the
+    field raises ``KeyError``, which ``_parse_flags`` reports as an unknown field.
+    """
+    config.update_from_flattened_dict({name: None for name in names})
 
 
 def _parse_flags(argv: list[str], none_fields: Sequence[str] = ()) -> list[str]:
