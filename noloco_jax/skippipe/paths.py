@@ -25,7 +25,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["PathRules", "check_stage_path", "check_path", "valid_stage_paths"]
+__all__ = ["MAX_JUMP", "PathRules", "check_stage_path", "check_path", "valid_stage_paths"]
+
+MAX_JUMP = 4
+"""SkipPipe's limit: a path lands at most 4 stages above the highest stage it has reached."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +52,7 @@ class PathRules:
     max_swaps: int = 2
     max_swap_distance: int = 1
     max_total_swap_distance: int = 2
-    max_jump: int = 4
+    max_jump: int = MAX_JUMP
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "path_length", "max_swaps", "max_swap_distance",

@@ -22,6 +22,7 @@ from jax import lax
 
 from noloco_jax import errors
 from noloco_jax.models import cross_entropy
+from noloco_jax.skippipe.paths import MAX_JUMP
 
 __all__ = [
     "SkipConfig",
@@ -60,10 +61,6 @@ def check_path_length(path_length: int, num_stages: int, *, field: str = "path_l
                       stages_field: str = "num_stages") -> None:  # fmt: skip
     """The path rule: a path visits 1 to S stages (stage 0 included); the one check of it."""
     errors.check_int(field, path_length, 1, num_stages, f"{stages_field}={num_stages}")
-
-
-MAX_JUMP = 4
-"""SkipPipe's limit: a path lands at most 4 stages above the highest stage it has reached."""
 
 
 def sample_stage_paths(
