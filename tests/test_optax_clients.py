@@ -263,14 +263,19 @@ def test_apply_if_finite_around_local_steps_is_refused_under_vmap_too():
         step(params, state, params)
 
 
+def _named(*stages):
+    return optax.named_chain(*((f"s{i}", t) for i, t in enumerate(stages)))
+
+
 @pytest.mark.parametrize("after", [optax.scale(0.5), optax.chain(optax.identity(),
                                                                  optax.scale(0.5))])
-def test_a_stage_after_local_steps_in_a_chain_is_refused(after):
+@pytest.mark.parametrize("chain", [optax.chain, _named])
+def test_a_stage_after_local_steps_in_a_chain_is_refused(after, chain):
     reps = replicas.make_replicas(N, backend="vmap")
     params = random_tree(jax.random.key(0), N)
-    ok = optax.chain(optax.clip_by_global_norm(1.0), local_steps(optax.adam(0.1), noloco_outer(), 2))
-    reps.init(optax.chain(optax.identity(), ok), params)  # before it (and nested): fine
-    bad = optax.chain(ok, after)
+    ok = chain(optax.clip_by_global_norm(1.0), local_steps(optax.adam(0.1), noloco_outer(), 2))
+    reps.init(chain(optax.identity(), ok), params)  # before it (and nested): fine
+    bad = chain(ok, after)  # named_chain's state is a dict of stages: was not checked
     with pytest.raises(ValueError, match="a transformation follows local_steps in an optax.chain"):
         reps.init(optax.chain(optax.identity(), bad), params)
     mask = jax.tree.map(lambda _: True, params)
@@ -278,6 +283,9 @@ def test_a_stage_after_local_steps_in_a_chain_is_refused(after):
     split = optax.chain(optax.masked(local_steps(optax.adam(0.1), noloco_outer(), 2), mask),
                         optax.masked(optax.sgd(0.1), jax.tree.map(lambda m: not m, mask)))
     reps.init(split, params)
+    labels = jax.tree.map(lambda m: "ls" if m else "sgd", mask)  # a dict state too: fine
+    reps.init(optax.multi_transform({"ls": local_steps(optax.adam(0.1), noloco_outer(), 2),
+                                     "sgd": optax.sgd(0.1)}, labels), params)
 
 
 def test_an_update_outside_reps_map_names_the_fix():

@@ -673,18 +673,26 @@ def _check_not_an_outer_step(inner_state: optax.OptState) -> None:
             "local_steps(optax.adam(1e-3), noloco_outer(), 50).")
 
 
+def _chain_stages(x: Any) -> tuple | None:
+    """The stages of an ``optax.chain`` (a tuple) or ``named_chain`` (a dict) state."""
+    if type(x) is tuple:
+        return x
+    return tuple(x.values()) if isinstance(x, dict) else None
+
+
 def _follows_local_steps(opt_state: optax.OptState) -> bool:
-    """Whether a chain state (a plain tuple) holds a stage after its ``local_steps``.
+    """Whether a chain state holds a stage after its ``local_steps``.
 
     A masked stage after it (``optax.masked``) is allowed: the masks keep it on other leaves,
     as in ``chain(masked(local_steps(...), m), masked(sgd, not m))``.
     """
-    if type(opt_state) is tuple:
-        holds = [find_local_steps_state(x) is not None for x in opt_state]
-        later = opt_state[holds.index(True) + 1:] if any(holds) else ()
+    stages = _chain_stages(opt_state)
+    if stages is not None:
+        holds = [find_local_steps_state(x) is not None for x in stages]
+        later = stages[holds.index(True) + 1:] if any(holds) else ()
         if any(not isinstance(x, optax.MaskedState) for x in later):
             return True
-    is_chain = lambda x: x is not opt_state and type(x) is tuple  # noqa: E731
+    is_chain = lambda x: x is not opt_state and _chain_stages(x) is not None  # noqa: E731
     return any(_follows_local_steps(x)
                for x in jax.tree.leaves(opt_state, is_leaf=is_chain) if is_chain(x))  # fmt: skip
 
@@ -698,7 +706,7 @@ def check_composition(opt_state: optax.OptState) -> None:
     ``optax.MultiSteps`` around it runs the update, and so a sync's exchange,
     on every micro-step. Both work *inside* ``local_steps`` (as ``inner``),
     where a ``MultiSteps`` count must divide ``sync_every``. A stage after
-    ``local_steps`` in an ``optax.chain`` is refused too: it would change the
+    ``local_steps`` in an ``optax.chain`` or ``named_chain`` is refused too: it would change the
     sync step's update.
 
     Args:
