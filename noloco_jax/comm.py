@@ -675,7 +675,9 @@ def _group_mean_codec(
     the presence flag's 4 bytes appended). Each member sums the *decoded*
     messages, its own included, in group-position order, so the members of a
     group compute one mean, bit for bit. With a butterfly the partial sums are
-    re-quantised at every step.
+    re-quantised at every step; what "sent" leaves out then also holds this member's share of
+    those roundings (a partial sum's error split over its present senders), so that error
+    feedback returns them too.
     """
     leaves, treedef = jax.tree.flatten(tree)
     if any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
@@ -717,19 +719,24 @@ def _group_mean_codec(
 
         branches = [functools.partial(shifts, partition=p) for p in pool]
         total, count = _switch(index, branches, enc(flat, flag))
+        relayed = jnp.zeros_like(flat)
     else:
 
         def butterfly(values: jax.Array, count: jax.Array, partition: np.ndarray) -> tuple:
             position = _position(partition, axis_name)
+            relayed = jnp.zeros_like(values)
             for b, perm in enumerate(_exchange_perms(partition)):
                 mine = enc(values, count)
+                if b:  # a re-quantised partial sum: its present senders share its rounding
+                    senders = 2.0**b if present is None else jnp.maximum(count[0], 1.0)
+                    relayed += (values - dec(mine)[0]) / senders
                 pair = [mine, lax.ppermute(mine, axis_name, perm)]
                 # the partner's is first when this member holds the higher position
                 values, count = in_order(pair, position, lambda q, p: ((p >> b) & 1) ^ q)
-            return values, count
+            return values, count, relayed
 
         branches = [functools.partial(butterfly, partition=p) for p in pool]
-        total, count = _switch(index, branches, flat, flag)
+        total, count, relayed = _switch(index, branches, flat, flag)
     # A present replica alone in its group exchanged nothing: like an absent one, it keeps
     # its exact value rather than its own decoded message.
     joined = jnp.array(True) if present is None else present & (count[0] > 1)
@@ -741,7 +748,7 @@ def _group_mean_codec(
         if present is not None:
             v = jnp.where(joined, v, orig.astype(v.dtype))
         means.append(v)
-        sent.append(own[start:stop].reshape(x.shape))
+        sent.append((own - relayed)[start:stop].reshape(x.shape))
         start = stop
     trees = (jax.tree.unflatten(treedef, x) for x in (means, sent, [joined] * len(means)))
     return tuple(trees)
