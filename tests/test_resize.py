@@ -32,6 +32,43 @@ def test_resize_state_merges_and_clones_by_replica_axis():
         np.testing.assert_allclose(out["w"].mean(0), tree["w"].mean(0))
 
 
+def test_resize_keeps_the_total_of_the_guards_reset_counts():
+    import optax  # noqa: PLC0415
+
+    from noloco_jax import local_steps, noloco_outer, replicas  # noqa: PLC0415
+
+    reps = replicas.make_replicas(4, backend="vmap")
+    tx = local_steps(optax.adam(1e-3), noloco_outer(), 2, nonfinite_guard=True)
+    state = reps.init(tx, jnp.zeros((4, 3)))
+    state = state._replace(nonfinite_resets=jnp.asarray([1.0, 0.0, 2.0, 3.0]))
+    assert resize_state(state, 2).nonfinite_resets.tolist() == [1.0, 5.0]  # was the mean
+    cloned = resize_state(state, 8).nonfinite_resets.tolist()
+    assert cloned == [1.0, 0.0, 0.0, 0.0, 2.0, 0.0, 3.0, 0.0]  # was each count twice
+
+
+def test_a_resize_reads_the_checkpoint_spread_over_the_devices(tmp_path):
+    """No device holds the whole old checkpoint (it was all read onto the first device)."""
+    from noloco_jax import replicas  # noqa: PLC0415
+    from noloco_jax.trainer.checkpoint import Checkpointer  # noqa: PLC0415
+    from noloco_jax.trainer.resize import restore_resized  # noqa: PLC0415
+
+    old = {"w": jnp.arange(4 * 64.0).reshape(4, 64), "step": jnp.asarray(3, jnp.int32)}
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(3, replicas.make_replicas(4, backend="shard_map").put(old), {})
+    ckpt.wait()
+    reps = replicas.make_replicas(8, backend="shard_map")
+    template = reps.put({"w": jnp.zeros((8, 64)), "step": jnp.asarray(0, jnp.int32)})
+    read = []
+    real = ckpt.restore
+    ckpt.restore = lambda step, abstract: read.append(abstract) or real(step, abstract)
+    new = restore_resized(ckpt, 3, template, 4, reps)
+    ckpt.close()
+    np.testing.assert_array_equal(new["w"], np.repeat(np.asarray(old["w"]), 2, axis=0))
+    assert new["w"].sharding == template["w"].sharding and int(new["step"]) == 3
+    shard = read[0]["w"].sharding.shard_shape(read[0]["w"].shape)
+    assert shard == (1, 64), shard  # one old replica per device, not (4, 64) on one
+
+
 def _settings(tmp, **over):
     corpus = tmp / "corpus"
     if not corpus.exists():

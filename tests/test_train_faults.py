@@ -21,9 +21,11 @@ def test_injected_nan_is_caught_reset_and_logged(tmp_path, corpus_dir, data_dir)
     s = tiny_settings(corpus_dir, data_dir, num_steps=12, log_every=3, eval_every=6,
                       checkpoint_every=6, outer={"sync_every": 3},
                       fault={"inject_nan_step": 4, "inject_nan_replica": 1})  # fmt: skip
+    train_and_evaluate(s, tmp_path, stop_at=9, progress=False)  # checkpoint 9 holds the count
     last = train_and_evaluate(s, tmp_path, progress=False)
     events = read_jsonl(tmp_path / "metrics.jsonl", "event")
-    assert [e["event"] for e in events] == ["nonfinite_reset"]
+    # One event, not repeated after the resume (the resumed run's first chunk re-reported it).
+    assert [(e["event"], e["step"], e["total"]) for e in events] == [("nonfinite_reset", 6, 1)]
     train = read_jsonl(tmp_path / "metrics.jsonl", "train")
     assert sum(r["nonfinite_replica_steps"] for r in train) == 2
     assert np.isfinite(last["val_ppl"]) and np.isfinite(last["train_loss_last"])

@@ -615,6 +615,7 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
           ) -> dict[str, Any]:  # fmt: skip
     """Trains from ``step`` to ``end`` a log chunk at a time; returns the last metrics."""
     s, ses.last["step"] = ses.run.settings, step
+    ses.last["nonfinite_resets"] = _nonfinite_resets(state)  # a resume reports only new ones
     if step == 0 or ses.run.resized_from:  # after a resize: the loss right after it
         _evaluate(ses.run, state, step, ses.writer, ses.last, ses.bar)
     while step < end and not ses.stop.requested:

@@ -16,13 +16,16 @@ step, and NoLoCo's group draws continue from the shared round counter over the n
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from noloco_jax import replicas
+from noloco_jax.optim.local_steps import LocalStepsState
 from noloco_jax.trainer.settings import check_resume_compatible
 
 __all__ = ["RESIZE_FIELDS", "check_resume", "resize_state", "restore_resized"]
@@ -79,13 +82,13 @@ def check_resume(saved_meta: dict, current_meta: dict, allow_resize: bool) -> in
 def _resize_leaf(x: Any, axis: Any, new_n: int) -> Any:
     if axis is None:
         return x
-    x = jnp.asarray(x)
+    x = np.asarray(x)  # on the host, one leaf at a time (no device gathers a whole leaf)
     old_n = x.shape[0]
     if new_n >= old_n:
-        return jnp.repeat(x, new_n // old_n, axis=0)
+        return np.repeat(x, new_n // old_n, axis=0)
     groups = x.reshape(new_n, old_n // new_n, *x.shape[1:])
     if jnp.issubdtype(x.dtype, jnp.floating):
-        return groups.astype(jnp.float32).mean(1).astype(x.dtype)
+        return groups.astype(np.float32).mean(1).astype(x.dtype)
     return groups[:, 0]
 
 
@@ -100,7 +103,27 @@ def resize_state(state: Any, new_n: int) -> Any:
       The tree with N replaced by ``new_n`` on every per-replica leaf.
     """
     axes = replicas.replica_axes(state)
-    return jax.tree.map(lambda x, a: _resize_leaf(x, a, new_n), state, axes)
+    resized = jax.tree.map(lambda x, a: _resize_leaf(x, a, new_n), state, axes)
+    is_local = lambda x: isinstance(x, LocalStepsState)  # noqa: E731
+
+    def keep_total(old: Any, new: Any) -> Any:  # reset counts are summed or moved, not averaged
+        if not is_local(old) or jnp.ndim(old.nonfinite_resets) == 0:
+            return new
+        return new._replace(nonfinite_resets=_resize_count(old.nonfinite_resets, new_n))
+
+    return jax.tree.map(keep_total, state, resized, is_leaf=is_local)
+
+
+def _resize_count(x: Any, new_n: int) -> np.ndarray:
+    """Per-replica counts for ``new_n`` replicas with the same total: merged replicas add
+    theirs up, and a cloned replica's count stays with its first clone."""
+    x = np.asarray(x)
+    old_n = x.shape[0]
+    if new_n < old_n:
+        return x.reshape(new_n, old_n // new_n, *x.shape[1:]).sum(1)
+    out = np.zeros((new_n, *x.shape[1:]), x.dtype)
+    out[:: new_n // old_n] = x
+    return out
 
 
 def restore_resized(ckpt: Any, step: int, state: Any, old_n: int, reps: Any) -> Any:
@@ -116,14 +139,28 @@ def restore_resized(ckpt: Any, step: int, state: Any, old_n: int, reps: Any) -> 
     Returns:
       The resized state, placed for the new run.
     """
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shared, split = _old_layout(old_n)
     axes = replicas.replica_axes(state)
 
     def old_shape(x: Any, axis: Any) -> jax.ShapeDtypeStruct:
         shape = x.shape if axis is None else (old_n, *x.shape[1:])
-        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=device)
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=shared if axis is None else split)
 
     abstract = jax.tree.map(old_shape, state, axes)
     restored, _ = ckpt.restore(step, abstract)
     resized = resize_state(restored, reps.num_replicas)
-    return reps.put(jax.tree.map(np.asarray, resized))
+    if reps.mesh is None:  # vmap: the whole state on the run's one device
+        return jax.device_put(resized, jax.tree.leaves(state)[0].sharding)
+    return reps.put(resized)
+
+
+def _old_layout(old_n: int) -> tuple[Any, Any]:
+    """Shardings to read an ``old_n``-replica checkpoint with: the replicas spread over the
+    devices (as many as divide ``old_n``), so that no device holds the whole checkpoint."""
+    if jax.process_count() > 1:  # each process reads its own full copy, on its first device
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return device, device
+    devices = np.array(jax.devices())
+    d = math.gcd(old_n, devices.size)
+    mesh = jax.sharding.Mesh(devices.reshape(d, -1), ("replica", "rest"))
+    return NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
