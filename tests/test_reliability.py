@@ -7,7 +7,9 @@ a SIGTERM sent to a training subprocess. Training runs are tiny and shared.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -197,6 +199,36 @@ def test_save_that_cannot_start_raises_and_leaves_no_thread(tmp_path):
     assert _orbax_threads() == []  # old code: threads waiting 20 minutes kept the process alive
     restored, _ = Checkpointer(tmp_path / "moved").restore(1, abstract_like({"w": jnp.ones(3)}))
     np.testing.assert_array_equal(restored["w"], np.ones(3))  # previous checkpoint intact
+
+
+class _FailedWrite:
+    """A commit future whose write fails, as on a full disk."""
+
+    def result(self, timeout=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_background_write_that_fails_names_its_step_and_the_intact_one(tmp_path, caplog):
+    ckpt = Checkpointer(tmp_path, keep=1)  # the tiny configs keep one checkpoint
+    ckpt.save(4, {"w": jnp.ones(3)}, {})
+    ckpt.wait()
+    handler = ckpt._manager._checkpointer._handler  # orbax's composite handler
+    real = handler.async_save
+
+    async def failing(*args, **kwargs):
+        return [*(await real(*args, **kwargs) or []), _FailedWrite()]
+
+    handler.async_save = failing
+    ckpt.save(8, {"w": jnp.ones(3)}, {})
+    # Was "could not write the checkpoint  under ... and no earlier checkpoint": orbax had
+    # already dropped step 4 from its list, and the step that failed was not named.
+    with pytest.raises(CheckpointSaveError, match=r"of step 8 under .* the checkpoint of step "
+                                                  r"4 is intact"):  # fmt: skip
+        ckpt.save(12, {"w": jnp.ones(3)}, {})
+    ckpt.close()
+    orbax = [r for r in caplog.records if "orbax" in r.pathname and r.levelno >= logging.ERROR]
+    assert orbax and all(r.exc_info is None for r in orbax)  # its line, not two tracebacks
+    assert Checkpointer(tmp_path).all_steps() == [4]
 
 
 _FAILS_MID_RUN = r"""

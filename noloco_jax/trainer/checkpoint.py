@@ -116,6 +116,8 @@ class Checkpointer:
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 2, probe: bool = False):
         self.directory = pathlib.Path(directory).absolute()
         self.keep = keep
+        self._pending: int | None = None  # the step of the last save started
+        _no_orbax_tracebacks()
         if probe:
             _probe_writable(self.directory)
         self._manager = ocp.CheckpointManager(
@@ -140,8 +142,9 @@ class Checkpointer:
 
         Errors of the asynchronous part surface in ``check`` or ``close``.
         """
-        self.check()
+        self.wait()  # orbax would wait for the previous save anyway; its error names its step
         meta = {**meta, "checksums": fingerprint(state)}
+        self._pending = step
         try:
             self._manager.save(
                 step,
@@ -161,11 +164,14 @@ class Checkpointer:
             raise self._save_error(None, err) from err
 
     def _save_error(self, step: int | None, err: Exception) -> CheckpointSaveError:
-        good = [s for s in self.all_steps() if s != step]
+        step = self._pending if step is None else step
+        # From the disk: orbax's own list has already dropped the step the save would replace.
+        on_disk = self.directory.iterdir() if self.directory.is_dir() else ()
+        good = sorted(int(p.name) for p in on_disk if p.name.isdigit() and int(p.name) != step)
         kept = f"the checkpoint of step {good[-1]} is intact" if good else "no earlier checkpoint"
-        what = f"of step {step}" if step is not None else ""
+        what = f"of step {step} " if step is not None else ""
         return CheckpointSaveError(
-            f"could not write the checkpoint {what} under {self.directory} "
+            f"could not write the checkpoint {what}under {self.directory} "
             f"({type(err).__name__}: {str(err)[:300]}); the run stopped and {kept}. Fix the "
             f"directory (space, inodes, a file in its place) and run again to resume."
         )
@@ -252,6 +258,20 @@ class Checkpointer:
             error = error or err
         if error is not None:
             raise self._save_error(None, error) from error
+
+
+def _drop_orbax_traceback(record: logging.LogRecord) -> bool:
+    """Keeps an orbax error's line but not its traceback: the run reports the error itself."""
+    if "orbax" in record.pathname and record.levelno >= logging.ERROR:
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
+def _no_orbax_tracebacks() -> None:
+    """A failed background save logged two tracebacks (40 lines) before the run's message."""
+    log = logging.getLogger("absl")
+    if _drop_orbax_traceback not in log.filters:
+        log.addFilter(_drop_orbax_traceback)
 
 
 def _probe_writable(directory: pathlib.Path) -> None:
