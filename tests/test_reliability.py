@@ -7,6 +7,7 @@ a SIGTERM sent to a training subprocess. Training runs are tiny and shared.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -104,6 +105,13 @@ def test_load_run_refuses_a_damaged_checkpoint(tmp_path, finished_run):
     _flip_array_bytes(run / "checkpoints" / "12")
     with pytest.raises(CorruptCheckpointError, match="checkpoint 12"):
         load_run(s, run)
+
+
+def test_load_run_with_other_settings_names_them(finished_run):
+    s, finished = finished_run
+    for field, value in (("num_replicas", 2), ("seed", 5)):  # was "corrupt", or silently loaded
+        with pytest.raises(ValueError, match=f"cannot resume.*{field}"):
+            load_run(dataclasses.replace(s, **{field: value}), finished)
 
 
 def test_damaged_latest_checkpoint_is_set_aside_and_the_run_replays(tmp_path, finished_run):

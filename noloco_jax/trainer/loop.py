@@ -878,7 +878,8 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
     step = ckpt.latest_step()
     if step is None:
         raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints.")
-    restored, _ = ckpt.restore(step, abstract_like(state))
+    check_resume(ckpt.read_meta(step), run.meta, allow_resize=False)  # not "corrupt": other
+    restored, _ = ckpt.restore(step, abstract_like(state))  # settings are named as such
     ckpt.close()
     _, graphdef, _ = prepare_model(settings, run.data.tokenizer.vocab_size)
     return graphdef, restored.params, run.data
