@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +113,25 @@ def test_load_run_with_other_settings_names_them(finished_run):
     for field, value in (("num_replicas", 2), ("seed", 5)):  # was "corrupt", or silently loaded
         with pytest.raises(ValueError, match=f"cannot resume.*{field}"):
             load_run(dataclasses.replace(s, **{field: value}), finished)
+
+
+def test_a_signal_during_the_last_chunk_lets_the_run_finish(tmp_path, finished_run, monkeypatch,
+                                                           capsys):  # fmt: skip
+    s, finished = finished_run
+    run = copy_run(finished, tmp_path / "run")
+    shutil.rmtree(run / "checkpoints" / "12")  # resumes at 8
+    real = loop._after_chunk
+
+    def after(ses, state, start, step, metrics):
+        if step == s.num_steps:
+            ses.stop.requested = "SIGTERM"
+        return real(ses, state, start, step, metrics)
+
+    monkeypatch.setattr(loop, "_after_chunk", after)
+    last = train_and_evaluate(s, run, progress=False)
+    assert last["step"] == s.num_steps and "stopped_by" not in last
+    assert "resume" not in capsys.readouterr().out  # was "... run the same command again"
+    assert Checkpointer(run / "checkpoints").latest_step() == s.num_steps
 
 
 def test_damaged_latest_checkpoint_is_set_aside_and_the_run_replays(tmp_path, finished_run):
