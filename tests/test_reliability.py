@@ -370,6 +370,22 @@ def test_random_routing_spreads_a_nan_replica_and_the_error_says_so(tmp_path, co
         train_and_evaluate(s, tmp_path, progress=False)
 
 
+def test_each_fragment_sync_counts_towards_the_consecutive_resets(finished_run, monkeypatch):
+    """With P fragments a sync comes every H / P steps; a chunk holding one was ignored."""
+    s, workdir = finished_run
+    fragmented = dataclasses.replace(s, outer=dataclasses.replace(s.outer, fragments=2))
+    resets = iter(np.arange(10)[:, None] * np.eye(s.num_replicas)[1])  # replica 1, each sync
+    monkeypatch.setattr(loop, "_per_replica_resets", lambda state, n: next(resets))
+    period = s.outer.sync_every // 2
+    run = types.SimpleNamespace(settings=fragmented, streak=None, period=period)
+    guard = loop._Escalation(run, None, ckpt=Checkpointer(workdir / "checkpoints"))
+    for k in (1, 2):  # chunks of one fragment's sync each
+        guard.after_chunk(None, k * period - 1, k * period)
+    assert guard.streak.tolist() == [0, 2, 0, 0]  # was [0, 1, 0, 0]: the first chunk was skipped
+    with pytest.raises(TrainingDivergedError, match="replica 1's weights were non-finite at 3"):
+        guard.after_chunk(None, 3 * period - 1, 3 * period)
+
+
 def test_the_consecutive_reset_count_survives_a_resume(finished_run, monkeypatch):
     """A replica reset at every sync stops the run after MAX_CONSECUTIVE_RESETS syncs, also
     when the run was interrupted and resumed in between (the count was reset to 0)."""
@@ -380,7 +396,7 @@ def test_the_consecutive_reset_count_survives_a_resume(finished_run, monkeypatch
     monkeypatch.setattr(loop, "_per_replica_resets", lambda state, n: next(resets))
 
     def escalation(streak):
-        run = types.SimpleNamespace(settings=s, streak=streak)
+        run = types.SimpleNamespace(settings=s, streak=streak, period=s.outer.sync_every)
         return loop._Escalation(run, None, ckpt=Checkpointer(workdir / "checkpoints"))
 
     h = s.outer.sync_every

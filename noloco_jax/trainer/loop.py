@@ -780,7 +780,7 @@ class _Escalation:
 
     def __init__(self, run: _Run, state: TrainState, ckpt: Checkpointer) -> None:
         s = run.settings
-        self._sync_every = s.outer.sync_every if s.method in ROUND_METHODS else None
+        self._period = run.period  # steps between syncs: H, or H / fragments (each counts)
         self._guard = guard_acts(s)  # the optimizer builds the guard on the same rule
         self._ckpt, self._settings = ckpt, s
         self._before = _per_replica_resets(state, s.num_replicas)
@@ -792,7 +792,7 @@ class _Escalation:
             return
         now = _per_replica_resets(state, self._settings.num_replicas)
         caught, self._before = now - self._before, now
-        syncs = stop // self._sync_every - start // self._sync_every
+        syncs = stop // self._period - start // self._period
         if syncs == 0:
             return
         every = caught >= syncs
