@@ -93,11 +93,45 @@ def main(argv: list[str]) -> None:
     from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
 
     config = flags.FLAGS.config
+    _check_trainer_config(config)
     _fit_warmup(config, explicit="config.optim.warmup_steps" in flags.FLAGS,
                 saved=_saved_run_length(flags.FLAGS.workdir))
     settings = from_config(config)
     last = train_and_evaluate(settings, flags.FLAGS.workdir, progress=flags.FLAGS.progress)
     print(json.dumps(dict(last), indent=1, sort_keys=True))
+
+
+def _check_trainer_config(config: Any) -> None:
+    """A config of another experiment (``configs/exp_hdee.py``) has none of the trainer's fields."""
+    from ml_collections import config_flags  # noqa: PLC0415
+
+    error = _not_a_trainer_config(config, config_flags.get_config_filename(flags.FLAGS["config"]))
+    if error:
+        raise ValueError(error)
+
+
+def _not_a_trainer_config(config: Any, path: str) -> str | None:
+    missing = [k for k in ("num_steps", "method", "optim", "outer") if k not in config]
+    if not missing:
+        return None
+    return (f"--config: {pathlib.Path(path).name} is not a noloco-train config (it has no "
+            f"field {missing[0]!r}); it drives its own experiment (configs/README.md says "
+            f"which: python -m experiments.NAME).")  # fmt: skip
+
+
+def _probe_config(argv: Sequence[str]) -> str | None:
+    """For an unknown --config.<field>: whether the --config file is another experiment's."""
+    import importlib.util  # noqa: PLC0415
+
+    paths = [a.split("=", 1)[1].split(":", 1)[0] for a in argv if re.match(r"^--?config=", a)]
+    path = paths[-1] if paths else None  # the last --config wins, as in absl
+    try:
+        spec = importlib.util.spec_from_file_location("_noloco_config_probe", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return _not_a_trainer_config(module.get_config(), path)
+    except Exception:  # noqa: BLE001 - a probe only: the parser's own error stands
+        return None
 
 
 def _fit_warmup(config: Any, explicit: bool, saved: Any = None) -> None:
@@ -237,11 +271,20 @@ def _parse_flags(argv: list[str], none_fields: Sequence[str] = ()) -> list[str]:
     try:
         rest = flags.FLAGS(argv)
         _set_none(flags.FLAGS.config, none_fields)
-        return rest
     except flags.Error as err:
         raise ValueError(_clean_flag_error(str(err))) from err
     except (AttributeError, KeyError) as err:  # ml_collections: an unknown --config.<field>
-        raise ValueError(_unknown_field(err, argv)) from err
+        raise ValueError(_probe_config(argv) or _unknown_field(err, argv)) from err
+    if len(rest) > 1:  # absl hands back what it did not parse; it was silently ignored
+        raise ValueError(_stray_argument(rest[1]))
+    return rest
+
+
+def _stray_argument(arg: str) -> str:
+    """``noloco-train configs/x.py config.num_steps=5``: say which flag was meant."""
+    hint = ("" if arg.startswith("-") else f" Did you mean --config={arg}?" if arg.endswith(".py")
+            else f" Did you mean --{arg}?" if arg.startswith("config.") else "")  # fmt: skip
+    return f"unexpected argument {arg!r}: {PROG} takes only flags.{hint}"
 
 
 def _check_config_file(argv: Sequence[str]) -> None:
@@ -254,6 +297,32 @@ def _check_config_file(argv: Sequence[str]) -> None:
                 raise FileNotFoundError(
                     f"--config={m.group(1)}: no such config file (the project's configs are "
                     f"in {_REPO / 'configs'}).")  # fmt: skip
+            if "get_config" not in _top_level_names(pathlib.Path(path)):
+                # (else the default config's get_config, loaded first, was used silently)
+                raise ValueError(f"--config={m.group(1)}: the file defines no get_config(); a "
+                                 f"config file returns its ConfigDict from get_config().")
+
+
+def _top_level_names(path: pathlib.Path) -> set[str]:
+    """Names a Python file binds at module level ("*" for a star import); unparsable: {"*"}."""
+    import ast  # noqa: PLC0415
+
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return {"*"}  # loading it reports the error
+    names = {"*"} if not tree.body else set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        else:
+            names.add("*")  # if/try blocks may bind it: let the loader decide
+    return names
 
 
 def _clean_flag_error(text: str) -> str:

@@ -189,6 +189,15 @@ CASES = {
         (["--config.model.remat=yes"], r"--config\.model\.remat=yes: .*Non-boolean argument"),
         (["--config=configs/nope.py"], r"--config=configs/nope\.py: no such config file"),
         (["--config={root}/configs/tiny_noloco.py:huge"], r"unknown variant 'huge'.*quick"),
+        # These trained the default config, silently:
+        (["{root}/configs/tiny_diloco.py"], r"unexpected argument '.*tiny_diloco\.py': "
+                                            r"noloco-train takes only flags\. Did you mean "
+                                            r"--config=.*tiny_diloco\.py\?"),  # fmt: skip
+        (["--", "config.num_steps=3"], r"unexpected argument 'config\.num_steps=3'.*Did you "
+                                       r"mean --config\.num_steps=3\?"),  # fmt: skip
+        (["--config={noget}"], r"--config=.*noget\.py: the file defines no get_config\(\)"),
+        (["--config={root}/configs/exp_hdee.py"], r"exp_hdee\.py is not a noloco-train config "
+                                                  r"\(it has no field 'num_steps'\)"),  # fmt: skip
     ],
     "`model.init_from` directory missing": [
         (["--config.model.init_from={empty}/nope"], r"checkpoint directory .*nope.* does not exist"),
@@ -277,6 +286,8 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
     empty.mkdir()
     (empty / "a.txt").write_text("  \n")
     (tmp_path / "blocked").write_text("a file, not a directory")
+    (tmp_path / "noget.py").write_text("from configs import common\n\n\ndef get_cfg():\n"
+                                       "    return common.get_config()\n")  # fmt: skip
     latin1 = tmp_path / "latin1"
     latin1.mkdir()
     (latin1 / "latin1.txt").write_bytes("caf\xe9 na\xefve ".encode("latin-1") * 200)
@@ -294,7 +305,8 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     for extra, pattern in CASES[row]:
         fill = {"corpus": corpus_dir, "empty": empty, "blocked": tmp_path / "blocked", "root": ROOT,
-                "gpt2": tmp_path / "gpt2", "llama512": tmp_path / "llama512", "latin1": latin1}
+                "gpt2": tmp_path / "gpt2", "llama512": tmp_path / "llama512", "latin1": latin1,
+                "noget": tmp_path / "noget.py"}
         extra = [e.format(**{k: str(v) for k, v in fill.items()}) for e in extra]
         argv = nano_argv(tmp_path / "run", corpus_dir, data_dir, *extra)
         code, err = run_cli(argv, capsys)
