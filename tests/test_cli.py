@@ -119,6 +119,7 @@ CASES = {
         (["--config.outer.sync_every=4", "--config.outer.fragments=4"],
          r"config\.outer\.fragments=4 exceeds the model's 2 layers"),
         (["--config.model.dtype=float16"], r"config\.model\.dtype: must be one of"),
+        (["--config.outer.momentum=1.5"], r"config\.outer\.momentum: must be in \[0, 1\)"),
     ],
     "unknown method / backend / data source / tokenizer": [
         (["--config.method=adam"], r"config\.method: must be one of \['noloco'"),

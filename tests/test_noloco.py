@@ -155,6 +155,8 @@ def test_bf16_exchange_keeps_local_state_dtype_and_stays_close():
         ({"group_size": 2.0}, "group_size"),
         ({"learning_rate": -0.1}, "learning_rate"),
         ({"momentum": -0.5}, "momentum"),
+        ({"momentum": 1.0}, r"momentum: must be in \[0, 1\)"),  # heavy ball diverges (was taken)
+        ({"momentum": 1.5}, r"momentum: must be in \[0, 1\)"),
         ({"gamma": -1.0}, "gamma"),
         ({"learning_rate": float("nan")}, "learning_rate"),
         ({"learning_rate": "0.7"}, "learning_rate"),

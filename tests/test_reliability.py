@@ -573,6 +573,10 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
     assert settings_lib.warnings_for(late) == [
         "config.profile_steps='10:20' starts at or after num_steps=8: no trace will be written."]
     assert settings_lib.warnings_for(_settings(corpus_dir, data_dir, profile_steps="2:20")) == []
+    frozen = _settings(corpus_dir, data_dir, outer={"learning_rate": 0.0})  # learned nothing
+    assert settings_lib.warnings_for(frozen) == [
+        "config.outer.learning_rate=0: the slow weights never move and every sync puts the "
+        "replicas back on them, so the run learns nothing."]
 
 
 # --- 10. memory -------------------------------------------------------------------------

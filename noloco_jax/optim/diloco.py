@@ -30,6 +30,7 @@ from noloco_jax.optim.noloco import (
     check_dropout_prob,
     check_error_feedback,
     check_exchange_dtype,
+    check_momentum,
     check_rate,
     check_static_args,
 )
@@ -157,7 +158,7 @@ def diloco_outer(
     check_error_feedback(error_feedback, exchange_dtype)
     errors.check_bool("resync_absent", resync_absent)
     beta = check_rate("learning_rate", learning_rate)
-    alpha = check_rate("momentum", momentum)
+    alpha = check_momentum("momentum", momentum)
     sgd = optax.sgd(beta, momentum=alpha, nesterov=bool(nesterov))
     dropout_prob = check_dropout_prob(dropout_prob)
 

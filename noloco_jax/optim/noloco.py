@@ -47,6 +47,7 @@ __all__ = [
     "noloco_outer",
     "check_dropout_prob",
     "check_error_feedback",
+    "check_momentum",
     "check_rate",
     "check_static_args",
     "rate_at",
@@ -81,6 +82,14 @@ def check_rate(name: str, value: Any) -> Any:
     if callable(value) or isinstance(value, (jax.Array, np.ndarray, np.generic)):
         return value
     return errors.check_number(name, value)
+
+
+def check_momentum(name: str, value: Any) -> Any:
+    """The outer momentum alpha: in [0, 1) (heavy ball diverges from 1 on); arrays and schedules
+    pass, as in ``check_rate``."""
+    if callable(value) or isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        return value
+    return errors.check_number(name, value, 0, 1, open_high=True)
 
 
 def check_dropout_prob(value: Any, field: str = "dropout_prob") -> float:
@@ -313,7 +322,7 @@ def noloco_outer(
       Method for Large Models", 2025. https://arxiv.org/abs/2506.10911
     """
     beta = check_rate("learning_rate", learning_rate)
-    alpha = check_rate("momentum", momentum)
+    alpha = check_momentum("momentum", momentum)
     gamma_over_beta = _gamma_over_beta(gamma, beta)
     check_static_args(group_size=group_size, seed=seed, dropout_prob=dropout_prob)
     check_exchange_dtype(exchange_dtype)

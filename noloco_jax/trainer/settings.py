@@ -21,7 +21,8 @@ from noloco_jax import comm, defaults, quantize
 from noloco_jax.errors import UserError, check_bool, check_choice, check_int, check_number, require
 from noloco_jax.optim.fragments import check_fragments
 from noloco_jax.optim.local_steps import check_delay, check_mixing, check_sync_every
-from noloco_jax.optim.noloco import check_dropout_prob, check_error_feedback, check_rate
+from noloco_jax.optim.noloco import (check_dropout_prob, check_error_feedback, check_momentum,
+                                     check_rate)
 from noloco_jax.skippipe.training import check_path_length
 
 METHODS = ("noloco", "diloco", "dp", "local")
@@ -384,6 +385,9 @@ def warnings_for(s: TrainSettings) -> list[str]:
         out.append(f"config.outer.sync_every={s.outer.sync_every} > num_steps={s.num_steps}: the "
                    f"replicas never sync in this run (method={s.method!r} acts as 'local'); use "
                    f"sync_every <= num_steps.")
+    if s.method in ROUND_METHODS and s.outer.learning_rate == 0:
+        out.append(f"config.outer.learning_rate=0: the slow weights never move and every sync "
+                   f"puts the replicas back on them, so the run learns nothing.")
     window = parse_profile_steps(s.profile_steps)
     if window is not None and window[0] >= s.num_steps:
         out.append(f"config.profile_steps={s.profile_steps!r} starts at or after num_steps="
@@ -437,7 +441,7 @@ def _validate_optim(o: OptimSettings, num_steps: int) -> None:
 def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     check_sync_every(o.sync_every, "config.outer.sync_every")
     check_rate("config.outer.learning_rate", o.learning_rate)
-    check_rate("config.outer.momentum", o.momentum)
+    check_momentum("config.outer.momentum", o.momentum)
     if o.gamma is not None:
         check_rate("config.outer.gamma", o.gamma)
     check_choice("config.outer.exchange_dtype", o.exchange_dtype,
