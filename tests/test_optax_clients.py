@@ -461,6 +461,25 @@ def test_injecting_a_structural_argument_names_the_static_args(factory, module):
     assert float(tx.init(jnp.zeros(3)).hyperparams["learning_rate"]) == pytest.approx(0.6)
 
 
+@pytest.mark.parametrize("factory, module", [(noloco_outer, "noloco"), (diloco_outer, "diloco")])
+@pytest.mark.parametrize("exchange", [{"exchange_dtype": jnp.bfloat16},  # callable: "a schedule"
+                                      {"exchange_dtype": "int8", "error_feedback": True}])
+def test_the_static_args_cover_the_exchange_options(factory, module, exchange):
+    """With the documented static_args the README's exchange options compose with injection
+    (jnp.bfloat16 was called as a schedule; a tracer reached a Python branch)."""
+    static = importlib.import_module(f"noloco_jax.optim.{module}").INJECT_STATIC_ARGS
+    outer = optax.inject_hyperparams(factory, static_args=static)(learning_rate=0.6, **exchange)
+    fixed = factory(learning_rate=0.6, **exchange)
+    reps = replicas.make_replicas(N, backend="vmap")
+    phi = jnp.asarray(np.random.default_rng(2).normal(size=(N, 256)), jnp.float32)
+    grad = 0.1 * phi[::-1]
+    for tx in (outer, fixed):
+        delta, _ = jax.jit(reps.map(tx.update))(grad, reps.init(tx, phi), phi)
+        if tx is outer:
+            injected = delta
+    np.testing.assert_allclose(injected, delta, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])
 @pytest.mark.parametrize("seed", [-1, 1.5, 2**32, True])
 def test_a_bad_seed_is_refused_at_construction(factory, seed):

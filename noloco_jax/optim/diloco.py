@@ -38,7 +38,8 @@ from noloco_jax.optim.trees import float_leaves, zeros_where_none
 
 __all__ = ["DiLoCoOuterState", "diloco_outer", "INJECT_STATIC_ARGS"]
 
-INJECT_STATIC_ARGS = ("seed", "dropout_prob")
+INJECT_STATIC_ARGS = ("seed", "dropout_prob", "exchange_dtype", "error_feedback", "nesterov",
+                      "resync_absent")
 """Arguments to keep static in ``optax.inject_hyperparams(diloco_outer, static_args=...)``."""
 
 
@@ -153,7 +154,8 @@ def diloco_outer(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
       Language Models", 2023. https://arxiv.org/abs/2311.08105
     """
-    check_static_args("diloco", seed=seed, dropout_prob=dropout_prob)
+    check_static_args("diloco", seed=seed, dropout_prob=dropout_prob,
+                      exchange_dtype=exchange_dtype, error_feedback=error_feedback)
     check_exchange_dtype(exchange_dtype)
     check_error_feedback(error_feedback, exchange_dtype)
     errors.check_bool("resync_absent", resync_absent)

@@ -190,7 +190,8 @@ def check_exchange_dtype(exchange_dtype: Any) -> None:
                    f"one of {sorted(quantize.FORMATS)}, got {exchange_dtype!r}.")  # fmt: skip
 
 
-INJECT_STATIC_ARGS = ("group_size", "seed", "dropout_prob", "pool_size")
+INJECT_STATIC_ARGS = ("group_size", "seed", "dropout_prob", "pool_size", "exchange_dtype",
+                      "error_feedback", "nesterov")
 """Arguments to keep static in ``optax.inject_hyperparams(noloco_outer, static_args=...)``."""
 
 
@@ -324,7 +325,8 @@ def noloco_outer(
     beta = check_rate("learning_rate", learning_rate)
     alpha = check_momentum("momentum", momentum)
     gamma_over_beta = _gamma_over_beta(gamma, beta)
-    check_static_args(group_size=group_size, seed=seed, dropout_prob=dropout_prob)
+    check_static_args(group_size=group_size, seed=seed, dropout_prob=dropout_prob,
+                      exchange_dtype=exchange_dtype, error_feedback=error_feedback)
     check_exchange_dtype(exchange_dtype)
     check_error_feedback(error_feedback, exchange_dtype)
     comm.check_group_size(None, group_size)  # N is the axis size, known when traced
