@@ -181,39 +181,56 @@ def test_default_data_dir(monkeypatch, tmp_path):
 # ---------------------------------------------------------------- named TFDS datasets
 
 
-def test_named_tfds_dataset(tmp_path):
+def _store_tfds(data_dir, name, splits, file_format="array_record", feature="text"):
+    """A dataset prepared under ``data_dir`` as ``tfds build`` would leave it (no mock)."""
     import tensorflow_datasets as tfds
 
-    with tfds.testing.mock_data(num_examples=6, policy=tfds.testing.MockPolicy.USE_CODE):
-        corpus = data.load_corpus("tfds", tfds_name="tiny_shakespeare", data_dir=tmp_path)
-        first2 = data.load_corpus(
-            "tfds", tfds_name="tiny_shakespeare", data_dir=tmp_path, max_documents=2
-        )
-        lm1b = data.load_corpus("tfds", tfds_name="lm1b", data_dir=tmp_path)  # no validation
-        with pytest.raises(ValueError, match="no 'text' feature"):
-            data.load_corpus("tfds", tfds_name="mnist", data_dir=tmp_path)
-    assert corpus.name == "tfds_tiny_shakespeare"
-    assert len(corpus.train) == len(corpus.validation) == 6
-    assert all(isinstance(t, str) and t for t in corpus.train + corpus.validation)
-    assert len(first2.train) == 2 and first2.name != corpus.name
-    assert len(lm1b.train) == len(lm1b.validation) == 6  # "test" stands in for validation
+    examples = {split: [(f"{i:04d}", {feature: text}) for i, text in enumerate(docs)]
+                for split, docs in splits.items()}  # fmt: skip
+    tfds.dataset_builders.store_as_tfds_dataset(
+        name=name, version="1.0.0", features=tfds.features.FeaturesDict({feature: tfds.features.Text()}),
+        split_datasets=examples, data_dir=str(data_dir / "tensorflow_datasets"),
+        file_format=file_format)  # fmt: skip
+
+
+@pytest.mark.parametrize("file_format", ["array_record", "tfrecord"])
+def test_named_tfds_dataset(tmp_path, file_format):
+    # A prepared array_record dataset (the format TFDS and this project write) was reported
+    # "not prepared": tfds.load cannot read it. The tests used mock_data, which hid that.
+    _store_tfds(tmp_path, "my_text", {"train": TEXTS[:6], "validation": TEXTS[6:9]}, file_format)
+    corpus = data.load_corpus("tfds", tfds_name="my_text", data_dir=tmp_path)
+    first2 = data.load_corpus("tfds", tfds_name="my_text", data_dir=tmp_path, max_documents=2)
+    assert corpus.name == "tfds_my_text" and first2.name != corpus.name
+    assert sorted(corpus.train) == sorted(TEXTS[:6]) and sorted(corpus.validation) == TEXTS[6:9]
+    assert first2.train == corpus.train[:2] and first2.validation == corpus.validation[:2]
+
+
+def test_named_tfds_dataset_splits_and_features(tmp_path):
+    _store_tfds(tmp_path, "with_test", {"train": TEXTS[:3], "test": TEXTS[3:5]})
+    corpus = data.load_corpus("tfds", tfds_name="with_test", data_dir=tmp_path)
+    assert sorted(corpus.validation) == sorted(TEXTS[3:5])  # "test" stands in for validation
+    _store_tfds(tmp_path, "train_only", {"train": TEXTS[:3]})  # was "not prepared"
+    with pytest.raises(ValueError, match=r"'train_only' needs a 'train' split and a "
+                                         r"'validation' or 'test' split \(it has \['train'\]\)"):
+        data.load_corpus("tfds", tfds_name="train_only", data_dir=tmp_path)
+    _store_tfds(tmp_path, "no_text", {"train": ["a"], "test": ["b"]}, feature="content")
+    with pytest.raises(ValueError, match=r"no 'text' feature \(its features: \['content'\]\)"):
+        data.load_corpus("tfds", tfds_name="no_text", data_dir=tmp_path)
 
 
 def test_trainer_reads_max_documents_of_a_tfds_dataset(tmp_path):
-    import tensorflow_datasets as tfds
-
     from noloco_jax.trainer.loop import prepare_data
     from tests.test_train import tiny_settings
 
+    _store_tfds(tmp_path, "my_text", {"train": TEXTS[:6], "validation": TEXTS[6:8]})
+
     def train_tokens(max_documents):
         s = tiny_settings(tmp_path, tmp_path, num_replicas=2, global_batch_size=2,
-                          data={"source": "tfds", "path": "", "tfds_name": "tiny_shakespeare",
+                          data={"source": "tfds", "path": "", "tfds_name": "my_text",
                                 "max_documents": max_documents, "seq_len": 8})  # fmt: skip
         return prepare_data(s).train_tokens
 
-    with tfds.testing.mock_data(num_examples=12, policy=tfds.testing.MockPolicy.USE_CODE):
-        every, first3 = train_tokens(0), train_tokens(3)
-    assert 0 < first3 < every  # the first 3 of 12 documents
+    assert 0 < train_tokens(2) < train_tokens(0)  # the first 2 of 6 documents
 
 
 def test_named_tfds_dataset_not_prepared(tmp_path):

@@ -362,43 +362,59 @@ def _local_files(
 
 
 def _named_tfds(tfds_name: str, data_dir: pathlib.Path, max_documents: int | None) -> Corpus:
-    import tensorflow_datasets as tfds  # noqa: PLC0415
-
-    root = _tfds_dir(data_dir)
-
-    def open_split(split: str):
-        ds = tfds.load(tfds_name, split=split, data_dir=str(root), download=False,
-                       shuffle_files=False)  # fmt: skip
-        return ds.take(max_documents) if max_documents else ds
-
-    try:
-        train_ds = open_split("train")
-        try:
-            val_ds = open_split("validation")
-        except (ValueError, KeyError):  # no such split: fall back to "test"
-            val_ds = open_split("test")
-    except Exception as err:  # tfds raises several types for a missing dataset
-        raise FileNotFoundError(
-            f"TFDS dataset {tfds_name!r} is not prepared under {root} (noloco_jax never "
-            f"downloads datasets at run time; tfds said: {err}). Prepare it there beforehand "
-            f"(e.g. `tfds build {tfds_name} --data_dir={root}` on a machine with internet), "
-            f"or use local text files: source=\"files\", path=... "
-            f"(--config.data.source=files --config.data.path=...)."
-        ) from err
-
-    def texts(ds) -> list[str]:
-        spec = ds.element_spec
-        if not isinstance(spec, dict) or "text" not in spec:
-            raise ValueError(
-                f"TFDS dataset {tfds_name!r} has no 'text' feature (its elements: {spec}); "
-                f"source='tfds' needs a text dataset such as tiny_shakespeare, lm1b or c4."
-            )
-        return [ex["text"].decode("utf-8", errors="replace") for ex in tfds.as_numpy(ds)]
-
+    """A prepared TFDS text dataset (array_record or tfrecord): train and validation texts."""
+    builder = _prepared_builder(tfds_name, _tfds_dir(data_dir))
+    splits = list(builder.info.splits)
+    held_out = next((s for s in ("validation", "test") if s in splits), None)
+    if "train" not in splits or held_out is None:
+        raise ValueError(
+            f"TFDS dataset {tfds_name!r} needs a 'train' split and a 'validation' or 'test' split "
+            f"(it has {sorted(splits)}); store the held-out documents as one of them, or use "
+            f"source=\"files\", which holds out validation_fraction of the files.")  # fmt: skip
+    if "text" not in builder.info.features:
+        raise ValueError(
+            f"TFDS dataset {tfds_name!r} has no 'text' feature (its features: "
+            f"{list(builder.info.features)}); source='tfds' needs a text dataset such as "
+            f"tiny_shakespeare, lm1b or c4.")  # fmt: skip
     name = f"tfds_{tfds_name.replace('/', '_').replace(':', '_')}"
     if max_documents:
         name += f"_first{max_documents}"
-    return Corpus(texts(train_ds), texts(val_ds), name)
+    return Corpus(_first_texts(builder, "train", max_documents),
+                  _first_texts(builder, held_out, max_documents), name)  # fmt: skip
+
+
+def _prepared_builder(tfds_name: str, root: pathlib.Path):
+    """The dataset's builder under ``root``; a clear error when it is not prepared there."""
+    import tensorflow_datasets as tfds  # noqa: PLC0415
+
+    try:
+        builder = tfds.builder(tfds_name, data_dir=str(root))
+        prepared, why = builder.is_prepared(), "no prepared version under the data dir"
+    except Exception as err:  # noqa: BLE001 - tfds raises several types for a missing dataset
+        prepared, why = False, str(err).splitlines()[0][:300]
+    if not prepared:
+        raise FileNotFoundError(
+            f"TFDS dataset {tfds_name!r} is not prepared under {root} (noloco_jax never "
+            f"downloads datasets at run time; tfds: {why}). Prepare it there beforehand "
+            f"(e.g. `tfds build {tfds_name} --data_dir={root}` on a machine with internet), "
+            f"or use local text files: source=\"files\", path=... "
+            f"(--config.data.source=files --config.data.path=...)."
+        )
+    return builder
+
+
+def _first_texts(builder, split: str, max_documents: int | None) -> list[str]:
+    """The split's texts in stored order (the first ``max_documents`` of them, if given):
+    array_record without TensorFlow, tfrecord through ``tf.data``."""
+    import tensorflow_datasets as tfds  # noqa: PLC0415
+
+    if builder.info.file_format == tfds.core.FileFormat.ARRAY_RECORD:
+        source = builder.as_data_source(split=split)
+        examples = (source[i] for i in range(min(len(source), max_documents or len(source))))
+    else:
+        ds = builder.as_dataset(split=split, shuffle_files=False)
+        examples = tfds.as_numpy(ds.take(max_documents) if max_documents else ds)
+    return [ex["text"].decode("utf-8", errors="replace") for ex in examples]
 
 
 def load_corpus(
