@@ -126,6 +126,12 @@ CASES = {
         (["--config.backend=gpu"], r"config\.backend: must be one of"),
         (["--config.data.source=web"], r"config\.data\.source: must be one of"),
         (["--config.data.tokenizer=bpe"], r"config\.data\.tokenizer: must be one of"),
+        # These named Python arguments (vocab_size=, kind=) instead of the config fields:
+        (["--config.data.tokenizer=sentencepiece"], r"config\.data\.tokenizer_vocab_size: must "
+                                                    r"be > 258 with config\.data\.tokenizer="
+                                                    r"'sentencepiece'.*got 0; e\.g\. 4096"),  # fmt: skip
+        (["--config.data.tokenizer_vocab_size=4096"], r"config\.data\.tokenizer_vocab_size: the "
+                                                      r"byte tokenizer has exactly 256 ids"),  # fmt: skip
     ],
     "unknown model preset": [(["--config.model.preset=huge"], r"huge.*nano")],
     "`log_every` and `outer.sync_every` not dividing one another": [

@@ -18,6 +18,7 @@ __all__ = [
     "train_sentencepiece",
     "make_tokenizer",
     "TOKENIZERS",
+    "SP_RESERVED",
 ]
 
 TOKENIZERS = ("byte", "sentencepiece", "hf")
@@ -99,7 +100,7 @@ class SentencePieceTokenizer:
 
 
 _SP_SPECIALS = 2  # unk (never produced: byte fallback covers everything) and eos
-_SP_RESERVED = 256 + _SP_SPECIALS
+SP_RESERVED = 256 + _SP_SPECIALS  # ids a sentencepiece vocabulary holds before any merge
 _SP_MAX_LINES = 2_000_000
 
 
@@ -116,7 +117,7 @@ def _training_lines(texts: Iterable[str], vocab_size: int) -> list[str]:
     counts = collections.Counter()
     for line in lines:
         counts.update(line)
-    budget = max(1, (vocab_size - _SP_RESERVED) // 2)
+    budget = max(1, (vocab_size - SP_RESERVED) // 2)
     if len(counts) > budget:
         keep = {ch for ch, _ in counts.most_common(budget)}
         table = {ord(ch): None for ch in counts if ch not in keep}
@@ -125,9 +126,9 @@ def _training_lines(texts: Iterable[str], vocab_size: int) -> list[str]:
         if not lines:
             raise ValueError(
                 f"vocab_size={vocab_size} leaves room for only {budget} character piece(s) "
-                f"besides the {_SP_RESERVED} reserved ones, and the {budget} most frequent "
+                f"besides the {SP_RESERVED} reserved ones, and the {budget} most frequent "
                 f"character(s) leave no text to learn merges from; use a larger vocab_size, "
-                f"e.g. {_SP_RESERVED + 2 * 64} or more.")  # fmt: skip
+                f"e.g. {SP_RESERVED + 2 * 64} or more.")  # fmt: skip
     return lines
 
 
@@ -167,9 +168,9 @@ def train_sentencepiece(
             )
         return tokenizer
     valid = isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
-    if not valid or vocab_size <= _SP_RESERVED:
+    if not valid or vocab_size <= SP_RESERVED:
         raise ValueError(
-            f"vocab_size must be an integer > {_SP_RESERVED} for sentencepiece (256 byte-fallback "
+            f"vocab_size must be an integer > {SP_RESERVED} for sentencepiece (256 byte-fallback "
             f"pieces, unk and eos are reserved), got {vocab_size!r}."
         )
     import sentencepiece as spm  # noqa: PLC0415

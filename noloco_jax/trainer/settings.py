@@ -18,6 +18,7 @@ import os
 from typing import Any, Callable
 
 from noloco_jax import comm, defaults, quantize
+from noloco_jax.data.tokenizers import SP_RESERVED
 from noloco_jax.errors import UserError, check_bool, check_choice, check_int, check_number, require
 from noloco_jax.optim.fragments import check_fragments
 from noloco_jax.optim.local_steps import check_delay, check_mixing, check_sync_every
@@ -359,6 +360,14 @@ def _validate_data(s: TrainSettings) -> None:
     check_int("config.data.seq_len", d.seq_len)
     check_int("config.data.eval_windows", d.eval_windows)
     check_int("config.data.tokenizer_vocab_size", d.tokenizer_vocab_size, minimum=0)
+    require(d.tokenizer != "byte" or d.tokenizer_vocab_size in (0, 256),
+            "config.data.tokenizer_vocab_size", f"the byte tokenizer has exactly 256 ids, got "
+            f"{d.tokenizer_vocab_size}; leave it 0, or set config.data.tokenizer='sentencepiece' "
+            f"for another size.")  # fmt: skip
+    require(d.tokenizer != "sentencepiece" or d.tokenizer_vocab_size > SP_RESERVED,
+            "config.data.tokenizer_vocab_size", f"must be > {SP_RESERVED} with "
+            f"config.data.tokenizer='sentencepiece' (256 byte pieces, unk and eos are reserved), "
+            f"got {d.tokenizer_vocab_size}; e.g. 4096.")  # fmt: skip
     check_number("config.data.validation_fraction", d.validation_fraction, 0, 1, open_low=True,
                  open_high=True)  # fmt: skip
 
