@@ -130,20 +130,24 @@ def unreplicate(tree: PyTree, single_replica_like: PyTree) -> PyTree:
     return select_replica(tree, 0, single_replica_like)
 
 
-def _stacked_axes(tree: PyTree, num_replicas: int) -> PyTree:
+def _stacked_axes(tree: PyTree, num_replicas: int, arg: int = 0) -> PyTree:
     """Axes of a tree already in the replicated layout (shared = no leading N)."""
 
-    def axis(shared: bool, x: Any) -> Any:
-        if shared:
+    def axis(path: tuple, x: Any) -> Any:
+        if is_shared_leaf(x, path):
             return None
         if getattr(x, "ndim", 0) == 0 or x.shape[0] != num_replicas:
+            where = f"argument {arg}" + (jax.tree_util.keystr(path) if path else "")
+            same = ("" if getattr(x, "ndim", 0) else
+                    " A value the same for every replica (a float, a PRNG key): close over it "
+                    "(functools.partial) instead of passing it; only integer and boolean "
+                    "scalars are shared.")  # fmt: skip
             raise ValueError(
-                f"expected a leading replica axis of size {num_replicas}, got shape "
-                f"{getattr(x, 'shape', None)}."
-            )
+                f"Replicas.map: {where} needs a leading replica axis of size {num_replicas}, "
+                f"got shape {jnp.shape(x)}.{same}")  # fmt: skip
         return 0
 
-    return _map_shared(axis, tree)
+    return jax.tree_util.tree_map_with_path(axis, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +219,7 @@ class Replicas:
 
     def _vmap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
-            in_axes: Any = tuple(_stacked_axes(a, self.num_replicas) for a in args)
+            in_axes: Any = tuple(_stacked_axes(a, self.num_replicas, i) for i, a in enumerate(args))
             if self.num_replicas == 1:
                 # One replica: no batched ops (a size-1 batch axis made XLA:CPU ~1.5x
                 # slower), but the axis name stays bound for the collectives.
@@ -268,7 +272,7 @@ class Replicas:
                     f"jitted step; reps.init places the optimizer state.") from None
 
         def placed_run(*args: Any) -> Any:
-            in_axes = tuple(_stacked_axes(a, self.num_replicas) for a in args)
+            in_axes = tuple(_stacked_axes(a, self.num_replicas, i) for i, a in enumerate(args))
             in_specs = specs(args, in_axes, 1)
 
             def call(*local: Any) -> Any:
@@ -341,8 +345,9 @@ def _varying_scalar_error() -> ValueError:
     return ValueError(
         "Replicas.map: an integer or boolean scalar output is computed per replica, but the "
         "replicated layout keeps such scalars shared (one copy for all replicas, for the step "
-        "and round counters). A per-replica integer must have a shape: store it as shape [1] "
-        "(e.g. a step counter kept in the params).")
+        "and round counters). An optimizer state built with jax.vmap(tx.init) has such "
+        "counters per replica: build it with reps.init(tx, params). A per-replica integer of "
+        "your own must have a shape: store it as shape [1].")
 
 
 def to_host(x: Any) -> np.ndarray:

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 
@@ -71,6 +72,30 @@ def test_map_refuses_an_integer_scalar_that_differs_between_replicas(backend):
     with pytest.raises(ValueError, match=r"scalar output is computed per replica, but the "
                        r"replicated layout keeps such scalars shared.*shape \[1\]"):  # fmt: skip
         jax.jit(mapped)(reps.put(jnp.ones((8, 3))))
+
+
+def test_map_names_the_fix_for_a_vmapped_optax_state():
+    reps = replicas.make_replicas(4, backend="vmap")
+    tx = optax.adam(1e-2)
+    params = replicas.replicate({"w": jnp.ones(3)}, 4)
+    step = jax.jit(reps.map(lambda p, s: tx.update(p, s, p)))
+    with pytest.raises(ValueError, match=r"built with jax\.vmap\(tx\.init\) .* build it with "
+                                         r"reps\.init\(tx, params\)"):  # fmt: skip
+        step(params, jax.vmap(tx.init)(params))  # its counter gets a replica axis
+    step(params, reps.init(tx, params))  # the fix works
+
+
+@pytest.mark.parametrize("shared", [1.0, jnp.float32(1.0), jax.random.key(0)])
+def test_map_names_the_argument_and_the_fix_for_a_float_or_key_scalar(shared):
+    # Was "expected a leading replica axis of size 4, got shape ()", naming neither.
+    reps = replicas.make_replicas(4, backend="vmap")
+    mapped = reps.map(lambda x, s: x)
+    with pytest.raises(ValueError, match=r"Replicas\.map: argument 1 needs a leading replica "
+                                         r"axis of size 4, got shape \(\)\. .*close over it"):
+        mapped(jnp.ones((4, 3)), shared)
+    with pytest.raises(ValueError, match=r"argument 0\['b'\] needs a leading replica axis of "
+                                         r"size 4, got shape \(3,\)\.$"):  # fmt: skip
+        mapped({"a": jnp.ones((4, 3)), "b": jnp.ones(3)}, jnp.ones(4))
 
 
 def test_a_float_output_varying_over_a_stage_axis_keeps_jaxs_error():
