@@ -116,6 +116,8 @@ CASES = {
                                               r"number > 0"),  # fmt: skip
         (["--config.global_batch_size=5"], r"config\.global_batch_size: 5 is not divisible"),
         (["--config.eval_every=3"], r"config\.eval_every: must be a multiple of log_every"),
+        (["--config.log_every=7"], r"config\.eval_every: must be a multiple of log_every=7 .*"
+                                   r"got 2; change either"),  # fmt: skip
         (["--config.outer.sync_every=4", "--config.outer.fragments=4"],
          r"config\.outer\.fragments=4 exceeds the model's 2 layers"),
         (["--config.model.dtype=float16"], r"config\.model\.dtype: must be one of"),

@@ -19,6 +19,7 @@ def test_overrides_are_typed_like_the_cli():
     assert (cfg.outer.sync_every, cfg.outer.gamma, cfg.model.preset) == (7, 0.3, "nano")
     assert isinstance(cfg.optim.learning_rate, float) and cfg.optim.learning_rate == 1.0
     cfg.extra_field = 1  # the returned config is unlocked again, as before
+    assert harness.load_config(str(CONFIG), {}).model.preset == "tiny"  # a str path (crashed)
 
 
 def test_misspelt_or_mistyped_overrides_are_errors():

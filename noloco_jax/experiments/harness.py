@@ -114,7 +114,7 @@ def data_overrides(opts: Options) -> dict[str, Any]:
     return over
 
 
-def load_config(path: pathlib.Path, overrides: dict[str, Any]) -> config_dict.ConfigDict:
+def load_config(path: str | pathlib.Path, overrides: dict[str, Any]) -> config_dict.ConfigDict:
     """The config file's ``get_config()`` with dotted overrides (``{"outer.sync_every": 10}``).
 
     The overrides are typed values, applied once by ml_collections' own
@@ -129,6 +129,7 @@ def load_config(path: pathlib.Path, overrides: dict[str, Any]) -> config_dict.Co
     Returns:
       The config, unlocked.
     """
+    path = pathlib.Path(path)
     spec = importlib.util.spec_from_file_location(f"_exp_cfg_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

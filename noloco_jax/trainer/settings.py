@@ -266,7 +266,7 @@ def _validate_run(s: TrainSettings) -> None:
     for name in ("eval_every", "checkpoint_every"):
         require(getattr(s, name) % s.log_every == 0, f"config.{name}",
                 f"must be a multiple of log_every={s.log_every} (steps are fused in chunks of "
-                f"log_every), got {getattr(s, name)}.")  # fmt: skip
+                f"log_every), got {getattr(s, name)}; change either.")  # fmt: skip
 
 
 def guard_acts(s: TrainSettings) -> bool:
