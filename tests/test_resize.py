@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,27 +47,50 @@ def test_resize_keeps_the_total_of_the_guards_reset_counts():
     assert cloned == [1.0, 0.0, 0.0, 0.0, 2.0, 0.0, 3.0, 0.0]  # was each count twice
 
 
-def test_a_resize_reads_the_checkpoint_spread_over_the_devices(tmp_path):
-    """No device holds the whole old checkpoint (it was all read onto the first device)."""
+def _most_bytes_on_a_device(tree):
+    held = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values())
+
+
+@pytest.mark.parametrize("old_n, old_fsdp, new_n, new_fsdp", [(4, 1, 8, 1), (3, 1, 6, 1),
+                                                              (2, 4, 4, 2), (4, 2, 2, 4)])
+def test_a_resize_reads_the_checkpoint_spread_over_the_devices(tmp_path, old_n, old_fsdp, new_n,
+                                                               new_fsdp):  # fmt: skip
+    """No device reads more of the old checkpoint than its share (it was all read onto the
+    first device; then each device read whole replicas even with mesh.fsdp)."""
     from noloco_jax import replicas  # noqa: PLC0415
     from noloco_jax.trainer.checkpoint import Checkpointer  # noqa: PLC0415
     from noloco_jax.trainer.resize import restore_resized  # noqa: PLC0415
 
-    old = {"w": jnp.arange(4 * 64.0).reshape(4, 64), "step": jnp.asarray(3, jnp.int32)}
+    def layout(n, fsdp):
+        return replicas.make_replicas(n, backend="shard_map", mesh_shape={"fsdp": fsdp})
+
+    old = {"lm_head": jnp.arange(old_n * 64 * 32.0).reshape(old_n, 64, 32),
+           "step": jnp.asarray(3, jnp.int32)}  # fmt: skip
     ckpt = Checkpointer(tmp_path)
-    ckpt.save(3, replicas.make_replicas(4, backend="shard_map").put(old), {})
+    ckpt.save(3, layout(old_n, old_fsdp).put(old), {})
     ckpt.wait()
-    reps = replicas.make_replicas(8, backend="shard_map")
-    template = reps.put({"w": jnp.zeros((8, 64)), "step": jnp.asarray(0, jnp.int32)})
+    reps = layout(new_n, new_fsdp)
+    template = reps.put({"lm_head": jnp.zeros((new_n, 64, 32)), "step": jnp.asarray(0, jnp.int32)})
     read = []
     real = ckpt.restore
-    ckpt.restore = lambda step, abstract: read.append(abstract) or real(step, abstract)
-    new = restore_resized(ckpt, 3, template, 4, reps)
+    ckpt.restore = lambda step, abstract: (lambda got: read.append(got[0]) or got)(real(step,
+                                                                                       abstract))
+    new = restore_resized(ckpt, 3, template, old_n, reps)
     ckpt.close()
-    np.testing.assert_array_equal(new["w"], np.repeat(np.asarray(old["w"]), 2, axis=0))
-    assert new["w"].sharding == template["w"].sharding and int(new["step"]) == 3
-    shard = read[0]["w"].sharding.shard_shape(read[0]["w"].shape)
-    assert shard == (1, 64), shard  # one old replica per device, not (4, 64) on one
+    resized = old["lm_head"]
+    if new_n > old_n:
+        resized = np.repeat(np.asarray(resized), new_n // old_n, axis=0)
+    else:
+        resized = np.asarray(resized).reshape(new_n, -1, 64, 32).mean(1)
+    np.testing.assert_array_equal(new["lm_head"], resized)
+    assert new["lm_head"].sharding == template["lm_head"].sharding and int(new["step"]) == 3
+    # At most a device's share of the new state, or (a merge) of the old checkpoint.
+    even = old["lm_head"].nbytes // jax.device_count() + 4  # + the shared step
+    assert _most_bytes_on_a_device(read[0]) <= max(_most_bytes_on_a_device(template), even)
 
 
 def _settings(tmp, **over):

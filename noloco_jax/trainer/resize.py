@@ -139,14 +139,14 @@ def restore_resized(ckpt: Any, step: int, state: Any, old_n: int, reps: Any) -> 
     Returns:
       The resized state, placed for the new run.
     """
-    shared, split = _old_layout(old_n)
     axes = replicas.replica_axes(state)
+    layout = _old_layout(old_n, state, axes)
 
-    def old_shape(x: Any, axis: Any) -> jax.ShapeDtypeStruct:
+    def old_shape(x: Any, axis: Any, sharding: Any) -> jax.ShapeDtypeStruct:
         shape = x.shape if axis is None else (old_n, *x.shape[1:])
-        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=shared if axis is None else split)
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
 
-    abstract = jax.tree.map(old_shape, state, axes)
+    abstract = jax.tree.map(old_shape, state, axes, layout)
     restored, _ = ckpt.restore(step, abstract)
     resized = resize_state(restored, reps.num_replicas)
     if reps.mesh is None:  # vmap: the whole state on the run's one device
@@ -154,13 +154,25 @@ def restore_resized(ckpt: Any, step: int, state: Any, old_n: int, reps: Any) -> 
     return reps.put(resized)
 
 
-def _old_layout(old_n: int) -> tuple[Any, Any]:
-    """Shardings to read an ``old_n``-replica checkpoint with: the replicas spread over the
-    devices (as many as divide ``old_n``), so that no device holds the whole checkpoint."""
-    if jax.process_count() > 1:  # each process reads its own full copy, on its first device
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        return device, device
+def _old_layout(old_n: int, state: Any, axes: Any) -> Any:
+    """Per-leaf shardings to read an ``old_n``-replica checkpoint with, so that no device holds
+    the whole of it: the old replicas spread over the devices (in as many groups as divide
+    ``old_n`` and fit), each split inside as the new run splits a replica (``mesh.fsdp``, ...)."""
+    first = jax.tree.leaves(state)[0].sharding
+    mesh = first.mesh if isinstance(first, NamedSharding) else None  # None: vmap
+    names = ("replica",) if mesh is None else tuple(mesh.axis_names)
+    inner = () if mesh is None else tuple(mesh.devices.shape[1:])  # one replica's devices
     devices = np.array(jax.devices())
-    d = math.gcd(old_n, devices.size)
-    mesh = jax.sharding.Mesh(devices.reshape(d, -1), ("replica", "rest"))
-    return NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
+    room = devices.size // math.prod(inner)  # old replicas that fit side by side
+    d = max(k for k in range(1, min(old_n, room) + 1) if old_n % k == 0)
+    if jax.process_count() > 1 or d * math.prod(inner) == 1:  # one device (each process its own)
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return jax.tree.map(lambda _: device, state)
+    grid = jax.sharding.Mesh(devices[: d * math.prod(inner)].reshape(d, *inner), names)
+
+    def spec(x: Any, axis: Any) -> NamedSharding:
+        if mesh is not None:
+            return NamedSharding(grid, x.sharding.spec)  # the run's split of the leaf
+        return NamedSharding(grid, P() if axis is None else P(names[0]))
+
+    return jax.tree.map(spec, state, axes)
