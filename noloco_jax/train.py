@@ -297,31 +297,35 @@ def _check_config_file(argv: Sequence[str]) -> None:
                 raise FileNotFoundError(
                     f"--config={m.group(1)}: no such config file (the project's configs are "
                     f"in {_REPO / 'configs'}).")  # fmt: skip
-            if "get_config" not in _top_level_names(pathlib.Path(path)):
+            names = _top_level_names(pathlib.Path(path))
+            if names is not None and "get_config" not in names:
                 # (else the default config's get_config, loaded first, was used silently)
                 raise ValueError(f"--config={m.group(1)}: the file defines no get_config(); a "
                                  f"config file returns its ConfigDict from get_config().")
 
 
-def _top_level_names(path: pathlib.Path) -> set[str]:
-    """Names a Python file binds at module level ("*" for a star import); unparsable: {"*"}."""
+def _top_level_names(path: pathlib.Path) -> set[str] | None:
+    """Names a Python file binds at module level; None when that cannot be told from the
+    syntax (a star import, a definition inside if/try, a syntax error the loader reports)."""
     import ast  # noqa: PLC0415
 
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, ValueError):
-        return {"*"}  # loading it reports the error
-    names = {"*"} if not tree.body else set()
+        return None
+    names = set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" for a in node.names):
+                return None
             names.update((a.asname or a.name).split(".")[0] for a in node.names)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names.update(t.id for t in targets if isinstance(t, ast.Name))
-        else:
-            names.add("*")  # if/try blocks may bind it: let the loader decide
+        elif not isinstance(node, ast.Expr):  # a docstring binds nothing
+            return None
     return names
 
 

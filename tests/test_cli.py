@@ -288,6 +288,21 @@ def test_every_readme_bad_input_row_has_a_cli_case():
     assert not unlisted, f"cases whose row is not in README's bad-input table: {unlisted}"
 
 
+@pytest.mark.parametrize("text, names", [
+    ('"""Doc."""\nfrom configs import common\n\n\ndef get_config():\n    return 1\n',
+     {"common", "get_config"}),
+    ("from configs.common import get_config\nX: int = 1\n", {"get_config", "X"}),
+    ("from configs.tiny_diloco import *\n", None),  # a star import may bind it
+    ("try:\n    import os\nexcept ImportError:\n    raise\nelse:\n    def get_config():\n"
+     "        return 1\n", None),  # bound inside a try block
+    ("def get_config(:\n    pass\n", None),  # the loader reports the syntax error
+])
+def test_which_names_a_config_file_binds(tmp_path, text, names):
+    # All three None cases were refused as "defines no get_config()" (the first, valid files).
+    (tmp_path / "c.py").write_text(text)
+    assert train._top_level_names(tmp_path / "c.py") == names
+
+
 @pytest.mark.parametrize("row", list(CASES))
 def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_dir, capsys,
                                                 monkeypatch):  # fmt: skip
