@@ -111,8 +111,12 @@ def test_load_run_refuses_a_damaged_checkpoint(tmp_path, finished_run):
 def test_load_run_with_other_settings_names_them(finished_run):
     s, finished = finished_run
     for field, value in (("num_replicas", 2), ("seed", 5)):  # was "corrupt", or silently loaded
-        with pytest.raises(ValueError, match=f"cannot resume.*{field}"):
+        with pytest.raises(ValueError, match=f"cannot load the run: .*{field}: "):
             load_run(dataclasses.replace(s, **{field: value}), finished)
+    # What does not shape the arrays or data may differ: an extended run loads with its first
+    # config, or with other rates.
+    optim = dataclasses.replace(s.optim, learning_rate=s.optim.learning_rate * 2)
+    load_run(dataclasses.replace(s, num_steps=s.num_steps - 4, optim=optim), finished)
 
 
 def test_a_signal_during_the_last_chunk_lets_the_run_finish(tmp_path, finished_run, monkeypatch,

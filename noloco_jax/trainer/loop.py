@@ -44,7 +44,7 @@ from noloco_jax.skippipe.training import SkipConfig
 from noloco_jax.trainer import grads
 from noloco_jax.trainer.resize import check_resume, restore_resized
 from noloco_jax.trainer.settings import (ROUND_METHODS, TrainSettings, check_delay_windows,
-                                         guard_acts, warnings_for)
+                                         check_loadable, guard_acts, warnings_for)
 from noloco_jax.trainer.step import (TrainState, eval_token_losses, make_program,
                                      make_window_program)
 from noloco_jax.trainer.writers import MetricWriter, Progress, read_jsonl
@@ -878,8 +878,8 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
     step = ckpt.latest_step()
     if step is None:
         raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints.")
-    check_resume(ckpt.read_meta(step), run.meta, allow_resize=False)  # not "corrupt": other
-    restored, _ = ckpt.restore(step, abstract_like(state))  # settings are named as such
+    check_loadable(ckpt.read_meta(step)["settings"], run.meta["settings"])  # not "corrupt"
+    restored, _ = ckpt.restore(step, abstract_like(state))
     ckpt.close()
     _, graphdef, _ = prepare_model(settings, run.data.tokenizer.vocab_size)
     return graphdef, restored.params, run.data

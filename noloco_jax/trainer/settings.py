@@ -496,18 +496,41 @@ def _can_extend(saved: dict, current: dict) -> bool:
     return current["num_steps"] > saved["num_steps"] and saved.get("optim.min_lr_ratio") == 1
 
 
+def _dotted_pair(saved: dict, current: dict) -> tuple[dict, dict]:
+    """Both settings as dotted dicts; a field the checkpoint predates counts as its default."""
+    known = defaults.dotted(TrainSettings().to_dict())
+    a, b = {**known, **defaults.dotted(saved)}, defaults.dotted(current)
+    for d in (a, b):  # "corpus/" and "corpus" name the same corpus
+        if d.get("data.path"):
+            d["data.path"] = os.path.normpath(d["data.path"])
+    return a, b
+
+
+# Settings that shape a checkpoint's arrays, or the data a loaded run is analysed on.
+_SHAPING = ("method", "num_replicas", "num_stages", "seed", "model.", "data.", "outer.fragments",
+            "outer.delay", "outer.exchange_dtype", "outer.error_feedback")  # fmt: skip
+
+
+def check_loadable(saved: dict, current: dict) -> None:
+    """Refuses to load a checkpoint for analysis with settings that shape its arrays or data
+    (the schedule, rates and run length may differ: an extended run loads with its first
+    config)."""
+    a, b = _dotted_pair(saved, current)
+    changed = sorted(k for k in set(a) | set(b) if k.startswith(_SHAPING) and k not in RESUMABLE
+                     and a.get(k) != b.get(k))  # fmt: skip
+    if changed:
+        detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed)
+        raise ValueError(f"cannot load the run: its checkpoint was written with other settings "
+                         f"that shape its arrays or data ({detail}); pass the run's own.")
+
+
 def check_resume_compatible(saved: dict, current: dict) -> None:
     """Refuses to resume when settings that shape the run have changed.
 
     ``num_steps`` may grow when the schedule allows it (``_can_extend``). A setting the
     checkpoint does not record (it predates the field) counts as its default.
     """
-    known = defaults.dotted(TrainSettings().to_dict())  # fields added since the checkpoint
-    a = {**known, **defaults.dotted(saved)}
-    b = defaults.dotted(current)
-    for d in (a, b):  # "corpus/" and "corpus" name the same corpus
-        if d.get("data.path"):
-            d["data.path"] = os.path.normpath(d["data.path"])
+    a, b = _dotted_pair(saved, current)
     changed = sorted(k for k in set(a) | set(b) if k not in RESUMABLE and a.get(k) != b.get(k))
     if "num_steps" in changed and _can_extend(a, b):
         changed.remove("num_steps")
