@@ -205,6 +205,13 @@ def test_named_tfds_dataset(tmp_path, file_format):
     assert first2.train == corpus.train[:2] and first2.validation == corpus.validation[:2]
 
 
+def test_a_tfrecord_dataset_without_tensorflow_names_the_fix(tmp_path, monkeypatch):
+    _store_tfds(tmp_path, "my_text", {"train": TEXTS[:2], "test": TEXTS[2:3]}, "tfrecord")
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"stored as tfrecord, which needs TensorFlow"):
+        data.load_corpus("tfds", tfds_name="my_text", data_dir=tmp_path)
+
+
 def test_named_tfds_dataset_splits_and_features(tmp_path):
     _store_tfds(tmp_path, "with_test", {"train": TEXTS[:3], "test": TEXTS[3:5]})
     corpus = data.load_corpus("tfds", tfds_name="with_test", data_dir=tmp_path)

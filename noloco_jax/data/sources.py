@@ -412,6 +412,13 @@ def _first_texts(builder, split: str, max_documents: int | None) -> list[str]:
         source = builder.as_data_source(split=split)
         examples = (source[i] for i in range(min(len(source), max_documents or len(source))))
     else:
+        try:
+            import tensorflow  # noqa: F401, PLC0415
+        except ImportError as err:
+            raise ValueError(
+                f"TFDS dataset {builder.name!r} is stored as {builder.info.file_format.value}, "
+                f"which needs TensorFlow to read: pip install 'noloco-jax[tf]' (or tensorflow), "
+                f"or store it as array_record.") from err  # fmt: skip
         ds = builder.as_dataset(split=split, shuffle_files=False)
         examples = tfds.as_numpy(ds.take(max_documents) if max_documents else ds)
     return [ex["text"].decode("utf-8", errors="replace") for ex in examples]

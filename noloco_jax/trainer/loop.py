@@ -629,7 +629,7 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
         _after_chunk(ses, state, start, step, _train_metrics(ses.run, state, step, k, losses,
                                                               time.perf_counter() - t0))
         ses.bar.advance(step, ses.last, compiled=len(ses.run.calls) > programs)
-    if ses.stop.requested and step < end:  # a signal in the last chunk: the run is done
+    if ses.stop.requested and step < s.num_steps:  # a signal in the last chunk: the run is done
         ses.last["stopped_by"] = ses.stop.requested
         saved = ("after saving its checkpoint" if ses.ckpt.latest_step() == step
                  else "before training further (nothing new to save)")
