@@ -607,6 +607,26 @@ def test_memory_estimate_counts_params_and_optimizer_state():
     assert memory.state_bytes_per_device(params, adam, num_replicas=4, backend="vmap") == 4 * one
 
 
+def test_memory_estimate_splits_only_the_blocks_and_only_on_the_stage_mesh(monkeypatch):
+    import optax
+
+    from noloco_jax.trainer import memory
+
+    f32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.float32)  # noqa: E731
+    params = {"blocks": {"w": f32(1000)}, "embed": f32(100)}
+    adam = optax.adam(1e-3)
+    split = memory.state_bytes_per_device(params, adam, num_replicas=1, backend="shard_map",
+                                          num_stages=2)  # fmt: skip
+    assert split == 3 * 4000 // 2 + 3 * 400 + 4  # embedding (and head) on every stage device
+    seen = []
+    monkeypatch.setattr(memory, "check_fits", lambda per_device, *a, **k: seen.append(per_device))
+    for stages in (1, 2):  # simulated stages (vmap) hold every stage on the one device
+        s = settings_lib.from_config({"num_stages": stages, "backend": "vmap", "num_replicas": 2,
+                                      "global_batch_size": 2, "model": {"preset": "nano"}})
+        loop._check_memory(s, 256, adam)
+    assert seen[0] == seen[1]  # was halved by num_stages, so a run that cannot fit passed
+
+
 def test_extending_num_steps_is_allowed_only_for_a_constant_schedule():
     def settings(num_steps, ratio):
         return settings_lib.TrainSettings(

@@ -345,15 +345,18 @@ def _check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
     """Refuses a state that cannot fit, from shapes only (nothing is allocated)."""
     cfg = _model_config(s, vocab_size)
     abstract = jax.eval_shape(lambda: models.init_params(cfg, s.seed)[1])
-    backend = s.backend
-    if backend == "auto":  # make_replicas' rule: a split replica always needs its devices
+    backend, stages = s.backend, 1
+    if s.num_stages > 1:  # stages split a replica only on the (replica, stage) mesh
+        backend = "shard_map" if _stage_mesh(s) else "vmap"
+        stages = s.num_stages if backend == "shard_map" else 1
+    elif backend == "auto":  # make_replicas' rule: a split replica always needs its devices
         split = s.mesh.fsdp * s.mesh.tensor
         spans = split > 1 or 1 < s.num_replicas <= jax.device_count()
         backend = "shard_map" if spans else "vmap"
     per_device = memory.state_bytes_per_device(abstract, tx, num_replicas=s.num_replicas,
-                                               backend=backend, num_stages=s.num_stages)
+                                               backend=backend, num_stages=stages)
     per_device //= s.mesh.fsdp * s.mesh.tensor  # a replica split over F x T devices
-    used = (1 if backend == "vmap" else s.num_replicas) * s.num_stages * s.mesh.fsdp * s.mesh.tensor
+    used = (1 if backend == "vmap" else s.num_replicas) * stages * s.mesh.fsdp * s.mesh.tensor
     memory.check_fits(per_device, min(used, jax.device_count()), preset=s.model.preset,
                       backend=backend)  # fmt: skip
 

@@ -15,10 +15,6 @@ __all__ = ["state_bytes_per_device", "available_bytes", "check_fits"]
 _GIB = 1024**3
 
 
-def _tree_bytes(tree: Any) -> int:
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
 def state_bytes_per_device(abstract_params: Any, tx: Any, *, num_replicas: int,
                            backend: str, num_stages: int = 1) -> int:  # fmt: skip
     """Bytes of the replicated training state (params + optimizer state) on one device.
@@ -28,15 +24,22 @@ def state_bytes_per_device(abstract_params: Any, tx: Any, *, num_replicas: int,
       tx: the optimizer; its state is sized with ``jax.eval_shape(tx.init, ...)``.
       num_replicas: N.
       backend: "vmap" (all replicas on one device) or "shard_map" (one per device).
-      num_stages: pipeline stages a replica's layers are split over.
+      num_stages: stages a replica's blocks are split over on a (replica, stage) mesh (1
+        when stages are simulated); embedding, head and final norm are on every stage device.
 
     Returns:
       A lower bound: gradients and activations come on top.
     """
-    per_replica = _tree_bytes(abstract_params) + _tree_bytes(jax.eval_shape(tx.init,
-                                                                            abstract_params))
-    on_one_device = num_replicas if backend == "vmap" else 1
-    return per_replica * on_one_device // max(num_stages, 1)
+    from noloco_jax.pipeline.routed import stage_leaf_axes  # noqa: PLC0415
+
+    def share(path: tuple, x: Any) -> int:  # the blocks split over the stages, the rest not
+        n = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+        return n // num_stages if num_stages > 1 and stage_leaf_axes(path, x) else n
+
+    trees = (abstract_params, jax.eval_shape(tx.init, abstract_params))
+    per_replica = sum(share(path, x) for tree in trees
+                      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0])  # fmt: skip
+    return per_replica * (num_replicas if backend == "vmap" else 1)
 
 
 def available_bytes(device: Any) -> tuple[int, str]:
@@ -80,6 +83,7 @@ def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str)
         f"the training state needs at least {need / _GIB:.1f} GiB ({per_device / _GIB:.1f} GiB "
         f"per device, model.preset={preset!r}, backend={backend!r}) but {where} has "
         f"{free / _GIB:.1f} GiB free. Put fewer replicas on each device (backend='shard_map' "
-        f"with one device per replica), split layers over pipeline stages (num_stages), or use "
+        f"with one device per replica), split layers over pipeline stages on a replica x stage "
+        f"mesh (num_stages, with N x S devices), or use "
         f"fewer replicas, a smaller model.preset or model.param_dtype='bfloat16'."
     )
