@@ -193,6 +193,13 @@ def test_clip_by_stage_norm_clips_each_stage_on_its_own(setup):
     np.testing.assert_allclose(np.sqrt(sq), [1.0] * S, rtol=1e-5)
     with pytest.raises(ValueError, match="max_norm"):
         pl.clip_by_stage_norm(0.0, S)
+    with pytest.raises(ValueError, match="max_norm must be > 0, got nan"):  # was taken: NaN out
+        pl.clip_by_stage_norm(float("nan"), S)
+    with pytest.raises(ValueError, match=r"num_stages: must be an integer"):  # ZeroDivisionError
+        pl.clip_by_stage_norm(1.0, 0)
+    bad = pl.clip_by_stage_norm(1.0, CFG.num_layers + 1)  # was a reshape TypeError
+    with pytest.raises(ValueError, match=rf"num_stages={CFG.num_layers + 1} must divide"):
+        bad.update(single, bad.init(single))
 
 
 def test_bad_stage_counts_and_meshes():

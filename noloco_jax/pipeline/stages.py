@@ -119,11 +119,16 @@ def clip_by_stage_norm(
     Returns:
       A stateless ``optax.GradientTransformation``.
     """
-    if max_norm <= 0:
+    if not max_norm > 0:  # NaN too
         raise ValueError(f"max_norm must be > 0, got {max_norm}.")
+    errors.check_int("num_stages", num_stages)
 
     def update_fn(updates, state, params=None):
         del params
+        if stage is None:  # a whole replica: its stacked blocks must split into S stages
+            for path, g in jax.tree_util.tree_flatten_with_path(updates)[0]:
+                if leaf_owner(path) == "blocks":
+                    check_stages(g.shape[0], num_stages)
         norms = jnp.sqrt(_stage_sq_norms(updates, num_stages, stage, stage_axis))
         scale = jnp.minimum(1.0, max_norm / jnp.maximum(norms, 1e-30))
 
