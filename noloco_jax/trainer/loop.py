@@ -986,7 +986,9 @@ def _counts(run: _Run, step: int) -> dict[str, Any]:
 
     def sent_by(steps: int) -> float:
         return optim_lib.bytes_sent(s.method, s.outer, run.params0, num_replicas=s.num_replicas,
-                                    steps=steps, fault=s.fault)  # fmt: skip
+                                    steps=steps, fault=s.fault, stage_copies=copies)  # fmt: skip
+
+    copies = s.num_stages if s.num_stages > 1 and _stage_mesh(s) else 1
 
     before = sent_by(since)  # a run never resized: exactly the direct count
     return {"tokens_seen": tokens + (step - since) * s.global_batch_size * s.data.seq_len,

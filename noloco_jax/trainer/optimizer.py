@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -17,6 +19,7 @@ from noloco_jax.optim import (
     noloco_outer,
 )
 from noloco_jax.pipeline.routed import STAGE as STAGE_AXIS
+from noloco_jax.pipeline.routed import stage_leaf_axes
 from noloco_jax.pipeline.stages import clip_by_stage_norm
 from noloco_jax.trainer.settings import METHODS, FaultSettings, OptimSettings, OuterSettings
 
@@ -124,6 +127,7 @@ def bytes_sent(
     num_replicas: int,
     steps: int,
     fault: FaultSettings = FaultSettings(),
+    stage_copies: int = 1,
 ) -> float:
     """Bytes one replica has sent after ``steps`` inner steps.
 
@@ -131,8 +135,22 @@ def bytes_sent(
     against the compiled HLO in the tests). DiLoCo: ``comm.diloco_bytes_per_sync``
     (a ring all-reduce, or the exact all-to-all + all-gather bytes of a
     narrower exchange dtype). Data parallel: a bandwidth-optimal ring
-    all-reduce per step.
+    all-reduce per step. ``stage_copies``: on a (replica, stage) mesh of S stages
+    each of a replica's S devices sends two messages: its 1/S of the blocks, and its
+    own copy of the other leaves (embedding, head, final norm).
     """
+    if stage_copies > 1:
+        def part(path: tuple, x: Any, blocks: bool) -> Any:
+            if not stage_leaf_axes(path, x):
+                return None if blocks else x
+            shape = (x.shape[0] // stage_copies, *x.shape[1:])
+            return jax.ShapeDtypeStruct(shape, x.dtype) if blocks else None
+
+        once = functools.partial(bytes_sent, method, outer, num_replicas=num_replicas,
+                                 steps=steps, fault=fault)  # fmt: skip
+        return stage_copies * sum(
+            once(jax.tree_util.tree_map_with_path(functools.partial(part, blocks=b), params))
+            for b in (True, False))  # fmt: skip
     if num_replicas <= 1 or method == "local":
         return 0.0
     if method == "dp":
