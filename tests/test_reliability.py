@@ -577,6 +577,14 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
     assert settings_lib.warnings_for(late) == [
         "config.profile_steps='10:20' starts at or after num_steps=8: no trace will be written."]
     assert settings_lib.warnings_for(_settings(corpus_dir, data_dir, profile_steps="2:20")) == []
+    one = _settings(corpus_dir, data_dir, num_stages=2, routing_pool_size=1)  # silently fixed
+    assert settings_lib.warnings_for(one) == [
+        "config.routing_pool_size=1: the pool holds only the identity, so routing='random' is "
+        "fixed routing."]
+    ignored = _settings(corpus_dir, data_dir, skip={"path_length": 2})
+    assert settings_lib.warnings_for(ignored) == [
+        "config.skip.path_length / full_every are ignored without config.skip.num_stages "
+        "(stage skipping is off)."]
     frozen = _settings(corpus_dir, data_dir, outer={"learning_rate": 0.0})  # learned nothing
     assert settings_lib.warnings_for(frozen) == [
         "config.outer.learning_rate=0: the slow weights never move and every sync puts the "

@@ -394,6 +394,12 @@ def warnings_for(s: TrainSettings) -> list[str]:
         out.append(f"config.outer.sync_every={s.outer.sync_every} > num_steps={s.num_steps}: the "
                    f"replicas never sync in this run (method={s.method!r} acts as 'local'); use "
                    f"sync_every <= num_steps.")
+    if s.num_stages > 1 and s.routing == "random" and s.routing_pool_size == 1:
+        out.append("config.routing_pool_size=1: the pool holds only the identity, so "
+                   "routing='random' is fixed routing.")
+    if s.skip.num_stages == 0 and (s.skip.path_length or s.skip.full_every):
+        out.append("config.skip.path_length / full_every are ignored without "
+                   "config.skip.num_stages (stage skipping is off).")
     if s.method in ROUND_METHODS and s.outer.learning_rate == 0:
         out.append(f"config.outer.learning_rate=0: the slow weights never move and every sync "
                    f"puts the replicas back on them, so the run learns nothing.")
