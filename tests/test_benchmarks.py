@@ -18,6 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     "compile_scale", "diloco_exchange", pytest.param("sharded_memory", marks=pytest.mark.slow),
     pytest.param("opt_level", marks=pytest.mark.slow),
     pytest.param("gpu_attention", marks=pytest.mark.slow),
+    pytest.param("routing_compile", marks=pytest.mark.slow),
 ])  # overhead and scaling time ~25 s of repetitions each; sharded_memory compiles 6 programs;
 #     opt_level trains twice in fresh processes (~45 s)
 def test_benchmark_smoke(script, tmp_path):

@@ -44,8 +44,17 @@ def _route(x_BxD: jax.Array, idx_B: jax.Array, pool: np.ndarray, axes: Any,
     return jnp.stack([lax.switch(idx_B[b], branches, x_BxD[b]) for b in range(x_BxD.shape[0])])
 
 
+def _route_gathered(x_BxD: jax.Array, idx_B: jax.Array, pool: np.ndarray, axis: str) -> jax.Array:
+    """``_route`` under ``vmap``: each replica picks, from every replica's micro-batches, the one
+    sent to it. One gather, where ``_route`` compiles a switch over the pool per micro-batch."""
+    sources = jnp.asarray(np.argsort(pool, axis=1).astype(np.int32))  # [K, N]: who sends to j
+    src_B = sources[idx_B, lax.axis_index(axis)]
+    return lax.all_gather(x_BxD, axis)[src_B, jnp.arange(x_BxD.shape[0])]
+
+
 def routed_loss(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Array, *, graphdef: Any,
-                pool: np.ndarray, num_stages: int, axis_name: str = REPLICA) -> jax.Array:  # fmt: skip
+                pool: np.ndarray, num_stages: int, axis_name: str = REPLICA,
+                gather: bool = False) -> jax.Array:  # fmt: skip
     """Mean loss of the micro-batches this replica finishes as a last stage.
 
     Args:
@@ -57,6 +66,9 @@ def routed_loss(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Array, *, gr
       pool: the routing pool, [K, N].
       num_stages: S; must divide the model's layers.
       axis_name: the replica axis.
+      gather: route by gathering every replica's micro-batches (for ``vmap``, where that is
+        a copy on one device; compile time no longer grows with pool size x micro-batches),
+        instead of one ``ppermute`` per pool entry (for one replica per device).
 
     Returns:
       The scalar loss. Under ``vmap``/``shard_map`` over replicas, the gradient
@@ -66,11 +78,12 @@ def routed_loss(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Array, *, gr
     num_layers = jax.tree.leaves(params["blocks"])[0].shape[0]
     pairs = lambda perm: [(k, int(perm[k])) for k in range(len(perm))]  # noqa: E731
     x, y = model.embed(tokens_BxT1[:, :-1]), tokens_BxT1[:, 1:]
+    route = (functools.partial(_route_gathered, pool=pool, axis=axis_name) if gather else
+             functools.partial(_route, pool=pool, axes=axis_name, pairs=pairs))  # fmt: skip
     for s, ids in enumerate(stage_layer_ids(num_layers, num_stages)):
         x = model.run_layers(x, ids)
         if s < num_stages - 1:
-            x, y = _route(x, idx_Sm1xB[s], pool, axis_name, pairs), \
-                _route(y, idx_Sm1xB[s], pool, axis_name, pairs)
+            x, y = route(x, idx_Sm1xB[s]), route(y, idx_Sm1xB[s])
     return cross_entropy(model.head(x), y).mean()
 
 

@@ -57,13 +57,14 @@ def _route_idx(step: jax.Array, *, num_stages: int, batch: int, pool_size: int, 
 
 def routed(graphdef: Any, pool: np.ndarray, num_stages: int, *, seed: int,
            fixed: bool = False) -> GradsFn:  # fmt: skip
-    """The routed pipeline, every replica holding all its stages (routing over "replica")."""
+    """The routed pipeline simulated under ``vmap``: every replica holds all its stages and
+    routing gathers over "replica"."""
 
     def grads_fn(params: Any, tokens: jax.Array, step: jax.Array):
         idx = _route_idx(step, num_stages=num_stages, batch=tokens.shape[0], pool_size=len(pool),
                          seed=seed, fixed=fixed)  # fmt: skip
         loss = functools.partial(pl.routed_loss, graphdef=graphdef, pool=pool,
-                                 num_stages=num_stages)  # fmt: skip
+                                 num_stages=num_stages, gather=True)  # fmt: skip
         return jax.value_and_grad(loss)(params, tokens, idx)
 
     return grads_fn

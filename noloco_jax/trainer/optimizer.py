@@ -140,17 +140,9 @@ def bytes_sent(
     own copy of the other leaves (embedding, head, final norm).
     """
     if stage_copies > 1:
-        def part(path: tuple, x: Any, blocks: bool) -> Any:
-            if not stage_leaf_axes(path, x):
-                return None if blocks else x
-            shape = (x.shape[0] // stage_copies, *x.shape[1:])
-            return jax.ShapeDtypeStruct(shape, x.dtype) if blocks else None
-
         once = functools.partial(bytes_sent, method, outer, num_replicas=num_replicas,
                                  steps=steps, fault=fault)  # fmt: skip
-        return stage_copies * sum(
-            once(jax.tree_util.tree_map_with_path(functools.partial(part, blocks=b), params))
-            for b in (True, False))  # fmt: skip
+        return stage_copies * sum(once(part) for part in _stage_messages(params, stage_copies))
     if num_replicas <= 1 or method == "local":
         return 0.0
     if method == "dp":
@@ -170,3 +162,16 @@ def bytes_sent(
         with_presence=presence,
     )
     return float(syncs * per_sync)
+
+
+def _stage_messages(params: Any, num_stages: int) -> tuple[Any, Any]:
+    """What one stage device sends: its 1/S of the blocks, and the other leaves whole."""
+
+    def part(path: tuple, x: Any, blocks: bool) -> Any:
+        if not stage_leaf_axes(path, x):
+            return None if blocks else x
+        shape = (x.shape[0] // num_stages, *x.shape[1:])
+        return jax.ShapeDtypeStruct(shape, x.dtype) if blocks else None
+
+    return tuple(jax.tree_util.tree_map_with_path(functools.partial(part, blocks=b), params)
+                 for b in (True, False))  # fmt: skip
