@@ -36,11 +36,12 @@ for _name in options.OUT_FLAGS:
 
 
 def _step(graphdef, pool, batch: int, gather: bool):
-    """Loss and gradient of every replica for one routing draw, as a jitted function."""
-    idx = pl.route_indices(3, num_boundaries=S - 1, num_microbatches=batch,
-                           pool_size=len(pool), seed=0)  # fmt: skip
+    """Loss and gradient of every replica, routed by the draw of step ``step`` (traced, as in
+    the trainer: a constant draw would let the compiler fold the switches away)."""
 
-    def one(params, tokens):
+    def one(params, tokens, step):
+        idx = pl.route_indices(step, num_boundaries=S - 1, num_microbatches=batch,
+                               pool_size=len(pool), seed=0)  # fmt: skip
         loss = lambda p: pl.routed_loss(p, tokens, idx, graphdef=graphdef, pool=pool,  # noqa: E731
                                         num_stages=S, gather=gather)
         return jax.value_and_grad(loss)(params)
@@ -61,12 +62,14 @@ def _case(pool_size: int, batch: int, reps: int) -> dict:
         jax.random.key(1), N))  # fmt: skip
     tokens = jax.random.randint(jax.random.key(2), (N, batch, T + 1), 1, 32)
     pool = pl.permutation_pool(N, pool_size, 0)
+    step = jnp.asarray(3, jnp.int32)  # shared by the replicas, as the trainer's step counter
     times: dict[str, list[float]] = {"ppermute": [], "gather": []}
     for _ in range(reps):
         for name in times:  # a fresh jit each time: nothing is reused between compiles
             times[name].append(_compile_seconds(_step(graphdef, pool, batch, name == "gather"),
-                                                params, tokens))  # fmt: skip
-    out = {name: _step(graphdef, pool, batch, name == "gather")(params, tokens) for name in times}
+                                                params, tokens, step))  # fmt: skip
+    out = {name: _step(graphdef, pool, batch, name == "gather")(params, tokens, step)
+           for name in times}  # fmt: skip
     diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in
                zip(jax.tree.leaves(out["ppermute"]), jax.tree.leaves(out["gather"])))  # fmt: skip
     return {"pool": len(pool), "batch": batch, "times": times, "max_abs_diff": diff}
