@@ -40,7 +40,7 @@ BENCH = ["bench_overhead", "bench_clip_traffic", "bench_comm_volume", "bench_dil
          "bench_comm_volume_split", "bench_sharded_memory", "bench_scaling",
          "bench_compile_scale", "bench_compile_scale_shard_map", "bench_throughput",
          "bench_throughput_gpu", "bench_throughput_gpu_bf16", "bench_gpu", "bench_gpu_attention",
-         "bench_overlap", "pilot_cost", "bench_opt_level"]
+         "bench_overlap", "pilot_cost", "bench_opt_level", "bench_routing_compile"]
 
 
 def _nest(markdown: str) -> str:
