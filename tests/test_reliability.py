@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -146,7 +147,9 @@ def test_damaged_latest_checkpoint_is_set_aside_and_the_run_replays(tmp_path, fi
     last = train_and_evaluate(s, run, progress=False)
     events = read_jsonl(run / "metrics.jsonl", "event")
     assert [e["event"] for e in events] == ["corrupt_checkpoint"]
-    assert "checksums" in events[0]["detail"]
+    # Caught by the checksums, or by the reader when the flip lands in a compressed chunk
+    # (which byte that is depends on the write's layout: seen once in a CI run).
+    assert re.search(r"checksums|error while reading", events[0]["detail"]), events[0]
     assert (run / "checkpoints" / "12.corrupt").is_dir()
     assert last["step"] == 12
     train = read_jsonl(run / "metrics.jsonl", "train")
