@@ -165,9 +165,11 @@ class Checkpointer:
 
     def _save_error(self, step: int | None, err: Exception) -> CheckpointSaveError:
         step = self._pending if step is None else step
-        # From the disk: orbax's own list has already dropped the step the save would replace.
+        # Orbax's list and the disk: the list has already dropped the step the save would
+        # replace, and the disk may be gone (a file where the directory was).
         on_disk = self.directory.iterdir() if self.directory.is_dir() else ()
-        good = sorted(int(p.name) for p in on_disk if p.name.isdigit() and int(p.name) != step)
+        known = {int(p.name) for p in on_disk if p.name.isdigit()} | set(self.all_steps())
+        good = sorted(known - {step})
         kept = f"the checkpoint of step {good[-1]} is intact" if good else "no earlier checkpoint"
         what = f"of step {step} " if step is not None else ""
         return CheckpointSaveError(
