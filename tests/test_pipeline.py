@@ -115,11 +115,12 @@ def _mesh_reps():
     return replicas.Replicas(N, mesh=pl.make_pipeline_mesh(N, S), leaf_axes=pl.stage_leaf_axes)
 
 
-def _routed_grads(reps, graphdef, pool, idx, on_mesh):
+def _routed_grads(reps, graphdef, pool, idx, on_mesh, gather=False):
     """Loss and grads of every replica with the routing ``idx``, via ``reps.map``."""
     def one(p, tok):
         if not on_mesh:
-            f = lambda q: pl.routed_loss(q, tok, idx, graphdef=graphdef, pool=pool, num_stages=S)  # noqa
+            f = lambda q: pl.routed_loss(q, tok, idx, graphdef=graphdef, pool=pool,  # noqa: E731
+                                         num_stages=S, gather=gather)
             return jax.value_and_grad(f)(p)
 
         def total(q):
@@ -132,14 +133,15 @@ def _routed_grads(reps, graphdef, pool, idx, on_mesh):
     return jax.jit(reps.map(one))
 
 
-@pytest.mark.parametrize("on_mesh", [False, True])
-def test_per_replica_routing_equals_the_gather_simulation(setup, on_mesh):
-    """routed_loss (ppermute over replicas, vmap) and routed_loss_on_mesh equal routed_losses."""
+@pytest.mark.parametrize("on_mesh, gather", [(False, False), (False, True), (True, False)])
+def test_per_replica_routing_equals_the_gather_simulation(setup, on_mesh, gather):
+    """routed_loss (ppermute or gather over replicas, vmap) and routed_loss_on_mesh equal
+    routed_losses."""
     graphdef, params, tokens, pool, idx, perms = setup
     sim = lambda p: pl.routed_losses(p, tokens, perms, graphdef=graphdef, num_stages=S)  # noqa
     reps = _mesh_reps() if on_mesh else replicas.Replicas(N)
-    losses, grads = _routed_grads(reps, graphdef, pool, idx, on_mesh)(reps.put(params),
-                                                                       reps.put(tokens))
+    losses, grads = _routed_grads(reps, graphdef, pool, idx, on_mesh, gather)(
+        reps.put(params), reps.put(tokens))
     np.testing.assert_allclose(losses, jax.jit(sim)(params), rtol=1e-6)
     want = jax.jit(jax.grad(lambda p: sim(p).sum()))(params)
     assert_trees_close(grads, want, rtol=1e-5, atol=1e-7)
@@ -268,3 +270,25 @@ def test_bytes_sent_on_the_stage_mesh_are_the_compiled_sync_steps():
     assert reported == S * per_device
     assert reported > optim_lib.bytes_sent("noloco", s.outer, single, num_replicas=N,
                                            steps=s.outer.sync_every, fault=s.fault)  # the model
+
+
+def test_diloco_bytes_on_the_stage_mesh_pad_one_message_per_device():
+    """DiLoCo's sync is one all-to-all and one all-gather of each device's whole local tree, so
+    a narrower wire pads it once (it was counted as two messages, each padded)."""
+    from noloco_jax import comm
+    from noloco_jax.trainer import optimizer as optim_lib
+    from noloco_jax.trainer import settings as settings_lib
+
+    s = settings_lib.from_config({"num_replicas": N, "global_batch_size": 8, "num_stages": S,
+                                  "method": "diloco", "outer": {"exchange_dtype": "bfloat16"},
+                                  "model": {"preset": "nano"}})  # fmt: skip
+    single = jax.eval_shape(lambda: models.init_params(models.get_preset("nano",
+                                                                         vocab_size=256), 0)[1])
+    local = jax.tree_util.tree_map_with_path(  # one stage device: 1/S of the blocks, the rest
+        lambda path, x: jax.ShapeDtypeStruct((x.shape[0] // S, *x.shape[1:]), x.dtype)
+        if pl.stage_leaf_axes(path, x) else x, single)
+    want = S * comm.diloco_bytes_per_sync(local, N, exchange_dtype=jnp.bfloat16,
+                                          with_presence=s.fault.nonfinite_guard)  # fmt: skip
+    got = optim_lib.bytes_sent("diloco", s.outer, single, num_replicas=N,
+                               steps=s.outer.sync_every, fault=s.fault, stage_copies=S)
+    assert got == want

@@ -68,7 +68,8 @@ def routed_loss(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Array, *, gr
       axis_name: the replica axis.
       gather: route by gathering every replica's micro-batches (for ``vmap``, where that is
         a copy on one device; compile time no longer grows with pool size x micro-batches),
-        instead of one ``ppermute`` per pool entry (for one replica per device).
+        instead of one ``ppermute`` per pool entry. Not for one replica per device: there
+        the gather sends every replica's activations to every device (N times the traffic).
 
     Returns:
       The scalar loss. Under ``vmap``/``shard_map`` over replicas, the gradient

@@ -142,7 +142,10 @@ def bytes_sent(
     if stage_copies > 1:
         once = functools.partial(bytes_sent, method, outer, num_replicas=num_replicas,
                                  steps=steps, fault=fault)  # fmt: skip
-        return stage_copies * sum(once(part) for part in _stage_messages(params, stage_copies))
+        blocks, rest = _stage_messages(params, stage_copies)
+        if method == "noloco":  # one message per kind of leaf (split over stages or not)
+            return stage_copies * (once(blocks) + once(rest))
+        return stage_copies * once(_stage_messages(params, stage_copies, whole=True))  # one
     if num_replicas <= 1 or method == "local":
         return 0.0
     if method == "dp":
@@ -164,14 +167,17 @@ def bytes_sent(
     return float(syncs * per_sync)
 
 
-def _stage_messages(params: Any, num_stages: int) -> tuple[Any, Any]:
-    """What one stage device sends: its 1/S of the blocks, and the other leaves whole."""
+def _stage_messages(params: Any, num_stages: int, whole: bool = False) -> Any:
+    """What one stage device sends: its 1/S of the blocks and the other leaves whole, as two
+    trees (blocks, rest), or as one tree with ``whole``."""
 
     def part(path: tuple, x: Any, blocks: bool) -> Any:
         if not stage_leaf_axes(path, x):
-            return None if blocks else x
+            return x if whole or not blocks else None
         shape = (x.shape[0] // num_stages, *x.shape[1:])
-        return jax.ShapeDtypeStruct(shape, x.dtype) if blocks else None
+        return jax.ShapeDtypeStruct(shape, x.dtype) if whole or blocks else None
 
+    if whole:
+        return jax.tree_util.tree_map_with_path(functools.partial(part, blocks=True), params)
     return tuple(jax.tree_util.tree_map_with_path(functools.partial(part, blocks=b), params)
                  for b in (True, False))  # fmt: skip
