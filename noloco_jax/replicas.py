@@ -313,7 +313,10 @@ class Replicas:
         """
         from noloco_jax.optim.local_steps import check_composition  # noqa: PLC0415
 
-        state = self.map(tx.init)(params)
+        init = self.map(tx.init)
+        # On a mesh, one compiled call: run op by op, shard_map dispatches every small
+        # operation of tx.init separately (5.7 s for the nano model on a replica x stage mesh).
+        state = (init if self.mesh is None else jax.jit(init))(params)
         check_composition(state)
         return state
 

@@ -261,7 +261,7 @@ def test_bytes_sent_on_the_stage_mesh_are_the_compiled_sync_steps():
     reps = _mesh_reps()
     params = reps.put(replicas.replicate(single, N))
     sync = jax.jit(reps.map(lambda g, st, p: tx.update(g, st, p, sync_step=True)))
-    state = jax.jit(lambda p: reps.init(tx, p))(params)  # eagerly: 5 s of small dispatches
+    state = reps.init(tx, params)
     per_branch = hlo.bytes_by_computation(hlo.compiled_text(sync, params, state, params),
                                           "collective-permute")  # fmt: skip
     pool = comm.partition_pool(N, s.outer.group_size, s.outer.seed)
