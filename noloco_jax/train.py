@@ -123,7 +123,7 @@ def _probe_config(argv: Sequence[str]) -> str | None:
     """For an unknown --config.<field>: whether the --config file is another experiment's."""
     import importlib.util  # noqa: PLC0415
 
-    paths = [a.split("=", 1)[1].split(":", 1)[0] for a in argv if re.match(r"^--?config=", a)]
+    paths = [path for path, _ in _config_args(argv)]
     path = paths[-1] if paths else None  # the last --config wins, as in absl
     try:
         spec = importlib.util.spec_from_file_location("_noloco_config_probe", path)
@@ -289,19 +289,22 @@ def _stray_argument(arg: str) -> str:
 
 def _check_config_file(argv: Sequence[str]) -> None:
     """A --config that names no file is an error now, not at its first use."""
-    for arg in argv:
-        m = re.match(r"^--?config=(.*)$", arg)
-        if m:
-            path = m.group(1).split(":", 1)[0]
-            if not pathlib.Path(path).is_file():
-                raise FileNotFoundError(
-                    f"--config={m.group(1)}: no such config file (the project's configs are "
-                    f"in {_REPO / 'configs'}).")  # fmt: skip
-            names = _top_level_names(pathlib.Path(path))
-            if names is not None and "get_config" not in names:
-                # (else the default config's get_config, loaded first, was used silently)
-                raise ValueError(f"--config={m.group(1)}: the file defines no get_config(); a "
-                                 f"config file returns its ConfigDict from get_config().")
+    for path, value in _config_args(argv):
+        if not pathlib.Path(path).is_file():
+            raise FileNotFoundError(
+                f"--config={value}: no such config file (the project's configs are "
+                f"in {_REPO / 'configs'}).")  # fmt: skip
+        names = _top_level_names(pathlib.Path(path))
+        if names is not None and "get_config" not in names:
+            # (else the default config's get_config, loaded first, was used silently)
+            raise ValueError(f"--config={value}: the file defines no get_config(); a "
+                             f"config file returns its ConfigDict from get_config().")
+
+
+def _config_args(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """(file, value) of each ``--config=FILE[:variant]`` in ``argv``, in order."""
+    found = (re.match(r"^--?config=(.*)$", arg) for arg in argv)
+    return [(m.group(1).split(":", 1)[0], m.group(1)) for m in found if m]
 
 
 def _top_level_names(path: pathlib.Path) -> set[str] | None:

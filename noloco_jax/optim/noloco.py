@@ -79,17 +79,18 @@ def check_rate(name: str, value: Any) -> Any:
     schedules (``ScalarOrSchedule``); they are values on the device, which a
     Python check cannot see. ``name`` is the field the message names.
     """
-    if callable(value) or isinstance(value, (jax.Array, np.ndarray, np.generic)):
-        return value
-    return errors.check_number(name, value)
+    return value if _on_device(value) else errors.check_number(name, value)
 
 
 def check_momentum(name: str, value: Any) -> Any:
     """The outer momentum alpha: in [0, 1) (heavy ball diverges from 1 on); arrays and schedules
     pass, as in ``check_rate``."""
-    if callable(value) or isinstance(value, (jax.Array, np.ndarray, np.generic)):
-        return value
-    return errors.check_number(name, value, 0, 1, open_high=True)
+    return value if _on_device(value) else errors.check_number(name, value, 0, 1, open_high=True)
+
+
+def _on_device(value: Any) -> bool:
+    """An array or a schedule: a value a Python check cannot see."""
+    return callable(value) or isinstance(value, (jax.Array, np.ndarray, np.generic))
 
 
 def check_dropout_prob(value: Any, field: str = "dropout_prob") -> float:

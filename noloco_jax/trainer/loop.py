@@ -984,11 +984,11 @@ def _counts(run: _Run, step: int) -> dict[str, Any]:
     s = run.settings
     since, tokens, sent = run.counted or (0, 0, 0.0)
 
+    copies = s.num_stages if s.num_stages > 1 and _stage_mesh(s) else 1
+
     def sent_by(steps: int) -> float:
         return optim_lib.bytes_sent(s.method, s.outer, run.params0, num_replicas=s.num_replicas,
                                     steps=steps, fault=s.fault, stage_copies=copies)  # fmt: skip
-
-    copies = s.num_stages if s.num_stages > 1 and _stage_mesh(s) else 1
 
     before = sent_by(since)  # a run never resized: exactly the direct count
     return {"tokens_seen": tokens + (step - since) * s.global_batch_size * s.data.seq_len,

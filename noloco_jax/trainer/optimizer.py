@@ -142,10 +142,10 @@ def bytes_sent(
     if stage_copies > 1:
         once = functools.partial(bytes_sent, method, outer, num_replicas=num_replicas,
                                  steps=steps, fault=fault)  # fmt: skip
-        blocks, rest = _stage_messages(params, stage_copies)
+        local = _stage_local(params, stage_copies)
         if method == "noloco":  # one message per kind of leaf (split over stages or not)
-            return stage_copies * (once(blocks) + once(rest))
-        return stage_copies * once(_stage_messages(params, stage_copies, whole=True))  # one
+            return stage_copies * sum(once(_kind(local, split)) for split in (True, False))
+        return stage_copies * once(local)  # DiLoCo, dp: one message of the whole local tree
     if num_replicas <= 1 or method == "local":
         return 0.0
     if method == "dp":
@@ -167,17 +167,18 @@ def bytes_sent(
     return float(syncs * per_sync)
 
 
-def _stage_messages(params: Any, num_stages: int, whole: bool = False) -> Any:
-    """What one stage device sends: its 1/S of the blocks and the other leaves whole, as two
-    trees (blocks, rest), or as one tree with ``whole``."""
+def _stage_local(params: Any, num_stages: int) -> Any:
+    """One stage device's leaves: its 1/S of the blocks, the other leaves whole."""
 
-    def part(path: tuple, x: Any, blocks: bool) -> Any:
+    def cut(path: tuple, x: Any) -> Any:
         if not stage_leaf_axes(path, x):
-            return x if whole or not blocks else None
-        shape = (x.shape[0] // num_stages, *x.shape[1:])
-        return jax.ShapeDtypeStruct(shape, x.dtype) if whole or blocks else None
+            return x
+        return jax.ShapeDtypeStruct((x.shape[0] // num_stages, *x.shape[1:]), x.dtype)
 
-    if whole:
-        return jax.tree_util.tree_map_with_path(functools.partial(part, blocks=True), params)
-    return tuple(jax.tree_util.tree_map_with_path(functools.partial(part, blocks=b), params)
-                 for b in (True, False))  # fmt: skip
+    return jax.tree_util.tree_map_with_path(cut, params)
+
+
+def _kind(tree: Any, split: bool) -> Any:
+    """The leaves split over the stages (``split``), or the others; the rest become None."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x if bool(stage_leaf_axes(path, x)) == split else None, tree)
