@@ -420,9 +420,9 @@ def test_the_consecutive_reset_count_survives_a_resume(finished_run, monkeypatch
     read = Checkpointer.read_meta
     monkeypatch.setattr(Checkpointer, "read_meta",
                         lambda self, step: {**read(self, step), "reset_streak": [0, 2, 0, 0]})
-    run, state = loop._build(s)
+    run, target = loop._build(s)
     ckpt = Checkpointer(workdir / "checkpoints")
-    _, step = loop._restore_or_init(run, state, ckpt, writer=None)
+    _, step = loop._restore_or_init(run, target, ckpt, writer=None)
     ckpt.close()
     assert step == 12 and run.streak == [0, 2, 0, 0]
 

@@ -72,7 +72,7 @@ def export_run(
     from noloco_jax.trainer.loop import load_run, prepare_model  # noqa: PLC0415
 
     _, params, data = load_run(s, workdir)
-    cfg = prepare_model(s, data.tokenizer.vocab_size)[0]
+    cfg = prepare_model(s, data.tokenizer.vocab_size, abstract=True)[0]
     if replica is None:
         single = jax.tree.map(lambda x: x.mean(0), params)
     elif 0 <= replica < s.num_replicas:

@@ -36,13 +36,14 @@ from noloco_jax.optim.local_steps import find_local_steps_state
 from noloco_jax.pipeline.stages import check_stages
 from noloco_jax.trainer import memory
 from noloco_jax.trainer import optimizer as optim_lib
-from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like
+from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer.observability import Profiler, check_sinks, distance_to_mean, make_sinks
 from noloco_jax.pipeline.routed import STAGE
 from noloco_jax.skippipe.training import SkipConfig
 from noloco_jax.trainer import grads
 from noloco_jax.trainer.resize import check_resume, restore_resized
+from noloco_jax.trainer.state import first_state, state_target
 from noloco_jax.trainer.settings import (ROUND_METHODS, TrainSettings, check_delay_windows,
                                          check_loadable, guard_acts, warnings_for)
 from noloco_jax.trainer.step import (TrainState, eval_token_losses, make_program,
@@ -105,8 +106,13 @@ def prepare_data(s: TrainSettings) -> DataBundle:
     return DataBundle(tokenizer, batcher, windows, int(len(train)))
 
 
-def prepare_model(s: TrainSettings, vocab_size: int) -> tuple[models.LlamaConfig, Any, Any]:
-    """Model config, graphdef and the initial params (identical for every replica)."""
+def prepare_model(s: TrainSettings, vocab_size: int, abstract: bool = False
+                  ) -> tuple[models.LlamaConfig, Any, Any]:  # fmt: skip
+    """Model config, graphdef and the initial params (identical for every replica).
+
+    ``abstract``: the preset's params as ``jax.ShapeDtypeStruct`` (nothing is allocated; the
+    trainer initialises them in place); ``init_from`` weights are always read.
+    """
     if s.model.init_from:
         from noloco_jax.trainer.hf_init import prepare_hf_model  # noqa: PLC0415
 
@@ -118,8 +124,9 @@ def prepare_model(s: TrainSettings, vocab_size: int) -> tuple[models.LlamaConfig
             f"{vocab_size} or to 0 (take the tokenizer's)."
         )
     cfg = _model_config(s, vocab_size)
-    graphdef, params = models.init_params(cfg, s.seed)
-    return cfg, graphdef, params
+    if abstract:
+        return cfg, *jax.eval_shape(functools.partial(models.init_params, cfg, s.seed))
+    return cfg, *models.init_params(cfg, s.seed)
 
 
 def _model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
@@ -169,6 +176,7 @@ class _Run:
     period: int | None  # steps between sync steps (H, or H / fragments)
     evaluate: Callable
     meta: dict
+    fresh: Callable[[], TrainState]  # the step-0 state, made in place (trainer.state)
     resized_from: int | None = None  # the checkpoint's replica count after a resize
     counted: tuple | None = None  # the restored checkpoint's (step, tokens seen, bytes sent)
     streak: list | None = None  # the restored checkpoint's consecutive resets per replica
@@ -177,8 +185,9 @@ class _Run:
 
 
 def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
+    """The run's data, programs and state target (placed shapes: nothing is allocated)."""
     data = prepare_data(s)
-    cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size)
+    cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size, abstract=True)
     spec = (by_layer_blocks(params0, s.outer.fragments, field="config.outer.fragments")
             if s.outer.fragments > 1 else None)  # fmt: skip
     build_tx = functools.partial(
@@ -189,9 +198,8 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
     _check_memory(s, data.tokenizer.vocab_size, build_tx())
     sharding.check_divides(params0, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
     programs = _reuse(_COMPILED, _program_key(s, data),
-                      lambda: _Programs.make(s, cfg, graphdef, build_tx, spec, data))  # fmt: skip
-    single = TrainState(jnp.zeros([], jnp.int32), params0, build_tx().init(params0))
-    state = programs.reps.put(replicas.replicate(single, s.num_replicas))
+                      lambda: _Programs.make(s, cfg, graphdef, build_tx, spec, data, params0))
+    fresh = functools.partial(programs.first_state, params0 if _given(params0) else None)
     rounds = s.method in ROUND_METHODS
     period = s.outer.sync_every // s.outer.fragments if rounds else None
     block = math.gcd(s.log_every, period) if rounds else s.log_every
@@ -201,8 +209,8 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         "vocab_size": int(data.tokenizer.vocab_size),
     }
     return _Run(s, data, programs.reps, params0, programs.inner, programs.sync, block, period,
-                programs.evaluate, meta, calls=programs.calls,
-                delay=s.outer.delay if rounds else 0), state  # fmt: skip
+                programs.evaluate, meta, fresh, calls=programs.calls,
+                delay=s.outer.delay if rounds else 0), programs.target  # fmt: skip
 
 
 # A process keeps the programs of its last few runs: a run with the same settings, vocabulary
@@ -214,25 +222,39 @@ KEEP_COMPILED = 8
 
 @dataclasses.dataclass
 class _Programs:
-    """A run's topology and jitted programs, and which of them have run (so compiled)."""
+    """A run's topology and jitted programs, and which of them have run (so compiled).
+
+    ``target``: the state's placed shapes; ``first_state(params)``: the step-0 state
+    (``params`` None: the model's initialiser).
+    """
 
     reps: replicas.Replicas
     inner: Callable
     sync: Any
     evaluate: Callable
+    target: TrainState
+    first_state: Callable
     calls: set = dataclasses.field(default_factory=set)
 
     @classmethod
     def make(cls, s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable, spec: Any,
-             data: DataBundle) -> "_Programs":  # fmt: skip
+             data: DataBundle, params0: Any) -> "_Programs":  # fmt: skip
         reps, step_kwargs = _topology(s, cfg, graphdef, build_tx)
+        target = state_target(reps, build_tx(), params0)
+        init = None if _given(params0) else (lambda: models.init_params(cfg, s.seed)[1])
         rounds = s.method in ROUND_METHODS
         inner, sync = _programs(reps, step_kwargs, rounds, fragments=spec is not None,
                                 delay=s.outer.delay if rounds else 0,
                                 num_fragments=s.outer.fragments)  # fmt: skip
         evaluate = _reuse(_EVALUATORS, _evaluator_key(s, data),
                           lambda: _make_evaluator(reps, graphdef, data.eval_windows))
-        return cls(reps, inner, sync, evaluate)
+        return cls(reps, inner, sync, evaluate, target,
+                   first_state(target, build_tx(), s.num_replicas, init))  # fmt: skip
+
+
+def _given(params0: Any) -> bool:
+    """Whether the initial params are given values (``init_from``), not shapes to initialise."""
+    return not isinstance(jax.tree.leaves(params0)[0], jax.ShapeDtypeStruct)
 
 
 _COMPILED: "collections.OrderedDict[tuple, _Programs]" = collections.OrderedDict()
@@ -439,9 +461,9 @@ def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray)
 
 
 def _restore_or_init(
-    run: _Run, state: TrainState, ckpt: Checkpointer, writer: MetricWriter
+    run: _Run, target: TrainState, ckpt: Checkpointer, writer: MetricWriter
 ) -> tuple[TrainState, int]:
-    """The newest readable checkpoint, or the fresh state.
+    """The newest readable checkpoint (restored onto ``target``), or the fresh state.
 
     A checkpoint whose data is damaged (checksums differ, metadata without the
     settings, unreadable bytes) is reported, set aside as ``<step>.corrupt``
@@ -464,9 +486,9 @@ def _restore_or_init(
         old_n = check_resume(meta, run.meta, run.settings.allow_resize)  # None: same N
         try:
             if old_n is None:
-                restored, _ = ckpt.restore(step, abstract_like(state))
+                restored, _ = ckpt.restore(step, target)
             else:
-                restored = restore_resized(ckpt, step, state, old_n, run.reps)
+                restored = restore_resized(ckpt, step, target, old_n, run.reps)
         except CorruptCheckpointError as err:
             _set_aside(ckpt, writer, step, err)
             continue
@@ -482,7 +504,7 @@ def _restore_or_init(
             f"to do that, move the *.corrupt directories out of {ckpt.directory} (or use "
             f"another --workdir)."
         )
-    return state, 0
+    return run.fresh(), 0
 
 
 def _counted_at(meta: dict, step: int, run: _Run) -> tuple[int, int, float]:
@@ -573,10 +595,10 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
     writer = bar = None
     profiler = Profiler(settings.profile_steps, workdir)
     try:
-        run, state = _build(settings)
+        run, target = _build(settings)
         writer = MetricWriter(workdir, enabled=first,
                               sinks=make_sinks(settings, workdir) if first else [])  # fmt: skip
-        state, step = _restore_or_init(run, state, ckpt, writer)
+        state, step = _restore_or_init(run, target, ckpt, writer)
         _check_counter(state, step)  # the host's step must be the optimizer's step counter
         if step >= settings.num_steps:  # nothing to do: report, write nothing
             ckpt.close()
@@ -876,15 +898,15 @@ def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, las
 
 def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any, Any, DataBundle]:
     """(graphdef, replicated params, data) of a finished or interrupted run, for analysis."""
-    run, state = _build(settings)
+    run, target = _build(settings)
     ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", keep=settings.keep_checkpoints)
     step = ckpt.latest_step()
     if step is None:
         raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints.")
     check_loadable(ckpt.read_meta(step)["settings"], run.meta["settings"])  # not "corrupt"
-    restored, _ = ckpt.restore(step, abstract_like(state))
+    restored, _ = ckpt.restore(step, target)
     ckpt.close()
-    _, graphdef, _ = prepare_model(settings, run.data.tokenizer.vocab_size)
+    _, graphdef, _ = prepare_model(settings, run.data.tokenizer.vocab_size, abstract=True)
     return graphdef, restored.params, run.data
 
 

@@ -1,0 +1,89 @@
+"""The run's first state, made where it lives: no device ever holds more than its share.
+
+Building one replica's state eagerly and copying it N times put N whole replicas (params,
+Adam moments, slow weights, outer momentum) on the first device before they were split,
+which no real cluster run survives. Here the state is one compiled program whose outputs
+are placed as the run places them, and a checkpoint restores onto placed shapes alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from noloco_jax import replicas
+from noloco_jax.trainer.aot import abstract_state
+from noloco_jax.trainer.step import TrainState
+
+__all__ = ["state_target", "first_state"]
+
+
+def state_target(reps: replicas.Replicas, tx: Any, params: Any) -> TrainState:
+    """The run's state as placed ``jax.ShapeDtypeStruct`` leaves (what a checkpoint restores onto).
+
+    Args:
+      reps: the topology.
+      tx: the per-replica optimizer.
+      params: one replica's params (abstract or concrete).
+
+    Returns:
+      A ``TrainState`` of shapes with shardings: split over the mesh, or on the default
+      device for ``vmap``.
+    """
+    target = abstract_state(reps, tx, params)
+    if reps.mesh is not None:
+        return target
+    device = jnp.zeros(()).sharding  # where an eager array lands: the default device
+
+    def on_device(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
+
+    return jax.tree.map(on_device, target)
+
+
+def first_state(target: TrainState, tx: Any, num_replicas: int,
+                init: Callable[[], Any] | None = None) -> Callable[..., TrainState]:  # fmt: skip
+    """The compiled program that makes every replica's step-0 state (identical replicas) in place.
+
+    Args:
+      target: ``state_target(...)`` of the run.
+      tx: the per-replica optimizer.
+      num_replicas: N.
+      init: a traceable function returning one replica's initial params (the model's
+        initialiser): then not even one whole replica is ever on one device.
+
+    Returns:
+      ``make(params=None)``: the state, placed as ``target``. ``params``: one replica's
+      initial params instead of ``init()`` (e.g. read from a Hugging Face checkpoint); each
+      device receives only its part of them.
+    """
+
+    def build(params: Any) -> TrainState:
+        params = init() if params is None else params
+        single = TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
+        return replicas.replicate(single, num_replicas)
+
+    program = jax.jit(build, out_shardings=jax.tree.map(lambda x: x.sharding, target))
+
+    def make(params: Any = None) -> TrainState:
+        if (params is None) == (init is None):
+            raise ValueError("first_state: give params exactly when no init function was given")
+        if params is not None:
+            params = jax.tree.map(_one_replica_place, target.params, params)
+        return program(params)
+
+    return make
+
+
+def _one_replica_place(target: jax.ShapeDtypeStruct, x: Any) -> jax.Array:
+    """``x`` (one replica's leaf) split as the run splits a replica, on every replica's devices."""
+    sharding = target.sharding
+    if isinstance(sharding, NamedSharding):  # drop the replica axis: the same on each replica
+        sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
