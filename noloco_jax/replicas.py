@@ -406,18 +406,26 @@ def make_replicas(
 
     errors.check_int("num_replicas", num_replicas, 1)
     errors.check_choice("backend", backend, ("auto", "vmap", "shard_map"))
-    shape = {a: int((mesh_shape or {}).get(a, 1)) for a in sharding.INTRA_AXES}
+    shape = {a: (mesh_shape or {}).get(a, 1) for a in sharding.INTRA_AXES}
     unknown = sorted(set(mesh_shape or {}) - set(sharding.INTRA_AXES))
-    if unknown or any(v < 1 for v in shape.values()):
-        raise errors.UserError(f"mesh_shape takes {list(sharding.INTRA_AXES)} with sizes >= 1, "
-                               f"got {mesh_shape!r}.")  # fmt: skip
+    if unknown or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
+                      for v in shape.values()):  # fmt: skip
+        raise errors.UserError(f"mesh_shape takes {list(sharding.INTRA_AXES)} with integer "
+                               f"sizes >= 1, got {mesh_shape!r}.")  # fmt: skip
+    shape = {a: int(v) for a, v in shape.items()}
     per_replica = shape[sharding.FSDP] * shape[sharding.TENSOR]
     all_devices = list(jax.devices() if devices is None else devices)
     need = num_replicas * per_replica
     if backend == "auto":  # a split replica cannot be simulated: it needs its devices
         spans = per_replica > 1 or (num_replicas > 1 and len(all_devices) >= need)
         backend = "shard_map" if spans else "vmap"
+    processes = sorted({getattr(d, "process_index", 0) for d in all_devices})
     if backend == "vmap":
+        if len(processes) > 1:
+            raise errors.UserError(
+                f"backend='vmap' runs every replica on one device, but the devices belong to "
+                f"{len(processes)} processes: the others would train nothing. Use "
+                f"backend='shard_map' or 'auto'.")  # fmt: skip
         if per_replica > 1:
             raise errors.UserError(f"mesh_shape={mesh_shape!r} splits a replica over devices, "
                                    f"which needs backend='shard_map' or 'auto'.")
@@ -434,6 +442,13 @@ def make_replicas(
             f"smaller split (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={need})."
         )
     devs = np.asarray(all_devices[:need])
+    idle = sorted(set(processes) - {getattr(d, "process_index", 0) for d in devs})
+    if idle:
+        raise errors.UserError(
+            f"num_replicas={num_replicas} x fsdp={shape['fsdp']} x tensor={shape['tensor']} = "
+            f"{need} of the {len(all_devices)} devices leave process(es) {idle[:4]} without "
+            f"any: every process must hold replicas. Use num_replicas="
+            f"{len(all_devices) // per_replica} (config.num_replicas) to use every device.")
     if per_replica == 1:
         return Replicas(num_replicas, axis_name, jax.make_mesh((num_replicas,), (axis_name,),
                                                                devices=devs))  # fmt: skip

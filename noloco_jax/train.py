@@ -192,11 +192,14 @@ def _maybe_initialize_distributed() -> None:
     """Joins a multi-process run before JAX touches any device."""
     f = flags.FLAGS
     if f.coordinator_address is None and not f.distributed:
+        if f.num_processes is not None or f.process_id is not None:  # else each trains alone
+            raise ValueError("--num_processes and --process_id need --coordinator_address=HOST:PORT "
+                             "(or --distributed to read the cluster from the environment).")
         return
     import jax  # noqa: PLC0415
 
-    if f.coordinator_address is None:
-        jax.distributed.initialize()  # Slurm, TPU pods, GCE: detected from the environment
+    if f.coordinator_address is None:  # Slurm, TPU pods, GCE: the rest read from the environment
+        jax.distributed.initialize(num_processes=f.num_processes, process_id=f.process_id)
         return
     if f.num_processes is None or f.process_id is None:
         raise ValueError("--coordinator_address needs --num_processes and --process_id.")

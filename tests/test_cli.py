@@ -404,10 +404,16 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
         train.cli(["noloco-train", f"--workdir={tmp_path}", "--config.num_steps=10"])
 
 
-def test_coordinator_without_process_count_is_a_user_error(capsys, tmp_path):
-    code, err = run_cli(["noloco-train", f"--workdir={tmp_path}", "--coordinator_address=h:1"],
-                        capsys)  # fmt: skip
-    assert_user_error(code, err, r"--coordinator_address needs --num_processes and --process_id")
+@pytest.mark.parametrize("flags, pattern", [
+    (["--coordinator_address=h:1"], r"--coordinator_address needs --num_processes and --process_id"),
+    # Ignored before: each "rank" trained alone as process 0 of one, on the same workdir.
+    (["--num_processes=8", "--process_id=3"], r"--num_processes and --process_id need "
+                                              r"--coordinator_address=HOST:PORT"),
+    (["--process_id=1"], r"--num_processes and --process_id need --coordinator_address"),
+])  # fmt: skip
+def test_process_flags_without_a_coordinator_are_user_errors(capsys, tmp_path, flags, pattern):
+    code, err = run_cli(["noloco-train", f"--workdir={tmp_path}", *flags], capsys)
+    assert_user_error(code, err, pattern)
 
 
 # ---------------------------------------------------------------- an existing run

@@ -193,6 +193,9 @@ def test_a_split_that_does_not_divide_is_refused():
             replicas.make_replicas(4, backend=backend, mesh_shape={"fsdp": 4})
     with pytest.raises(ValueError, match="mesh_shape takes"):
         replicas.make_replicas(2, mesh_shape={"pipe": 2})
+    for bad in (2.7, 1.9, True, "2"):  # 2.7 and 1.9 were truncated to 2 and 1
+        with pytest.raises(ValueError, match=r"with integer sizes >= 1, got \{'fsdp': "):
+            replicas.make_replicas(2, mesh_shape={"fsdp": bad})
 
 
 class _FakeDevice:
@@ -211,6 +214,21 @@ def test_each_process_holds_whole_replicas():
     uneven = np.asarray([_FakeDevice(i, i // 4) for i in range(6)], dtype=object)  # 4 + 2
     assert replicas._whole_replicas_per_process(uneven, (3, 2, 1)) is None
     assert replicas._whole_replicas_per_process(np.asarray(jax.devices()), (2, 4, 1)) is None
+
+
+def test_a_process_left_without_replicas_is_refused():
+    """Two hosts of 8 devices: 8 replicas took the first host's devices and left the second
+    process idle (README's srun recipe with configs/paper_small.py)."""
+    devs = [_FakeDevice(i, i // 8) for i in range(16)]
+    with pytest.raises(ValueError, match=r"num_replicas=8 x fsdp=1 x tensor=1 = 8 of the 16 "
+                                         r"devices leave process\(es\) \[1\] without any.*"
+                                         r"num_replicas=16 \(config\.num_replicas\)"):  # fmt: skip
+        replicas.make_replicas(8, devices=devs)
+    with pytest.raises(ValueError, match=r"num_replicas=4 x fsdp=2 .* num_replicas=8 "):
+        replicas.make_replicas(4, devices=devs, mesh_shape={"fsdp": 2})
+    with pytest.raises(ValueError, match=r"backend='vmap' runs every replica on one device, but "
+                                         r"the devices belong to 2 processes"):  # fmt: skip
+        replicas.make_replicas(8, devices=devs, backend="vmap")
 
 
 # ---------------------------------------------------------------- the trainer on split replicas
