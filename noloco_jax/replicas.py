@@ -449,16 +449,43 @@ def make_replicas(
             f"{need} of the {len(all_devices)} devices leave process(es) {idle[:4]} without "
             f"any: every process must hold replicas. Use num_replicas="
             f"{len(all_devices) // per_replica} (config.num_replicas) to use every device.")
+    slices = _across_slices(devs, (num_replicas, *shape.values()))
     if per_replica == 1:
-        return Replicas(num_replicas, axis_name, jax.make_mesh((num_replicas,), (axis_name,),
-                                                               devices=devs))  # fmt: skip
+        mesh = (jax.make_mesh((num_replicas,), (axis_name,), devices=devs) if slices is None else
+                jax.sharding.Mesh(slices.reshape(-1), (axis_name,),
+                                  axis_types=(jax.sharding.AxisType.Explicit,)))  # fmt: skip
+        return Replicas(num_replicas, axis_name, mesh)
     auto = jax.sharding.AxisType.Auto
     types = (jax.sharding.AxisType.Explicit, auto, auto)
     names, dims = (axis_name, *shape), (num_replicas, *shape.values())
-    grid = _whole_replicas_per_process(devs, dims)
+    grid = _whole_replicas_per_process(devs, dims) if slices is None else slices
     mesh = (jax.make_mesh(dims, names, axis_types=types, devices=devs) if grid is None
             else jax.sharding.Mesh(grid, names, axis_types=types))  # fmt: skip
     return Replicas(num_replicas, axis_name, mesh, leaf_axes=sharding.intra_replica_axes)
+
+
+def _across_slices(devices: np.ndarray, dims: tuple[int, ...]) -> np.ndarray | None:
+    """An (N, F, T) device array for several TPU slices, or ``None`` on one slice.
+
+    The replicas are dealt out over the slices and each replica's F x T devices lie in one
+    slice (``jax.make_mesh`` refuses multi-slice devices): only NoLoCo's exchange crosses
+    the slower links between slices (DCN).
+    """
+    count = len({getattr(d, "slice_index", 0) for d in devices})
+    if count == 1:
+        return None
+    from noloco_jax import errors  # noqa: PLC0415
+    from jax.experimental import mesh_utils  # noqa: PLC0415
+
+    if dims[0] % count:
+        raise errors.UserError(
+            f"num_replicas={dims[0]} must be a multiple of the {count} TPU slices its devices "
+            f"come from (config.num_replicas): each slice holds the same number of replicas.")
+    per_slice = (dims[0] // count, *dims[1:])
+    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (count, *[1] * (len(dims) - 1)),
+                                                devices=list(devices),
+                                                allow_split_physical_axes=True)  # fmt: skip
+    return np.asarray(grid).reshape(dims)
 
 
 def _whole_replicas_per_process(devices: np.ndarray, dims: tuple[int, ...]) -> np.ndarray | None:

@@ -231,6 +231,30 @@ def test_a_process_left_without_replicas_is_refused():
         replicas.make_replicas(8, devices=devs, backend="vmap")
 
 
+class _FakeTpu(_FakeDevice):
+    """A chip of a v5e-16 slice (4 x 4 chips), 4 chips per process."""
+
+    def __init__(self, i):
+        super().__init__(i, i // 4)
+        self.platform, self.device_kind, self.core_on_chip = "tpu", "TPU v5 lite", 0
+        self.slice_index, local = i // 16, i % 16
+        self.coords = (local % 4, local // 4, 0)
+
+
+def test_replicas_are_dealt_over_tpu_slices_each_inside_one():
+    """README's multi-slice recipe: jax.make_mesh refused devices of several slices."""
+    devs = [_FakeTpu(i) for i in range(32)]  # two slices
+    for n, split in ((4, {"fsdp": 8}), (8, {"fsdp": 2, "tensor": 2}), (32, None)):
+        grid = replicas.make_replicas(n, devices=devs, mesh_shape=split).mesh.devices
+        per_replica = [{d.slice_index for d in np.ravel(r)} for r in grid]
+        assert all(len(s) == 1 for s in per_replica), per_replica  # a replica in one slice
+        assert sorted(s.pop() for s in per_replica) == [0] * (n // 2) + [1] * (n // 2)
+        assert sorted(d.id for d in grid.flat) == list(range(32))
+    with pytest.raises(ValueError, match=r"num_replicas=1 must be a multiple of the 2 TPU "
+                                         r"slices"):  # fmt: skip
+        replicas.make_replicas(1, devices=devs, mesh_shape={"fsdp": 32})
+
+
 # ---------------------------------------------------------------- the trainer on split replicas
 
 
