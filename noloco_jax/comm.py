@@ -394,8 +394,11 @@ def _encode(arrays: Sequence[jax.Array], wires: Sequence[Any]) -> jax.Array:
     wires = [jnp.dtype(w) for w in wires]
     word = jnp.dtype(_word_dtype(arrays, wires))
     parts = []
-    if len(arrays) == 1 and wires[0] == word:  # one array travels in its own shape
-        return arrays[0].astype(word)
+    if len(arrays) == 1 and wires[0].itemsize == word.itemsize:
+        # One array travels in its own shape (its bits, if not of the word type): flattened,
+        # an array the compiler splits inside a replica would first be gathered whole.
+        payload = arrays[0].astype(wires[0])
+        return payload if wires[0] == word else lax.bitcast_convert_type(payload, word)
     for a, w in zip(arrays, wires):
         payload = a.astype(w)
         parts.append(payload.reshape(-1) if w == word else _as_words(payload, word))
@@ -411,7 +414,9 @@ def _decode(
     conversion fuses into whatever reads that array alone.
     """
     if len(arrays) == 1 and message.shape == arrays[0].shape and message.ndim != 1:
-        return [message.astype(arrays[0].dtype)]
+        wire = jnp.dtype(wires[0])
+        payload = message if message.dtype == wire else lax.bitcast_convert_type(message, wire)
+        return [payload.astype(arrays[0].dtype)]
     out, start = [], 0
     for a, w in zip(arrays, wires):
         w = jnp.dtype(w)

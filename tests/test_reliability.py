@@ -592,6 +592,19 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
     assert settings_lib.warnings_for(frozen) == [
         "config.outer.learning_rate=0: the slow weights never move and every sync puts the "
         "replicas back on them, so the run learns nothing."]
+    # Measured (tests/test_sharded_memory.py, README): these exchanges do not split.
+    split = {"mesh": {"fsdp": 2}, "backend": "shard_map", "num_replicas": 2}
+    for method, wire, what, keeps in (("diloco", "bfloat16", "all of it", "float32"),
+                                      ("noloco", "int8", "twice its share", "bfloat16")):  # fmt: skip
+        packed = _settings(corpus_dir, data_dir, method=method, **split,
+                           outer={"exchange_dtype": wire})  # fmt: skip
+        assert settings_lib.warnings_for(packed) == [
+            f"config.outer.exchange_dtype={wire!r} with a split replica (config.mesh): this "
+            f"exchange packs the replica into one flat message, so each device sends "
+            f"{what}, not 1/(fsdp x tensor); {keeps} keeps the split."]
+    for method, wire in (("noloco", "bfloat16"), ("diloco", "")):
+        fine = _settings(corpus_dir, data_dir, method=method, **split, outer={"exchange_dtype": wire})
+        assert settings_lib.warnings_for(fine) == []
 
 
 # --- 10. memory -------------------------------------------------------------------------

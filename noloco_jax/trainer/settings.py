@@ -403,6 +403,13 @@ def warnings_for(s: TrainSettings) -> list[str]:
     if s.method in ROUND_METHODS and s.outer.learning_rate == 0:
         out.append(f"config.outer.learning_rate=0: the slow weights never move and every sync "
                    f"puts the replicas back on them, so the run learns nothing.")
+    packed = s.method == "diloco" or quantize.is_codec(s.outer.exchange_dtype)  # one flat message
+    if s.outer.exchange_dtype and packed and s.mesh.fsdp * s.mesh.tensor > 1:
+        out.append(f"config.outer.exchange_dtype={s.outer.exchange_dtype!r} with a split replica "
+                   f"(config.mesh): this exchange packs the replica into one flat message, so each "
+                   f"device sends {'all of it' if s.method == 'diloco' else 'twice its share'}, "
+                   f"not 1/(fsdp x tensor); {'float32' if s.method == 'diloco' else 'bfloat16'} "
+                   f"keeps the split.")  # fmt: skip
     window = parse_profile_steps(s.profile_steps)
     if window is not None and window[0] >= s.num_steps:
         out.append(f"config.profile_steps={s.profile_steps!r} starts at or after num_steps="
