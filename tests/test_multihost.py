@@ -140,3 +140,32 @@ def test_two_processes_match_one_process(tmp_path, corpus_and_data, topology):
     sums = [Checkpointer(w / "checkpoints").read_meta(steps)["checksums"]
             for w in (tmp_path / "one", tmp_path / "two")]  # fmt: skip
     assert sums[0] == sums[1]  # params, slow weights, Adam moments, momentum: bit for bit
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_part_one_process_cannot_read_stops_both_at_once(tmp_path, corpus_and_data):
+    """A damaged shard fails only the process reading it; the other went on into a collective
+    and both hung (the second until jax.distributed's 300 s shutdown timeout)."""
+    def two(steps):
+        port, flags = _free_port(), ["--config.num_replicas=8", f"--config.num_steps={steps}"]
+        logs = [tmp_path / f"p{i}_{steps}_{len(list(tmp_path.glob('p*')))}.log" for i in range(2)]
+        procs = [subprocess.Popen(_cmd(*corpus_and_data, tmp_path / "two", *flags,
+                                       *_distributed(2, i, port)),
+                                  env=_env(4), stdout=log.open("w"), stderr=subprocess.STDOUT)
+                 for i, log in enumerate(logs)]  # fmt: skip
+        start = time.monotonic()
+        for p in procs:
+            p.wait(timeout=300)
+        return [p.returncode for p in procs], time.monotonic() - start, logs
+
+    codes, _, _ = two(8)
+    assert codes == [0, 0]
+    for f in (tmp_path / "two" / "checkpoints" / "8" / "state" / "ocdbt.process_1").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[:16])
+    codes, seconds, logs = two(8)
+    assert codes == [1, 1] and seconds < 60, (codes, seconds)
+    for log in logs:
+        assert "checkpoint 8 could not be read in this run of several processes" in log.read_text()
+    assert (tmp_path / "two" / "checkpoints" / "8").is_dir()  # nothing moved

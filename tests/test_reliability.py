@@ -39,7 +39,7 @@ from noloco_jax.errors import (
 from noloco_jax.trainer import settings as settings_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like, is_environment_error
 from noloco_jax.trainer.lock import WorkdirLock
-from noloco_jax.trainer import loop
+from noloco_jax.trainer import checkpoint, loop
 from noloco_jax.trainer.loop import load_run, train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
 from tests.helpers import copy_run
@@ -156,6 +156,47 @@ def test_damaged_latest_checkpoint_is_set_aside_and_the_run_replays(tmp_path, fi
     assert [r["step"] for r in train][-2:] == [10, 12]  # replayed after the copied records
     by_step = {r["step"]: r["train_loss"] for r in train}
     assert [by_step[s] for s in sorted(by_step)] == before  # steps 10 and 12 replayed exactly
+
+
+def test_a_part_one_process_cannot_read_stops_every_process(tmp_path, finished_run,
+                                                              monkeypatch):  # fmt: skip
+    """A shard damaged on one host fails only the process reading it while the others go on
+    into the next collective (seen with two processes: a gloo 'collective mismatch' abort, or
+    a hang). Several processes cannot go back to an older step alone: stop, move nothing."""
+    s, finished = finished_run
+    run = copy_run(finished, tmp_path / "run")
+    for f in (run / "checkpoints" / "12" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[:16])  # unreadable, not merely wrong bytes
+    monkeypatch.setattr(checkpoint, "_several_processes", lambda: True)
+    with pytest.raises(CheckpointRestoreError, match=r"checkpoint 12 could not be read in this "
+                       r"run of several processes \(.*\); one process cannot go back .* every "
+                       r"process stops\. Move .*checkpoints/12 out of .*checkpoints \(the previous "
+                       r"checkpoint is then used\) and start every process again\."):  # fmt: skip
+        train_and_evaluate(s, run, progress=False)
+    assert (run / "checkpoints" / "12").is_dir()  # nothing set aside
+    monkeypatch.setattr(checkpoint, "_several_processes", lambda: False)  # one process: set aside
+    assert train_and_evaluate(s, run, progress=False)["step"] == 12
+    assert (run / "checkpoints" / "12.corrupt").is_dir()
+
+
+def test_two_processes_set_a_checkpoint_aside_once(tmp_path, monkeypatch):
+    """Both processes quarantine the same step of a shared directory: the second one's rename
+    failed (FileNotFoundError). Process 0 renames between two barriers; all name one target."""
+    saved = Checkpointer(tmp_path)
+    saved.save(4, {"w": jnp.arange(8.0)}, {"settings": {}, "batcher": {}})
+    saved.close()
+    waits = []
+    monkeypatch.setattr(checkpoint, "_barrier", waits.append)
+    names = {}
+    for process in (1, 0):  # the barrier holds process 0's rename until process 1 named it
+        monkeypatch.setattr(checkpoint, "_first_process", lambda p=process: p == 0)
+        ckpt = Checkpointer(tmp_path)
+        names[process] = ckpt.quarantine(4).name
+        ckpt.close()
+        assert (tmp_path / "4").is_dir() == (process == 1)
+    assert names == {0: "4.corrupt", 1: "4.corrupt"} and (tmp_path / "4.corrupt").is_dir()
+    assert waits == ["noloco_quarantine_4_start", "noloco_quarantine_4_done"] * 2
 
 
 def test_metadata_without_settings_is_corrupt_and_no_silent_restart(tmp_path, finished_run):

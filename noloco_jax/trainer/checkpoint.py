@@ -198,7 +198,7 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001 - classified below
                 error = _restore_error(self.directory, step, err)  # the message keeps its gist;
         if error is not None:  # err's frames (and orbax's failed reads) are gone by now
-            raise error
+            raise _stop_every_process(step, self.directory, error)
         state, meta = restored["state"], restored["meta"]
         _verify(state, meta, step)
         return state, meta
@@ -217,14 +217,21 @@ class Checkpointer:
         return meta
 
     def quarantine(self, step: int) -> pathlib.Path:
-        """Renames an unreadable step's directory to ``<step>.corrupt[-k]`` and forgets it."""
+        """Renames an unreadable step's directory to ``<step>.corrupt[-k]`` and forgets it.
+
+        With several processes on one shared directory, process 0 renames it while the others
+        wait, so every process names the same directory and none renames a missing one.
+        """
+        _barrier(f"noloco_quarantine_{step}_start")
         src = self.directory / str(step)
         dst = self.directory / f"{step}.corrupt"
         k = 0
         while dst.exists():
             k += 1
             dst = self.directory / f"{step}.corrupt-{k}"
-        src.rename(dst)
+        if _first_process():
+            src.rename(dst)
+        _barrier(f"noloco_quarantine_{step}_done")
         self._manager.reload()
         return dst
 
@@ -260,6 +267,37 @@ class Checkpointer:
             error = error or err
         if error is not None:
             raise self._save_error(None, error) from error
+
+
+def _barrier(name: str) -> None:
+    """Waits until every process gets here (nothing to wait for with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _first_process() -> bool:
+    return jax.process_index() == 0
+
+
+def _several_processes() -> bool:
+    return jax.process_count() > 1
+
+
+def _stop_every_process(step: int, directory: pathlib.Path, err: Exception) -> Exception:
+    """A read error of this process alone, in a run of several: stop, do not set it aside.
+
+    The others read their parts and went on into the next collective; they cannot be told to
+    go back to an older checkpoint, so every process stops (they fail as this one exits).
+    """
+    if not _several_processes() or not isinstance(err, CorruptCheckpointError):
+        return err
+    return CheckpointRestoreError(
+        f"checkpoint {step} could not be read in this run of several processes ({_brief(err)}); "
+        f"one process cannot go back to an older checkpoint alone, so every process stops. "
+        f"Move {directory / str(step)} out of {directory} (the previous checkpoint is then "
+        f"used) and start every process again.")
 
 
 def _drop_orbax_traceback(record: logging.LogRecord) -> bool:

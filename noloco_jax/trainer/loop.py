@@ -475,21 +475,16 @@ def _restore_or_init(
     """
     steps = ckpt.all_steps()
     for step in reversed(steps):
-        try:
-            meta = ckpt.read_meta(step)
-            _check_meta(meta, step)
-        except CorruptCheckpointError as err:
+        meta, err = _attempt(lambda: _checked_meta(ckpt, step))
+        if err is not None:
             _set_aside(ckpt, writer, step, err)
             continue
         # Settings are compared before the arrays are read: a checkpoint of another
         # topology is refused with a clear error and left untouched, never set aside.
         old_n = check_resume(meta, run.meta, run.settings.allow_resize)  # None: same N
-        try:
-            if old_n is None:
-                restored, _ = ckpt.restore(step, target)
-            else:
-                restored = restore_resized(ckpt, step, target, old_n, run.reps)
-        except CorruptCheckpointError as err:
+        restored, err = _attempt(lambda: ckpt.restore(step, target)[0] if old_n is None else
+                                 restore_resized(ckpt, step, target, old_n, run.reps))
+        if err is not None:
             _set_aside(ckpt, writer, step, err)
             continue
         run.resized_from = old_n  # reported once training goes on (_report_resize)
@@ -528,10 +523,20 @@ def _report_resize(run: _Run, writer: MetricWriter, step: int) -> None:
         writer.write(step, "event", {"event": "resize", "detail": message})
 
 
-def _check_meta(meta: dict, step: int) -> None:
+def _checked_meta(ckpt: Checkpointer, step: int) -> dict:
+    meta = ckpt.read_meta(step)
     missing = [k for k in ("settings", "batcher") if not isinstance(meta.get(k), dict)]
     if missing:
         raise CorruptCheckpointError(f"checkpoint {step}: its metadata lacks {missing}.")
+    return meta
+
+
+def _attempt(read: Callable[[], Any]) -> tuple[Any, CorruptCheckpointError | None]:
+    """``(read(), None)``, or ``(None, error)`` when the checkpoint is damaged."""
+    try:
+        return read(), None
+    except CorruptCheckpointError as err:
+        return None, err
 
 
 def _set_aside(ckpt: Checkpointer, writer: MetricWriter, step: int, err: Exception) -> None:
