@@ -8,7 +8,7 @@ import pytest
 from noloco_jax import comm, replicas
 
 _OPTIM = [importlib.import_module(f"noloco_jax.optim.{m}")
-          for m in ("local_steps", "noloco", "diloco", "clipping")]  # fmt: skip
+          for m in ("local_steps", "noloco", "diloco", "clipping", "fragments")]  # fmt: skip
 
 
 @pytest.mark.parametrize("module", [*_OPTIM, comm, replicas], ids=lambda m: m.__name__)

@@ -54,6 +54,9 @@ def test_by_layer_blocks_spec_and_validation():
         frag.check_spec({**spec, "blocks": {"w": (0, 1, 0, 1)}}, _params(), 4)
     with pytest.raises(ValueError, match="hold no parameters"):
         frag.check_spec({**spec, "lm_head": 3}, _params(), 4)
+    # Embedding (6 x 2) with rows 0-1 of the blocks (2 x 2 x 2), head (2 x 6) with rows 2-3.
+    assert frag.fragment_sizes(spec, _params()) == [12 + 8, 8 + 12]
+    assert frag.fragment_sizes(frag.by_layer_blocks(_params(), 4), _params()) == [16, 4, 4, 16]
 
 
 def test_take_and_put_round_trip():

@@ -1,8 +1,11 @@
 """One replica's communication with streaming fragments, overlap and 8-bit exchange.
 
-Every H / P inner steps one fragment (1/P of the parameters) is exchanged: by
-NoLoCo with the replica's group, by DiLoCo in an all-reduce over all N
-replicas. With an overlap of tau inner steps the exchange runs behind that much
+Every H / P inner steps one fragment is exchanged: by NoLoCo with the replica's
+group, by DiLoCo in an all-reduce over all N replicas. The model takes P equal
+fragments of 1/P of the parameters each; the trainer's layer fragments
+(``optim.fragments.by_layer_blocks``) are larger at the ends when the vocabulary
+tables are a large part of the model (``fragment_sizes`` gives them), and then
+the largest fragment's exchange is what stalls. With an overlap of tau inner steps the exchange runs behind that much
 compute, so only what does not fit there stalls the replica.
 
 DiLoCo's 8-bit all-reduce is modelled as a ring in two phases (each replica

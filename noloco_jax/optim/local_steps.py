@@ -345,7 +345,7 @@ def local_steps(
       fragments: None (every sync moves all params), or a fragment spec
         (``noloco_jax.optim.fragments.by_layer_blocks(params, P)``): the
         params are split into P fragments and fragment p syncs at the steps t
-        with ``t mod H == (p + 1) H / P``, so each sync moves 1/P of the model
+        with ``t mod H == (p + 1) H / P``, so each sync moves one fragment
         (streaming). Each fragment keeps its own outer state (momentum and
         round counter) and draws its groups from its own stream
         (``stream=p`` to the outer step). Then ``sync_step`` is False or the
