@@ -133,7 +133,9 @@ def train_group(
     ``local`` run (no communication), with the trainer's optimizer
     (``build_optimizer``: gradients clipped to norm 1, then Adam on
     ``learning_rate_schedule``: linear warmup, then cosine to a tenth at the
-    model's own last step) and its ``train_step``.
+    model's own last step) and its ``train_step``. HDEE's released configs differ here: their
+    experts are early stops of one cosine run as long as the longest (the per-model schedule
+    used here is the ablation in its paper).
 
     Args:
       graphdef: the models' graphdef.
