@@ -96,15 +96,29 @@ def _omission(run: harness.Run, opts: harness.Options, keep_fraction: float,
     return math.exp(float(np.mean(losses)))
 
 
-def _iteration_times(out_dir: pathlib.Path) -> dict[str, float]:
+def _iteration_times(out_dir: pathlib.Path, smoke: bool) -> dict[str, float]:
     """The simulated iteration times of experiments.skippipe_schedules: its run into the same
-    --out_dir if there is one, else the published one."""
+    --out_dir if there is one, else the published one. A full run never takes a smoke run's
+    times (they set the control runs' lengths)."""
     for folder in (out_dir, harness.RESULTS):
         path = folder / "skippipe_schedules.json"
-        if path.exists():
-            print(f"simulated iteration times from {path}", flush=True)
-            return json.loads(path.read_text()).get("training_iteration_times", {})
+        if not path.exists():
+            continue
+        saved = json.loads(path.read_text())
+        if not smoke and "--smoke" in saved.get("command", ""):
+            print(f"not using the smoke-run times in {path}", flush=True)
+            continue
+        print(f"simulated iteration times from {path}", flush=True)
+        return saved.get("training_iteration_times", {})
     return {}
+
+
+def _stored_analysis(opts: harness.Options) -> dict:
+    """The analysis a --report_only rewrite reads back: the runs' checkpoints may be gone."""
+    path = opts.out_dir / "skippipe_training.json"
+    if not opts.report_only or not path.exists():
+        return {}
+    return json.loads(path.read_text()).get("_analysis", {})
 
 
 def _seconds_per_iteration(run: harness.Run, times: dict[str, float]) -> float | None:
@@ -149,9 +163,9 @@ def _equal_time(results: dict, runs: list[harness.Run], times: dict) -> tuple[li
 
 
 def _robustness(runs: list[harness.Run], results: dict, opts: harness.Options,
-                subsets: int) -> tuple[list, dict]:  # fmt: skip
+                subsets: int, stored: dict) -> tuple[list, dict]:  # fmt: skip
     """Rows and json: PPL with 75 % / 50 % of the stages, vs the model itself and vs the
-    normally trained full model."""
+    normally trained full model (``stored``: values read back instead of measured)."""
     rows, out = [], {}
     reference = math.exp(results["full"]["eval"][-1]["val_loss"])
     for run in runs:
@@ -161,7 +175,7 @@ def _robustness(runs: list[harness.Run], results: dict, opts: harness.Options,
         entry = {"full_model": full, "normally_trained_full_model": reference}
         row = [run.name, f"{full:.3f}"]
         for frac in (0.75, 0.5):
-            ppl = _omission(run, opts, frac, subsets)
+            ppl = stored.get(run.name, {}).get(str(frac)) or _omission(run, opts, frac, subsets)
             entry[str(frac)] = ppl
             row.append(f"{ppl:.3f} ({100 * (ppl / full - 1):+.1f} % / "
                        f"{100 * (ppl / reference - 1):+.1f} %)")
@@ -172,10 +186,11 @@ def _robustness(runs: list[harness.Run], results: dict, opts: harness.Options,
 
 def report(results: dict, runs: list[harness.Run], opts: harness.Options
            ) -> tuple[dict, str]:  # fmt: skip
-    times = _iteration_times(opts.out_dir)
+    stored = _stored_analysis(opts)
+    times = stored.get("iteration_times") or _iteration_times(opts.out_dir, opts.smoke)
     rows, equal = _equal_time(results, runs, times)
     subsets = 2 if opts.smoke else 8
-    rob, robustness = _robustness(runs, results, opts, subsets)
+    rob, robustness = _robustness(runs, results, opts, subsets, stored.get("robustness", {}))
     cmd = "python -m experiments.skippipe_training" + (" --smoke" if opts.smoke else "")
     md = (
         "## SkipPipe in miniature: training with skipped stages\n\n"
@@ -205,7 +220,9 @@ def report(results: dict, runs: list[harness.Run], opts: harness.Options
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
     opts = options.grid_options()
-    runs = grid(opts.smoke, _iteration_times(opts.out_dir))
+    stored = _stored_analysis(opts)
+    runs = grid(opts.smoke, stored.get("iteration_times") or _iteration_times(opts.out_dir,
+                                                                              opts.smoke))
     results = options.train_grid(CONFIG, runs, opts, runs_subdir="skippipe",
                                  name="skippipe_training")  # fmt: skip
     if results is None:

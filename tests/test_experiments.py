@@ -5,6 +5,7 @@ import importlib
 import json
 import math
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -113,6 +114,22 @@ def test_skippipe_training_smoke(dirs):
     eq = analysis["equal_time"]["skip50"]  # the full pipeline with a schedule ending there
     assert eq["full_equal_time_steps"] < results["full"]["eval"][-1]["step"]
     assert "full_until_skip50" in results and "schedule ending there" in md
+    # --report_only rewrites the report from the json alone (it read the checkpoints: a crash).
+    shutil.rmtree(dirs[0] / "runs" / "skippipe_smoke")
+    again, md_again = _run("skippipe_training", dirs, "--report_only")
+    assert md_again == md and again["_analysis"] == analysis
+
+
+def test_a_full_run_does_not_take_a_smoke_runs_simulated_times(tmp_path):
+    from experiments import skippipe_training  # noqa: PLC0415
+
+    (tmp_path / "skippipe_schedules.json").write_text(json.dumps({
+        "command": "python -m experiments.skippipe_schedules --smoke",
+        "training_iteration_times": {"full": 1.0}}))  # fmt: skip
+    published = json.loads((harness.RESULTS / "skippipe_schedules.json").read_text())
+    assert skippipe_training._iteration_times(tmp_path, smoke=False) == published[
+        "training_iteration_times"]  # fmt: skip
+    assert skippipe_training._iteration_times(tmp_path, smoke=True) == {"full": 1.0}
 
 
 @pytest.mark.slow  # two training processes next to the same two runs in this one (~1-2 min)
