@@ -34,10 +34,16 @@ for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
 
 
-def time_run(preset: str, steps: int, n: int, root: pathlib.Path) -> dict:
+# --smoke: seconds-long runs that go through every step of the measurement (not a cost).
+SMOKE_RUNS = {"presets": ["nano"], "lengths": [10, 20], "replicas": 2,
+              "overrides": {"optim.warmup_steps": 2, "log_every": 2, "eval_every": 10}}
+
+
+def time_run(preset: str, steps: int, n: int, root: pathlib.Path, extra: dict | None = None
+             ) -> dict:  # fmt: skip
     """Wall seconds of one NoLoCo run in a fresh process, and its summed chunk times."""
     over = {**plan.REGIME, **plan.METHODS["noloco"], "model.preset": preset, "num_steps": steps,
-            "num_replicas": n, "checkpoint_every": steps}  # fmt: skip
+            "num_replicas": n, "checkpoint_every": steps, **(extra or {})}  # fmt: skip
     cfg = harness.load_config(CONFIG, over)
     workdir = root / f"{preset}_{steps}"
     load = os.getloadavg()[0]
@@ -73,7 +79,7 @@ def planned_runs() -> dict[str, int]:
     return {r.name: int(r.overrides["num_steps"]) for r in runs}
 
 
-def report(timed: list[dict], fits: dict[str, dict], n: int) -> str:
+def report(timed: list[dict], fits: dict[str, dict], n: int, smoke: bool = False) -> str:
     rows = [[t["preset"], t["steps"], f"{t['wall_s']:.1f}", f"{t['cpu_s']:.1f}",
              f"{1e3 * t['train_s_per_step']:.1f}",
              f"{t['load_before']:.1f} / {t['load_after']:.1f}"] for t in timed]  # fmt: skip
@@ -88,9 +94,11 @@ def report(timed: list[dict], fits: dict[str, dict], n: int) -> str:
                      f"{total / 3600:.1f}"])  # fmt: skip
     return (
         "## Cost of one run of the planned regime\n\n"
-        f"```bash\npython -m experiments.pilot_cost --presets {','.join(fits)} "
-        f"--lengths {','.join(str(t['steps']) for t in timed[:2])} --replicas {n}\n```\n\n"
-        f"NoLoCo, N = {n}, the regime of noloco_jax/experiments/plan.py, each run alone in a "
+        + ("```bash\npython -m experiments.pilot_cost --smoke\n```\n\n(smoke: the "
+           "measurement's every step on seconds-long runs; not a cost)\n\n" if smoke else
+           f"```bash\npython -m experiments.pilot_cost --presets {','.join(fits)} "
+           f"--lengths {','.join(str(t['steps']) for t in timed[:2])} --replicas {n}\n```\n\n")
+        + f"NoLoCo, N = {n}, the regime of noloco_jax/experiments/plan.py, each run alone in a "
         "fresh process. CPU s = user + system seconds of that process (all its threads); "
         "load = the machine's 1-minute load average before / after the run (2 cores).\n\n"
         + harness.md_table(["preset", "steps", "wall s", "CPU s", "train ms / step (wall, "
@@ -108,18 +116,22 @@ def report(timed: list[dict], fits: dict[str, dict], n: int) -> str:
 
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
-    lengths = sorted(int(x) for x in LENGTHS.value)
+    smoke = options.SMOKE.value
+    lengths = sorted(int(x) for x in (SMOKE_RUNS["lengths"] if smoke else LENGTHS.value))
     if len(lengths) != 2 or lengths[0] == lengths[1]:
         raise app.UsageError(f"--lengths needs two different step counts, got {LENGTHS.value}.")
+    presets = SMOKE_RUNS["presets"] if smoke else PRESETS.value
+    n = SMOKE_RUNS["replicas"] if smoke else REPLICAS.value
     timed, fits = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in PRESETS.value:
-            pair = [time_run(preset, s, REPLICAS.value, pathlib.Path(tmp)) for s in lengths]
+        for preset in presets:
+            pair = [time_run(preset, s, n, pathlib.Path(tmp),
+                             SMOKE_RUNS["overrides"] if smoke else None) for s in lengths]
             print(pair, flush=True)
             timed += pair
             fits[preset] = fit(*pair)
-    harness.write_outputs(harness.Options(out_dir=options.out_dir()), "pilot_cost",
-                          {"timed": timed, "fits": fits}, report(timed, fits, REPLICAS.value))
+    harness.write_outputs(harness.Options(out_dir=options.out_dir(), smoke=smoke), "pilot_cost",
+                          {"timed": timed, "fits": fits}, report(timed, fits, n, smoke))
 
 
 if __name__ == "__main__":

@@ -335,3 +335,13 @@ def test_comm_quality_compares_each_option_with_its_own_baseline():
 def test_comm_quality_smoke(dirs):
     _, md = _run("comm_quality", dirs)
     assert "python -m experiments.comm_quality --smoke" in md and "int8_ef" in md
+
+
+@pytest.mark.slow  # two training processes (~30 s); --smoke was accepted and ignored (2000-step runs)
+def test_pilot_cost_smoke(tmp_path):
+    run_main(importlib.import_module("experiments.pilot_cost"), "--smoke", "--out_dir",
+             str(tmp_path))  # fmt: skip
+    results = json.loads((tmp_path / "pilot_cost.json").read_text())
+    assert [t["steps"] for t in results["timed"]] == [10, 20]
+    assert {"fixed_s", "per_step_s"} <= set(results["fits"]["nano"])
+    assert "python -m experiments.pilot_cost --smoke" in (tmp_path / "pilot_cost.md").read_text()
