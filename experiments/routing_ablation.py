@@ -119,7 +119,7 @@ def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
         + f"\nFinal: weight std {100 * spread_ratio[-1]:.1f} %, validation perplexity "
         f"{100 * ppl_ratio[-1]:.1f} % of fixed routing. Paired by seed at the last step "
         f"(two-sided t-test of log random − log fixed): {tests}.\n\n"
-        f"![routing ablation](../figures/{path.name})\n\n"
+        f"![routing ablation]({harness.figure_link(opts, path)})\n\n"
         "NoLoCo and DiLoCo with two pipeline stages (random routing) vs none (final step, "
         "N = 4, one seed):\n\n"
         + harness.md_table(["run", "pooled PPL", "averaged model", "spread"], pp_rows)

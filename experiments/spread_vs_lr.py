@@ -107,7 +107,7 @@ def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
         "(two-sided p, n − 3 degrees of freedom).\n\n"
         + harness.md_table(["run", "r all", "mid-round points", "r (lr)", "r (step)",
                             "partial r (lr | step)", "max spread"], rows)  # fmt: skip
-        + "\n" + summary + f"![spread vs lr](../figures/{path.name})\n"
+        + "\n" + summary + f"![spread vs lr]({harness.figure_link(opts, path)})\n"
     )
     return out, md
 

@@ -118,7 +118,7 @@ def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
         f"baseline, p its two-sided paired t-test (a value is better or worse than the baseline "
         f"only where p < {plan.ALPHA}); inf: diverged.\n\n"
         + "\n".join(sections)
-        + f"\n![sweeps](../figures/{path.name})\n"
+        + f"\n![sweeps]({harness.figure_link(opts, path)})\n"
     )
     return analysis, md
 

@@ -60,6 +60,7 @@ def test_table2_smoke(dirs):
     assert results["noloco_n2_s0"]["run_info"]["seed"] == 0  # provenance of every run
     assert set(results["_provenance"]["runs"]) == {k for k in results if not k.startswith("_")}
     assert (dirs[0] / "out" / "table2_fig3a.png").stat().st_size > 1000
+    assert "![Fig. 3A in miniature](table2_fig3a.png)" in md  # linked as ../figures/ before
 
 
 def test_spread_vs_lr_smoke_reuses_table2_runs(dirs):

@@ -48,7 +48,7 @@ SCRATCH = RUNS / "results"  # default for re-runs (git-ignored)
 
 __all__ = ["ROOT", "RESULTS", "FIGURES", "RUNS", "SCRATCH", "Options", "Run", "GridIncomplete",
            "smoke_overrides", "data_overrides", "load_config", "run_grid", "read_run",
-           "train_in_processes", "plan_grid", "provenance_entry", "write_outputs", "figure_path", "save_figure",
+           "train_in_processes", "plan_grid", "provenance_entry", "write_outputs", "figure_path", "figure_link", "save_figure",
            "md_table"]  # fmt: skip
 
 
@@ -397,6 +397,11 @@ def figure_path(opts: Options, name: str) -> pathlib.Path:
     folder = FIGURES if opts.out_dir.resolve() == RESULTS.resolve() else opts.out_dir
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"{name}.png"
+
+
+def figure_link(opts: Options, path: pathlib.Path) -> str:
+    """The figure's address as the report in ``opts.out_dir`` links it (relative)."""
+    return os.path.relpath(path, opts.out_dir)
 
 
 def save_figure(fig: Any, path: pathlib.Path, dpi: int = 110) -> pathlib.Path:

@@ -205,7 +205,7 @@ def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
         "is not shown otherwise. 'noloco_avg' is NoLoCo's averaged-model PPL (secondary).\n\n"
         + harness.md_table(["cell", "A − B", "mean ± std", "pairs", "t", "p", "sign − / +",
                             "sign p", "A < B?"], _test_rows(analysis))  # fmt: skip
-        + f"\n![Fig. 3A in miniature](../figures/{fig.name})\n\n"
+        + f"\n![Fig. 3A in miniature]({harness.figure_link(opts, fig)})\n\n"
         "Fig. 3A at DiLoCo's sync steps, (PPL_DiLoCo − PPL_NoLoCo)/PPL_DP in % (mean over "
         "seeds): "
         + "; ".join(f"N = {n}: " + ", ".join(f"{t}: {100 * v:+.2f}" for t, v in c["sync"])
