@@ -75,15 +75,29 @@ def _versions_md(found: dict[str, list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _bench_version(results: pathlib.Path, name: str) -> str:
+    """The line under a benchmark section that says which code and stack measured it."""
+    path = results / f"{name}.json"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    env = saved.get("env") if isinstance(saved, dict) else None
+    if isinstance(saved, dict) and isinstance(saved.get("_provenance"), dict):
+        env = {**(env or {}), "commit": provenance.version_label(saved["_provenance"].get("writer"))}
+    if not env or not env.get("commit"):
+        return "_Code version: not recorded (measured before the benchmarks recorded it)._\n"
+    stack = ", ".join(f"{k} {env[k]}" for k in ("jax", "device") if env.get(k))
+    return f"_Code version: commit `{env['commit']}`" + (f"; {stack}" if stack else "") + "._\n"
+
+
 def _page(results: pathlib.Path, title: str, summary: str, names: list[str],
-          header: str = "") -> str:  # fmt: skip
+          header: str = "", stamp: bool = False) -> str:  # fmt: skip
     parts = [f"# {title}\n", header,
              (results / summary).read_text() if (results / summary).exists() else ""]
     missing = []
     for name in names:
         path = results / f"{name}.md"
         if path.exists():
-            parts.append(_nest(path.read_text().replace("](../figures/", "](figures/")))
+            parts.append(_nest(path.read_text().replace("](../figures/", "](figures/"))
+                         + (_bench_version(results, name) if stamp else ""))  # fmt: skip
         else:
             missing.append(name)
     if missing:
@@ -113,7 +127,8 @@ def main(argv: Sequence[str]) -> None:
     elif found:
         header = f"All results below come from commit `{next(iter(found))}`.\n"
     (pages / "RESULTS.md").write_text(_page(results, "Results", "_summary.md", SECTIONS, header))
-    (pages / "BENCHMARKS.md").write_text(_page(results, "Benchmarks", "_bench_summary.md", BENCH))
+    (pages / "BENCHMARKS.md").write_text(_page(results, "Benchmarks", "_bench_summary.md", BENCH,
+                                               stamp=True))
     print("wrote", pages / "RESULTS.md", pages / "BENCHMARKS.md")
 
 

@@ -172,6 +172,21 @@ def test_make_results_refuses_mixed_commits_unless_told(tmp_path, capsys):
     assert "unrecorded" in capsys.readouterr().err
 
 
+def test_each_benchmark_section_says_which_code_measured_it(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    _results_json(results, "table2", "a" * 40)
+    env = {"commit": "1234abc", "jax": "0.10.2", "device": "cpu"}
+    (results / "bench_overhead.json").write_text(json.dumps({"env": env, "rows": []}))
+    (results / "bench_overhead.md").write_text("## overhead\n\nnumbers\n")
+    (results / "bench_scaling.json").write_text(json.dumps({"rows": []}))  # before it was recorded
+    (results / "bench_scaling.md").write_text("## scaling\n\nnumbers\n")
+    _make_results(results)
+    page = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "numbers\n_Code version: commit `1234abc`; jax 0.10.2, device cpu._" in page
+    assert "numbers\n_Code version: not recorded (measured before the benchmarks" in page
+
+
 def test_committed_pages_are_what_make_results_builds(tmp_path):
     """RESULTS.md and BENCHMARKS.md are built, never edited: rebuilding them from the committed
     experiments/results changes nothing (a section written only into a page would be lost)."""
