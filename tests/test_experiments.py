@@ -346,3 +346,9 @@ def test_pilot_cost_smoke(tmp_path):
     assert [t["steps"] for t in results["timed"]] == [10, 20]
     assert {"fixed_s", "per_step_s"} <= set(results["fits"]["nano"])
     assert "python -m experiments.pilot_cost --smoke" in (tmp_path / "pilot_cost.md").read_text()
+
+
+def test_fig3b_review_reads_the_published_table2_runs(capsys):
+    run_main(importlib.import_module("experiments.fig3b_review"))
+    out = capsys.readouterr().out
+    assert "| noloco_n8_s0 | 38 |" in out and "13 NoLoCo runs: partial r" in out

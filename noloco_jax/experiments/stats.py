@@ -23,7 +23,8 @@ import scipy.integrate
 import scipy.stats
 
 __all__ = ["sync_aligned_steps", "sync_aligned_mean", "paired_test", "verdict", "sign_test",
-           "split_by_phase", "pearson", "run_metric", "partial_correlation", "binomial_tail",
+           "split_by_phase", "pearson", "run_metric", "partial_correlation", "lag1",
+           "partial_correlation_ar1", "binomial_tail",
            "binomial_power", "domains_for_power", "paired_t_power", "seeds_for_power"]  # fmt: skip
 
 
@@ -226,6 +227,36 @@ def partial_correlation(x: Sequence[float], y: Sequence[float], control: Sequenc
         p = float(2 * scipy.stats.t.sf(abs(r) * math.sqrt((n - 3) / (1 - r * r)), df=n - 3))
     return {"r": r, "p": p, "n": n, "r_xy": pearson(x, y), "r_xc": pearson(x, c),
             "r_yc": pearson(y, c)}  # fmt: skip
+
+
+def lag1(x: Sequence[float]) -> float:
+    """Lag-1 autocorrelation of a series (the Pearson r of its neighbours)."""
+    x = np.asarray(x, float)
+    return pearson(x[:-1], x[1:])
+
+
+def partial_correlation_ar1(x: Sequence[float], y: Sequence[float], control: Sequence[float]
+                            ) -> dict[str, float]:  # fmt: skip
+    """``partial_correlation`` with its p-value for autocorrelated series.
+
+    Neighbouring evaluations of one run are not independent. With AR(1) residuals of lag-1
+    autocorrelations a and b, the r of n points varies as that of Bartlett's effective
+    n_eff = n (1 - a b) / (1 + a b) independent ones (at most n); the t-test then uses
+    n_eff - 3 degrees of freedom (at least 1).
+
+    Returns:
+      ``partial_correlation``'s entries plus ``lag1_x``, ``lag1_y`` (of the residuals),
+      ``n_eff`` and ``p_eff``.
+    """
+    out = partial_correlation(x, y, control)
+    c = np.asarray(control, float)
+    a = lag1(_residuals(np.asarray(x, float), c))
+    b = lag1(_residuals(np.asarray(y, float), c))
+    n_eff = min(out["n"], out["n"] * (1 - a * b) / (1 + a * b))  # never more than the points
+    df, r = max(n_eff - 3, 1.0), out["r"]
+    p_eff = 0.0 if abs(r) >= 1 else float(2 * scipy.stats.t.sf(abs(r) * math.sqrt(df / (1 - r * r)),
+                                                                df=df))  # fmt: skip
+    return {**out, "lag1_x": a, "lag1_y": b, "n_eff": n_eff, "p_eff": p_eff}
 
 
 def binomial_tail(n: int, k: int, p: float) -> float:
