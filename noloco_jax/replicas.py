@@ -142,6 +142,9 @@ def _stacked_axes(tree: PyTree, num_replicas: int, arg: int = 0) -> PyTree:
                     " A value the same for every replica (a float, a PRNG key): close over it "
                     "(functools.partial) instead of passing it; only integer and boolean "
                     "scalars are shared.")  # fmt: skip
+            if "hyperparams" in where and not getattr(x, "ndim", 0):
+                same = (f" An injected hyperparameter (optax.inject_hyperparams) holds one value "
+                        f"per replica: set it as jnp.full(({num_replicas},), value).")  # fmt: skip
             raise ValueError(
                 f"Replicas.map: {where} needs a leading replica axis of size {num_replicas}, "
                 f"got shape {jnp.shape(x)}.{same}")  # fmt: skip

@@ -239,7 +239,9 @@ def test_a_wrong_sync_step_flag_is_reported_and_counted(capfd):
     assert int(state.phase_errors) == 0 and "ERROR" not in capfd.readouterr().out
     state = step(state, True)  # step 2 is no sync: a round added
     assert int(state.phase_errors) == 1
-    assert "sync_step=True but this is inner step 2" in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "sync_step=True but this is inner step 2" in out
+    assert "for a 0-based loop index t: (t + 1) % sync_every == 0" in out
     state = step(state, False)  # step 3 is a sync: a round skipped
     assert int(state.phase_errors) == 2 and "was skipped" in capfd.readouterr().out
 
@@ -450,6 +452,11 @@ def test_inject_hyperparams_of_the_outer_step_equals_fixed_rates():
     s2.hyperparams["learning_rate"] = jnp.full_like(s2.hyperparams["learning_rate"], 0.0)
     d3, _ = reps.map(injected.update)(phi - theta, s2, phi)
     np.testing.assert_array_equal(np.asarray(d3), 0.0)  # the injected value is used
+    # A scalar there: the message said "close over it", which cannot apply to a state entry.
+    s2.hyperparams["learning_rate"] = jnp.float32(0.3)
+    with pytest.raises(ValueError, match=r"hyperparams\['learning_rate'\] needs a leading replica "
+                       rf"axis .* set it as jnp.full\(\({N},\), value\)"):  # fmt: skip
+        reps.map(injected.update)(phi - theta, s2, phi)
 
 
 @pytest.mark.parametrize("factory, module", [(noloco_outer, "noloco"), (diloco_outer, "diloco")])
@@ -525,7 +532,8 @@ def test_multisteps_inside_local_steps_and_refused_outside():
     with pytest.raises(ValueError, match="multiple of the MultiSteps accumulation count k=2"):
         local_steps(acc.gradient_transformation(), noloco_outer(), 3)
     outside = optax.MultiSteps(local_steps(optax.sgd(0.1), noloco_outer(), 4), 2)
-    with pytest.raises(ValueError, match="MultiSteps wraps local_steps"):
+    with pytest.raises(ValueError, match=r"MultiSteps wraps local_steps.*inner optimizer, so "
+                                         r"that every call of local_steps is one inner step\.$"):
         check_composition(outside.init(random_tree(jax.random.key(0))))
 
 

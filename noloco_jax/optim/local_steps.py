@@ -246,7 +246,9 @@ def _check_phase(count: jax.Array, sync_every: int, sync_step: Any, num_frags: i
             "ERROR local_steps: " + name + "={flag} but this is inner step {c} and rounds end "
             "every sync_every={h} steps (fragments: {f}" + extra + "); the round was "
             + ("skipped" if sync_step is False else "added")
-            + ". Pass the phase the counter gives, or None to let the counter decide.",
+            + ". Pass the phase the counter gives (for a 0-based loop index t: "
+            "(t + 1" + (" + delay" if delay else "") + ") % sync_every == 0), or None to let "
+            "the counter decide.",
             flag=sync_step, c=count, h=sync_every, f=num_frags,
         )
 
@@ -372,7 +374,8 @@ def local_steps(
       (True: this call ends a round; False: inner step only) instead of the
       on-device ``lax.cond`` over the counter; a loop that knows its step on
       the host uses it so that inner steps compile as the inner optimizer
-      alone. With ``delay > 0``, ``sync_step`` marks the step that starts an
+      alone. For a 0-based loop index t that is ``(t + 1) % sync_every == 0``
+      (``(t + 1 + delay) % sync_every == 0`` with ``delay``). With ``delay > 0``, ``sync_step`` marks the step that starts an
       exchange and ``merge_step`` (same values) the step that merges it;
       give both or neither. Non-float params (e.g. integer buffers) get the
       inner update and are never averaged or reset.
@@ -724,13 +727,13 @@ def check_composition(opt_state: optax.OptState) -> None:
     is_wrapper = lambda x: isinstance(x, wrappers)  # noqa: E731
     for node in jax.tree.leaves(opt_state, is_leaf=is_wrapper):
         if is_wrapper(node) and find_local_steps_state(node) is not None:
-            name = {optax.ApplyIfFiniteState: "apply_if_finite"}.get(type(node), "MultiSteps")
+            finite = isinstance(node, optax.ApplyIfFiniteState)
+            fix = ("or use local_steps(..., nonfinite_guard=True) for non-finite steps." if finite
+                   else "so that every call of local_steps is one inner step.")  # fmt: skip
             raise ValueError(
-                f"optax.{name} wraps local_steps: it would run or skip steps per replica "
-                f"and desynchronise the replicas' rounds. Put it inside, as local_steps' "
-                f"inner optimizer, or use local_steps(..., nonfinite_guard=True) for "
-                f"non-finite steps."
-            )
+                f"optax.{'apply_if_finite' if finite else 'MultiSteps'} wraps local_steps: it "
+                f"would run or skip steps per replica and desynchronise the replicas' rounds. "
+                f"Put it inside, as local_steps' inner optimizer, {fix}")
 
 
 def find_local_steps_state(opt_state: optax.OptState) -> LocalStepsState | None:
