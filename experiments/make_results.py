@@ -80,8 +80,9 @@ def _bench_version(results: pathlib.Path, name: str) -> str:
     path = results / f"{name}.json"
     saved = json.loads(path.read_text()) if path.exists() else {}
     env = saved.get("env") if isinstance(saved, dict) else None
-    if isinstance(saved, dict) and isinstance(saved.get("_provenance"), dict):
-        env = {**(env or {}), "commit": provenance.version_label(saved["_provenance"].get("writer"))}
+    writer = saved.get("_provenance", {}).get("writer") if isinstance(saved, dict) else None
+    if (not env or not env.get("commit")) and isinstance(writer, dict) and writer.get("commit"):
+        env = {**(env or {}), "commit": provenance.version_label(writer)}
     if not env or not env.get("commit"):
         return "_Code version: not recorded (measured before the benchmarks recorded it)._\n"
     stack = ", ".join(f"{k} {env[k]}" for k in ("jax", "device") if env.get(k))

@@ -419,16 +419,21 @@ def make_replicas(
     per_replica = shape[sharding.FSDP] * shape[sharding.TENSOR]
     all_devices = list(jax.devices() if devices is None else devices)
     need = num_replicas * per_replica
+    chosen = backend
     if backend == "auto":  # a split replica cannot be simulated: it needs its devices
         spans = per_replica > 1 or (num_replicas > 1 and len(all_devices) >= need)
-        backend = "shard_map" if spans else "vmap"
+        chosen = "shard_map" if spans else "vmap"
     processes = sorted({getattr(d, "process_index", 0) for d in all_devices})
-    if backend == "vmap":
+    if chosen == "vmap":
         if len(processes) > 1:
+            why = ("backend='vmap'" if backend == "vmap" else
+                   f"backend='auto' with num_replicas={num_replicas} (not one per device of the "
+                   f"{len(all_devices)})")  # fmt: skip
             raise errors.UserError(
-                f"backend='vmap' runs every replica on one device, but the devices belong to "
+                f"{why} runs every replica on one device, but the devices belong to "
                 f"{len(processes)} processes: the others would train nothing. Use "
-                f"backend='shard_map' or 'auto'.")  # fmt: skip
+                f"num_replicas={len(all_devices)} (config.num_replicas) with backend="
+                f"'shard_map' or 'auto'.")  # fmt: skip
         if per_replica > 1:
             raise errors.UserError(f"mesh_shape={mesh_shape!r} splits a replica over devices, "
                                    f"which needs backend='shard_map' or 'auto'.")

@@ -142,6 +142,22 @@ def test_composes_in_optax_chain_and_keeps_dtypes():
     assert step._cache_size() == 1
 
 
+@pytest.mark.parametrize("outer", [diloco_outer, noloco_outer])
+def test_bfloat16_params_keep_the_outer_states_dtype_across_rounds(outer):
+    """DiLoCo's all-replica mean came back in float32, so its bfloat16 momentum turned float32
+    after one round: with the guard (the trainer's default) the sync step failed to compile
+    ('cond branches must have equal output types')."""
+    reps = replicas.make_replicas(2, backend="vmap")
+    tx = local_steps(optax.adam(1e-3), outer(), 2, nonfinite_guard=True)
+    params = {"w": jnp.ones((2, 3), jnp.bfloat16)}
+    state = reps.init(tx, params)
+    before = jax.tree.map(lambda x: x.dtype, state)
+    step = jax.jit(reps.map(step_fn(tx)))
+    for _ in range(4):  # two rounds
+        params, state = step(params, state, jax.tree.map(jnp.ones_like, params))
+    assert jax.tree.map(lambda x: x.dtype, state) == before and step._cache_size() == 1
+
+
 def _computations(text):
     """{name: body lines} of an HLO module's computations."""
     comps, name = {}, None

@@ -643,7 +643,7 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
             f"config.outer.exchange_dtype={wire!r} with a split replica (config.mesh): this "
             f"exchange packs the replica into one flat message, so each device sends "
             f"{what}, not 1/(fsdp x tensor); {keeps} keeps the split."]
-    for method, wire in (("noloco", "bfloat16"), ("diloco", "")):
+    for method, wire in (("noloco", "bfloat16"), ("diloco", ""), ("diloco", "float32")):
         fine = _settings(corpus_dir, data_dir, method=method, **split, outer={"exchange_dtype": wire})
         assert settings_lib.warnings_for(fine) == []
 

@@ -229,6 +229,10 @@ def test_a_process_left_without_replicas_is_refused():
     with pytest.raises(ValueError, match=r"backend='vmap' runs every replica on one device, but "
                                          r"the devices belong to 2 processes"):  # fmt: skip
         replicas.make_replicas(8, devices=devs, backend="vmap")
+    with pytest.raises(ValueError, match=r"backend='auto' with num_replicas=32 \(not one per "
+                                         r"device of the 16\) runs every replica on one device.*"
+                                         r"Use num_replicas=16"):  # fmt: skip
+        replicas.make_replicas(32, devices=devs)  # auto falls back to vmap
 
 
 class _FakeTpu(_FakeDevice):

@@ -301,6 +301,7 @@ def load_llama(
     dtype: str = "float32",
     param_dtype: str = "float32",
     max_seq_len: int = 0,
+    host: bool = False,
 ) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State]:
     """Imports a Hugging Face Llama checkpoint directory.
 
@@ -309,6 +310,8 @@ def load_llama(
       dtype: compute dtype of the returned config.
       param_dtype: the parameters are cast to this dtype.
       max_seq_len: 0 = the checkpoint's ``max_position_embeddings``.
+      host: leave the parameters as NumPy arrays in host memory (the trainer then sends each
+        device only its part); else they are JAX arrays on the default device.
 
     Returns:
       (cfg, graphdef, params), as ``init_params`` returns them (``models.apply`` runs it).
@@ -346,8 +349,8 @@ def load_llama(
         if tuple(value.shape) != tuple(leaf.shape):
             raise ValueError(f"tensor for {name} has shape {tuple(value.shape)}, expected "
                              f"{tuple(leaf.shape)} from config.json.")  # fmt: skip
-        return jnp.asarray(np.asarray(value, np.float32) if value.dtype != pdtype else value,
-                           pdtype)  # fmt: skip
+        value = np.asarray(value, np.float32) if value.dtype != pdtype else value
+        return np.asarray(value, pdtype) if host else jnp.asarray(value, pdtype)
 
     return cfg, graphdef, jax.tree_util.tree_map_with_path(fill, abstract)
 

@@ -183,6 +183,7 @@ def diloco_outer(
         residual = state.residual
         if axis_name is not None:
             comm.axis_size(axis_name)  # clear error if unbound
+            dtypes = jax.tree.map(lambda g: g.dtype, outer_grad)
             present = active
             if dropout_prob > 0:
                 mine = comm.own_presence(state.round, axis_name, dropout_prob, seed)
@@ -193,6 +194,9 @@ def diloco_outer(
             else:
                 outer_grad, residual = _wire_mean(outer_grad, residual, axis_name,
                                                   exchange_dtype, present, resync_absent)
+            # The mean comes back in at least float32; the momentum keeps phi's dtype (a
+            # bfloat16 trace would turn float32 after one round: a retrace, a failed cond).
+            outer_grad = jax.tree.map(lambda m, d: m.astype(d), outer_grad, dtypes)
         delta, sgd_state = sgd.update(outer_grad, state.sgd_state, params)
         delta = zeros_where_none(delta, full) if full is not None else delta
         return delta, DiLoCoOuterState(optax.safe_int32_increment(state.round), sgd_state,

@@ -23,7 +23,8 @@ def prepare_hf_model(s: TrainSettings, vocab_size: int) -> tuple[LlamaConfig, An
       vocab_size: the tokenizer's vocabulary size.
 
     Returns:
-      (cfg, graphdef, params), the checkpoint's weights for every replica.
+      (cfg, graphdef, params), the checkpoint's weights for every replica, as NumPy arrays in
+      host memory (no device holds the whole replica).
 
     Raises:
       ValueError: the tokenizer's vocabulary differs from the model's, seq_len exceeds the
@@ -47,7 +48,7 @@ def prepare_hf_model(s: TrainSettings, vocab_size: int) -> tuple[LlamaConfig, An
         raise ValueError("config.num_stages > 1 cannot split a model with tied embeddings "
                          "(the first and last stage would share one table).")  # fmt: skip
     cfg, graphdef, params = load_llama(s.model.init_from, dtype=s.model.dtype,
-                                       param_dtype=s.model.param_dtype)  # fmt: skip
+                                       param_dtype=s.model.param_dtype, host=True)  # fmt: skip
     if s.model.remat:  # the same weights, run by a model that recomputes its blocks
         cfg = dataclasses.replace(cfg, remat=True)
         graphdef = jax.eval_shape(lambda: init_params(cfg, 0))[0]

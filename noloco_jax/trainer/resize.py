@@ -132,7 +132,8 @@ def restore_resized(ckpt: Any, step: int, state: Any, old_n: int, reps: Any) -> 
     Args:
       ckpt: the ``Checkpointer``.
       step: the checkpoint's step.
-      state: the freshly initialised state of the new run (gives structure and N).
+      state: the new run's state target, placed shapes or arrays (gives structure, N and
+        the shardings).
       old_n: the checkpoint's replica count.
       reps: the new run's ``Replicas`` (places the result).
 

@@ -403,8 +403,9 @@ def warnings_for(s: TrainSettings) -> list[str]:
     if s.method in ROUND_METHODS and s.outer.learning_rate == 0:
         out.append(f"config.outer.learning_rate=0: the slow weights never move and every sync "
                    f"puts the replicas back on them, so the run learns nothing.")
-    packed = s.method == "diloco" or quantize.is_codec(s.outer.exchange_dtype)  # one flat message
-    if s.outer.exchange_dtype and packed and s.mesh.fsdp * s.mesh.tensor > 1:
+    wire = s.outer.exchange_dtype  # DiLoCo: a wire of phi's own dtype is a plain all-reduce
+    packed = quantize.is_codec(wire) or (s.method == "diloco" and wire not in ("", s.model.param_dtype))
+    if packed and s.mesh.fsdp * s.mesh.tensor > 1:
         out.append(f"config.outer.exchange_dtype={s.outer.exchange_dtype!r} with a split replica "
                    f"(config.mesh): this exchange packs the replica into one flat message, so each "
                    f"device sends {'all of it' if s.method == 'diloco' else 'twice its share'}, "
