@@ -1,6 +1,6 @@
 """Fig. 3B after the plan: does the spread follow the lr once the warmup is left out?
 
-    python -m experiments.fig3b_review [--results_dir DIR]
+    python -m experiments.fig3b_review [--table2 PATH]
 
 The plan's test (``spread_vs_lr``) gives the partial r of the replicas' spread and the inner
 learning rate given the step, on NoLoCo's mid-round evaluations, with the p-value of
@@ -27,8 +27,8 @@ from experiments import options
 from experiments.spread_vs_lr import series
 from noloco_jax.experiments import harness, plan, stats
 
-RESULTS_DIR = flags.DEFINE_string("results_dir", None, "Where table2.json is (default: the "
-                                  "published experiments/results).")  # fmt: skip
+TABLE2 = flags.DEFINE_string("table2", None, "The table2.json to read (default: the published "
+                             "experiments/results/table2.json).")  # fmt: skip
 
 
 def review(run: dict) -> dict:
@@ -41,8 +41,8 @@ def review(run: dict) -> dict:
 
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
-    folder = pathlib.Path(RESULTS_DIR.value) if RESULTS_DIR.value else harness.RESULTS
-    runs = json.loads((folder / "table2.json").read_text())
+    path = pathlib.Path(TABLE2.value) if TABLE2.value else harness.RESULTS / "table2.json"
+    runs = json.loads(path.read_text())
     rows = {name: review(run) for name, run in sorted(runs.items())
             if name.startswith("noloco_")}  # fmt: skip
     print(harness.md_table(["run", "points", "partial r", "p", "lag-1 spread", "lag-1 lr",

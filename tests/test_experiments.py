@@ -340,15 +340,22 @@ def test_comm_quality_smoke(dirs):
 
 @pytest.mark.slow  # two training processes (~30 s); --smoke was accepted and ignored (2000-step runs)
 def test_pilot_cost_smoke(tmp_path):
-    run_main(importlib.import_module("experiments.pilot_cost"), "--smoke", "--out_dir",
-             str(tmp_path))  # fmt: skip
+    _script("pilot_cost", "--smoke", "--out_dir", str(tmp_path))
     results = json.loads((tmp_path / "pilot_cost.json").read_text())
     assert [t["steps"] for t in results["timed"]] == [10, 20]
     assert {"fixed_s", "per_step_s"} <= set(results["fits"]["nano"])
     assert "python -m experiments.pilot_cost --smoke" in (tmp_path / "pilot_cost.md").read_text()
 
 
-def test_fig3b_review_reads_the_published_table2_runs(capsys):
-    run_main(importlib.import_module("experiments.fig3b_review"))
-    out = capsys.readouterr().out
+def test_fig3b_review_reads_the_published_table2_runs():
+    out = _script("fig3b_review")  # its own process: scripts may share flag names
     assert "| noloco_n8_s0 | 38 |" in out and "13 NoLoCo runs: partial r" in out
+
+
+def _script(name, *argv):
+    done = subprocess.run([sys.executable, "-m", f"experiments.{name}", *argv],
+                          capture_output=True, text=True, timeout=600,
+                          cwd=pathlib.Path(__file__).resolve().parents[1])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
