@@ -142,6 +142,26 @@ def test_nonfinite_replica_is_reset_and_poisons_no_one():
     np.testing.assert_array_equal(state.nonfinite_resets, [1.0, 0.0, 0.0, 0.0])
 
 
+def test_a_reset_replica_keeps_its_place_in_the_learning_rate_schedule():
+    """Fresh Adam moments and bias correction, the schedule where the others are: the reset
+    replica re-warmed up and then trailed the others' cosine (5x their rate at the end)."""
+    num, h = 4, 2
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, 20)
+    tx = local_steps(optax.adam(schedule), noloco_outer(seed=0), h, nonfinite_guard=True)
+    reps = replicas.make_replicas(num, backend="vmap")
+    params = replicas.replicate(random_tree(jax.random.key(9)), num)
+    state = reps.init(tx, params)
+    step = jax.jit(reps.map(lambda p, s, g: tx.update(g, s, p)[1]))
+    grads = random_tree(jax.random.key(3), num)
+    state = step(params, state, grads)
+    broken = jax.tree.map(lambda x: x.at[0].set(jnp.nan), params)
+    state = step(broken, state, grads)  # the sync step catches replica 0
+    np.testing.assert_array_equal(state.nonfinite_resets, [1.0, 0.0, 0.0, 0.0])
+    adam, sched = state.local_opt_state[0], state.local_opt_state[-1]
+    np.testing.assert_array_equal(adam.count, [0, 2, 2, 2])  # fresh bias correction
+    np.testing.assert_array_equal(sched.count, [2, 2, 2, 2])  # the schedule goes on
+
+
 @pytest.mark.parametrize("backend", ["vmap", "shard_map"])
 def test_restore_puts_back_only_the_broken_replica(backend):
     # An inner step (no sync): replica 2's params are NaN and go back to its slow

@@ -206,3 +206,23 @@ def test_guard_with_fragments_keeps_the_caught_fragment_state():
     assert not np.array_equal(after["blocks"]["w"][0], before["blocks"]["w"][0])
     assert np.asarray(state.nonfinite_resets).tolist() == [0.0, 1.0, 0.0, 0.0]
     assert np.asarray(state.local_opt_state[0].count).tolist() == [H + 2, 0, H + 2, H + 2]
+
+
+@pytest.mark.parametrize("fragments, delay, want", [
+    # 40 float32 params = 160 bytes; fragments of 20 each (80 bytes); H = 4, pairs, gamma = beta.
+    (1, 0, {1: 0, 3: 0, 4: 160, 7: 160, 8: 320}),
+    (2, 0, {1: 0, 2: 80, 3: 80, 4: 160, 6: 240, 8: 320}),  # was 0 at step 2, 160 at 6
+    (1, 1, {2: 0, 3: 160, 7: 320}),  # an overlapped exchange is sent tau steps before it lands
+    (2, 1, {1: 80, 2: 80, 3: 160, 5: 240}),
+])  # fmt: skip
+def test_the_bytes_a_replica_has_sent_count_every_fragment_exchange(fragments, delay, want):
+    from noloco_jax.trainer import optimizer as optim_lib  # noqa: PLC0415
+    from noloco_jax.trainer.settings import FaultSettings, OuterSettings  # noqa: PLC0415
+
+    params = jax.eval_shape(_params)
+    assert frag.fragment_sizes(frag.by_layer_blocks(params, 2), params) == [20, 20]
+    outer = OuterSettings(sync_every=4, fragments=fragments, delay=delay)
+    got = {t: optim_lib.bytes_sent("noloco", outer, params, num_replicas=4, steps=t,
+                                   fault=FaultSettings(nonfinite_guard=False))
+           for t in want}  # fmt: skip
+    assert got == want

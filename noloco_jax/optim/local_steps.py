@@ -138,6 +138,25 @@ def _update_dtype(p: Any) -> Any:
     return jnp.promote_types(jnp.result_type(p), jnp.float32)
 
 
+def _keep_schedules(fresh: Any, old: Any) -> Any:
+    """``fresh`` inner state at ``old``'s schedule positions.
+
+    A replica the guard resets restarts Adam's moments and bias correction, not its learning
+    rate schedule: it would warm up again and trail the others' cosine for the rest of the run.
+    """
+    kinds = (optax.ScaleByScheduleState, optax.InjectHyperparamsState)
+
+    def keep(f: Any, o: Any) -> Any:
+        if isinstance(f, optax.ScaleByScheduleState):
+            return o
+        if isinstance(f, optax.InjectHyperparamsState):
+            return f._replace(count=o.count, hyperparams=o.hyperparams,
+                              inner_state=_keep_schedules(f.inner_state, o.inner_state))
+        return f
+
+    return jax.tree.map(keep, fresh, old, is_leaf=lambda x: isinstance(x, kinds))
+
+
 def _all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
     """True when every leaf is finite; with ``axis_name``, on every shard along it."""
     leaves = [x for x in jax.tree.leaves(tree) if is_float(x)]
@@ -568,7 +587,8 @@ class _Rules:
             new_outer, outer_state = _same_varying_axes(new_outer, outer_state)
             kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
             outer_state = _counters_from(new_outer, kept)
-            fresh = self.inner.init(_theta_like(self.merge(slow, new_slow, p), params))
+            fresh = _keep_schedules(self.inner.init(_theta_like(self.merge(slow, new_slow, p),
+                                                                params)), local_opt_state)
             local_opt_state = optax.tree.where(ok, local_opt_state, fresh)  # counts too
             resets = resets + (1.0 - ok)
         if p is not None:

@@ -11,6 +11,7 @@ import optax
 
 from noloco_jax import comm
 from noloco_jax.errors import check_choice
+from noloco_jax.optim.fragments import by_layer_blocks
 from noloco_jax.optim import (
     clip_by_global_norm_fused,
     data_parallel,
@@ -150,21 +151,38 @@ def bytes_sent(
         return 0.0
     if method == "dp":
         return steps * comm.allreduce_bytes_per_replica(params, num_replicas)
-    syncs = steps // outer.sync_every
     presence = fault.nonfinite_guard or fault.dropout_prob > 0
-    if method == "diloco":
-        return syncs * comm.diloco_bytes_per_sync(
-            params, num_replicas, exchange_dtype=_exchange_dtype(outer.exchange_dtype),
-            with_presence=presence)  # fmt: skip
+    wire = _exchange_dtype(outer.exchange_dtype)
     gamma_equals_beta = outer.gamma is None or outer.gamma == outer.learning_rate
-    per_sync = comm.noloco_bytes_per_sync(
-        params,
-        group_size=outer.group_size,
-        gamma_equals_beta=gamma_equals_beta,
-        exchange_dtype=_exchange_dtype(outer.exchange_dtype),
-        with_presence=presence,
-    )
-    return float(syncs * per_sync)
+
+    def per_sync(tree: Any) -> float:
+        if method == "diloco":
+            return comm.diloco_bytes_per_sync(tree, num_replicas, exchange_dtype=wire,
+                                              with_presence=presence)  # fmt: skip
+        return comm.noloco_bytes_per_sync(tree, group_size=outer.group_size,
+                                          gamma_equals_beta=gamma_equals_beta,
+                                          exchange_dtype=wire, with_presence=presence)  # fmt: skip
+
+    frags, h = outer.fragments, outer.sync_every
+    spec = by_layer_blocks(params, frags) if frags > 1 else None
+    total = 0.0
+    for p in range(frags):  # fragment p's exchanges start at t = (p + 1) H / P - delay (mod H)
+        start = (p + 1) * h // frags - outer.delay
+        sent = 0 if steps < start else (steps - start) // h + 1
+        total += sent * per_sync(params if spec is None else _fragment_shapes(params, spec, p))
+    return float(total)
+
+
+def _fragment_shapes(params: Any, spec: Any, p: int) -> Any:
+    """The shapes of fragment p of ``params`` (its leaves or rows; None where it has none)."""
+
+    def leaf(x: Any, s: Any) -> Any:
+        rows = [r for r, f in enumerate(s) if f == p] if isinstance(s, tuple) else None
+        if rows is None:
+            return x if s == p else None
+        return jax.ShapeDtypeStruct((len(rows), *x.shape[1:]), x.dtype) if rows else None
+
+    return jax.tree.map(leaf, params, spec)
 
 
 def _stage_local(params: Any, num_stages: int) -> Any:
