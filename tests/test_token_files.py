@@ -163,3 +163,41 @@ def test_training_on_a_corpus_larger_than_its_memory_growth(tmp_path):
     print(m)
     assert m["step"] == 4 and np.isfinite(m["loss"])
     assert m["big"] - m["control"] < size / 10, m  # what the corpus size adds: < 40 MB
+
+
+def test_two_writers_of_one_token_file_do_not_corrupt_it(tmp_path):
+    """Hosts sharing a data folder may run trainers with one process id (PID 1 in containers):
+    their temporary files had one name, so one truncated the other's (24,000 of 50,000 tokens
+    read back as 0) and the other failed. Two threads of one process stand in for them."""
+    import threading  # noqa: PLC0415
+
+    path = tmp_path / "tokens" / "corpus-train.npy"
+    corpus = [np.arange(1, 1001, dtype=np.int32) % 255 + 1 for _ in range(20)]
+    half, opened, errors = threading.Event(), threading.Event(), []
+
+    def first():
+        for i, part in enumerate(corpus):
+            if i == 10:  # half written: let the other writer open its file now
+                half.set()
+                opened.wait(5)
+            yield part
+
+    def second():
+        opened.set()
+        yield from corpus
+
+    def run(parts):
+        try:
+            write_tokens(path, parts, 256)
+        except Exception as err:  # noqa: BLE001 - reported by the assert below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(first(),))]
+    threads[0].start()
+    half.wait(5)
+    threads.append(threading.Thread(target=run, args=(second(),)))
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert not errors
+    np.testing.assert_array_equal(np.asarray(TokenFile(path)), np.concatenate(corpus))

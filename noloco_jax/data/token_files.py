@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import socket
+import uuid
 from typing import Any, Iterator
 
 import jax
@@ -53,7 +55,9 @@ def write_tokens(path: str | pathlib.Path, parts: Iterator[np.ndarray], vocab_si
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(vocab_size)
-    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.raw")
+    # Unique names: processes on several hosts may share this folder and a process id.
+    unique = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"
+    tmp = path.with_name(f"{path.stem}.tmp.{unique}.raw")
     total = 0
     with open(tmp, "wb") as f:
         for part in parts:
@@ -65,7 +69,7 @@ def write_tokens(path: str | pathlib.Path, parts: Iterator[np.ndarray], vocab_si
             total += part.size
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
               "shape": (total,)}  # fmt: skip
-    out = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
+    out = path.with_name(f"{path.stem}.tmp.{unique}.npy")
     with open(out, "wb") as f, open(tmp, "rb") as src:
         np.lib.format.write_array_header_1_0(f, header)
         while block := src.read(1 << 24):

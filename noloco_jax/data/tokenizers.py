@@ -7,6 +7,7 @@ import hashlib
 import io
 import os
 import pathlib
+import uuid
 from typing import Iterable, Protocol
 
 import numpy as np
@@ -205,7 +206,7 @@ def train_sentencepiece(
             f"corpus has merges for, or too few for its characters): {err}"
         ) from err
     model_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = model_path.with_name(f"{model_path.name}.tmp{os.getpid()}")
+    tmp = model_path.with_name(f"{model_path.name}.tmp.{uuid.uuid4().hex}")  # hosts share pids
     tmp.write_bytes(proto.getvalue())
     tmp.replace(model_path)
     return SentencePieceTokenizer(model_path)
