@@ -124,3 +124,21 @@ def test_hf_bad_inputs(tmp_path, corpus_dir, hf_dir):
         train_and_evaluate(s, tmp_path / "d", progress=False)
     with pytest.raises(ValueError, match="data.tokenizer_path"):
         settings_lib.from_config({"data": {"tokenizer": "hf"}})
+
+
+def test_hf_tokenizer_ends_documents_only_where_the_loader_does(tmp_path, hf_dir):
+    """A document that spells '</s>' out got an end-of-document id inside it; an eos_token of
+    tokenizer_config.json missing from the vocabulary was silently replaced by another."""
+    import shutil  # noqa: PLC0415
+
+    from noloco_jax.data.hf_tokenizer import HFTokenizer  # noqa: PLC0415
+
+    tok = HFTokenizer(hf_dir)
+    assert tok.eos_id not in tok.encode("x</s> y").tolist()
+    assert tok.decode(tok.encode("a doc that says </s> in it")) == "a doc that says </s> in it"
+    other = tmp_path / "tok"
+    other.mkdir()
+    shutil.copy(hf_dir / "tokenizer.json", other / "tokenizer.json")
+    (other / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(ValueError, match=r"eos_token '<\|im_end\|>' is not in the vocabulary"):
+        HFTokenizer(other)

@@ -18,8 +18,8 @@ _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_i
 class HFTokenizer:
     """The fast tokenizer stored in ``DIR/tokenizer.json`` (never downloaded).
 
-    The end-of-document id is ``eos_token`` of ``DIR/tokenizer_config.json`` when present,
-    else the first of ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>``,
+    The end-of-document id is ``eos_token`` of ``DIR/tokenizer_config.json`` when present (it
+    must be in the vocabulary), else the first of ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>``,
     ``<|eot_id|>`` in the vocabulary. ``name`` ("hf" + a hash of tokenizer.json) keys caches.
 
     Args:
@@ -28,7 +28,7 @@ class HFTokenizer:
     Raises:
       FileNotFoundError: no tokenizer.json there.
       ImportError: the ``tokenizers`` package is missing (``pip install 'noloco-jax[hf]'``).
-      ValueError: no end-of-document token can be found.
+      ValueError: no end-of-document token can be found, or the configured one is unknown.
     """
 
     def __init__(self, path: str | pathlib.Path):
@@ -48,10 +48,13 @@ class HFTokenizer:
             ) from err
         blob = file.read_bytes()
         self._tok = Tokenizer.from_str(blob.decode("utf-8"))
+        # A document that spells "</s>" out is text: only the loader ends documents.
+        self._tok.encode_special_tokens = True
         self.path = file
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = self._find_eos(file.parent)
-        self.name = "hf" + hashlib.sha256(blob).hexdigest()[:12]
+        # v2: special-token text is encoded as text (streams cached before used the specials)
+        self.name = "hf" + hashlib.sha256(blob + b"v2").hexdigest()[:12]
 
     def _find_eos(self, directory: pathlib.Path) -> int:
         names = list(_EOS_CANDIDATES)
@@ -59,6 +62,9 @@ class HFTokenizer:
         if config.is_file():
             eos = json.loads(config.read_text()).get("eos_token")
             eos = eos.get("content") if isinstance(eos, dict) else eos
+            if eos and self._tok.token_to_id(eos) is None:
+                raise ValueError(f"{config}'s eos_token {eos!r} is not in the vocabulary of "
+                                 f"{str(self.path)!r}; fix tokenizer_config.json.")  # fmt: skip
             if eos:
                 names.insert(0, eos)
         for name in names:
@@ -71,7 +77,7 @@ class HFTokenizer:
         )
 
     def encode(self, text: str) -> np.ndarray:
-        """int32 ids of ``text`` (no special tokens added)."""
+        """int32 ids of ``text`` (no special tokens added; special-token text is encoded as text)."""
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
