@@ -98,7 +98,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("data.tokenizer_vocab_size", 0, "SentencePiece vocabulary size (sentencepiece only)."),
     ("data.tokenizer_path", "", 'tokenizer="hf": a directory holding tokenizer.json.'),
     ("data.seq_len", 64, "Tokens per training sequence."),
-    ("data.validation_fraction", 0.1, "Fraction of documents held out for validation (files)."),
+    ("data.validation_fraction", 0.1, "Fraction of documents held out for validation (files: "
+                                       "whole files, drawn with config.seed; one file: its end)."),
     ("data.eval_windows", 64, "Validation windows evaluated per replica at each evaluation."),
     ("optim.learning_rate", 3e-3,
      "Peak inner learning rate (Adam): linear warmup, then cosine to peak * min_lr_ratio."),

@@ -131,7 +131,9 @@ class ReplicaBatcher:
                 f"{self.num_windows // num_replicas} windows of {seq_len + 1} tokens per replica, "
                 f"but a batch needs {batch_size}; at least {need} tokens are needed for "
                 f"num_replicas={num_replicas}, batch_size={batch_size}, seq_len={seq_len}. Use a "
-                f"larger corpus or fewer replicas, a smaller batch or a shorter seq_len."
+                f"larger corpus or fewer replicas, a smaller batch or a shorter seq_len (the "
+                f"trainer's config.num_replicas, config.global_batch_size / num_replicas and "
+                f"config.data.seq_len)."
             )
         dealt = np.random.default_rng([seed, 0]).permutation(self.num_windows)
         used = dealt[: self.windows_per_replica * num_replicas]

@@ -34,6 +34,7 @@ import shutil
 import tarfile
 import urllib.parse
 import urllib.request
+import warnings
 from typing import Iterable
 
 try:
@@ -318,6 +319,13 @@ def _split_files(docs: list[tuple[str, str]], fraction: float, seed: int):
     val_idx = set(np.random.default_rng(seed).permutation(len(docs))[:n_val].tolist())
     train = [d for i, d in enumerate(docs) if i not in val_idx]
     validation = [d for i, d in enumerate(docs) if i in val_idx]
+    share = sum(len(text) for _, text in validation) / max(1, sum(len(text) for _, text in docs))
+    if share > 2 * fraction:  # whole files: with few, unequal ones training may get little
+        warnings.warn(
+            f"config.data.validation_fraction={fraction} holds out whole files: {n_val} of "
+            f"{len(docs)}, {100 * share:.1f} % of the text (the files drawn depend on "
+            f"config.seed). Split the text into more files of similar size, or give one file "
+            f"(its last {100 * fraction:g} % is then held out).", stacklevel=3)  # fmt: skip
     return train, validation
 
 
