@@ -151,18 +151,7 @@ def bytes_sent(
         return 0.0
     if method == "dp":
         return steps * comm.allreduce_bytes_per_replica(params, num_replicas)
-    presence = fault.nonfinite_guard or fault.dropout_prob > 0
-    wire = _exchange_dtype(outer.exchange_dtype)
-    gamma_equals_beta = outer.gamma is None or outer.gamma == outer.learning_rate
-
-    def per_sync(tree: Any) -> float:
-        if method == "diloco":
-            return comm.diloco_bytes_per_sync(tree, num_replicas, exchange_dtype=wire,
-                                              with_presence=presence)  # fmt: skip
-        return comm.noloco_bytes_per_sync(tree, group_size=outer.group_size,
-                                          gamma_equals_beta=gamma_equals_beta,
-                                          exchange_dtype=wire, with_presence=presence)  # fmt: skip
-
+    per_sync = functools.partial(_sync_bytes, method, outer, num_replicas, fault)
     frags, h = outer.fragments, outer.sync_every
     spec = by_layer_blocks(params, frags) if frags > 1 else None
     total = 0.0
@@ -171,6 +160,19 @@ def bytes_sent(
         sent = 0 if steps < start else (steps - start) // h + 1
         total += sent * per_sync(params if spec is None else _fragment_shapes(params, spec, p))
     return float(total)
+
+
+def _sync_bytes(method: str, outer: OuterSettings, num_replicas: int, fault: FaultSettings,
+                tree: Any) -> float:  # fmt: skip
+    """Bytes one replica sends in one exchange of ``tree`` (the params or a fragment)."""
+    presence = fault.nonfinite_guard or fault.dropout_prob > 0
+    wire = _exchange_dtype(outer.exchange_dtype)
+    if method == "diloco":
+        return comm.diloco_bytes_per_sync(tree, num_replicas, exchange_dtype=wire,
+                                          with_presence=presence)  # fmt: skip
+    return comm.noloco_bytes_per_sync(
+        tree, group_size=outer.group_size, exchange_dtype=wire, with_presence=presence,
+        gamma_equals_beta=outer.gamma is None or outer.gamma == outer.learning_rate)
 
 
 def _fragment_shapes(params: Any, spec: Any, p: int) -> Any:
