@@ -138,8 +138,8 @@ def _fit_warmup(config: Any, explicit: bool, saved: Any = None) -> None:
     """Shortens an inherited warmup that does not fit a shorter run, with a printed note.
 
     ``--config.num_steps=25`` on a config that warms up for 50 steps means "the same run,
-    shorter": the warmup becomes the config's warmup-to-run ratio of the new length (at
-    least 1 step; none for a one-step run) and a note says so. A run resumed or extended
+    shorter": the warmup becomes the defaults' warmup-to-run ratio (50 / 500) of the new
+    length (at least 1 step; none for a one-step run) and a note says so. A run resumed or extended
     from a checkpoint whose warmup was fitted so keeps that warmup. A warmup given on the
     command line is never changed (``settings.validate`` refuses one that does not fit).
 
