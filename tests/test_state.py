@@ -12,7 +12,8 @@ import pytest
 from noloco_jax import models
 from noloco_jax.trainer import loop
 from noloco_jax.trainer.checkpoint import Checkpointer
-from noloco_jax.trainer.state import first_state, state_target
+from noloco_jax.trainer.aot import abstract_state
+from noloco_jax.trainer.state import first_state
 from tests.test_train import tiny_settings
 
 SPLIT = {"fsdp": 2, "tensor": 2}
@@ -59,7 +60,7 @@ def test_given_weights_reach_each_device_as_its_part(built):
     cfg = loop._model_config(s, run.data.tokenizer.vocab_size)
     weights = jax.tree.map(lambda x: np.asarray(x) + 1.0, models.init_params(cfg, s.seed)[1])
     tx = optax.adam(1e-3)
-    target = state_target(run.reps, tx, weights)
+    target = abstract_state(run.reps, tx, weights)
     state = first_state(target, tx, s.num_replicas)(weights)
     for w, got, t in zip(jax.tree.leaves(weights), jax.tree.leaves(state.params),
                          jax.tree.leaves(target.params)):  # fmt: skip

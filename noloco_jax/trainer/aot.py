@@ -101,25 +101,28 @@ def abstract_state(reps: replicas.Replicas, tx: Any, params: Any) -> TrainState:
       params: one replica's params (abstract or concrete).
 
     Returns:
-      The state ``reps.put(replicas.replicate(...))`` would give, without allocating it.
+      The state as the trainer places it (``trainer.state.first_state``): split over the mesh,
+      or on the default device for ``vmap``; nothing is allocated. A checkpoint restores onto it.
     """
     single = jax.eval_shape(lambda p: TrainState(jnp.zeros([], jnp.int32), p, tx.init(p)), params)
     return _placed(reps, single, lead=False)
 
 
 def _placed(reps: replicas.Replicas, single: Any, lead: bool) -> Any:
-    """Abstract leaves in the replicated layout with the shardings ``reps.put`` gives them.
+    """Abstract leaves in the replicated layout with the shardings ``reps.put`` gives them
+    (for ``vmap``, the default device, where an eager array lands).
 
     ``lead``: the leaves already carry their leading replica axis.
     """
     n = reps.num_replicas
+    device = jnp.zeros(()).sharding if reps.mesh is None else None
 
     def place(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
         shared = not lead and replicas.is_shared_leaf(x, path)
         local = jax.ShapeDtypeStruct(x.shape[1:] if lead else x.shape, x.dtype)
         shape = local.shape if shared else (n, *local.shape)
         if reps.mesh is None:
-            return jax.ShapeDtypeStruct(shape, x.dtype)
+            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=device)
         spec = P() if shared else reps.spec(path, local, full_rank=True)
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(reps.mesh, spec))
 

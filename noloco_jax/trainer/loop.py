@@ -34,7 +34,7 @@ from noloco_jax.data.token_files import open_token_dir, sharded_batches
 from noloco_jax.optim.fragments import by_layer_blocks
 from noloco_jax.optim.local_steps import find_local_steps_state
 from noloco_jax.pipeline.stages import check_stages
-from noloco_jax.trainer import memory
+from noloco_jax.trainer import aot, memory
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.lock import WorkdirLock
@@ -43,7 +43,7 @@ from noloco_jax.pipeline.routed import STAGE
 from noloco_jax.skippipe.training import SkipConfig
 from noloco_jax.trainer import grads
 from noloco_jax.trainer.resize import check_resume, restore_resized
-from noloco_jax.trainer.state import first_state, state_target
+from noloco_jax.trainer.state import first_state
 from noloco_jax.trainer.settings import (ROUND_METHODS, TrainSettings, check_delay_windows,
                                          check_loadable, guard_acts, warnings_for)
 from noloco_jax.trainer.step import (TrainState, eval_token_losses, make_program,
@@ -240,7 +240,8 @@ class _Programs:
     def make(cls, s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable, spec: Any,
              data: DataBundle, params0: Any) -> "_Programs":  # fmt: skip
         reps, step_kwargs = _topology(s, cfg, graphdef, build_tx)
-        target = state_target(reps, build_tx(), params0)
+        tx = build_tx()
+        target = aot.abstract_state(reps, tx, params0)
         init = None if _given(params0) else (lambda: models.init_params(cfg, s.seed)[1])
         rounds = s.method in ROUND_METHODS
         inner, sync = _programs(reps, step_kwargs, rounds, fragments=spec is not None,
@@ -249,7 +250,7 @@ class _Programs:
         evaluate = _reuse(_EVALUATORS, _evaluator_key(s, data),
                           lambda: _make_evaluator(reps, graphdef, data.eval_windows))
         return cls(reps, inner, sync, evaluate, target,
-                   first_state(target, build_tx(), s.num_replicas, init))  # fmt: skip
+                   first_state(target, tx, s.num_replicas, init))  # fmt: skip
 
 
 def _given(params0: Any) -> bool:

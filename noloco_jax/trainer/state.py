@@ -17,33 +17,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from noloco_jax import replicas
-from noloco_jax.trainer.aot import abstract_state
 from noloco_jax.trainer.step import TrainState
 
-__all__ = ["state_target", "first_state"]
-
-
-def state_target(reps: replicas.Replicas, tx: Any, params: Any) -> TrainState:
-    """The run's state as placed ``jax.ShapeDtypeStruct`` leaves (what a checkpoint restores onto).
-
-    Args:
-      reps: the topology.
-      tx: the per-replica optimizer.
-      params: one replica's params (abstract or concrete).
-
-    Returns:
-      A ``TrainState`` of shapes with shardings: split over the mesh, or on the default
-      device for ``vmap``.
-    """
-    target = abstract_state(reps, tx, params)
-    if reps.mesh is not None:
-        return target
-    device = jnp.zeros(()).sharding  # where an eager array lands: the default device
-
-    def on_device(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
-
-    return jax.tree.map(on_device, target)
+__all__ = ["first_state"]
 
 
 def first_state(target: TrainState, tx: Any, num_replicas: int,
@@ -51,7 +27,7 @@ def first_state(target: TrainState, tx: Any, num_replicas: int,
     """The compiled program that makes every replica's step-0 state (identical replicas) in place.
 
     Args:
-      target: ``state_target(...)`` of the run.
+      target: the run's placed state shapes (``trainer.aot.abstract_state``).
       tx: the per-replica optimizer.
       num_replicas: N.
       init: a traceable function returning one replica's initial params (the model's
