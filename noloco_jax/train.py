@@ -188,9 +188,6 @@ def _saved_run_length(workdir: Any) -> tuple[int, int] | None:
     return pair if all(isinstance(v, int) for v in pair) else None
 
 
-_JOINED_PROCESSES = []  # non-empty once this process joined a multi-process run
-
-
 def _maybe_initialize_distributed() -> None:
     """Joins a multi-process run before JAX touches any device."""
     f = flags.FLAGS
@@ -201,7 +198,6 @@ def _maybe_initialize_distributed() -> None:
         return
     import jax  # noqa: PLC0415
 
-    _JOINED_PROCESSES.append(True)
     if f.coordinator_address is None:  # Slurm, TPU pods, GCE: the rest read from the environment
         jax.distributed.initialize(num_processes=f.num_processes, process_id=f.process_id)
         return
@@ -448,7 +444,8 @@ def _print_help() -> int:
 def run() -> None:
     """Console-script entry point."""
     code = cli()
-    if code and _JOINED_PROCESSES:
+    jax = sys.modules.get("jax")  # imported by then if this process joined others
+    if code and jax is not None and jax.distributed.is_initialized():
         # Leave without jax.distributed's shutdown barrier, which would wait (300 s) for
         # processes that may be stuck in a collective this one left: once it is gone, the
         # runtime's health check stops them too.

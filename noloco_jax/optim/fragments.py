@@ -117,12 +117,9 @@ def fragment_sizes(spec: PyTree, params: PyTree) -> list[int]:
       >>> fragment_sizes(by_layer_blocks(params, 2), params)
       [12, 8]
     """
-    sizes = [0] * num_fragments(spec)
-    for x, s in zip(jax.tree.leaves(params), _spec_leaves(spec)):
-        per_row = int(np.prod(x.shape[1:])) if isinstance(s, tuple) else int(np.prod(x.shape))
-        for p in (s if isinstance(s, tuple) else (s,)):
-            sizes[p] += per_row
-    return sizes
+    parts = [jax.eval_shape(lambda x, p=p: take(x, spec, p), params)
+             for p in range(num_fragments(spec))]  # fmt: skip
+    return [sum(int(np.prod(x.shape)) for x in jax.tree.leaves(part)) for part in parts]
 
 
 def _rows(s: Any, p: int) -> tuple[int, int] | None:

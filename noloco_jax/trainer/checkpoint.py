@@ -271,7 +271,7 @@ class Checkpointer:
 
 def _barrier(name: str) -> None:
     """Waits until every process gets here (nothing to wait for with one process)."""
-    if jax.process_count() > 1:
+    if _several_processes():
         from jax.experimental import multihost_utils  # noqa: PLC0415
 
         multihost_utils.sync_global_devices(name)

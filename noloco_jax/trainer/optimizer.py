@@ -11,7 +11,7 @@ import optax
 
 from noloco_jax import comm
 from noloco_jax.errors import check_choice
-from noloco_jax.optim.fragments import by_layer_blocks
+from noloco_jax.optim.fragments import by_layer_blocks, take
 from noloco_jax.optim import (
     clip_by_global_norm_fused,
     data_parallel,
@@ -158,7 +158,8 @@ def bytes_sent(
     for p in range(frags):  # fragment p's exchanges start at t = (p + 1) H / P - delay (mod H)
         start = (p + 1) * h // frags - outer.delay
         sent = 0 if steps < start else (steps - start) // h + 1
-        total += sent * per_sync(params if spec is None else _fragment_shapes(params, spec, p))
+        total += sent * per_sync(params if spec is None else
+                                 jax.eval_shape(lambda x, p=p: take(x, spec, p), params))
     return float(total)
 
 
@@ -173,18 +174,6 @@ def _sync_bytes(method: str, outer: OuterSettings, num_replicas: int, fault: Fau
     return comm.noloco_bytes_per_sync(
         tree, group_size=outer.group_size, exchange_dtype=wire, with_presence=presence,
         gamma_equals_beta=outer.gamma is None or outer.gamma == outer.learning_rate)
-
-
-def _fragment_shapes(params: Any, spec: Any, p: int) -> Any:
-    """The shapes of fragment p of ``params`` (its leaves or rows; None where it has none)."""
-
-    def leaf(x: Any, s: Any) -> Any:
-        rows = [r for r, f in enumerate(s) if f == p] if isinstance(s, tuple) else None
-        if rows is None:
-            return x if s == p else None
-        return jax.ShapeDtypeStruct((len(rows), *x.shape[1:]), x.dtype) if rows else None
-
-    return jax.tree.map(leaf, params, spec)
 
 
 def _stage_local(params: Any, num_stages: int) -> Any:
