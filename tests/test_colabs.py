@@ -5,6 +5,7 @@ import importlib.metadata
 import importlib.util
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -18,8 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "colabs").glob("*.ipynb"))
 
 
-def test_there_are_the_three_colabs():
-    assert {p.stem for p in NOTEBOOKS} >= {"quickstart", "network_model", "table2_miniature"}
+def test_there_are_the_four_colabs():
+    assert {p.stem for p in NOTEBOOKS} >= {"quickstart", "network_model", "table2_miniature",
+                                           "own_loop"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -57,6 +59,20 @@ def test_colab_executes_with_smoke_settings(path, tmp_path, monkeypatch):
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
     assert os.environ["NOLOCO_COLAB_SMOKE"] == "1"
+    if path.stem == "own_loop":
+        _check_own_loop(nb)
+
+
+def _check_own_loop(nb) -> None:
+    """The hand-written loop's replicas behave as each method says at a sync step."""
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    spread = {m.group(1): float(m.group(2))
+              for m in re.finditer(r"^(\w+) +step 8: .*replica spread (\S+)$", text, re.M)}
+    assert spread.keys() == {"NoLoCo", "DiLoCo", "DP"}, text
+    assert spread["DP"] == 0.0  # one gradient mean: identical replicas, bit for bit
+    assert spread["DiLoCo"] < 1e-8  # one phi; theta lands within a float32 rounding of it
+    assert spread["NoLoCo"] > 1e-5  # pairs only: the replicas stay apart
+    assert "round 0: [[" in text
 
 
 # ---------------------------------------------------------------- the first cell: setup
