@@ -2,10 +2,10 @@
 
     python -m experiments.routing_ablation      # ~30 min on 2 CPU cores
 
-Tiny Llama (4 layers) split into S = 2 stages, N = 4 replicas (the paper's small model used
-DP = 4 here). Ablation: no outer steps at all (method "local": independent replicas), random
-vs fixed routing between stages. Then NoLoCo and DiLoCo with PP = 2 (random routing) vs
-PP = 1, reusing the Table 2 settings.
+Tiny Llama (4 layers). Ablation: no outer steps at all (method "local": independent
+replicas), random vs fixed routing between stages, at N = 8 replicas of S = 4 stages of one
+block, 3 paired seeds (``plan.ROUTING``; the script sets these). Then NoLoCo and DiLoCo with
+PP = 2 (random routing) vs PP = 1 at N = 4, the defaults below, reusing the Table 2 settings.
 """
 
 from configs import exp_table2

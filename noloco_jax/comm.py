@@ -75,6 +75,7 @@ __all__ = [
     "exchange_steps",
     "noloco_bytes_per_sync",
     "allreduce_bytes_per_replica",
+    "mean_bytes_per_replica",
     "tree_num_elements",
 ]
 
@@ -790,33 +791,45 @@ def all_replica_mean(
     With ``weight`` (per-replica presence), present replicas average over the
     present ones and an absent replica keeps its own value, or with
     ``absent_takes_mean`` gets their mean too (zeros when none is present). With an
-    ``exchange_dtype`` narrower than a leaf (``jnp.bfloat16``, ``"int8"``,
-    ``"float8_e4m3fn"``) the mean is ``all_replica_mean_wire``'s; a float
-    ``exchange_dtype`` equal to every leaf's dtype changes nothing.
+    ``exchange_dtype`` other than the leaves' own float32 (``jnp.bfloat16``,
+    ``"int8"``, ``"float8_e4m3fn"``) the mean is ``all_replica_mean_wire``'s.
+    Otherwise it is an all-reduce that sums in at least float32 and returns each
+    leaf's dtype: a bfloat16 leaf travels as float32 and comes back as its
+    correctly rounded mean, the same under ``vmap`` and ``shard_map`` (a sum in
+    bfloat16 would round at every addition, differently on each backend).
     """
     if not _same_as_leaves(tree, exchange_dtype):
         return all_replica_mean_wire(tree, axis_name, exchange_dtype, weight,
                                      absent_takes_mean=absent_takes_mean)[0]  # fmt: skip
-    if weight is None:
-        return lax.pmean(tree, axis_name)
-    present = weight > 0
-    count = lax.psum(present.astype(jnp.float32), axis_name)
+    present = None if weight is None else weight > 0
+    count = None if weight is None else lax.psum(present.astype(jnp.float32), axis_name)
 
     def leaf(x: jax.Array) -> jax.Array:
-        total = lax.psum(jnp.where(present, x, jnp.zeros_like(x)), axis_name)
-        mean = total / jnp.maximum(count, 1.0)
+        wide = x.astype(_sum_dtype(x.dtype))
+        if present is None:
+            return lax.pmean(wide, axis_name).astype(x.dtype)
+        total = lax.psum(jnp.where(present, wide, jnp.zeros_like(wide)), axis_name)
+        mean = (total / jnp.maximum(count, 1.0)).astype(x.dtype)
         return mean if absent_takes_mean else jnp.where(present, mean, x)
 
     return jax.tree.map(leaf, tree)
 
 
+def _sum_dtype(dtype: Any) -> Any:
+    """What ``all_replica_mean`` sums a leaf in: floats at least float32, others as they are."""
+    return _accum_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
 def _same_as_leaves(tree: PyTree, exchange_dtype: Any) -> bool:
-    """Whether ``exchange_dtype`` sends every leaf as it is (None, or each leaf's own dtype)."""
+    """Whether ``exchange_dtype`` asks for the plain all-reduce: None, or every leaf's own dtype
+    when that is at least float32 wide (a 16-bit wire goes through ``all_replica_mean_wire``,
+    which sends 16 bits and sums them in float32)."""
     if exchange_dtype is None:
         return True
     if quantize.is_codec(exchange_dtype):
         return False
-    return all(x.dtype == jnp.dtype(exchange_dtype) for x in jax.tree.leaves(tree))
+    wire = jnp.dtype(exchange_dtype)
+    return wire == _sum_dtype(wire) and all(x.dtype == wire for x in jax.tree.leaves(tree))
 
 
 def _to_wire(rows: jax.Array, wire: Any) -> jax.Array:
@@ -1008,8 +1021,9 @@ def diloco_bytes_per_sync(
 ) -> float:
     """Bytes one replica sends in one DiLoCo outer step (``all_replica_mean``).
 
-    ``exchange_dtype=None`` (or each leaf's own dtype): an all-reduce, counted
-    as a bandwidth-optimal ring (``allreduce_bytes_per_replica``). Otherwise
+    ``exchange_dtype=None`` (or the leaves' own float32): an all-reduce summed
+    in at least float32, counted as a bandwidth-optimal ring
+    (``mean_bytes_per_replica``). Otherwise
     ``all_replica_mean_wire``'s all-to-all and all-gather, exactly: the
     leaves' n values are padded to N shards of S values (S a multiple of
     ``quantize.BLOCK`` for 8-bit formats), and each replica sends 2 (N - 1)
@@ -1027,10 +1041,8 @@ def diloco_bytes_per_sync(
     """
     if num_replicas <= 1:
         return 0.0
-    same = exchange_dtype is None or (not quantize.is_codec(exchange_dtype) and all(
-        jnp.dtype(x.dtype) == jnp.dtype(exchange_dtype) for x in jax.tree.leaves(params)))
-    if same:
-        return allreduce_bytes_per_replica(params, num_replicas)
+    if _same_as_leaves(params, exchange_dtype):
+        return mean_bytes_per_replica(params, num_replicas)
     n = tree_num_elements(params)
     unit = _wire_unit(num_replicas, exchange_dtype)
     shard = -(-n // unit) * unit // num_replicas
@@ -1039,6 +1051,27 @@ def diloco_bytes_per_sync(
     else:
         message = shard * jnp.dtype(exchange_dtype).itemsize
     return float(2 * (num_replicas - 1) * message + (num_replicas - 1) * 4 * with_presence)
+
+
+def mean_bytes_per_replica(tree: PyTree, num_replicas: int) -> float:
+    """Bytes one replica sends in ``all_replica_mean`` without an exchange dtype (DiLoCo's
+    default and data parallel's gradient mean): a ring all-reduce of the leaves at the width
+    they are summed in, float32 for 16-bit floats.
+
+    Args:
+      tree: the tree being averaged (arrays or ``jax.ShapeDtypeStruct``).
+      num_replicas: N.
+
+    Returns:
+      Bytes sent per replica.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> mean_bytes_per_replica(jax.ShapeDtypeStruct((1000,), jnp.bfloat16), 4)
+      6000.0
+    """
+    wide = [jax.ShapeDtypeStruct(x.shape, _sum_dtype(x.dtype)) for x in jax.tree.leaves(tree)]
+    return allreduce_bytes_per_replica(wide, num_replicas)
 
 
 def allreduce_bytes_per_replica(params: PyTree, num_replicas: int, *, dtype: Any = None) -> float:

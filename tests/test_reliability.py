@@ -635,10 +635,13 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
         "replicas back on them, so the run learns nothing."]
     # Measured (tests/test_sharded_memory.py, README): these exchanges do not split.
     split = {"mesh": {"fsdp": 2}, "backend": "shard_map", "num_replicas": 2}
-    for method, wire, what, keeps in (("diloco", "bfloat16", "all of it", "float32"),
-                                      ("noloco", "int8", "twice its share", "bfloat16")):  # fmt: skip
+    diloco_keeps = 'exchange_dtype="" (an all-reduce)'
+    for method, wire, what, keeps, param_dtype in (
+            ("diloco", "bfloat16", "all of it", diloco_keeps, "float32"),
+            ("diloco", "bfloat16", "all of it", diloco_keeps, "bfloat16"),  # 16 bits: a wire too
+            ("noloco", "int8", "twice its share", "bfloat16", "float32")):  # fmt: skip
         packed = _settings(corpus_dir, data_dir, method=method, **split,
-                           outer={"exchange_dtype": wire})  # fmt: skip
+                           outer={"exchange_dtype": wire}, model={"param_dtype": param_dtype})
         assert settings_lib.warnings_for(packed) == [
             f"config.outer.exchange_dtype={wire!r} with a split replica (config.mesh): this "
             f"exchange packs the replica into one flat message, so each device sends "

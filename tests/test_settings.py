@@ -108,6 +108,16 @@ def test_bad_settings_name_the_field(overrides, field):
         settings_lib.from_config(_tiny(**overrides))
 
 
+@pytest.mark.parametrize("table,field", [("skip", "swaps"), ("model", "tie_embeddings"),
+                                         ("outer", "nesterov"), ("outer", "error_feedback")])
+def test_a_bool_field_given_as_text_in_a_plain_dict_is_refused(table, field):
+    """A ConfigDict keeps a field's type, a plain dict does not: "false" turned swaps on."""
+    plain = {"model": {"preset": "nano"}, "skip": {"num_stages": 2, "path_length": 2}}
+    plain.setdefault(table, {})[field] = "false"
+    with pytest.raises(ValueError, match=rf"config\.{table}\.{field}: "):
+        settings_lib.from_config(plain)
+
+
 @pytest.mark.parametrize("log,sync,method", [(25, 50, "noloco"), (50, 25, "diloco"),
                                               (4, 4, "noloco"), (2, 3, "dp"), (2, 3, "local")])
 def test_log_every_and_sync_every_must_divide_one_another(log, sync, method):

@@ -194,7 +194,7 @@ def diloco_outer(
             else:
                 outer_grad, residual = _wire_mean(outer_grad, residual, axis_name,
                                                   exchange_dtype, present, resync_absent)
-            # The mean comes back in at least float32; the momentum keeps phi's dtype (a
+            # A wire's mean comes back in at least float32; the momentum keeps phi's dtype (a
             # bfloat16 trace would turn float32 after one round: a retrace, a failed cond).
             outer_grad = jax.tree.map(lambda m, d: m.astype(d), outer_grad, dtypes)
         delta, sgd_state = sgd.update(outer_grad, state.sgd_state, params)

@@ -136,7 +136,7 @@ def bytes_sent(
     against the compiled HLO in the tests). DiLoCo: ``comm.diloco_bytes_per_sync``
     (a ring all-reduce, or the exact all-to-all + all-gather bytes of a
     narrower exchange dtype). Data parallel: a bandwidth-optimal ring
-    all-reduce per step. ``stage_copies``: on a (replica, stage) mesh of S stages
+    all-reduce per step (``comm.mean_bytes_per_replica``: 16-bit grads are summed in float32). ``stage_copies``: on a (replica, stage) mesh of S stages
     each of a replica's S devices sends two messages: its 1/S of the blocks, and its
     own copy of the other leaves (embedding, head, final norm).
     """
@@ -150,7 +150,7 @@ def bytes_sent(
     if num_replicas <= 1 or method == "local":
         return 0.0
     if method == "dp":
-        return steps * comm.allreduce_bytes_per_replica(params, num_replicas)
+        return steps * comm.mean_bytes_per_replica(params, num_replicas)
     per_sync = functools.partial(_sync_bytes, method, outer, num_replicas, fault)
     frags, h = outer.fragments, outer.sync_every
     spec = by_layer_blocks(params, frags) if frags > 1 else None

@@ -335,6 +335,7 @@ def _validate_model(s: TrainSettings) -> None:
     check_int("config.model.vocab_size", s.model.vocab_size, minimum=0)
     check_int("config.model.num_layers", s.model.num_layers, minimum=0)
     check_bool("config.model.remat", s.model.remat)
+    check_bool("config.model.tie_embeddings", s.model.tie_embeddings)
 
 
 def _validate_data(s: TrainSettings) -> None:
@@ -403,13 +404,15 @@ def warnings_for(s: TrainSettings) -> list[str]:
     if s.method in ROUND_METHODS and s.outer.learning_rate == 0:
         out.append(f"config.outer.learning_rate=0: the slow weights never move and every sync "
                    f"puts the replicas back on them, so the run learns nothing.")
-    wire = s.outer.exchange_dtype  # DiLoCo: a wire of phi's own dtype is a plain all-reduce
-    packed = quantize.is_codec(wire) or (s.method == "diloco" and wire not in ("", s.model.param_dtype))
+    wire = s.outer.exchange_dtype  # DiLoCo: float32 on float32 phi is a plain all-reduce
+    plain = wire == "" or wire == s.model.param_dtype == "float32"
+    packed = quantize.is_codec(wire) or (s.method == "diloco" and not plain)
     if packed and s.mesh.fsdp * s.mesh.tensor > 1:
+        keeps = 'exchange_dtype="" (an all-reduce)' if s.method == "diloco" else "bfloat16"
         out.append(f"config.outer.exchange_dtype={s.outer.exchange_dtype!r} with a split replica "
                    f"(config.mesh): this exchange packs the replica into one flat message, so each "
                    f"device sends {'all of it' if s.method == 'diloco' else 'twice its share'}, "
-                   f"not 1/(fsdp x tensor); {'float32' if s.method == 'diloco' else 'bfloat16'} "
+                   f"not 1/(fsdp x tensor); {keeps} "
                    f"keeps the split.")  # fmt: skip
     window = parse_profile_steps(s.profile_steps)
     if window is not None and window[0] >= s.num_steps:
@@ -428,6 +431,7 @@ def _is_codec(name: Any) -> bool:
 def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
     check_int("config.skip.num_stages", k.num_stages, minimum=0)
     check_int("config.skip.full_every", k.full_every, minimum=0)
+    check_bool("config.skip.swaps", k.swaps)
     if k.num_stages == 0:
         return
     check_path_length(k.path_length, k.num_stages, field="config.skip.path_length",
@@ -465,6 +469,8 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     check_sync_every(o.sync_every, "config.outer.sync_every")
     check_rate("config.outer.learning_rate", o.learning_rate)
     check_momentum("config.outer.momentum", o.momentum)
+    check_bool("config.outer.nesterov", o.nesterov)
+    check_bool("config.outer.error_feedback", o.error_feedback)
     if o.gamma is not None:
         check_rate("config.outer.gamma", o.gamma)
     check_choice("config.outer.exchange_dtype", o.exchange_dtype,
