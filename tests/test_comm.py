@@ -59,6 +59,25 @@ def test_partner_is_uniform_over_the_other_replicas():
     np.testing.assert_allclose(freq, 1 / 7, atol=0.035)
 
 
+def _meeting_shares(n_replicas, n, pool_size=None, n_rounds=600):
+    """Share of rounds each pair of replicas shares a group: min, mean, max over pairs."""
+    together = np.zeros((n_replicas, n_replicas))
+    for r in range(n_rounds):
+        for g in groups_for_round(r, n_replicas, n, seed=0, pool_size=pool_size):
+            together[np.ix_(g, g)] += 1
+    shares = together[~np.eye(n_replicas, dtype=bool)] / n_rounds
+    return [round(float(f(shares)), 2) for f in (np.min, np.mean, np.max)]
+
+
+def test_groups_of_four_meet_unevenly_unless_the_pool_is_large():
+    """The README's figures: N - 1 random partitions (the default) leave some pairs apart."""
+    assert _meeting_shares(8, 4) == [0.0, 0.43, 0.87]
+    assert _meeting_shares(8, 4, pool_size=32) == [0.18, 0.43, 0.61]
+    assert _meeting_shares(8, 4, pool_size=128) == [0.36, 0.43, 0.53]
+    assert _meeting_shares(16, 4)[::2] == [0.0, 0.55]
+    assert _meeting_shares(16, 4, pool_size=256)[::2] == [0.14, 0.29]
+
+
 def _numpy_group_mean(x, groups):
     out = np.empty_like(x)
     for g in groups:

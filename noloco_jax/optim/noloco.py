@@ -286,7 +286,9 @@ def noloco_outer(
         needs theta_j itself, and no reference short of theta_j is shared by
         the two (their phi differ), so differences cannot be sent instead.
       pool_size: number of precompiled partitions to draw from (default N - 1;
-        see ``noloco_jax.comm``). Lower it to bound compile time at large N.
+        see ``noloco_jax.comm``). Lower it to bound compile time at large N. For
+        group_size > 2 the default pool lets some pairs meet far more often than
+        others (README, "pool_size"); a larger pool evens that out.
       dropout_prob: each replica misses each outer round with this probability
         (``comm.presence_mask``, deterministic from ``seed``): it takes a
         local-only step and its partners average without it. Nothing blocks.
