@@ -498,6 +498,24 @@ print("returned normally", flush=True)
 """
 
 
+def test_a_signal_during_start_up_writes_no_step_0_eval(tmp_path, finished_run, monkeypatch):
+    """The step-0 eval ran before the stop check, so the resume logged a second one."""
+    s, _ = finished_run
+    real = loop._loop
+
+    def signalled(ses, *args):
+        ses.stop.requested = "SIGTERM"  # as if it came while the programs compiled
+        return real(ses, *args)
+
+    monkeypatch.setattr(loop, "_loop", signalled)
+    train_and_evaluate(s, tmp_path / "run", stop_at=4, progress=False)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or read_jsonl(metrics, "eval") == []
+    monkeypatch.undo()
+    train_and_evaluate(s, tmp_path / "run", stop_at=4, progress=False)
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl", "eval")] == [0, 4]
+
+
 def _interrupted_run(tmp_path, corpus_dir, data_dir, sig):  # noqa: F811
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-c", _LONG_RUN, str(corpus_dir), str(data_dir),

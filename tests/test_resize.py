@@ -137,6 +137,8 @@ MERGE_BOUND = 0.02
 def test_merge_to_half_the_replicas(base_run, tmp_path):
     last, (before, after), events = _resume(base_run, tmp_path, 2)
     assert [e["event"] for e in events] == ["resize"]
+    # Both evals share step 8; the one after the merge says so (plots keep a step's last record)
+    assert after["resized_from"] == 4 and "resized_from" not in before
     assert len(after["distance_to_mean_per_replica"]) == 2
     assert abs(after["val_loss"] - before["val_loss"]) < MERGE_BOUND, (before, after)
     # Pairs are averaged, so the all-replica average model is unchanged.
@@ -184,6 +186,19 @@ def test_resize_needs_the_flag_and_a_divisor(base_run, tmp_path):
     with pytest.raises(ValueError, match="cannot resume.*seed"):  # other changes still refused
         s = _settings(base_run, num_replicas=2, allow_resize=True, seed=3)
         train_and_evaluate(s, tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match=r"cannot resume.*outer.group_size: 2 -> 4"):
+        s = _settings(base_run, outer={"sync_every": 2, "group_size": 4})  # same N: refused
+        train_and_evaluate(s, tmp_path / "run", progress=False)
+
+
+def test_a_resize_may_change_the_group_size(tmp_path):
+    """N = 4 in groups of 4 could never go to N = 2: n must divide N, and could not change."""
+    groups = {"sync_every": 2, "group_size": 4}
+    train_and_evaluate(_settings(tmp_path, outer=groups), tmp_path / "run", stop_at=4,
+                       progress=False)  # fmt: skip
+    s = _settings(tmp_path, num_replicas=2, allow_resize=True)
+    last = train_and_evaluate(s, tmp_path / "run", stop_at=8, progress=False)
+    assert last["step"] == 8 and np.isfinite(last["train_loss"])
 
 
 def test_resize_with_pipeline_stages_is_refused(tmp_path):

@@ -647,8 +647,10 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
     """Trains from ``step`` to ``end`` a log chunk at a time; returns the last metrics."""
     s, ses.last["step"] = ses.run.settings, step
     ses.last["nonfinite_resets"] = _nonfinite_resets(state)  # a resume reports only new ones
-    if step == 0 or ses.run.resized_from:  # after a resize: the loss right after it
-        _evaluate(ses.run, state, step, ses.writer, ses.last, ses.bar)
+    # At step 0, and right after a resize (marked, as it shares its step with the eval before);
+    # a signal during start-up writes nothing, so the resume's step-0 eval is the only one.
+    if (step == 0 or ses.run.resized_from) and not ses.stop.requested:
+        _evaluate(ses.run, state, step, ses.writer, ses.last, ses.bar, ses.run.resized_from)
     while step < end and not ses.stop.requested:
         start, programs = step, len(ses.run.calls)
         k = min(s.log_every - step % s.log_every, end - step)
@@ -889,9 +891,10 @@ def _per_replica_finite(tree: Any) -> list[jax.Array]:
 
 
 def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, last: dict,
-              bar: Progress) -> None:
+              bar: Progress, resized_from: int | None = None) -> None:
     metrics = run.evaluate(state.params)
-    writer.write(step, "eval", metrics)
+    writer.write(step, "eval", {**metrics, **({"resized_from": resized_from} if resized_from
+                                              else {})})  # fmt: skip
     last.update(metrics)
     line = (
         f"step {step:6d}  val ppl {metrics['val_ppl']:8.3f} (pooled over replicas)  "

@@ -30,14 +30,22 @@ from noloco_jax.trainer.settings import check_resume_compatible
 
 __all__ = ["RESIZE_FIELDS", "check_resume", "resize_state", "restore_resized"]
 
-# Settings a resize may change (with allow_resize); everything else must match.
-RESIZE_FIELDS = ("num_replicas", "global_batch_size")
+# Settings a resize may change (with allow_resize); everything else must match. NoLoCo's
+# group size must divide the new N, and no state depends on it.
+RESIZE_FIELDS = ("num_replicas", "global_batch_size", "outer.group_size")
 _BATCHER_FIELDS = ("num_replicas", "batch_size")
 
 
 def _with(d: dict, source: dict, keys: tuple[str, ...]) -> dict:
-    """``d`` with the values of ``keys`` taken from ``source``."""
-    return {**d, **{k: source[k] for k in keys if k in source}}
+    """``d`` with the values of ``keys`` (dotted for nested ones) taken from ``source``."""
+    out = dict(d)
+    for key in keys:
+        head, _, rest = key.partition(".")
+        if rest and isinstance(source.get(head), dict):
+            out[head] = _with(out.get(head, {}), source[head], (rest,))
+        elif not rest and key in source:
+            out[key] = source[key]
+    return out
 
 
 def check_resume(saved_meta: dict, current_meta: dict, allow_resize: bool) -> int | None:
