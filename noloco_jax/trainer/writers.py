@@ -15,12 +15,15 @@ class MetricWriter:
 
     def __init__(
         self, workdir: str | pathlib.Path, *, tensorboard: bool = True, enabled: bool = True,
-        sinks: Sequence[Any] = (),
+        sinks: Sequence[Any] = (), purge_step: int | None = None,
     ):
         """``enabled=False`` (processes other than 0 in a multi-process run) writes nothing.
 
         ``sinks``: more objects with ``write(step, kind, values)`` and ``close()`` (W&B).
+        ``purge_step``: TensorBoard hides what earlier sessions logged at this step and after
+        (a run resumed from a checkpoint older than its last records repeats those steps).
         """
+        self._purge_step = purge_step
         self.workdir = pathlib.Path(workdir)
         self.enabled = enabled
         self._sinks = list(sinks) if enabled else []
@@ -37,7 +40,8 @@ class MetricWriter:
         if self._tensorboard:
             from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional, slow import)
 
-            self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+            self._tb = SummaryWriter(str(self.workdir / "tensorboard"),
+                                     purge_step=self._purge_step)  # fmt: skip
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if not self.enabled:
