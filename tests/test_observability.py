@@ -146,3 +146,17 @@ def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
 def test_bad_profile_steps(tmp_path, bad):
     with pytest.raises(ValueError, match="config.profile_steps: must be 'A:B'"):
         _settings(tmp_path, profile_steps=bad)
+
+
+def test_a_line_cut_short_by_a_crash_is_skipped_with_a_warning_and_later_records_kept(tmp_path):
+    """A partial last line made the next record unparseable: every reader failed on the file."""
+    from noloco_jax.trainer.writers import MetricWriter  # noqa: PLC0415
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "kind": "train", "loss": 1.0}\n'
+                                            '{"step": 4, "kind": "tr')  # fmt: skip
+    writer = MetricWriter(tmp_path, tensorboard=False)
+    writer.write(4, "train", {"loss": 0.5})
+    writer.close()
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:2: skipped a record"):
+        records = read_jsonl(tmp_path / "metrics.jsonl", "train")
+    assert [(r["step"], r["loss"]) for r in records] == [(2, 1.0), (4, 0.5)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import warnings
 from typing import Any, Sequence
 
 __all__ = ["MetricWriter", "Progress", "read_jsonl"]
@@ -36,7 +37,11 @@ class MetricWriter:
     def _open(self) -> None:
         """Opens the sinks at the first record: a run that writes nothing leaves no new file."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.workdir / "metrics.jsonl", "a", encoding="utf-8")
+        path = self.workdir / "metrics.jsonl"
+        cut = path.exists() and path.stat().st_size > 0 and _last_byte(path) != b"\n"
+        self._jsonl = open(path, "a", encoding="utf-8")
+        if cut:  # an earlier session's last line was cut short: keep it a line of its own
+            self._jsonl.write("\n")
         if self._tensorboard:
             from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional, slow import)
 
@@ -150,13 +155,28 @@ def _jsonable(v: Any) -> Any:
         return str(v)
 
 
+def _last_byte(path: pathlib.Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
+
+
 def read_jsonl(path: str | pathlib.Path, kind: str | None = None) -> list[dict]:
-    """Records of a metrics.jsonl file (optionally only one kind)."""
+    """Records of a metrics.jsonl file (optionally only one kind).
+
+    A line cut short (a crash or a full disk while it was written) is skipped with a warning.
+    """
     out = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
                 rec = json.loads(line)
-                if kind is None or rec.get("kind") == kind:
-                    out.append(rec)
+            except json.JSONDecodeError:
+                warnings.warn(f"{path}:{number}: skipped a record that is not valid JSON (cut "
+                              f"short?): {line[:80]!r}", stacklevel=2)  # fmt: skip
+                continue
+            if kind is None or rec.get("kind") == kind:
+                out.append(rec)
     return out
