@@ -25,6 +25,10 @@ def test_resize_state_merges_and_clones_by_replica_axis():
     merged = resize_state(tree, 2)
     np.testing.assert_array_equal(merged["w"], [[1.0, 2.0], [5.0, 6.0]])  # pairs averaged
     assert int(merged["step"]) == 7 and merged["local_opt_state"]["count"].tolist() == [3, 3]
+    # A replica the guard reset counts from 0 again: the merge keeps the longer history (it
+    # took the first replica's, so merged moments got a restarted bias correction).
+    reset = {**tree, "local_opt_state": {"count": jnp.asarray([0, 3, 3, 1], jnp.int32)}}
+    assert resize_state(reset, 2)["local_opt_state"]["count"].tolist() == [3, 3]
     cloned = resize_state(tree, 8)
     np.testing.assert_array_equal(cloned["w"], np.repeat(np.asarray(tree["w"]), 2, axis=0))
     assert int(cloned["step"]) == 7 and cloned["local_opt_state"]["count"].shape == (8,)

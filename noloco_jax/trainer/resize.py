@@ -2,8 +2,9 @@
 
 N -> N / k (k an integer): replicas ``k i .. k i + k - 1`` merge into new replica ``i``: every
 per-replica float leaf (fast weights theta, slow weights phi, outer momentum, Adam moments) is
-their mean; a per-replica integer leaf (counters such as Adam's step count, equal on every
-replica) takes the first one's value. N -> k N: replica ``i`` is cloned into ``k i .. k i + k - 1``.
+their mean; a per-replica integer leaf (a counter such as Adam's step count, equal on every
+replica unless the non-finite guard restarted one) takes the largest, so merged moments are
+not bias-corrected as if they were young. N -> k N: replica ``i`` is cloned into ``k i .. k i + k - 1``.
 Shared leaves (the step and round counters, no replica axis) are kept. Which leaves carry the
 replica axis comes from ``replicas.replica_axes``, never from field names, so any replicated
 optimizer state works.
@@ -97,7 +98,7 @@ def _resize_leaf(x: Any, axis: Any, new_n: int) -> Any:
     groups = x.reshape(new_n, old_n // new_n, *x.shape[1:])
     if jnp.issubdtype(x.dtype, jnp.floating):
         return groups.astype(np.float32).mean(1).astype(x.dtype)
-    return groups[:, 0]
+    return groups.max(1)  # counters: the longest history (a guard reset restarts Adam's count)
 
 
 def resize_state(state: Any, new_n: int) -> Any:
