@@ -352,8 +352,10 @@ def _varying_scalar_error() -> ValueError:
         "Replicas.map: an integer or boolean scalar output is computed per replica, but the "
         "replicated layout keeps such scalars shared (one copy for all replicas, for the step "
         "and round counters). An optimizer state built with jax.vmap(tx.init) has such "
-        "counters per replica: build it with reps.init(tx, params). A per-replica integer of "
-        "your own must have a shape: store it as shape [1].")
+        "counters per replica: build it with reps.init(tx, params). So do Flax NNX objects made "
+        "with nnx.vmap (an nnx.Rngs count): build each replica inside reps.map (README, 'Flax "
+        "NNX, one replica per device'). A per-replica integer of your own must have a shape: "
+        "store it as shape [1].")
 
 
 def to_host(x: Any) -> np.ndarray:

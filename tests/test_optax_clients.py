@@ -115,6 +115,41 @@ def test_flax_nnx_recipe_keeps_counters_shared_and_trains():
     assert opt.opt_state.count[...].shape == () and int(opt.opt_state.count[...]) == 3
 
 
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_flax_nnx_on_a_mesh_equals_the_vmap_recipe(backend):
+    """The README's mesh recipe: each replica built on its own device, a pure step over
+    nnx.split state; one replica per device gives the nnx.vmap recipe's numbers."""
+    tx = local_steps(optax.adam(1e-2), noloco_outer(), sync_every=3)
+    xs = jax.random.normal(jax.random.key(1), (6, N, 5, 3))
+    model, opt = _nnx_replicas(tx)  # the nnx.vmap recipe
+    vstep = nnx.jit(nnx.vmap(_nnx_step, in_axes=(0, replicas.nnx_state_axes(), 0),
+                             axis_name="replica"))  # fmt: skip
+    for x in xs:
+        vstep(model, opt, x)
+
+    reps = replicas.make_replicas(N, backend=backend)
+
+    def make(key):
+        m = _Linear(nnx.Rngs(key))
+        return m, nnx.Optimizer(m, tx, wrt=nnx.Param)
+
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(jax.random.key(0))))
+    keys = reps.put(jax.random.split(jax.random.key(0), N))
+    state = jax.jit(reps.map(lambda k: nnx.state(make(k))))(keys)
+
+    def train_step(state, x):
+        m, o = nnx.merge(graphdef, state)
+        return nnx.state((m, o)), _nnx_step(m, o, x)
+
+    step = jax.jit(reps.map(train_step), donate_argnums=0)
+    for x in xs:
+        state, _ = step(state, reps.put(x))
+    mesh_model, mesh_opt = nnx.merge(graphdef, state)
+    assert mesh_opt.opt_state.count[...].shape == () and step._cache_size() == 1
+    got, want = nnx.state((mesh_model, mesh_opt)), nnx.state((model, opt))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got, want)
+
+
 def test_flax_nnx_without_the_state_axes_is_refused():
     tx = local_steps(optax.adam(1e-2), noloco_outer(), sync_every=3)
 
