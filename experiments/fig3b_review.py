@@ -16,7 +16,6 @@ each way.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Sequence
 
@@ -42,7 +41,7 @@ def review(run: dict) -> dict:
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
     path = pathlib.Path(TABLE2.value) if TABLE2.value else harness.RESULTS / "table2.json"
-    runs = json.loads(path.read_text())
+    runs = options.read_json("table2", path)
     rows = {name: review(run) for name, run in sorted(runs.items())
             if name.startswith("noloco_")}  # fmt: skip
     print(harness.md_table(["run", "points", "partial r", "p", "lag-1 spread", "lag-1 lr",

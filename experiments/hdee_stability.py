@@ -13,8 +13,6 @@ how many training domains changed tier. Reads only the two files; trains nothing
 
 from __future__ import annotations
 
-import json
-import pathlib
 import statistics
 from typing import Sequence
 
@@ -93,9 +91,9 @@ def report(result: dict[str, dict[str, float]]) -> str:
 
 
 def _load(flag: str, path: str | None) -> dict:
-    if not path or not pathlib.Path(path).is_file():
-        raise UserError(f"--{flag}: no file {path!r}; give the path of an hdee.json.")
-    return json.loads(pathlib.Path(path).read_text())
+    if not path:
+        raise UserError(f"--{flag}: required; give the path of an hdee.json.")
+    return options.read_json(flag, path)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -111,6 +111,9 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"unexpected arguments {list(argv[1:])}; it takes only flags.")
     results = pathlib.Path(RESULTS_DIR.value) if RESULTS_DIR.value else RESULTS
     pages = results.parent if RESULTS_DIR.value else HERE
+    if not any(results.glob("*.json")):  # a typo would write "Not yet run" pages over real ones
+        raise app.UsageError(f"--results_dir={results}: no experiment results (*.json) there; "
+                             f"give the folder the experiments wrote (--out_dir).")
     found = versions(results, SECTIONS)
     header = ""
     if len(found) > 1 or "unrecorded" in found or any("+dirty" in v for v in found):

@@ -68,6 +68,9 @@ _GAMMA_DIFFERS = flags.DEFINE_bool(
     "gamma_differs", False, "NoLoCo with gamma != beta (slow weights travel too: twice the bytes).")
 
 COMMAND = "python -m experiments.network_model"
+_REPORT_FLAGS = ("replicas", "bandwidth_gbps", "latency_ms", "step_time", "bytes_per_param",
+                 "group_size", "exchange_bytes_per_param", "noloco_sync_every",
+                 "diloco_sync_every", "allreduce", "gamma_differs")
 
 # Paper models: total parameters with untied embeddings at vocab 128,002, and global batch tokens.
 MODELS = {
@@ -419,12 +422,22 @@ def main(argv: Sequence[str]) -> None:
     """Prints one sync report (--params given) or runs the experiment."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    report_flags = [f for f in _REPORT_FLAGS if flags.FLAGS[f].present]
+    experiment_flags = [f for f in ("smoke", "out_dir", "publish", "fig_dir", "seed")
+                        if flags.FLAGS[f].present]  # fmt: skip
     if _PARAMS.value is not None:
+        if experiment_flags:
+            raise app.UsageError(f"--params prints one sync report; "
+                                 f"{' '.join('--' + f for f in experiment_flags)}: for the "
+                                 f"experiment only (without --params).")  # fmt: skip
         try:
             print(sync_report_text())
         except ValueError as err:
             raise app.UsageError(str(err)) from err
         return
+    if report_flags:
+        raise app.UsageError(f"{' '.join('--' + f for f in report_flags)} apply only to a sync "
+                             f"report: give --params too (e.g. --params=125e6).")
     out_dir = _OUT_DIR.value or (harness.RESULTS if _PUBLISH.value else harness.SCRATCH)
     out_dir = pathlib.Path(out_dir)
     publishing = out_dir.resolve() == harness.RESULTS.resolve()

@@ -11,6 +11,8 @@ start with ``options.run(main)``, which reports a user error as ``noloco-train``
 
 from __future__ import annotations
 
+import glob
+import json
 import pathlib
 import sys
 from typing import Any, Callable, NoReturn, Sequence
@@ -84,6 +86,9 @@ def part() -> tuple[int, int] | None:
 
 def grid_options() -> harness.Options:
     """The harness options the parsed flags ask for."""
+    if DATA_PATH.value and not REPORT_ONLY.value and not glob.glob(DATA_PATH.value):
+        raise app.UsageError(f"--data_path={DATA_PATH.value}: no such file, directory or glob "
+                             f"match (every run would fail on it).")
     return harness.Options(
         smoke=SMOKE.value,
         jobs=JOBS.value,
@@ -95,6 +100,25 @@ def grid_options() -> harness.Options:
         part=part(),
         dry_run=DRY_RUN.value,
     )
+
+
+def read_json(flag: str, path: str | pathlib.Path | None) -> Any:
+    """The JSON file a flag names, or a ``UserError`` naming the flag (no file, not JSON).
+
+    Args:
+      flag: the flag's name, for the message.
+      path: the file.
+
+    Returns:
+      The parsed JSON.
+    """
+    if not path or not pathlib.Path(path).is_file():
+        raise UserError(f"--{flag}: no file {str(path or '')!r}; give the path of the .json an "
+                        f"experiment wrote.")
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"--{flag}: {path} is not JSON ({err}).") from None
 
 
 def start(argv: Sequence[str]) -> None:
@@ -157,11 +181,30 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def _reporting(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
     def wrapped(argv: list[str]) -> Any:
         try:
+            _check_shared_flags()
             return main(argv)
         except (app.UsageError, UserError) as err:
             _refuse(str(err))
 
     return wrapped
+
+
+_SHARED = (*GRID_FLAGS,)
+
+
+def _check_shared_flags() -> None:
+    """Refuses a shared flag the script does not read (it would be ignored: ``--dry_run``
+    would train) and ``--smoke --publish`` (smoke numbers over the published pages)."""
+    read = {f.name for f in flags.FLAGS.get_key_flags_for_module(sys.argv[0])}
+    given = [name for name in _SHARED if flags.FLAGS[name].present]
+    unread = [name for name in given if name not in read]
+    if unread:
+        listed = " ".join(f"--{name}" for name in _SHARED if name in read) or "none"
+        raise app.UsageError(f"{' '.join('--' + n for n in unread)}: this script does not read "
+                             f"it, so it would be ignored (the shared flags it reads: {listed}).")
+    if SMOKE.value and PUBLISH.value and not OUT_DIR.value:
+        raise app.UsageError("--smoke with --publish would overwrite the published results with "
+                             "smoke numbers; give --out_dir=DIR for a smoke run's pages.")
 
 
 def _refuse(message: str) -> NoReturn:

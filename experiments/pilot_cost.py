@@ -20,15 +20,21 @@ import tempfile
 import time
 from typing import Sequence
 
-from absl import app, flags
+from absl import flags
 
 from experiments import options
 from noloco_jax.experiments import harness, plan
+from noloco_jax.models.presets import preset_names
 
 CONFIG = harness.ROOT / "configs" / "exp_table2.py"
 PRESETS = flags.DEFINE_list("presets", ["nano", "tiny"], "Model presets to time.")
 LENGTHS = flags.DEFINE_list("lengths", ["100", "300"], "Two run lengths in steps.")
-REPLICAS = flags.DEFINE_integer("replicas", 8, "Replicas N of the timed runs.")
+REPLICAS = flags.DEFINE_integer("replicas", 8, "Replicas N of the timed runs.", lower_bound=1)
+flags.register_validator("presets", lambda v: bool(v) and set(v) <= set(preset_names()),
+                         message=f"takes model presets, comma-separated: {preset_names()}")
+flags.register_validator(
+    "lengths", lambda v: len(v) == 2 and all(x.isdigit() and int(x) > 0 for x in v)
+    and v[0] != v[1], message="takes two different positive step counts (e.g. 100,300)")
 
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
@@ -118,8 +124,6 @@ def main(argv: Sequence[str]) -> None:
     options.start(argv)
     smoke = options.SMOKE.value
     lengths = sorted(int(x) for x in (SMOKE_RUNS["lengths"] if smoke else LENGTHS.value))
-    if len(lengths) != 2 or lengths[0] == lengths[1]:
-        raise app.UsageError(f"--lengths needs two different step counts, got {LENGTHS.value}.")
     presets = SMOKE_RUNS["presets"] if smoke else PRESETS.value
     n = SMOKE_RUNS["replicas"] if smoke else REPLICAS.value
     timed, fits = [], {}

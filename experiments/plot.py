@@ -86,6 +86,10 @@ def main(argv: Sequence[str]) -> None:
     workdirs = [pathlib.Path(a) for a in argv[1:]]
     if not workdirs:
         raise app.UsageError("name at least one run's workdir: python -m experiments.plot RUN ...")
+    for workdir in workdirs:
+        if not (workdir / "metrics.jsonl").is_file():
+            raise app.UsageError(f"{workdir}: not a run's workdir (no metrics.jsonl); train it "
+                                 f"first with noloco-train --workdir={workdir}.")
     out = pathlib.Path(OUT.value) if OUT.value else workdirs[0] / "curves.png"
     print(f"wrote {plot_runs(workdirs, out)}")
     if REPLICAS.value:

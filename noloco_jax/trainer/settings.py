@@ -349,6 +349,12 @@ def _validate_data(s: TrainSettings) -> None:
             "sentencepiece is trained on text; data.source='tokens' needs 'byte' or 'hf'.")
     require(d.source != "tfds" or bool(d.tfds_name), "config.data.tfds_name",
             "must name a TFDS dataset when data.source='tfds'.")
+    require(d.source in ("files", "tokens") or not d.path, "config.data.path",
+            f"applies to data.source='files' or 'tokens' only, got data.source={d.source!r} "
+            f"(it would be ignored); add --config.data.source=files to train on it.")
+    require(d.source == "tfds" or not d.tfds_name, "config.data.tfds_name",
+            f"applies to data.source='tfds' only, got data.source={d.source!r} (it would be "
+            f"ignored); add --config.data.source=tfds.")
     check_int("config.data.max_documents", d.max_documents, minimum=0)
     require(d.source == "tfds" or d.max_documents == 0, "config.data.max_documents",
             f"applies to data.source='tfds' only, got data.source={d.source!r}.")
