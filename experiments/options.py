@@ -161,6 +161,7 @@ def run(main: Callable[[list[str]], Any]) -> None:
     Args:
       main: the script's ``main(argv)``.
     """
+    sys.argv = [("--help" if a in ("-h", "-?") else a) for a in sys.argv]  # as noloco-train
     try:
         app.run(_reporting(main), flags_parser=_parse_flags)
     except SystemExit as done:

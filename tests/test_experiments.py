@@ -259,10 +259,11 @@ def test_every_script_is_a_module_with_main_usage_and_flags():
             assert shown, (name, flag)
 
 
-@pytest.mark.parametrize("script", ["experiments.table2", "experiments.bench.compile_scale",
-                                    "experiments.plot"])  # fmt: skip
-def test_help_through_python_m(script):
-    proc = subprocess.run([sys.executable, "-m", script, "--helpshort"], cwd=ROOT,
+@pytest.mark.parametrize("script,ask", [("experiments.table2", "--helpshort"),
+                                        ("experiments.bench.compile_scale", "--helpshort"),
+                                        ("experiments.plot", "-h")])  # "unknown flag 'h'"
+def test_help_through_python_m(script, ask):
+    proc = subprocess.run([sys.executable, "-m", script, ask], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == 0, proc.returncode  # absl's own exit status after help is 1

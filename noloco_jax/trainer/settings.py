@@ -330,6 +330,9 @@ def check_delay_windows(s: TrainSettings, stop_at: int | None = None) -> None:
 
 
 def _validate_model(s: TrainSettings) -> None:
+    from noloco_jax.models.presets import preset_names  # noqa: PLC0415
+
+    check_choice("config.model.preset", s.model.preset, tuple(preset_names()))
     check_choice("config.model.dtype", s.model.dtype, DTYPES)
     check_choice("config.model.param_dtype", s.model.param_dtype, DTYPES)
     check_int("config.model.vocab_size", s.model.vocab_size, minimum=0)
