@@ -321,15 +321,55 @@ def test_smoke_with_publish_is_refused_before_any_script_runs():
     assert proc.returncode != 0 and "--smoke with --publish would overwrite" in proc.stderr
 
 
-@pytest.mark.parametrize("script,args,says", USER_ERRORS)
-def test_user_errors_print_two_lines_and_exit_2(script, args, says):
-    proc = subprocess.run([sys.executable, "-m", script, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-2:]
-    assert last[0].startswith(says), proc.stderr[-3000:]
+# One process imports JAX and the package once, then forks a child per case that runs the
+# script as ``python -m`` would (runpy), so each case costs its script's own imports only.
+_FORKED = """
+import json, os, runpy, sys, tempfile
+import jax, matplotlib, numpy, absl.app, noloco_jax.trainer, noloco_jax.experiments.harness
+results = []
+for script, args in json.loads(sys.argv[1]):
+    err = tempfile.TemporaryFile(mode="w+")
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(err.fileno(), 2)
+        sys.argv = [script, *args]
+        code = 0
+        try:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else 1
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    err.seek(0)
+    results.append([os.waitstatus_to_exitcode(status), err.read()])
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def user_error_runs():
+    cases = [[script, args] for script, args, _ in USER_ERRORS]
+    proc = subprocess.run([sys.executable, "-c", _FORKED, json.dumps(cases)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(USER_ERRORS)),
+                         ids=[f"{s}-{' '.join(a)}" for s, a, _ in USER_ERRORS])  # fmt: skip
+def test_user_errors_print_two_lines_and_exit_2(case, user_error_runs):
+    script, _, says = USER_ERRORS[case]
+    code, stderr = user_error_runs[case]
+    assert code == 2, stderr[-3000:]
+    last = stderr.strip().splitlines()[-2:]
+    assert last[0].startswith(says), stderr[-3000:]
     assert last[1] == f"(python -m {script} --help lists the flags.)"
-    assert "Traceback" not in proc.stderr and "flags:" not in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in stderr and "flags:" not in stderr, stderr[-3000:]
 
 
 def test_every_script_runs_main_through_options_run():
