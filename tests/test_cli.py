@@ -135,7 +135,8 @@ CASES = {
         (["--config.data.tokenizer_vocab_size=4096"], r"config\.data\.tokenizer_vocab_size: the "
                                                       r"byte tokenizer has exactly 256 ids"),  # fmt: skip
     ],
-    "unknown model preset": [(["--config.model.preset=huge"], r"huge.*nano")],
+    "unknown model preset": [(["--config.model.preset=huge"],
+                              r"config\.model\.preset: must be one of .*'nano'.*got 'huge'")],
     "`log_every` and `outer.sync_every` not dividing one another": [
         (["--config.outer.sync_every=3"], r"config\.log_every=2 and config\.outer\.sync_every=3 "
                                           r"must divide one another .*e\.g\. log_every=1 or "
