@@ -102,6 +102,18 @@ def grid_options() -> harness.Options:
     )
 
 
+def smoke_sets(*names: str) -> None:
+    """Refuses ``names`` given with ``--smoke``, which sets them itself (they were ignored).
+
+    Args:
+      names: flags of the script that ``--smoke`` replaces with its own values.
+    """
+    given = [name for name in names if flags.FLAGS[name].present]
+    if SMOKE.value and given:
+        raise app.UsageError(f"{' '.join('--' + n for n in given)}: --smoke sets its own (a "
+                             f"seconds-long version); drop them, or drop --smoke.")
+
+
 def read_json(flag: str, path: str | pathlib.Path | None) -> Any:
     """The JSON file a flag names, or a ``UserError`` naming the flag (no file, not JSON).
 

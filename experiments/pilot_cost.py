@@ -122,6 +122,7 @@ def report(timed: list[dict], fits: dict[str, dict], n: int, smoke: bool = False
 
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
+    options.smoke_sets("presets", "lengths", "replicas")
     smoke = options.SMOKE.value
     lengths = sorted(int(x) for x in (SMOKE_RUNS["lengths"] if smoke else LENGTHS.value))
     presets = SMOKE_RUNS["presets"] if smoke else PRESETS.value

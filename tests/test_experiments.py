@@ -295,6 +295,10 @@ USER_ERRORS = [
     ("experiments.bench.comm_volume", ["--sections=bogus"], "comm_volume: error: flag "
      "--sections=['bogus']: takes replicas and/or split"),  # wrote an empty table
     ("experiments.bench.routing_compile", ["--reps=0"], "routing_compile: error: flag --reps=0"),
+    ("experiments.bench.comm_volume", ["--smoke", "--replicas=64"], "comm_volume: error: "
+     "--replicas: --smoke sets its own"),  # the flag was silently replaced
+    ("experiments.pilot_cost", ["--smoke", "--presets=small"], "pilot_cost: error: --presets: "
+     "--smoke sets its own"),
     ("experiments.bench.sharded_memory", ["--devices=0"], "sharded_memory: error: flag "
      "--devices=0"),  # a RuntimeError traceback from the CPU backend
     ("experiments.pilot_cost", ["--lengths=a,b"], "pilot_cost: error: flag --lengths=['a', "

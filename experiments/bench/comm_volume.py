@@ -204,6 +204,7 @@ def replica_table(sizes: list[str], ns: list[int], extrapolate: list[int], vocab
 
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
+    options.smoke_sets("replicas", "extrapolate", "splits")
     smoke = options.SMOKE.value
     extrapolate = [8] if smoke else [int(x) for x in EXTRAPOLATE.value]
     sizes = ["nano"] if smoke else ["small", "medium", "large"]

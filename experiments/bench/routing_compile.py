@@ -77,6 +77,7 @@ def _case(pool_size: int, batch: int, reps: int) -> dict:
 
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
+    options.smoke_sets("reps")
     smoke = options.SMOKE.value
     reps = 1 if smoke else REPS.value
     rows = [_case(p, b, reps) for p, b in (SMOKE_CASES if smoke else CASES)]

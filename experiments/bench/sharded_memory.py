@@ -168,6 +168,7 @@ def _markdown(cmd: str, state: list[dict], fits: list[dict], commit: str, vocab:
 
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
+    options.smoke_sets("devices", "sizes")
     smoke = options.SMOKE.value
     devices = 8 if smoke else DEVICES.value
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
