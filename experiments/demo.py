@@ -23,6 +23,8 @@ REPLICAS = flags.DEFINE_integer("replicas", 8, "Simulated replicas.", lower_boun
 STEPS = flags.DEFINE_integer("steps", 300, "Inner steps.", lower_bound=1)
 SYNC_EVERY = flags.DEFINE_integer("sync_every", 20, "Inner steps between syncs (H).",
                                   lower_bound=1)  # fmt: skip
+flags.register_validator("replicas", lambda n: n % 2 == 0,
+                         message="must be even: NoLoCo's groups here are pairs")
 options.old_spellings("sync_every")
 
 
@@ -60,7 +62,7 @@ def main(argv: Sequence[str]) -> None:
     for t in range(1, STEPS.value + 1):
         keys = jax.random.split(jax.random.fold_in(key, 100 + t), n)
         params, state, loss, spread = step(params, state, keys)
-        if t % sync_every == 0:
+        if t % sync_every == 0 or t == STEPS.value:
             print(
                 f"step {t:4d}  round {int(state.outer_state.round):3d}  "
                 f"mean loss {float(loss.mean()):.4f}  replica spread {float(spread[0]):.2e}"

@@ -286,6 +286,7 @@ USER_ERRORS = [
      "dropout: error: --report_only: no saved metrics for"),  # was a FileNotFoundError traceback
     # Each of these ran, wrote files or lost data; or printed a traceback:
     ("experiments.demo", ["--dry_run"], "demo: error: --dry_run: this script does not read it"),
+    ("experiments.demo", ["--replicas=3"], "demo: error: flag --replicas=3: must be even"),
     ("experiments.hdee", ["--smoke", "--dry_run"], "hdee: error: --dry_run: this script does "
      "not read it"),  # it trained for 37 s and wrote its report
     ("experiments.network_model", ["--replicas=0"], "network_model: error: --replicas apply "
