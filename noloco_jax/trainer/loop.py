@@ -421,26 +421,31 @@ def _lowest(values: np.ndarray) -> float:
     return float(finite.min()) if finite.size else float("nan")
 
 
-def _eval_batch_size(num_windows: int, limit: int = 16) -> int:
-    return max(d for d in range(1, min(limit, num_windows) + 1) if num_windows % d == 0)
+def _eval_layout(num_windows: int, limit: int = 16) -> tuple[int, int]:
+    """(batch size, windows after padding): an even split when a divisor of at least half the
+    limit exists, else batches of ``limit`` with the last filled by repeats of the first windows
+    (dropped from the results); 17 windows ran as 17 batches of one."""
+    most = min(limit, num_windows)
+    best = max(d for d in range(1, most + 1) if num_windows % d == 0)
+    return (best, num_windows) if best >= most // 2 else (limit, -(-num_windows // limit) * limit)
 
 
 def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) -> Callable:
     if reps.manual_axes - {reps.axis_name}:  # stages split by hand: evaluate a host copy
         evaluate = _make_evaluator(replicas.Replicas(reps.num_replicas), graphdef, windows)
         return lambda params: evaluate(jax.tree.map(replicas.to_host, params))  # all processes
-    n = reps.num_replicas
-    token_losses = functools.partial(
-        eval_token_losses, graphdef=graphdef, batch_size=_eval_batch_size(len(windows))
-    )
+    n, num = reps.num_replicas, len(windows)
+    batch, padded = _eval_layout(num)
+    windows = np.concatenate([windows, windows[: padded - num]])  # padding dropped below
+    token_losses = functools.partial(eval_token_losses, graphdef=graphdef, batch_size=batch)
     per_replica = jax.jit(reps.map(token_losses))
     spread = jax.jit(reps.map(lambda p: replica_spread(p, reps.axis_name)))
-    averaged = jax.jit(lambda p, w: token_losses(jax.tree.map(lambda x: x.mean(0), p), w))
+    averaged = jax.jit(lambda p, w: token_losses(jax.tree.map(lambda x: x.mean(0), p), w)[:num])
     stacked = reps.put(np.broadcast_to(windows, (n, *windows.shape)).copy())
     single = jnp.asarray(windows)
 
     def evaluate(params: Any) -> dict[str, float]:
-        per = replicas.to_host(per_replica(params, stacked))  # [N, W, T] token losses
+        per = replicas.to_host(per_replica(params, stacked))[:, :num]  # [N, W, T] token losses
         seq = per.mean(-1)  # [N, W] per-sequence mean CE
         mixture = -np.asarray(ensemble.uniform_mixture(-jnp.asarray(per)))  # [W, T]
         out = {
