@@ -121,3 +121,77 @@ def test_bad_checkpoint_directories(tmp_path):
     with pytest.raises(ValueError, match="num_kv_heads"):
         models.LlamaConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
                            mlp_hidden_size=8, num_kv_heads=3)  # fmt: skip
+
+
+def _saved(tmp_path, **cfg_over):
+    """A tiny random Llama saved in HF format (no transformers needed), and its config."""
+    cfg = models.LlamaConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+                             mlp_hidden_size=8, **cfg_over)  # fmt: skip
+    _, params = models.init_params(cfg, 0)
+    return hf.save_llama(tmp_path / "hf", cfg, params), cfg
+
+
+def _edit_config(directory, **changes):
+    d = json.loads((directory / "config.json").read_text())
+    d.update(changes)
+    (directory / "config.json").write_text(json.dumps(d))
+
+
+def test_configs_transformers_reads_otherwise_are_refused(tmp_path):
+    """Each was accepted, and its logits differed from transformers' (review: up to 0.76)."""
+    directory, _ = _saved(tmp_path)
+    # model_type decides what transformers builds, whatever architectures says
+    _edit_config(directory, model_type="mistral", sliding_window=8)
+    with pytest.raises(ValueError, match="'mistral' model"):
+        hf.load_llama(directory)
+    # a default rope_parameters must not hide an old-style scaled rope_scaling
+    _edit_config(directory, model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ValueError, match="RoPE scaling 'llama3'"):
+        hf.load_llama(directory)
+    # two rope_theta values: transformers 5 reads rope_parameters', we read the top one
+    _edit_config(directory, rope_scaling=None, rope_theta=5e5)
+    with pytest.raises(ValueError, match="two rope_theta values"):
+        hf.load_llama(directory)
+
+
+def test_a_tied_config_with_a_different_stored_head_is_refused(tmp_path):
+    directory, cfg = _saved(tmp_path, tie_embeddings=True)
+    tensors = dict(hf.read_safetensors(directory / "model.safetensors"))
+    tensors["lm_head.weight"] = np.array(tensors["model.embed_tokens.weight"]) + 1.0
+    hf.write_safetensors(directory / "model.safetensors", tensors)
+    with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens"):
+        hf.load_llama(directory)  # it dropped the stored head silently
+    tensors["lm_head.weight"] = np.array(tensors["model.embed_tokens.weight"])
+    hf.write_safetensors(directory / "model.safetensors", tensors)
+    assert hf.load_llama(directory)[0].tie_embeddings  # an equal copy is fine
+
+
+def test_damaged_files_and_sizes_name_the_tensor(tmp_path):
+    directory, _ = _saved(tmp_path)
+    path = directory / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-40])  # truncated
+    with pytest.raises(ValueError, match="tensor .* does not fit its bytes .* truncated"):
+        hf.load_llama(directory)
+    path.write_bytes(data)
+    _edit_config(directory, hidden_size=12, head_dim=6)
+    with pytest.raises(ValueError, match="has shape .* which does not fit config.json"):
+        hf.load_llama(directory)  # was numpy's "cannot reshape array of size ..."
+
+
+def test_shards_follow_the_index_and_a_tensor_stored_twice_is_refused(tmp_path):
+    directory, _ = _saved(tmp_path)
+    tensors = dict(hf.read_safetensors(directory / "model.safetensors"))
+    names = sorted(tensors)
+    half = {n: np.array(tensors[n]) for n in names[: len(names) // 2]}
+    rest = {n: np.array(tensors[n]) for n in names[len(names) // 2 :]}
+    hf.write_safetensors(directory / "model-00001-of-00002.safetensors", half)
+    hf.write_safetensors(directory / "model-00002-of-00002.safetensors", rest)
+    assert sorted(hf._checkpoint_tensors(directory)) == names  # model.safetensors alone
+    (directory / "model.safetensors").rename(directory / "stale.safetensors")
+    with pytest.raises(ValueError, match="more than one file"):  # no index: every file
+        hf._checkpoint_tensors(directory)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        **{n: "model-00001-of-00002.safetensors" for n in half},
+        **{n: "model-00002-of-00002.safetensors" for n in rest}}}))  # fmt: skip
+    assert sorted(hf._checkpoint_tensors(directory)) == names  # the index wins

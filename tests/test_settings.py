@@ -82,6 +82,9 @@ def _tiny(**overrides):
          "config.data.max_documents"),
         ({"data.max_documents": 5}, "config.data.max_documents: applies to data.source='tfds'"),
         ({"data.path": "/my/corpus.txt"}, "config.data.path: applies to data.source='files'"),
+        ({"model.init_from": "/hf", "model.num_kv_heads": 1}, "config.model.num_kv_heads: comes "
+         "from the checkpoint's config.json"),  # it was ignored
+        ({"model.init_from": "/hf", "model.tie_embeddings": True}, "config.model.tie_embeddings"),
         ({"data.tfds_name": "lm1b"}, "config.data.tfds_name: applies to data.source='tfds'"),
         ({"data.tokenizer": "tiktoken"}, "config.data.tokenizer"),
         ({"data.validation_fraction": 1.5}, "config.data.validation_fraction"),

@@ -1,8 +1,9 @@
 """Hugging Face Llama checkpoints: import into the Flax ``Llama`` and export back.
 
 A checkpoint directory holds ``config.json`` (a ``LlamaForCausalLM`` config) and one or more
-``*.safetensors`` files (``model.safetensors``, or shards listed by
-``model.safetensors.index.json``). Both formats are plain JSON and raw little-endian arrays,
+``*.safetensors`` files: as transformers, the shards ``model.safetensors.index.json`` lists,
+else ``model.safetensors``, else every ``*.safetensors`` of the folder (a tensor stored in
+two of them is an error). Both formats are plain JSON and raw little-endian arrays,
 so this module reads and writes them with NumPy alone (bfloat16 through ``ml_dtypes``, which
 JAX already needs): importing or exporting needs neither ``torch`` nor ``transformers``.
 Tensors are memory-mapped, so a checkpoint is read once, tensor by tensor.
@@ -25,6 +26,7 @@ HF's RoPE uses the same "rotate half" pairing as ``apply_rope``, so q/k need no 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from typing import Any, Callable
 
@@ -93,6 +95,10 @@ def read_safetensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}.")
         begin, end = (8 + n + o for o in info["data_offsets"])
         dtype = _ST_DTYPES[info["dtype"]]
+        if end > size or end - begin != math.prod(info["shape"]) * np.dtype(dtype).itemsize:
+            raise ValueError(f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}) does "
+                             f"not fit its bytes {begin}..{end} of a {size}-byte file (a "
+                             f"truncated or damaged file?).")  # fmt: skip
         out[name] = mapped[begin:end].view(dtype).reshape(info["shape"])
     return out
 
@@ -136,9 +142,26 @@ def _checkpoint_tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
             f"(PyTorch .bin checkpoints are not supported: re-save the model with "
             f"save_pretrained(..., safe_serialization=True))."
         )
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():  # the shards it lists (a stale file beside them is not read)
+        try:
+            listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as err:
+            raise ValueError(f"{index} is not a safetensors index ({err!r}).") from None
+        files = [directory / name for name in listed]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are not there: {missing}.")
+    elif (directory / "model.safetensors").is_file():
+        files = [directory / "model.safetensors"]
     out: dict[str, np.ndarray] = {}
     for f in files:
-        out.update(read_safetensors(f))
+        tensors = read_safetensors(f)
+        twice = sorted(set(tensors) & set(out))
+        if twice:
+            raise ValueError(f"tensors stored in more than one file of {str(directory)!r}, e.g. "
+                             f"{twice[0]!r} again in {f.name}; remove the stale file.")
+        out.update(tensors)
     return out
 
 
@@ -165,13 +188,20 @@ def _read_config(directory: str | pathlib.Path) -> tuple[pathlib.Path, dict]:
 def _rope_theta(d: dict) -> float:
     params = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or {}
-    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind not in ("default", None):
+    # Both keys are read (transformers merges them): a default type in one must not hide a
+    # scaling in the other.
+    kinds = {params.get("rope_type"), scaling.get("rope_type", scaling.get("type"))} - {None}
+    scaled = sorted(kinds - {"default"})
+    if scaled:
         raise ValueError(
-            f"config.json uses RoPE scaling {kind!r}; only the default (unscaled) RoPE of the "
+            f"config.json uses RoPE scaling {scaled[0]!r}; only the default (unscaled) RoPE of the "
             f"original Llama is supported."
         )
-    return float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    thetas = {float(t) for t in (d.get("rope_theta"), params.get("rope_theta")) if t}
+    if len(thetas) > 1:
+        raise ValueError(f"config.json gives two rope_theta values, {d['rope_theta']} at the top "
+                         f"and {params['rope_theta']} in rope_parameters; make them agree.")
+    return thetas.pop() if thetas else 10000.0
 
 
 def config_from_hf(
@@ -194,7 +224,9 @@ def config_from_hf(
     """
     model_type = d.get("model_type")
     archs = d.get("architectures") or []
-    if model_type != "llama" and "LlamaForCausalLM" not in archs:
+    # model_type decides what transformers builds; architectures only when it is missing.
+    if model_type not in ("llama", None) or (model_type is None and "LlamaForCausalLM"
+                                             not in archs):  # fmt: skip
         raise ValueError(
             f"config.json describes a {model_type!r} model (architectures {archs}); only Llama "
             f"checkpoints (model_type 'llama', LlamaForCausalLM) can be imported."
@@ -331,11 +363,24 @@ def load_llama(
         used.add(name)
         return tensors[name]
 
-    ours = {k: to(get(hf)) for k, (hf, to, _) in _top_maps(cfg).items()}
+    def convert(name: str, to: Callable) -> np.ndarray:
+        value = get(name)
+        try:
+            return to(value)
+        except ValueError:  # a reshape to config.json's heads and head_dim
+            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, which does not fit "
+                             f"config.json's hidden_size, heads and head_dim.") from None
+
+    ours = {k: convert(hf, to) for k, (hf, to, _) in _top_maps(cfg).items()}
     for k, (hf, to, _) in _layer_maps(cfg).items():
-        ours[k] = np.stack([to(get(hf.format(i))) for i in range(cfg.num_layers)])
-    if cfg.tie_embeddings:
-        used.add("lm_head.weight")  # some tied checkpoints also store the (equal) head
+        ours[k] = np.stack([convert(hf.format(i), to) for i in range(cfg.num_layers)])
+    if cfg.tie_embeddings and "lm_head.weight" in tensors:  # some tied checkpoints store it too
+        if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+            raise ValueError(
+                "config.json ties the output head to the embedding (tie_word_embeddings), but "
+                "the checkpoint's lm_head.weight differs from model.embed_tokens.weight; set "
+                "tie_word_embeddings to false to load the stored head.")
+        used.add("lm_head.weight")
     extra = sorted(k for k in set(tensors) - used if not k.endswith(_IGNORED_SUFFIXES))
     if extra:
         raise ValueError(f"the checkpoint holds tensors the Llama here has no place for: "

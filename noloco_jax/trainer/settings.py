@@ -339,6 +339,12 @@ def _validate_model(s: TrainSettings) -> None:
     check_int("config.model.num_layers", s.model.num_layers, minimum=0)
     check_bool("config.model.remat", s.model.remat)
     check_bool("config.model.tie_embeddings", s.model.tie_embeddings)
+    if s.model.init_from:  # the checkpoint's config.json decides: these were ignored silently
+        for field, default in (("num_layers", 0), ("num_kv_heads", 0), ("tie_embeddings", False)):
+            value = getattr(s.model, field)
+            require(value == default, f"config.model.{field}",
+                    f"comes from the checkpoint's config.json with config.model.init_from; "
+                    f"leave it at {default!r} (got {value!r}).")
 
 
 def _validate_data(s: TrainSettings) -> None:
