@@ -290,7 +290,7 @@ def main(argv: Sequence[str]) -> None:
     opts = options.grid_options()
     c = _settings(opts.smoke)
     if opts.report_only:  # re-write the report from a finished run's hdee.json
-        results = options.read_json("report_only", opts.out_dir / "hdee.json")
+        results = options.read_json("out_dir", opts.out_dir / "hdee.json")
         harness.write_outputs(opts, "hdee", results, report(results, c, opts), config=c)
         return
     names = (SMOKE_DOMAINS if opts.smoke else {})  # the smoke run needs no Shakespeare

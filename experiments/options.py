@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import pathlib
 import sys
 from typing import Any, Callable, NoReturn, Sequence
@@ -86,7 +87,8 @@ def part() -> tuple[int, int] | None:
 
 def grid_options() -> harness.Options:
     """The harness options the parsed flags ask for."""
-    if DATA_PATH.value and not REPORT_ONLY.value and not glob.glob(DATA_PATH.value):
+    path = os.path.expanduser(DATA_PATH.value)  # as the trainer reads it (data/sources.py)
+    if DATA_PATH.value and not REPORT_ONLY.value and not glob.glob(path, recursive=True):
         raise app.UsageError(f"--data_path={DATA_PATH.value}: no such file, directory or glob "
                              f"match (every run would fail on it).")
     return harness.Options(

@@ -275,9 +275,15 @@ def _parse_flags(argv: list[str], none_fields: Sequence[str] = ()) -> list[str]:
         rest = flags.FLAGS(argv)
         _set_none(flags.FLAGS.config, none_fields)
     except flags.Error as err:
-        raise ValueError(_clean_flag_error(str(err))) from err
+        raise ValueError(_config_problem(argv) or _clean_flag_error(str(err))) from err
     except (AttributeError, KeyError) as err:  # ml_collections: an unknown --config.<field>
-        raise ValueError(_probe_config(argv) or _unknown_field(err, argv)) from err
+        raise ValueError(_config_problem(argv) or _probe_config(argv)
+                         or _unknown_field(err, argv)) from err  # fmt: skip
+    except Exception as err:  # raised by the config file itself (SyntaxError, ImportError...)
+        problem = _config_problem(argv)
+        if problem is None:
+            raise
+        raise ValueError(problem) from err
     if len(rest) > 1:  # absl hands back what it did not parse; it was silently ignored
         raise ValueError(_stray_argument(rest[1]))
     return rest
@@ -302,23 +308,31 @@ def _check_config_file(argv: Sequence[str]) -> None:
             # (else the default config's get_config, loaded first, was used silently)
             raise ValueError(f"--config={value}: the file defines no get_config(); a "
                              f"config file returns its ConfigDict from get_config().")
-        problem = _load_problem(pathlib.Path(path), value)
-        if problem:
-            raise ValueError(problem)
+
+
+def _config_problem(argv: Sequence[str]) -> str | None:
+    """After absl's parse failed: whether the --config file itself fails to load (absl gave
+    a 40-line traceback, or called it an unknown field). Runs its get_config() once more."""
+    found = _config_args(argv)
+    return _load_problem(pathlib.Path(found[-1][0]), found[-1][1]) if found else None
 
 
 def _load_problem(path: pathlib.Path, value: str) -> str | None:
-    """Runs the file's get_config() once: an error in it is the user's, said in one line
-    (absl's loader gave a 40-line traceback, or called it an unknown field)."""
+    """Runs the file's get_config(): an error in it is the user's, said in one line."""
     import importlib.util  # noqa: PLC0415
     import traceback  # noqa: PLC0415
 
     variant = value.split(":", 1)[1] if ":" in value else None
+    name = "_noloco_config_check"
     try:
-        spec = importlib.util.spec_from_file_location("_noloco_config_check", path)
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        config = module.get_config() if variant is None else module.get_config(variant)
+        sys.modules[name] = module  # as a loaded module is (dataclasses look it up)
+        try:
+            spec.loader.exec_module(module)
+            config = module.get_config() if variant is None else module.get_config(variant)
+        finally:
+            sys.modules.pop(name, None)
     except Exception as err:  # noqa: BLE001 - whatever the file raises, say where
         lines = [f.lineno for f in traceback.extract_tb(err.__traceback__)
                  if pathlib.Path(f.filename).resolve() == path.resolve()]  # fmt: skip

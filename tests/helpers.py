@@ -71,3 +71,21 @@ def variant(settings: Any, **overrides: Any) -> Any:
     for key, value in overrides.items():
         base[key] = {**base[key], **value} if isinstance(value, dict) else value
     return settings_lib.from_config(base)
+
+
+def tensorboard_view(folder: pathlib.Path) -> list[tuple[str, int]]:
+    """(tag, step) of each scalar TensorBoard shows: event files in order, each session's
+    start with a step purging the earlier sessions' events at that step and after."""
+    from tensorboardX.proto import event_pb2  # noqa: PLC0415
+
+    shown: list[tuple[str, int]] = []
+    for path in sorted(folder.glob("events.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):  # TFRecord: length (8 bytes), crc (4), payload, crc (4)
+            size = int.from_bytes(data[at:at + 8], "little")
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + size])
+            at += 16 + size
+            if event.HasField("session_log") and event.session_log.status == 1:  # START
+                shown = [(tag, step) for tag, step in shown if step < event.step]
+            shown += [(v.tag, event.step) for v in event.summary.value]
+    return shown

@@ -316,6 +316,16 @@ def test_which_names_a_config_file_binds(tmp_path, text, names):
     assert train._top_level_names(tmp_path / "c.py") == names
 
 
+def test_a_config_file_that_loads_is_never_refused_by_the_load_check(tmp_path):
+    """The check ran the file outside sys.modules, where a dataclass cannot find its module."""
+    path = tmp_path / "dc.py"
+    path.write_text("from __future__ import annotations\nimport dataclasses\n"
+                    "import ml_collections\n\n\n@dataclasses.dataclass\nclass Sweep:\n"
+                    "    lr: float = 1e-3\n\n\ndef get_config():\n"
+                    "    return ml_collections.ConfigDict({'lr': Sweep().lr})\n")  # fmt: skip
+    assert train._load_problem(path, str(path)) is None
+
+
 @pytest.mark.parametrize("row", list(CASES))
 def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_dir, capsys,
                                                 monkeypatch):  # fmt: skip

@@ -180,7 +180,7 @@ def test_hdee_smoke(tmp_path):
     assert "python -m experiments.hdee --smoke" in md and "heterogeneous lowest" in md
 
 
-def test_reruns_write_to_experiments_runs_unless_published():
+def test_reruns_write_to_experiments_runs_unless_published(tmp_path, monkeypatch):
     from experiments import options
 
     def parse(*argv):
@@ -201,6 +201,12 @@ def test_reruns_write_to_experiments_runs_unless_published():
     old = parse("--out-dir", "/tmp/o", "--runs-dir=/tmp/r", "--data-path", "d", "--report-only")
     assert (old.out_dir, old.runs_dir, old.data_path, old.report_only) == (
         pathlib.Path("/tmp/o"), pathlib.Path("/tmp/r"), "d", True)  # the argparse spellings
+    # --data_path is read as the trainer reads it: ~ and ** globs (both were refused)
+    (tmp_path / "texts" / "deep").mkdir(parents=True)
+    (tmp_path / "texts" / "deep" / "a.txt").write_text("text")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for given in ("~/texts", f"{tmp_path}/texts/**/*.txt"):
+        assert parse(f"--data_path={given}").data_path == given
 
 
 def test_untracked_outputs_are_git_ignored():

@@ -42,7 +42,7 @@ from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer import checkpoint, loop
 from noloco_jax.trainer.loop import load_run, train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
-from tests.helpers import copy_run
+from tests.helpers import copy_run, tensorboard_view
 from tests.test_train import _losses, tiny_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -498,24 +498,6 @@ print("returned normally", flush=True)
 """
 
 
-def _tensorboard_view(folder: pathlib.Path) -> list[tuple[str, int]]:
-    """(tag, step) of each scalar TensorBoard shows: event files in order, each session's
-    start with a step purging the earlier sessions' events at that step and after."""
-    from tensorboardX.proto import event_pb2  # noqa: PLC0415
-
-    shown: list[tuple[str, int]] = []
-    for path in sorted(folder.glob("events.*")):
-        data, at = path.read_bytes(), 0
-        while at < len(data):  # TFRecord: length (8 bytes), crc (4), payload, crc (4)
-            size = int.from_bytes(data[at:at + 8], "little")
-            event = event_pb2.Event.FromString(data[at + 12:at + 12 + size])
-            at += 16 + size
-            if event.HasField("session_log") and event.session_log.status == 1:  # START
-                shown = [(tag, step) for tag, step in shown if step < event.step]
-            shown += [(v.tag, event.step) for v in event.summary.value]
-    return shown
-
-
 def test_a_resume_from_an_older_checkpoint_hides_the_repeated_steps_in_tensorboard(
         tmp_path, finished_run):  # fmt: skip
     """TensorBoard showed the steps after the checkpoint twice (JSONL readers keep the last)."""
@@ -523,7 +505,7 @@ def test_a_resume_from_an_older_checkpoint_hides_the_repeated_steps_in_tensorboa
     run = copy_run(finished, tmp_path / "run")
     shutil.rmtree(run / "checkpoints" / "12")  # resumes at 8: steps 10 and 12 come again
     train_and_evaluate(s, run, progress=False)
-    shown = _tensorboard_view(run / "tensorboard")
+    shown = tensorboard_view(run / "tensorboard")
     train_steps = [step for tag, step in shown if tag == "train/train_loss"]
     assert train_steps == sorted(set(train_steps)) and train_steps[-1] == s.num_steps
 

@@ -29,6 +29,8 @@ def test_resize_state_merges_and_clones_by_replica_axis():
     # took the first replica's, so merged moments got a restarted bias correction).
     reset = {**tree, "local_opt_state": {"count": jnp.asarray([0, 3, 3, 1], jnp.int32)}}
     assert resize_state(reset, 2)["local_opt_state"]["count"].tolist() == [3, 3]
+    keys = {"key": jnp.asarray([[1, 9], [2, 3], [5, 0], [4, 4]], jnp.uint32)}  # not counters
+    assert resize_state(keys, 2)["key"].tolist() == [[1, 9], [5, 0]]  # a real key, not a max
     cloned = resize_state(tree, 8)
     np.testing.assert_array_equal(cloned["w"], np.repeat(np.asarray(tree["w"]), 2, axis=0))
     assert int(cloned["step"]) == 7 and cloned["local_opt_state"]["count"].shape == (8,)

@@ -8,7 +8,7 @@ import pytest
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
-from tests.helpers import copy_run, variant
+from tests.helpers import copy_run, tensorboard_view, variant
 from tests.test_train import _losses, tiny_settings
 
 
@@ -83,6 +83,11 @@ def test_corrupt_latest_checkpoint_is_reported_and_the_previous_used(tmp_path, r
     assert len(_replayed(run, 10)) == 2  # resumed from step 8 ...
     assert _losses(run) == losses  # ... on the same trajectory
     assert _replayed(run, 12) == [losses[-1]] * 2
+    # TensorBoard shows steps 10 and 12 once: the purge follows the checkpoint restored (8),
+    # not the newest one (12), which was set aside
+    shown = tensorboard_view(run / "tensorboard")
+    steps = [step for tag, step in shown if tag == "train/train_loss"]
+    assert steps == sorted(set(steps)) and steps[-1] == 12
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_restorable(tmp_path, reference):

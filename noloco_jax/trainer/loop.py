@@ -607,10 +607,10 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
     profiler = Profiler(settings.profile_steps, workdir)
     try:
         run, target = _build(settings)
-        resumes_at = ckpt.latest_step() if first else None  # TensorBoard drops what follows
-        writer = MetricWriter(workdir, enabled=first, sinks=make_sinks(settings, workdir) if first
-                              else [], purge_step=0 if resumes_at is None else resumes_at + 1)
+        writer = MetricWriter(workdir, enabled=first,
+                              sinks=make_sinks(settings, workdir) if first else [])  # fmt: skip
         state, step = _restore_or_init(run, target, ckpt, writer)
+        writer.resume_at(step)  # TensorBoard drops what earlier sessions logged after it
         _check_counter(state, step)  # the host's step must be the optimizer's step counter
         if step >= settings.num_steps:  # nothing to do: report, write nothing
             ckpt.close()

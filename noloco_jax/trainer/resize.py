@@ -2,9 +2,10 @@
 
 N -> N / k (k an integer): replicas ``k i .. k i + k - 1`` merge into new replica ``i``: every
 per-replica float leaf (fast weights theta, slow weights phi, outer momentum, Adam moments) is
-their mean; a per-replica integer leaf (a counter such as Adam's step count, equal on every
+their mean; a per-replica integer scalar (a counter such as Adam's step count, equal on every
 replica unless the non-finite guard restarted one) takes the largest, so merged moments are
-not bias-corrected as if they were young. N -> k N: replica ``i`` is cloned into ``k i .. k i + k - 1``.
+not bias-corrected as if they were young; other integer leaves (a PRNG key) take the first
+replica's. N -> k N: replica ``i`` is cloned into ``k i .. k i + k - 1``.
 Shared leaves (the step and round counters, no replica axis) are kept. Which leaves carry the
 replica axis comes from ``replicas.replica_axes``, never from field names, so any replicated
 optimizer state works.
@@ -98,7 +99,9 @@ def _resize_leaf(x: Any, axis: Any, new_n: int) -> Any:
     groups = x.reshape(new_n, old_n // new_n, *x.shape[1:])
     if jnp.issubdtype(x.dtype, jnp.floating):
         return groups.astype(np.float32).mean(1).astype(x.dtype)
-    return groups.max(1)  # counters: the longest history (a guard reset restarts Adam's count)
+    if groups.ndim == 2 and jnp.issubdtype(x.dtype, jnp.integer):  # a counter per replica
+        return groups.max(1)  # the longest history (a guard reset restarts Adam's count)
+    return groups[:, 0]  # other integers (e.g. a PRNG key): the first replica's
 
 
 def resize_state(state: Any, new_n: int) -> Any:

@@ -16,15 +16,13 @@ class MetricWriter:
 
     def __init__(
         self, workdir: str | pathlib.Path, *, tensorboard: bool = True, enabled: bool = True,
-        sinks: Sequence[Any] = (), purge_step: int | None = None,
+        sinks: Sequence[Any] = (),
     ):
         """``enabled=False`` (processes other than 0 in a multi-process run) writes nothing.
 
         ``sinks``: more objects with ``write(step, kind, values)`` and ``close()`` (W&B).
-        ``purge_step``: TensorBoard hides what earlier sessions logged at this step and after
-        (a run resumed from a checkpoint older than its last records repeats those steps).
         """
-        self._purge_step = purge_step
+        self._purge_step: int | None = None
         self.workdir = pathlib.Path(workdir)
         self.enabled = enabled
         self._sinks = list(sinks) if enabled else []
@@ -43,10 +41,21 @@ class MetricWriter:
         if cut:  # an earlier session's last line was cut short: keep it a line of its own
             self._jsonl.write("\n")
         if self._tensorboard:
-            from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional, slow import)
+            self._open_tensorboard()
 
-            self._tb = SummaryWriter(str(self.workdir / "tensorboard"),
-                                     purge_step=self._purge_step)  # fmt: skip
+    def _open_tensorboard(self) -> None:
+        from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional, slow import)
+
+        self._tb = SummaryWriter(str(self.workdir / "tensorboard"), purge_step=self._purge_step)
+
+    def resume_at(self, step: int) -> None:
+        """The run goes on from ``step``: TensorBoard hides what earlier sessions logged after
+        it (a run resumed from a checkpoint older than its last records repeats those steps).
+        """
+        self._purge_step = step + 1 if step else 0  # a fresh start: nothing before counts
+        if self._tb is not None:  # opened already (a damaged checkpoint was reported)
+            self._tb.close()
+            self._open_tensorboard()
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if not self.enabled:
