@@ -2,11 +2,13 @@
 
     python -m experiments.quadratic_theory [--smoke --out_dir DIR]
 
-Theorem 1's sufficient condition for a bounded cross-replica spread is
-alpha sqrt(n / (2 (n - 1))) < gamma < sqrt(n (2 + alpha^2) / (2 (n - 1))). The unit tests
-assert only that (bounded inside, divergent far above); this records the rest: below the
-lower bound and just above the upper one, and how the stationary spread scales with the
-inner learning rate omega (theory: std ∝ omega).
+The paper gives the range alpha sqrt(n / (2 (n - 1))) < gamma < sqrt(n (2 + alpha^2) /
+(2 (n - 1))) for a bounded cross-replica spread (Eq. 74, reconstructed). At alpha = 0.5 and
+n = 2 its upper end is the spread's stability limit; it is not a sufficient condition in
+general (``quadratic.gamma_bounds``: at alpha = 0.8 a gamma inside it diverges). This
+records what happens inside and outside it, and how the stationary spread scales with the
+inner learning rate omega (std ∝ omega only as omega -> 0: spread / omega rises from about
+1.0 towards 2.0 over the omegas here, as an exact second-moment analysis predicts).
 """
 
 from __future__ import annotations

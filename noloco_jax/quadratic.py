@@ -21,9 +21,17 @@ __all__ = ["QuadraticRun", "simulate_quadratic", "gamma_bounds"]
 
 
 def gamma_bounds(momentum: float, group_size: int) -> tuple[float, float]:
-    """The theory's sufficient range for gamma (paper Eq. 74, as reconstructed).
+    """The range for gamma of paper Eq. 74 (as reconstructed).
 
     alpha sqrt(n / (2 (n - 1))) < gamma < sqrt(n (2 + alpha^2) / (2 (n - 1))).
+
+    It is not a sufficient condition on this model in general. An exact second-moment
+    analysis (review, 2026-11-26) gives the stability limit of the spread for n = 2 as
+    2.0, 1.82, 1.5, 0.72 at alpha = 0, 0.3, 0.5, 0.8 (small inner lr, large N), against
+    this upper end's 1.41, 1.45, 1.5, 1.63: they agree only at alpha = 0.5, and at
+    alpha = 0.8 gamma = 1.2 lies inside the range and diverges
+    (``tests/test_theory.py``). The exact limit rises with n (1.8 at n = 3, 2.0 at 4)
+    while this upper end falls, and no gamma > 0 below the lower end is unstable.
     """
     n = group_size
     lower = momentum * (n / (2 * (n - 1))) ** 0.5

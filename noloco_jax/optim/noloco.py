@@ -268,8 +268,10 @@ def noloco_outer(
       momentum: alpha, momentum (paper: 0.5 for NoLoCo); a number or array.
       gamma: pull towards the group's mean slow weights; ``None`` means
         gamma = beta (the reference code), which lets only the fast weights
-        travel. The theory's sufficient condition for bounded spread is
-        alpha sqrt(n / (2 (n - 1))) < gamma < sqrt(n (2 + alpha^2) / (2 (n - 1))).
+        travel. The paper's range (Eq. 74, reconstructed) is
+        alpha sqrt(n / (2 (n - 1))) < gamma < sqrt(n (2 + alpha^2) / (2 (n - 1))); on the
+        noisy quadratic it is the spread's stability limit only at alpha = 0.5, n = 2
+        (``quadratic.gamma_bounds``).
         A gamma of its own needs a constant beta: with a schedule it is
         refused, and an injected beta must not change between rounds.
       group_size: n, replicas per group (paper: 2); must divide the number of
