@@ -17,13 +17,15 @@ __all__ = [
     "source_target_pairs", "replica_groups", "EntryGraph", "entry_graph", "crossing_bytes",
 ]  # fmt: skip
 
-_KINDS = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+_KINDS = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "ragged-all-to-all",
+          "all-to-all")  # fmt: skip
+_DTYPE_BITS = {
+    "pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
+    "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128,
 }  # fmt: skip
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(_KINDS) + r")(-start)?\(")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,<=]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(_KINDS)
+                    + r")(-start)?\(")  # fmt: skip
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
 
@@ -39,17 +41,32 @@ class CollectiveOp:
     groups: tuple[tuple[int, ...], ...] = ()  # reductions and gathers: the device groups
 
 
-def _shape_bytes(shape_text: str, is_start: bool) -> int:
+def _bits(dtype: str) -> int:
+    if dtype.startswith("f8"):  # f8e4m3fn, f8e5m2, ...
+        return 8
+    if dtype not in _DTYPE_BITS:  # never a silent 0
+        raise ValueError(f"hlo: element type {dtype!r} has no known width; add it to _DTYPE_BITS.")
+    return _DTYPE_BITS[dtype]
+
+
+def _shape_bytes(shape_text: str, kind: str, is_start: bool) -> int:
+    """Bytes of an instruction's result, as its synchronous form has it.
+
+    An async start holds more: ``(operand, output, contexts...)`` for a permute (its operand
+    counts), ``(operands, outputs)`` for a gather or scatter (its outputs count, as in the
+    synchronous form), and the results for an all-reduce (all of them: combined operands).
+    Dynamic dimensions (``<=1000``) count at their bound.
+    """
     arrays = _ARRAY.findall(shape_text)
-    if is_start:  # async start: (operand, output, contexts...) -> count the operand once
+    if is_start and kind == "collective-permute":
         arrays = arrays[:1]
-    total = 0
+    elif is_start and kind in ("all-gather", "reduce-scatter"):
+        arrays = arrays[len(arrays) // 2 :]
+    bits = 0
     for dtype, dims in arrays:
-        if dtype not in _DTYPE_BYTES:
-            continue
-        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-        total += n * _DTYPE_BYTES[dtype]
-    return total
+        sizes = [int(d.removeprefix("<=")) for d in dims.split(",") if d]
+        bits += int(np.prod(sizes)) * _bits(dtype) if sizes else _bits(dtype)
+    return -(-bits // 8)
 
 
 def collective_ops(hlo_text: str) -> list[CollectiveOp]:
@@ -65,7 +82,7 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         m = _INSTR.match(line)
         if m:
             shape_text, kind, start = m.groups()
-            nbytes = _shape_bytes(shape_text, bool(start))
+            nbytes = _shape_bytes(shape_text, kind, bool(start))
             ops.append(CollectiveOp(kind, computation, nbytes, in_entry, source_target_pairs(line),
                                     replica_groups(line)))  # fmt: skip
     return ops
@@ -126,8 +143,9 @@ def crossing_bytes(ops: list[CollectiveOp], replica_of: dict[int, int]) -> dict[
       replica_of: device id -> the replica it belongs to.
 
     Returns:
-      ``{kind: bytes}`` of the crossing collectives (operand bytes on one
-      device, each instruction counted once).
+      ``{kind: bytes}`` of the crossing collectives (on one device, each instruction counted
+      once, a collective in a loop body too): a permute's or reduction's operand bytes, a
+      gather's or scatter's result bytes.
     """
     out: dict[str, int] = collections.defaultdict(int)
     several = len(set(replica_of.values())) > 1

@@ -214,10 +214,12 @@ def memory_of(compiled: Any) -> StepMemory:
 
 
 def device_replicas(compiled: Any) -> dict[int, int]:
-    """Device id -> replica index, from the mesh of a ``compile_program`` program's state."""
+    """The HLO's device number -> replica index, from the mesh of a ``compile_program``
+    program's state. The HLO numbers devices by their place in the mesh (its flat order),
+    not by their ids, which differ when the mesh reorders devices."""
     shardings = [s for s in jax.tree.leaves(compiled.input_shardings[0])
                  if isinstance(s, NamedSharding)]  # fmt: skip
     if not shardings:  # vmap: every replica on one device
-        return {d.id: 0 for d in compiled.input_shardings[0][0].device_set}
+        return {0: 0}
     devices = shardings[0].mesh.devices
-    return {devices[i].id: i[0] for i in np.ndindex(devices.shape)}
+    return {k: i[0] for k, i in enumerate(np.ndindex(devices.shape))}

@@ -1,0 +1,60 @@
+"""Reading collectives and their bytes off HLO text (noloco_jax.hlo), forms the CPU does not emit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from noloco_jax import hlo
+from noloco_jax.trainer import aot
+
+_OPS = ", channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true"
+# GPU-style asynchronous and combined collectives, written by hand (no GPU here).
+ASYNC = f"""HloModule m
+
+ENTRY %main (p: f32[1000], q: bf16[1000]) -> f32[8000] {{
+  %ags = (f32[1000]{{0}}, f32[8000]{{0}}) all-gather-start(f32[1000]{{0}} %p){_OPS}, dimensions={{0}}
+  %agd = f32[8000]{{0}} all-gather-done((f32[1000]{{0}}, f32[8000]{{0}}) %ags)
+  %ag2 = ((f32[1000]{{0}}, bf16[1000]{{0}}), (f32[8000]{{0}}, bf16[8000]{{0}})) all-gather-start(f32[1000]{{0}} %p, bf16[1000]{{0}} %q){_OPS}, dimensions={{0}}
+  %ars = (f32[1000]{{0}}, bf16[1000]{{0}}) all-reduce-start(f32[1000]{{0}} %p, bf16[1000]{{0}} %q){_OPS}, to_apply=%add
+  %cps = (f32[1000]{{0}}, f32[1000]{{0}}, u32[]{{:S(2)}}, u32[]{{:S(2)}}) collective-permute-start(f32[1000]{{0}} %p), channel_id=4, source_target_pairs={{{{0,1}},{{1,0}}}}
+  %cpd = f32[1000]{{0}} collective-permute-done(%cps)
+  %ag = f32[8000]{{0}} all-gather(f32[1000]{{0}} %p){_OPS}, dimensions={{0}}
+  %dyn = f32[<=1000]{{0}} collective-permute(f32[<=1000]{{0}} %p), channel_id=6, source_target_pairs={{{{0,1}}}}
+  %f8 = f8e4m3fn[1000]{{0}} collective-permute(f8e4m3fn[1000]{{0}} %r), channel_id=7, source_target_pairs={{{{0,1}}}}
+  %s4 = s4[1000]{{0}} collective-permute(s4[1000]{{0}} %r), channel_id=8, source_target_pairs={{{{0,1}}}}
+  ROOT %rag = f32[1000]{{0}} ragged-all-to-all(%p), replica_groups={{{{0,1}}}}
+}}
+"""
+
+
+def test_async_combined_and_narrow_collectives_count_as_their_synchronous_forms():
+    """An async gather counted its operand (8x less than the sync form), a combined one only
+    its first operand; f8, s4 and dynamic shapes counted 0; ragged-all-to-all was not seen."""
+    got = [(op.kind, op.bytes) for op in hlo.collective_ops(ASYNC)]
+    assert got == [("all-gather", 32000), ("all-gather", 48000), ("all-reduce", 6000),
+                   ("collective-permute", 4000), ("all-gather", 32000),
+                   ("collective-permute", 4000), ("collective-permute", 1000),
+                   ("collective-permute", 500), ("ragged-all-to-all", 4000)]  # fmt: skip
+
+
+def test_an_unknown_element_type_is_an_error_not_zero_bytes():
+    line = "  %x = q9[10]{0} collective-permute(q9[10]{0} %p), source_target_pairs={{0,1}}\n"
+    with pytest.raises(ValueError, match="element type 'q9'"):
+        hlo.collective_ops("ENTRY %main () -> q9[10] {\n" + line + "}\n")
+
+
+def test_crossing_bytes_use_the_hlo_device_numbers_of_a_reordered_mesh():
+    """The HLO numbers devices by their place in the mesh; the map was keyed by device id."""
+    devices = np.array(jax.devices()[:8])[[0, 4, 1, 5, 2, 6, 3, 7]].reshape(2, 4)
+    mesh = Mesh(devices, ("replica", "inner"))
+    within = [(i, (i + 1) % 4) for i in range(4)]  # a permute inside each replica
+    spec = P(("replica", "inner"))
+    f = jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, "inner", within), mesh=mesh,
+                              in_specs=spec, out_specs=spec))  # fmt: skip
+    compiled = f.lower(jax.device_put(jnp.ones(8000), NamedSharding(mesh, spec))).compile()
+    ops = hlo.collective_ops(compiled.as_text())
+    assert [op.kind for op in ops] == ["collective-permute"]
+    assert hlo.crossing_bytes(ops, aot.device_replicas(compiled)) == {}
