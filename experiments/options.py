@@ -204,17 +204,14 @@ def _reporting(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
     return wrapped
 
 
-_SHARED = (*GRID_FLAGS,)
-
-
 def _check_shared_flags() -> None:
     """Refuses a shared flag the script does not read (it would be ignored: ``--dry_run``
     would train) and ``--smoke --publish`` (smoke numbers over the published pages)."""
     read = {f.name for f in flags.FLAGS.get_key_flags_for_module(sys.argv[0])}
-    given = [name for name in _SHARED if flags.FLAGS[name].present]
+    given = [name for name in GRID_FLAGS if flags.FLAGS[name].present]
     unread = [name for name in given if name not in read]
     if unread:
-        listed = " ".join(f"--{name}" for name in _SHARED if name in read) or "none"
+        listed = " ".join(f"--{name}" for name in GRID_FLAGS if name in read) or "none"
         raise app.UsageError(f"{' '.join('--' + n for n in unread)}: this script does not read "
                              f"it, so it would be ignored (the shared flags it reads: {listed}).")
     if SMOKE.value and PUBLISH.value and not OUT_DIR.value:

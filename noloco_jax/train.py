@@ -119,21 +119,6 @@ def _not_a_trainer_config(config: Any, path: str) -> str | None:
             f"which: python -m experiments.NAME).")  # fmt: skip
 
 
-def _probe_config(argv: Sequence[str]) -> str | None:
-    """For an unknown --config.<field>: whether the --config file is another experiment's."""
-    import importlib.util  # noqa: PLC0415
-
-    paths = [path for path, _ in _config_args(argv)]
-    path = paths[-1] if paths else None  # the last --config wins, as in absl
-    try:
-        spec = importlib.util.spec_from_file_location("_noloco_config_probe", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return _not_a_trainer_config(module.get_config(), path)
-    except Exception:  # noqa: BLE001 - a probe only: the parser's own error stands
-        return None
-
-
 def _fit_warmup(config: Any, explicit: bool, saved: Any = None) -> None:
     """Shortens an inherited warmup that does not fit a shorter run, with a printed note.
 
@@ -275,12 +260,12 @@ def _parse_flags(argv: list[str], none_fields: Sequence[str] = ()) -> list[str]:
         rest = flags.FLAGS(argv)
         _set_none(flags.FLAGS.config, none_fields)
     except flags.Error as err:
-        raise ValueError(_config_problem(argv) or _clean_flag_error(str(err))) from err
+        raise ValueError(_config_file(argv)[0] or _clean_flag_error(str(err))) from err
     except (AttributeError, KeyError) as err:  # ml_collections: an unknown --config.<field>
-        raise ValueError(_config_problem(argv) or _probe_config(argv)
-                         or _unknown_field(err, argv)) from err  # fmt: skip
+        problem, other = _config_file(argv)  # or the file fails, or is another experiment's
+        raise ValueError(problem or other or _unknown_field(err, argv)) from err
     except Exception as err:  # raised by the config file itself (SyntaxError, ImportError...)
-        problem = _config_problem(argv)
+        problem = _config_file(argv)[0]
         if problem is None:
             raise
         raise ValueError(problem) from err
@@ -310,15 +295,24 @@ def _check_config_file(argv: Sequence[str]) -> None:
                              f"config file returns its ConfigDict from get_config().")
 
 
-def _config_problem(argv: Sequence[str]) -> str | None:
-    """After absl's parse failed: whether the --config file itself fails to load (absl gave
-    a 40-line traceback, or called it an unknown field). Runs its get_config() once more."""
+def _config_file(argv: Sequence[str]) -> tuple[str | None, str | None]:
+    """After absl's parse failed, the last --config file (absl's) run once more: (why it fails
+    to load, or None; whether it is another experiment's config, or None). absl gave a 40-line
+    traceback, or called either an unknown field."""
     found = _config_args(argv)
-    return _load_problem(pathlib.Path(found[-1][0]), found[-1][1]) if found else None
+    if not found:
+        return None, None
+    problem, config = _run_config_file(pathlib.Path(found[-1][0]), found[-1][1])
+    return problem, None if config is None else _not_a_trainer_config(config, found[-1][0])
 
 
 def _load_problem(path: pathlib.Path, value: str) -> str | None:
     """Runs the file's get_config(): an error in it is the user's, said in one line."""
+    return _run_config_file(path, value)[0]
+
+
+def _run_config_file(path: pathlib.Path, value: str) -> tuple[str | None, Any]:
+    """(What is wrong with the file, or None; its config): get_config() run as absl would."""
     import importlib.util  # noqa: PLC0415
     import traceback  # noqa: PLC0415
 
@@ -337,13 +331,13 @@ def _load_problem(path: pathlib.Path, value: str) -> str | None:
         lines = [f.lineno for f in traceback.extract_tb(err.__traceback__)
                  if pathlib.Path(f.filename).resolve() == path.resolve()]  # fmt: skip
         where = f" (line {lines[-1]})" if lines and not isinstance(err, SyntaxError) else ""
-        return f"--config={value}: the file fails to load{where}: {type(err).__name__}: {err}"
+        return f"--config={value}: the file fails to load{where}: {type(err).__name__}: {err}", None
     import ml_collections  # noqa: PLC0415
 
     if not isinstance(config, (ml_collections.ConfigDict, dict)):
         return (f"--config={value}: get_config() returned {type(config).__name__}, not a "
-                f"ml_collections.ConfigDict.")
-    return None
+                f"ml_collections.ConfigDict."), None
+    return None, config
 
 
 def _config_args(argv: Sequence[str]) -> list[tuple[str, str]]:

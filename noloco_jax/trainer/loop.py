@@ -899,8 +899,8 @@ def _per_replica_finite(tree: Any) -> list[jax.Array]:
 def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, last: dict,
               bar: Progress, resized_from: int | None = None) -> None:
     metrics = run.evaluate(state.params)
-    writer.write(step, "eval", {**metrics, **({"resized_from": resized_from} if resized_from
-                                              else {})})  # fmt: skip
+    writer.write(step, "eval", {**metrics, "resized_from": resized_from} if resized_from
+                 else metrics)  # fmt: skip
     last.update(metrics)
     line = (
         f"step {step:6d}  val ppl {metrics['val_ppl']:8.3f} (pooled over replicas)  "

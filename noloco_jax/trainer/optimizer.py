@@ -135,10 +135,11 @@ def bytes_sent(
     NoLoCo: per sync, what ``comm.noloco_bytes_per_sync`` reports (checked
     against the compiled HLO in the tests). DiLoCo: ``comm.diloco_bytes_per_sync``
     (a ring all-reduce, or the exact all-to-all + all-gather bytes of a
-    narrower exchange dtype). Data parallel: a bandwidth-optimal ring
-    all-reduce per step (``comm.mean_bytes_per_replica``: 16-bit grads are summed in float32). ``stage_copies``: on a (replica, stage) mesh of S stages
-    each of a replica's S devices sends two messages: its 1/S of the blocks, and its
-    own copy of the other leaves (embedding, head, final norm).
+    narrower exchange dtype). Data parallel: a bandwidth-optimal ring all-reduce per
+    step (``comm.mean_bytes_per_replica``: 16-bit grads are summed in float32).
+    ``stage_copies``: on a (replica, stage) mesh of S stages each of a replica's S devices
+    sends two messages: its 1/S of the blocks, and its own copy of the other leaves
+    (embedding, head, final norm).
     """
     if stage_copies > 1:
         once = functools.partial(bytes_sent, method, outer, num_replicas=num_replicas,
