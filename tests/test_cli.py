@@ -635,7 +635,7 @@ def test_progress_bar_says_compiling_until_the_first_chunk_and_lines_go_above_it
 def test_the_loop_tells_the_bar_which_chunks_compiled():
     from noloco_jax.trainer import loop  # noqa: PLC0415
 
-    def program(state, tokens, count):
+    def program(state, tokens):
         return state, np.zeros((1, tokens.shape[1]), np.float32)
 
     data = types.SimpleNamespace(batcher=types.SimpleNamespace(batch=lambda t: np.zeros((1, 1, 2))))

@@ -160,10 +160,10 @@ class TrainerChunk:
         for b in range(0, self.k, self.block):
             part = tokens[:, b:b + self.block]
             ends = self.sync is not None and (b + self.block) % self.h == 0
-            state, out = self.inner(state, part, np.int32(self.block - ends))
-            losses.append(out[:, : self.block - ends])
+            state, out = self.inner(state, part[:, : self.block - ends])
+            losses.append(out)
             if ends:
-                state, out = self.sync(state, part[:, -1:], np.int32(1))
+                state, out = self.sync(state, part[:, -1:])
                 losses.append(out)
         return state, jnp.concatenate(losses, axis=1)
 

@@ -111,7 +111,7 @@ def _train_replicas(params_K: Any, windows_KxSxBxT1: jax.Array, *, graphdef: Any
     state = TrainState(jnp.zeros([], jnp.int32), params_K, replicas.init(tx, params_K))
     step_fn = functools.partial(train_step, grads_fn=grads.plain(graphdef), tx=tx)
     run = replicas.map(functools.partial(run_steps, step_fn=step_fn))
-    state, losses_KxS = run(state, windows_KxSxBxT1, jnp.int32(steps))
+    state, losses_KxS = run(state, windows_KxSxBxT1)
     return state.params, losses_KxS
 
 

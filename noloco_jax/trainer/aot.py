@@ -167,7 +167,7 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
     tokens = jax.ShapeDtypeStruct((s.num_replicas, steps, s.batch_per_replica, s.data.seq_len + 1),
                                   jnp.int32)  # fmt: skip
     state = abstract_state(reps, step_kwargs["tx"], params)
-    return run.lower(state, _placed(reps, tokens, lead=True), np.int32(1)).compile()
+    return run.lower(state, _placed(reps, tokens, lead=True)).compile()
 
 
 def step_memory(settings: Any, vocab_size: int, *, program: str = "sync") -> StepMemory:

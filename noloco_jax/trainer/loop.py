@@ -157,8 +157,9 @@ def _model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
 class _Run:
     """Everything compiled and built for one run.
 
-    ``inner(state, tokens [N, block, ...], count)`` runs ``count`` inner steps;
-    ``sync(state, tokens [N, 1, ...], 1)`` runs the step that ends a round
+    ``inner(state, tokens [N, K, ...])`` runs K inner steps (K at most ``block``;
+    each K compiles once, and a steady run has one or two K);
+    ``sync(state, tokens [N, 1, ...])`` runs the step that ends a round
     (``None`` for methods without rounds). These are the run's two programs.
     With ``delay`` > 0 (the overlapped exchange) ``sync`` is a tuple of window
     programs, one per fragment: ``sync[p](state, tokens)`` runs the delay + 1
@@ -964,9 +965,9 @@ def _run_blocks(run: _Run, state: TrainState, step: int, k: int) -> tuple[TrainS
                 step += run.delay + 1
                 continue
             size = min(size, start - step)
-        run.calls.add("inner")
-        state, out = run.inner(state, _next_tokens(run, step, run.block), np.int32(size))
-        losses.append(out[:, :size])
+        run.calls.add(("inner", size))  # each block length compiles once
+        state, out = run.inner(state, _next_tokens(run, step, size))
+        losses.append(out)
         step += size
     return state, np.concatenate([replicas.to_host(x) for x in losses], axis=1)
 
@@ -984,7 +985,7 @@ def _window_start(run: _Run, step: int, end: int) -> int:
 def _run_window(run: _Run, state: TrainState, step: int) -> tuple[TrainState, Any]:
     """The sync program from ``step``: one step, or an overlap window of ``delay + 1`` steps."""
     if not run.delay:
-        return run.sync(state, _next_tokens(run, step, 1), np.int32(1))
+        return run.sync(state, _next_tokens(run, step, 1))
     stop = step + run.delay + 1  # the step count at which the round ends
     fragment = (stop // run.period - 1) % len(run.sync)
     tokens = tuple(_next_tokens(run, t, 1) for t in range(step, stop))

@@ -103,34 +103,24 @@ def train_step(
 def run_steps(
     state: TrainState,
     tokens_KxBxT1: jax.Array,
-    count: jax.Array,
     *,
     step_fn: Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]],
 ) -> tuple[TrainState, jax.Array]:
-    """``step_fn`` on the first ``count`` of the K batches, in one loop.
+    """``step_fn`` on each of the K batches in turn, in one loop.
 
-    ``count`` is a runtime value, so one program serves every count up to K
-    (a block cut short by the end of the run or a resume included).
+    K is the tokens' leading size, so the loop's length is fixed when the program
+    compiles (each K compiles once). On a GPU a loop whose length is a run-time
+    value waits for the host at every step (BENCHMARKS.md: "trip count").
 
     Returns:
-      The new state and K losses (zeros after ``count``).
+      The new state and the K losses.
     """
-    loss = jax.eval_shape(lambda s, t: step_fn(s, t)[1], state, tokens_KxBxT1[0])
-    # Derived from the tokens, so that under shard_map it varies over replicas as the loss does.
-    zero = (tokens_KxBxT1.ravel()[0] * 0).astype(loss.dtype)
-    losses = jnp.zeros((tokens_KxBxT1.shape[0],), loss.dtype) + zero
-
-    def body(i: jax.Array, carry: tuple) -> tuple:
-        s, out = carry
-        s, value = step_fn(s, tokens_KxBxT1[i])
-        return s, out.at[i].set(value)
-
-    return lax.fori_loop(0, count, body, (state, losses))
+    return lax.scan(step_fn, state, tokens_KxBxT1)
 
 
 def make_program(reps: Any, *, sync_step: bool | None, donate: bool = True, **step_kwargs: Any
                  ) -> Callable:  # fmt: skip
-    """``program(state, tokens [N, K, B, T + 1], count)``: ``run_steps`` of ``train_step`` over
+    """``program(state, tokens [N, K, B, T + 1])``: ``run_steps`` of ``train_step`` over
     the replicas of ``reps`` (a ``replicas.Replicas``), jitted with the state donated.
 
     Args:
