@@ -158,14 +158,16 @@ class TrainerChunk:
 
         losses = []
         for b in range(0, self.k, self.block):
-            part = tokens[:, b:b + self.block]
             ends = self.sync is not None and (b + self.block) % self.h == 0
-            state, out = self.inner(state, part[:, : self.block - ends])
+            inner = self.block - ends
+            # The trainer hands each program its own batches: no slicing op when one block is all
+            whole = b == 0 and inner == self.k
+            state, out = self.inner(state, tokens if whole else tokens[:, b:b + inner])
             losses.append(out)
             if ends:
-                state, out = self.sync(state, part[:, -1:])
+                state, out = self.sync(state, tokens[:, b + inner:b + self.block])
                 losses.append(out)
-        return state, jnp.concatenate(losses, axis=1)
+        return state, losses[0] if len(losses) == 1 else jnp.concatenate(losses, axis=1)
 
     def memory(self, state: Any, tokens: Any) -> Any:
         """``memory_analysis()`` of the larger of the two compiled programs."""
