@@ -277,8 +277,9 @@ def guard_acts(s: TrainSettings) -> bool:
 def check_log_and_sync_every(s: TrainSettings) -> None:
     """The chunk rule: ``log_every`` and ``outer.sync_every`` divide one another.
 
-    The trainer compiles two programs, a chunk of ``log_every`` inner steps and the sync
-    step; each chunk then holds whole rounds or lies inside one. The message suggests a
+    The trainer compiles two programs, blocks of inner steps and the sync step; each chunk
+    then holds whole rounds or lies inside one, so a steady run has one or two block lengths
+    (each compiles once). The message suggests a
     ``log_every`` that also divides ``eval_every`` and ``checkpoint_every``, and a
     ``sync_every`` that stays a multiple of ``outer.fragments``.
 
