@@ -174,7 +174,7 @@ class TrainerChunk:
         progs = [(self.inner, tokens[:, : self.block])]
         if self.sync is not None:
             progs.append((self.sync, tokens[:, :1]))
-        mems = [f.lower(state, t, np.int32(1)).compile().memory_analysis() for f, t in progs]
+        mems = [f.lower(state, t).compile().memory_analysis() for f, t in progs]
         return max(mems, key=lambda m: m.temp_size_in_bytes + m.output_size_in_bytes)
 
 
