@@ -313,7 +313,7 @@ def test_window_program_exchanges_while_the_delay_steps_compute(outer, kind, mod
 
 
 @pytest.mark.parametrize("num_frags,h,delay,log_every,start,model", [
-    (1, 4, 2, 4, 0, "toy"), (1, 8, 3, 8, 4, "toy"), (2, 8, 1, 4, 4, "toy"),
+    (1, 4, 2, 4, 0, "toy"), (1, 8, 3, 8, 4, "toy"), (1, 8, 3, 8, 2, "toy"), (2, 8, 1, 4, 4, "toy"),
     pytest.param(1, 4, 2, 4, 0, "nano", marks=pytest.mark.slow)])  # fmt: skip
 def test_loop_windows_equal_the_on_device_phase(num_frags, h, delay, log_every, start, model):
     """The trainer's blocks (inner program, window programs) = one step at a time with the
@@ -345,9 +345,12 @@ def test_loop_windows_equal_the_on_device_phase(num_frags, h, delay, log_every, 
         assert_trees_close(a, b, rtol=1e-5, atol=1e-6)
         step += k
     assert int(a.opt_state.phase_errors) == 0
-    # Two kinds of program, each compiled once (a window per fragment; no inner steps at all
-    # when the window fills the round).
-    assert inner._cache_size() == (delay + 1 < period) and all(w._cache_size() == 1 for w in sync)
+    # Two kinds of program: a window per fragment, each compiled once, and the inner steps once
+    # per block length (none at all when the window fills the round).
+    lengths = {size for name, size in run.calls if name == "inner"}
+    assert inner._cache_size() == len(lengths) and (lengths != set()) == (delay + 1 < period)
+    assert all(w._cache_size() == 1 for w in sync)
+    assert {key for name, key in run.calls if name == "sync"} == set(range(num_frags))  # the bar
     inside = (step // period + 1) * period - 1  # one step before the next window's merge
     with pytest.raises(ValueError, match="cut the overlap window"):
         loop._run_blocks(run, a, step, inside - step)  # a chunk that would end there

@@ -171,7 +171,8 @@ class TrainerChunk:
 
     def memory(self, state: Any, tokens: Any) -> Any:
         """``memory_analysis()`` of the larger of the two compiled programs."""
-        progs = [(self.inner, tokens[:, : self.block])]
+        ends = self.sync is not None and self.block % self.h == 0  # as ``__call__`` runs it
+        progs = [(self.inner, tokens[:, : self.block - ends])]
         if self.sync is not None:
             progs.append((self.sync, tokens[:, :1]))
         mems = [f.lower(state, t).compile().memory_analysis() for f, t in progs]

@@ -79,8 +79,8 @@ def _name(key: Any) -> str:
 
 
 def _category(path: tuple, x: Any) -> str:
-    """The ``StepMemory`` field of an input leaf; ``path`` starts at (state, tokens, count)."""
-    if _name(path[0]) != "0":  # the tokens, then the count of steps to run
+    """The ``StepMemory`` field of an input leaf; ``path`` starts at (state, tokens)."""
+    if _name(path[0]) != "0":  # the tokens
         return "tokens" if _name(path[0]) == "1" else "counters"
     field, rest = _name(path[1]), {_name(k) for k in path[2:]}
     if field == "params":
@@ -141,7 +141,7 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
       vocab_size: the tokenizer's vocabulary size V.
       program: "sync" (the step that ends a round, one step; data parallel has
         no rounds and gets its one program) or "inner" (a block of inner
-        steps, as many as the trainer fuses into one call).
+        steps, the most the trainer runs in one call: gcd(log_every, period)).
 
     Returns:
       The ``jax.stages.Compiled`` program (``memory_analysis()``, ``as_text()``).
@@ -195,7 +195,7 @@ def memory_of(compiled: Any) -> StepMemory:
     """Sorts a compiled trainer program's per-device input bytes by what they hold.
 
     Args:
-      compiled: a program of ``compile_program`` (arguments: state, tokens, count).
+      compiled: a program of ``compile_program`` (arguments: state, tokens).
 
     Returns:
       ``StepMemory``: the categories from the compiled input shardings, the

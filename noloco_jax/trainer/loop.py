@@ -181,7 +181,7 @@ class _Run:
     resized_from: int | None = None  # the checkpoint's replica count after a resize
     counted: tuple | None = None  # the restored checkpoint's (step, tokens seen, bytes sent)
     streak: list | None = None  # the restored checkpoint's consecutive resets per replica
-    calls: set = dataclasses.field(default_factory=set)  # programs called (so compiled) so far
+    calls: set = dataclasses.field(default_factory=set)  # (program, length or fragment) compiled
     delay: int = 0  # tau, the steps between an exchange's start and its merge
 
 
@@ -959,7 +959,6 @@ def _run_blocks(run: _Run, state: TrainState, step: int, k: int) -> tuple[TrainS
         if run.period is not None:
             start = _window_start(run, step, end)
             if start == step:  # the exchange, the delay's inner steps and the merge
-                run.calls.add("sync")
                 state, out = _run_window(run, state, step)
                 losses.append(out)
                 step += run.delay + 1
@@ -985,9 +984,11 @@ def _window_start(run: _Run, step: int, end: int) -> int:
 def _run_window(run: _Run, state: TrainState, step: int) -> tuple[TrainState, Any]:
     """The sync program from ``step``: one step, or an overlap window of ``delay + 1`` steps."""
     if not run.delay:
+        run.calls.add(("sync", 0))
         return run.sync(state, _next_tokens(run, step, 1))
     stop = step + run.delay + 1  # the step count at which the round ends
     fragment = (stop // run.period - 1) % len(run.sync)
+    run.calls.add(("sync", fragment))  # each fragment's window compiles on its first call
     tokens = tuple(_next_tokens(run, t, 1) for t in range(step, stop))
     return run.sync[fragment](state, tokens)
 
