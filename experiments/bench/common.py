@@ -160,10 +160,12 @@ class TrainerChunk:
         for b in range(0, self.k, self.block):
             ends = self.sync is not None and (b + self.block) % self.h == 0
             inner = self.block - ends
-            # The trainer hands each program its own batches: no slicing op when one block is all
+            # As the trainer does, each program gets only its own batches; no slice for a
+            # chunk that is one block (a slice is a device op the trainer does not run).
             whole = b == 0 and inner == self.k
-            state, out = self.inner(state, tokens if whole else tokens[:, b:b + inner])
-            losses.append(out)
+            if inner:  # H = 1: every step is a sync step
+                state, out = self.inner(state, tokens if whole else tokens[:, b:b + inner])
+                losses.append(out)
             if ends:
                 state, out = self.sync(state, tokens[:, b + inner:b + self.block])
                 losses.append(out)
@@ -172,7 +174,7 @@ class TrainerChunk:
     def memory(self, state: Any, tokens: Any) -> Any:
         """``memory_analysis()`` of the larger of the two compiled programs."""
         ends = self.sync is not None and self.block % self.h == 0  # as ``__call__`` runs it
-        progs = [(self.inner, tokens[:, : self.block - ends])]
+        progs = [(self.inner, tokens[:, : self.block - ends])] if self.block - ends else []
         if self.sync is not None:
             progs.append((self.sync, tokens[:, :1]))
         mems = [f.lower(state, t).compile().memory_analysis() for f, t in progs]

@@ -10,7 +10,7 @@ vmap-simulated on the one device (bf16 compute, f32 master weights). MFU = model
 (time x peak), model FLOPs per token = 6 x (params without the input embedding) + 12 x
 layers x seq_len x hidden (causal attention counted in full, as PaLM's appendix B does).
 On a CPU it writes ``bench_gpu_dryrun`` with "not a GPU" in its title, so a dry run never
-replaces the GPU table (``bench_gpu``, measured on an H200).
+replaces the GPU table (``bench_gpu``, measured on a lent GPU).
 """
 
 from __future__ import annotations

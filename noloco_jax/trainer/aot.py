@@ -81,7 +81,7 @@ def _name(key: Any) -> str:
 def _category(path: tuple, x: Any) -> str:
     """The ``StepMemory`` field of an input leaf; ``path`` starts at (state, tokens)."""
     if _name(path[0]) != "0":  # the tokens
-        return "tokens" if _name(path[0]) == "1" else "counters"
+        return "tokens"
     field, rest = _name(path[1]), {_name(k) for k in path[2:]}
     if field == "params":
         return "params"
@@ -141,7 +141,9 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
       vocab_size: the tokenizer's vocabulary size V.
       program: "sync" (the step that ends a round, one step; data parallel has
         no rounds and gets its one program) or "inner" (a block of inner
-        steps, the most the trainer runs in one call: gcd(log_every, period)).
+        steps: gcd(log_every, period), the longest block the trainer can run;
+        it runs one step fewer where every block ends on a sync step, which
+        leaves the footprint all but unchanged).
 
     Returns:
       The ``jax.stages.Compiled`` program (``memory_analysis()``, ``as_text()``).
