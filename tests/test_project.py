@@ -48,3 +48,16 @@ def test_nothing_edits_sys_path():
     edits = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in files
              for m in _PATH_EDIT.finditer(p.read_text(encoding="utf-8"))]  # fmt: skip
     assert edits == []
+
+
+def test_accelerator_extras_pin_the_same_jax_as_the_install():
+    """``.[cuda12]``, ``.[cuda13]`` and ``.[tpu]`` must not pull a jax other than the pinned one."""
+    import configparser  # noqa: PLC0415
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    pins = [r.strip() for r in cfg["options"]["install_requires"].splitlines() if r.strip()]
+    jax_range = next(r for r in pins if r.startswith("jax>="))[len("jax"):]
+    extras = cfg["options.extras_require"]
+    for name in ("cuda12", "cuda13", "tpu"):
+        assert extras[name].split() == [f"jax[{name}]{jax_range}"], name
