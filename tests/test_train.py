@@ -127,6 +127,9 @@ def test_a_run_with_the_same_settings_reuses_the_compiled_programs(tmp_path, nol
     again, _ = loop._build(s)  # a resume, a notebook cell run again: nothing to compile
     assert (again.inner, again.sync, again.evaluate) == (first.inner, first.sync, first.evaluate)
     assert again.calls is first.calls  # so the bar does not report a compile that did not happen
+    # The real loop compiled each block length once, and the sync step once: no recompiles.
+    lengths = {key for name, key in first.calls if name == "inner"}
+    assert lengths and first.inner._cache_size() == len(lengths) and first.sync._cache_size() == 1
     host_only = variant(s, eval_every=6, keep_checkpoints=5, data={"data_dir": str(tmp_path)})
     assert loop._build(host_only)[0].inner is first.inner  # fields the programs never read
     other_lr = loop._build(variant(s, optim={"learning_rate": 1e-3}))[0]
