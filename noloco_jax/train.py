@@ -306,11 +306,6 @@ def _config_file(argv: Sequence[str]) -> tuple[str | None, str | None]:
     return problem, None if config is None else _not_a_trainer_config(config, found[-1][0])
 
 
-def _load_problem(path: pathlib.Path, value: str) -> str | None:
-    """Runs the file's get_config(): an error in it is the user's, said in one line."""
-    return _run_config_file(path, value)[0]
-
-
 def _run_config_file(path: pathlib.Path, value: str) -> tuple[str | None, Any]:
     """(What is wrong with the file, or None; its config): get_config() run as absl would."""
     import importlib.util  # noqa: PLC0415

@@ -323,7 +323,7 @@ def test_a_config_file_that_loads_is_never_refused_by_the_load_check(tmp_path):
                     "import ml_collections\n\n\n@dataclasses.dataclass\nclass Sweep:\n"
                     "    lr: float = 1e-3\n\n\ndef get_config():\n"
                     "    return ml_collections.ConfigDict({'lr': Sweep().lr})\n")  # fmt: skip
-    assert train._load_problem(path, str(path)) is None
+    assert train._run_config_file(path, str(path))[0] is None
 
 
 @pytest.mark.parametrize("row", list(CASES))
