@@ -8,6 +8,7 @@ fused chunks of steps, evaluating and checkpointing at chunk boundaries.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -17,7 +18,8 @@ import pathlib
 import signal
 import threading
 import time
-from typing import Any, Callable
+import types
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +36,13 @@ from noloco_jax.data.token_files import open_token_dir, sharded_batches
 from noloco_jax.optim.fragments import by_layer_blocks
 from noloco_jax.optim.local_steps import find_local_steps_state
 from noloco_jax.pipeline.stages import check_stages
-from noloco_jax.trainer import aot, memory
+from noloco_jax.trainer import aot, grads, memory
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer.observability import Profiler, check_sinks, distance_to_mean, make_sinks
 from noloco_jax.pipeline.routed import STAGE
 from noloco_jax.skippipe.training import SkipConfig
-from noloco_jax.trainer import grads
 from noloco_jax.trainer.resize import check_resume, restore_resized
 from noloco_jax.trainer.state import first_state
 from noloco_jax.trainer.settings import (ROUND_METHODS, TrainSettings, check_delay_windows,
@@ -157,20 +158,17 @@ def _model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
 class _Run:
     """Everything compiled and built for one run.
 
-    ``inner(state, tokens [N, K, ...])`` runs K inner steps (K at most ``block``;
-    each K compiles once, and a steady run has one or two K);
-    ``sync(state, tokens [N, 1, ...])`` runs the step that ends a round
-    (``None`` for methods without rounds). These are the run's two programs.
-    With ``delay`` > 0 (the overlapped exchange) ``sync`` is a tuple of window
-    programs, one per fragment: ``sync[p](state, tokens)`` runs the delay + 1
-    steps from an exchange of fragment p to its merge (``tokens``: one
-    [N, 1, ...] array per step).
+    The run's two programs: ``inner(state, tokens [N, K, ...])`` runs K <= ``block`` inner
+    steps; ``sync(state, tokens [N, 1, ...])`` the step that ends a round (None without rounds).
+    With ``delay`` > 0, ``sync[p](state, tokens)`` runs fragment p's window, the delay + 1 steps
+    from its exchange to its merge (``tokens``: one [N, 1, ...] array per step).
     """
 
     settings: TrainSettings
     data: DataBundle
     reps: replicas.Replicas
     params0: Any
+    graphdef: Any
     inner: Callable
     sync: Callable | None
     block: int  # steps per call of ``inner``; the sync steps fall on block ends
@@ -209,15 +207,13 @@ def _build(s: TrainSettings) -> tuple[_Run, TrainState]:
         "batcher": data.batcher.state(),
         "vocab_size": int(data.tokenizer.vocab_size),
     }
-    return _Run(s, data, programs.reps, params0, programs.inner, programs.sync, block, period,
-                programs.evaluate, meta, fresh, calls=programs.calls,
+    return _Run(s, data, programs.reps, params0, graphdef, programs.inner, programs.sync, block,
+                period, programs.evaluate, meta, fresh, calls=programs.calls,
                 delay=s.outer.delay if rounds else 0), programs.target  # fmt: skip
 
 
-# A process keeps the programs of its last few runs: a run with the same settings, vocabulary
-# and evaluation windows (a notebook cell run again, a resume, a test repeating a run) reuses
-# them instead of compiling again, and one with another optimizer reuses the evaluator. Same
-# programs, so the same numbers.
+# A process keeps the programs of its last few runs: a run with the same settings and data (a
+# resume, a notebook cell run again) reuses them; one with another optimizer, the evaluator.
 KEEP_COMPILED = 8
 
 
@@ -424,8 +420,7 @@ def _lowest(values: np.ndarray) -> float:
 
 def _eval_layout(num_windows: int, limit: int = 16) -> tuple[int, int]:
     """(batch size, windows after padding): an even split when a divisor of at least half the
-    limit exists, else batches of ``limit`` with the last filled by repeats of the first windows
-    (dropped from the results); 17 windows ran as 17 batches of one."""
+    limit exists, else batches of ``limit``, the last padded with the first windows (dropped)."""
     most = min(limit, num_windows)
     best = max(d for d in range(1, most + 1) if num_windows % d == 0)
     return (best, num_windows) if best >= most // 2 else (limit, -(-num_windows // limit) * limit)
@@ -449,7 +444,7 @@ def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray)
         per = replicas.to_host(per_replica(params, stacked))[:, :num]  # [N, W, T] token losses
         seq = per.mean(-1)  # [N, W] per-sequence mean CE
         mixture = -np.asarray(ensemble.uniform_mixture(-jnp.asarray(per)))  # [W, T]
-        out = {
+        return {
             # The paper's metric: exp of the mean per-sequence CE pooled over replicas.
             "val_ppl": _ppl(float(seq.mean())),
             "val_loss": float(seq.mean()),
@@ -458,11 +453,10 @@ def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray)
             "val_ppl_avg_model": _ppl(float(replicas.to_host(averaged(params, single)).mean())),
             # All replicas as one model: the mean of their next-token distributions.
             "val_ppl_ensemble": _ppl(float(mixture.mean())),
+            "replica_spread": (float(replicas.to_host(spread(params)).reshape(-1)[0]) if n > 1
+                               else 0.0),
+            "distance_to_mean_per_replica": distance_to_mean(params),
         }
-        spread_value = replicas.to_host(spread(params)).reshape(-1)[0]
-        out["replica_spread"] = float(spread_value) if n > 1 else 0.0
-        out["distance_to_mean_per_replica"] = distance_to_mean(params)
-        return out
 
     return evaluate
 
@@ -480,18 +474,15 @@ def _restore_or_init(
     stop the run with an error. When checkpoints existed but none is readable,
     the run stops instead of silently starting again from step 0.
     """
-    steps = ckpt.all_steps()
-    for step in reversed(steps):
-        meta, err = _attempt(lambda: _checked_meta(ckpt, step))
-        if err is not None:
-            _set_aside(ckpt, writer, step, err)
-            continue
-        # Settings are compared before the arrays are read: a checkpoint of another
-        # topology is refused with a clear error and left untouched, never set aside.
-        old_n = check_resume(meta, run.meta, run.settings.allow_resize)  # None: same N
-        restored, err = _attempt(lambda: ckpt.restore(step, target)[0] if old_n is None else
-                                 restore_resized(ckpt, step, target, old_n, run.reps))
-        if err is not None:
+    for step in reversed(ckpt.all_steps()):
+        try:
+            meta = _checked_meta(ckpt, step)
+            # Settings are compared before the arrays are read: a checkpoint of another
+            # topology is refused with a clear error and left untouched, never set aside.
+            old_n = check_resume(meta, run.meta, run.settings.allow_resize)  # None: same N
+            restored = (ckpt.restore(step, target)[0] if old_n is None
+                        else restore_resized(ckpt, step, target, old_n, run.reps))
+        except CorruptCheckpointError as err:
             _set_aside(ckpt, writer, step, err)
             continue
         run.resized_from = old_n  # reported once training goes on (_report_resize)
@@ -536,14 +527,6 @@ def _checked_meta(ckpt: Checkpointer, step: int) -> dict:
     if missing:
         raise CorruptCheckpointError(f"checkpoint {step}: its metadata lacks {missing}.")
     return meta
-
-
-def _attempt(read: Callable[[], Any]) -> tuple[Any, CorruptCheckpointError | None]:
-    """``(read(), None)``, or ``(None, error)`` when the checkpoint is damaged."""
-    try:
-        return read(), None
-    except CorruptCheckpointError as err:
-        return None, err
 
 
 def _set_aside(ckpt: Checkpointer, writer: MetricWriter, step: int, err: Exception) -> None:
@@ -592,14 +575,14 @@ def train_and_evaluate(
     if jax.process_index() == 0:  # in a multi-process run, process 0's lock stands for all
         lock.acquire()
     try:
-        with _StopSignals() as stop:
+        with _stop_signals() as stop:
             return _train(settings, workdir, stop_at, progress, stop)
     finally:
         lock.release()
 
 
 def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, progress: bool,
-           stop: "_StopSignals") -> dict[str, Any]:
+           stop: types.SimpleNamespace) -> dict[str, Any]:
     ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints, probe=True)
     first = jax.process_index() == 0
     for line in warnings_for(settings) if first else ():
@@ -619,8 +602,8 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
             return _already_finished(workdir, step, verbose=first)
         _report_resize(run, writer, step)
         bar = Progress(progress and first, settings.num_steps, step)
-        saves = _SaveReport(ckpt, bar, sum(x.nbytes for x in jax.tree.leaves(state)), first)
-        session = _Session(run, ckpt, writer, bar, saves, _Escalation(run, state, ckpt), stop)
+        session = _Session(run, ckpt, writer, bar, _Escalation(run, state, ckpt), stop,
+                           array_bytes=sum(x.nbytes for x in jax.tree.leaves(state)))
         end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
         last = _loop(session, state, step, end, profiler)
     except BaseException:
@@ -629,7 +612,7 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
         raise
     profiler.close()
     ckpt.close()  # raises CheckpointSaveError if the last save failed
-    saves.report(closed=True)
+    _report_saves(session, closed=True)
     writer.close()
     bar.close()
     return last
@@ -643,9 +626,10 @@ class _Session:
     ckpt: Checkpointer
     writer: MetricWriter
     bar: Progress
-    saves: "_SaveReport"
-    guard: "_Escalation"
-    stop: "_StopSignals"
+    guard: _Escalation
+    stop: types.SimpleNamespace  # .requested: the stop signal's name, or None
+    array_bytes: int  # the state's, shown beside each checkpoint's size on disk
+    pending: list = dataclasses.field(default_factory=list)  # saves not yet reported
     last: dict = dataclasses.field(default_factory=dict)
 
 
@@ -657,7 +641,7 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
     # At step 0, and right after a resize (marked, as it shares its step with the eval before);
     # a signal during start-up writes nothing, so the resume's step-0 eval is the only one.
     if (step == 0 or ses.run.resized_from) and not ses.stop.requested:
-        _evaluate(ses.run, state, step, ses.writer, ses.last, ses.bar, ses.run.resized_from)
+        _evaluate(ses, state, step, ses.run.resized_from)
     while step < end and not ses.stop.requested:
         start, programs = step, len(ses.run.calls)
         k = min(s.log_every - step % s.log_every, end - step)
@@ -673,7 +657,7 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
         ses.last["stopped_by"] = ses.stop.requested
         saved = ("after saving its checkpoint" if ses.ckpt.latest_step() == step
                  else "before training further (nothing new to save)")
-        _say(ses.bar, f"{ses.stop.requested}: stopped at step {step} {saved}; run the same "
+        ses.bar.write(f"{ses.stop.requested}: stopped at step {step} {saved}; run the same "
                       f"command again to resume.")  # fmt: skip
     return ses.last
 
@@ -683,7 +667,7 @@ def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metric
     s = ses.run.settings
     resets_before = ses.last.get("nonfinite_resets", 0.0)
     ses.writer.write(step, "train", metrics)
-    ses.saves.report()  # the saves that finished during this chunk
+    _report_saves(ses)  # the saves that finished during this chunk
     if metrics["nonfinite_resets"] > resets_before:
         _report_reset(ses.writer, step, metrics["nonfinite_resets"], ses.bar)
     ses.last.update(metrics, step=step)
@@ -691,42 +675,30 @@ def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metric
     _check_phase_errors(state, step)
     ses.ckpt.check()  # a failed asynchronous save stops the run now
     if step % s.eval_every == 0 or step == s.num_steps:
-        _evaluate(ses.run, state, step, ses.writer, ses.last, ses.bar)
+        _evaluate(ses, state, step)
     if step % s.checkpoint_every == 0 or step == s.num_steps or ses.stop.requested:
         ses.guard.check_savable(state, step)
-        ses.saves.report(wait=True)  # orbax waits for the previous save here anyway
+        _report_saves(ses, wait=True)  # orbax waits for the previous save here anyway
         counted = {k: ses.last[k] for k in ("tokens_seen", "bytes_sent_per_replica")}
         ses.ckpt.save(step, state, {**ses.run.meta, "counted": counted,
                                     "reset_streak": ses.guard.streak.tolist()})  # fmt: skip
-        ses.saves.pending.append(step)
+        ses.pending.append(step)
 
 
-@dataclasses.dataclass
-class _SaveReport:
-    """Prints each checkpoint's size on disk once its asynchronous save has finished."""
-
-    ckpt: Checkpointer
-    bar: Progress
-    array_bytes: int
-    enabled: bool
-    pending: list = dataclasses.field(default_factory=list)
-
-    def report(self, wait: bool = False, closed: bool = False) -> None:
-        """Reports the finished saves (``wait``: wait for them; ``closed``: all are done)."""
-        if not self.pending:
-            return
-        if wait:
-            self.ckpt.wait()
-        elif not closed and self.ckpt.saving():
-            return
-        for step in self.pending:
-            size = self.ckpt.size_bytes(step)
-            if self.enabled and size:
-                self.bar.write(
-                    f"checkpoint at step {step}: {_megabytes(size)} on disk "
-                    f"({_megabytes(self.array_bytes)} of arrays, zstd) in "
-                    f"{self.ckpt.directory / str(step)}; the newest {self.ckpt.keep} kept")
-        self.pending.clear()
+def _report_saves(ses: _Session, wait: bool = False, closed: bool = False) -> None:
+    """Prints each finished checkpoint's size on disk (``wait``: wait for the saves; ``closed``:
+    all are done)."""
+    if not ses.pending or (not wait and not closed and ses.ckpt.saving()):
+        return
+    if wait:
+        ses.ckpt.wait()
+    for step in ses.pending:
+        size = ses.ckpt.size_bytes(step)
+        if ses.writer.enabled and size:  # process 0 only
+            ses.bar.write(f"checkpoint at step {step}: {_megabytes(size)} on disk "
+                          f"({_megabytes(ses.array_bytes)} of arrays, zstd) in "
+                          f"{ses.ckpt.directory / str(step)}; the newest {ses.ckpt.keep} kept")
+    ses.pending.clear()
 
 
 def _megabytes(n: int) -> str:
@@ -764,44 +736,34 @@ def _close_quietly(ckpt: Checkpointer, writer: MetricWriter, bar: Any) -> None:
             print(f"WARNING: while stopping: {type(err).__name__}: {str(err)[:300]}", flush=True)
 
 
-def _say(bar: Any, line: str) -> None:
-    (bar.write if bar is not None else functools.partial(print, flush=True))(line)
-
-
-class _StopSignals:
-    """SIGINT/SIGTERM set a flag; the loop saves at the next step boundary and returns.
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[types.SimpleNamespace]:
+    """SIGINT/SIGTERM set ``requested``; the loop saves at the next step boundary and returns.
 
     A second signal of the same kind acts as it would without this handler
     (SIGINT: ``KeyboardInterrupt``; SIGTERM: the process ends). Handlers are
     installed only in the main thread and restored on exit.
     """
+    stop, previous = types.SimpleNamespace(requested=None), {}
 
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.requested: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "_StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self._SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: Any) -> None:
+    def handle(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if self.requested is not None:  # second signal: act as if we were not here
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        if stop.requested is not None:  # second signal: act as if we were not here
+            signal.signal(signum, previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
             return
-        self.requested = name
+        stop.requested = name
         print(f"{name} received: saving a checkpoint at the end of the current steps, then "
               f"stopping (send it again to stop at once).", flush=True)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handle)
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 # A replica caught by the guard at this many consecutive syncs stops the run.
@@ -890,18 +852,18 @@ def _per_replica_resets(state: TrainState, num_replicas: int) -> np.ndarray:
 def _per_replica_finite(tree: Any) -> list[jax.Array]:
     """Per float leaf, [N] bool: replica i's values are all finite (leading axis = replica).
 
-    Combined on the host: with one replica split over devices the leaves' results come with
-    different shardings, which one ``stack`` refuses.
+    A list, stacked on the host: with a replica split over devices the shardings differ.
     """
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return [jnp.isfinite(x).reshape(x.shape[0], -1).all(1) for x in leaves]
 
 
-def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, last: dict,
-              bar: Progress, resized_from: int | None = None) -> None:
-    metrics = run.evaluate(state.params)
-    writer.write(step, "eval", {**metrics, "resized_from": resized_from} if resized_from
-                 else metrics)  # fmt: skip
+def _evaluate(ses: _Session, state: TrainState, step: int, resized_from: int | None = None
+              ) -> None:  # fmt: skip
+    metrics = ses.run.evaluate(state.params)
+    ses.writer.write(step, "eval", {**metrics, "resized_from": resized_from} if resized_from
+                     else metrics)  # fmt: skip
+    last = ses.last
     last.update(metrics)
     line = (
         f"step {step:6d}  val ppl {metrics['val_ppl']:8.3f} (pooled over replicas)  "
@@ -909,7 +871,7 @@ def _evaluate(run: _Run, state: TrainState, step: int, writer: MetricWriter, las
     )
     if "train_loss" in last:
         line += f"  train loss {last['train_loss']:.3f}  {last['tokens_per_sec']:.0f} tok/s"
-    bar.write(line)
+    ses.bar.write(line)
 
 
 def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any, Any, DataBundle]:
@@ -922,8 +884,7 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
     check_loadable(ckpt.read_meta(step)["settings"], run.meta["settings"])  # not "corrupt"
     restored, _ = ckpt.restore(step, target)
     ckpt.close()
-    _, graphdef, _ = prepare_model(settings, run.data.tokenizer.vocab_size, abstract=True)
-    return graphdef, restored.params, run.data
+    return run.graphdef, restored.params, run.data
 
 
 def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
@@ -955,17 +916,14 @@ def _run_blocks(run: _Run, state: TrainState, step: int, k: int) -> tuple[TrainS
     """
     losses, end = [], step + k
     while step < end:
-        size = min(run.block - step % run.block, end - step)
-        if run.period is not None:
-            start = _window_start(run, step, end)
-            if start == step:  # the exchange, the delay's inner steps and the merge
-                state, out = _run_window(run, state, step)
-                losses.append(out)
-                step += run.delay + 1
-                continue
-            size = min(size, start - step)
-        run.calls.add(("inner", size))  # each block length compiles once
-        state, out = run.inner(state, _next_tokens(run, step, size))
+        start = end if run.period is None else _window_start(run, step, end)
+        if start == step:  # the exchange, the delay's inner steps and the merge
+            state, out = _run_window(run, state, step)
+            size = run.delay + 1
+        else:
+            size = min(run.block - step % run.block, end - step, start - step)
+            run.calls.add(("inner", size))  # each block length compiles once
+            state, out = run.inner(state, _next_tokens(run, step, size))
         losses.append(out)
         step += size
     return state, np.concatenate([replicas.to_host(x) for x in losses], axis=1)
@@ -1001,7 +959,7 @@ def _train_metrics(run: _Run, state: TrainState, step: int, k: int, losses: np.n
     losses = np.asarray(losses, np.float64)  # means of float32 losses, without float32 rounding
     finite = np.isfinite(losses)
     guarded = guard_acts(s)
-    metrics = {
+    return {
         # With the guard: the mean over finite replica losses (a replica the guard is
         # resetting is counted apart). Without: a NaN replica makes the loss NaN (both).
         "train_loss": (float(losses[finite].mean()) if finite.any() else float("nan"))
@@ -1015,14 +973,12 @@ def _train_metrics(run: _Run, state: TrainState, step: int, k: int, losses: np.n
         "tokens_per_sec": n_tokens / seconds,
         **_counts(run, step),
     }
-    return metrics
 
 
 def _counts(run: _Run, step: int) -> dict[str, Any]:
     """Tokens seen and bytes sent per replica by ``step``, counted on from the last resize."""
     s = run.settings
     since, tokens, sent = run.counted or (0, 0, 0.0)
-
     copies = s.num_stages if s.num_stages > 1 and _stage_mesh(s) else 1
 
     def sent_by(steps: int) -> float:
