@@ -196,17 +196,18 @@ def _check_seed(field: str, value: Any) -> None:
     check_int(field, value, 0, MAX_SEED, "2**32 - 1")
 
 
-def _section(cls: type, values: Any, prefix: str) -> Any:
-    values = dict(values or {})
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    require(not unknown, f"config.{prefix}{unknown[0] if unknown else ''}", f"unknown field; "
-            f"valid fields of config.{prefix.rstrip('.') or 'root'} are {sorted(known)}.")
-    return cls(**values)
+def _check_known(values: dict, cls: type, prefix: str) -> None:
+    """Refuses a key of ``values`` that is not a field of ``cls`` (``prefix``: "" or "model.")."""
+    known = sorted(f.name for f in dataclasses.fields(cls))
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        where = f"fields of config.{prefix[:-1]}" if prefix else "top-level fields"
+        raise UserError(f"config.{prefix}{unknown[0]}: unknown field; valid {where} are {known}.")
 
 
 def validate(s: TrainSettings) -> TrainSettings:
     """Checks every field; returns ``s`` or raises ``ValueError`` naming the field."""
+    _check_bools(s)
     _validate_run(s)
     _validate_model(s)
     _validate_data(s)
@@ -238,12 +239,18 @@ def validate(s: TrainSettings) -> TrainSettings:
             f"method={s.method!r}.")  # fmt: skip
     _validate_skip(s.skip, s.num_stages)
     parse_profile_steps(s.profile_steps)
-    check_bool("config.log.wandb", s.log.wandb)
     require(bool(s.log.wandb_project), "config.log.wandb_project", "must not be empty.")
-    check_bool("config.allow_resize", s.allow_resize)
     require(not (s.allow_resize and s.num_stages > 1), "config.allow_resize",
             "resizing runs with pipeline stages (num_stages > 1) is not supported.")
     return s
+
+
+def _check_bools(s: TrainSettings) -> None:
+    """Every ``bool`` field is True or False (not 0, 1 or "yes")."""
+    for prefix, obj in [("", s), *((f"{n}.", getattr(s, n)) for n in _SECTIONS)]:
+        for f in dataclasses.fields(obj):
+            if f.type == "bool":
+                check_bool(f"config.{prefix}{f.name}", getattr(obj, f.name))
 
 
 def _validate_run(s: TrainSettings) -> None:
@@ -277,11 +284,9 @@ def guard_acts(s: TrainSettings) -> bool:
 def check_log_and_sync_every(s: TrainSettings) -> None:
     """The chunk rule: ``log_every`` and ``outer.sync_every`` divide one another.
 
-    The trainer compiles two programs, blocks of inner steps and the sync step; each chunk
-    then holds whole rounds or lies inside one, so a steady run has one or two block lengths
-    (each compiles once). The message suggests a
-    ``log_every`` that also divides ``eval_every`` and ``checkpoint_every``, and a
-    ``sync_every`` that stays a multiple of ``outer.fragments``.
+    Each chunk then holds whole rounds or lies inside one. The message suggests a ``log_every``
+    that also divides ``eval_every`` and ``checkpoint_every``, and a ``sync_every`` that stays
+    a multiple of ``outer.fragments``.
 
     Raises:
       UserError (a ``ValueError``): naming both fields.
@@ -303,11 +308,9 @@ def check_log_and_sync_every(s: TrainSettings) -> None:
 def check_delay_windows(s: TrainSettings, stop_at: int | None = None) -> None:
     """The window rule: no chunk boundary falls inside an overlap window.
 
-    With ``outer.delay = tau`` the trainer runs a round's exchange, its tau inner steps and the
-    merge as one program, over the steps done from t - tau - 1 to t (t a multiple of the
-    round period S = sync_every / fragments). A chunk (log, eval, checkpoint, the run's end,
-    ``stop_at``) must not end at t - tau .. t - 1. Chunks end at multiples of log_every, which
-    reach every multiple of gcd(log_every, S) modulo S, so that needs gcd(log_every, S) > tau.
+    With ``outer.delay = tau`` a round's window is the steps from t - tau - 1 to t (t a multiple
+    of the round period S = sync_every / fragments). A chunk (log, eval, checkpoint, the run's
+    end, ``stop_at``) must not end at t - tau .. t - 1, so gcd(log_every, S) > tau.
 
     Raises:
       UserError (a ``ValueError``): naming the field, its value and what is allowed.
@@ -338,8 +341,6 @@ def _validate_model(s: TrainSettings) -> None:
     check_choice("config.model.param_dtype", s.model.param_dtype, DTYPES)
     check_int("config.model.vocab_size", s.model.vocab_size, minimum=0)
     check_int("config.model.num_layers", s.model.num_layers, minimum=0)
-    check_bool("config.model.remat", s.model.remat)
-    check_bool("config.model.tie_embeddings", s.model.tie_embeddings)
     if s.model.init_from:  # the checkpoint's config.json decides: these were ignored silently
         for field, default in (("num_layers", 0), ("num_kv_heads", 0), ("tie_embeddings", False)):
             value = getattr(s.model, field)
@@ -447,7 +448,6 @@ def _is_codec(name: Any) -> bool:
 def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
     check_int("config.skip.num_stages", k.num_stages, minimum=0)
     check_int("config.skip.full_every", k.full_every, minimum=0)
-    check_bool("config.skip.swaps", k.swaps)
     if k.num_stages == 0:
         return
     check_path_length(k.path_length, k.num_stages, field="config.skip.path_length",
@@ -458,8 +458,6 @@ def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
 
 def _validate_fault(f: FaultSettings, num_replicas: int) -> None:
     check_dropout_prob(f.dropout_prob, "config.fault.dropout_prob")
-    check_bool("config.fault.resync_absent", f.resync_absent)
-    check_bool("config.fault.nonfinite_guard", f.nonfinite_guard)
     check_int("config.fault.inject_nan_step", f.inject_nan_step, minimum=-1)
     check_int("config.fault.inject_nan_replica", f.inject_nan_replica, 0, num_replicas - 1,
               f"num_replicas - 1 = {num_replicas - 1}")  # fmt: skip
@@ -485,8 +483,6 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     check_sync_every(o.sync_every, "config.outer.sync_every")
     check_rate("config.outer.learning_rate", o.learning_rate)
     check_momentum("config.outer.momentum", o.momentum)
-    check_bool("config.outer.nesterov", o.nesterov)
-    check_bool("config.outer.error_feedback", o.error_feedback)
     if o.gamma is not None:
         check_rate("config.outer.gamma", o.gamma)
     check_choice("config.outer.exchange_dtype", o.exchange_dtype,
@@ -510,26 +506,13 @@ def from_config(config: Any) -> TrainSettings:
     A field the config leaves out takes its default from ``defaults.FIELDS``.
     """
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    sections = _SECTIONS
-    kwargs = {k: v for k, v in d.items() if k not in sections}
-    known = {f.name for f in dataclasses.fields(TrainSettings)} - set(sections)
-    unknown = sorted(set(kwargs) - known)
-    require(not unknown, f"config.{unknown[0] if unknown else ''}", f"unknown field; valid "
-            f"top-level fields are {sorted(known | set(sections))}.")
-    for name, cls in sections.items():
-        kwargs[name] = _section(cls, d.get(name), f"{name}.")
+    _check_known(d, TrainSettings, "")
+    kwargs = {k: v for k, v in d.items() if k not in _SECTIONS}
+    for name, cls in _SECTIONS.items():
+        values = dict(d.get(name) or {})
+        _check_known(values, cls, f"{name}.")
+        kwargs[name] = cls(**values)
     return validate(TrainSettings(**kwargs))
-
-
-def _can_extend(saved: dict, current: dict) -> bool:
-    """A longer run whose learning rate is the same at every step already taken.
-
-    With ``optim.min_lr_ratio == 1`` the schedule is warmup then constant, so it
-    does not depend on ``num_steps``: the extended run continues at the peak rate
-    and equals one planned that long from the start. A cosine schedule would
-    change its rate for the steps already taken, so extending it is refused.
-    """
-    return current["num_steps"] > saved["num_steps"] and saved.get("optim.min_lr_ratio") == 1
 
 
 def _dotted_pair(saved: dict, current: dict) -> tuple[dict, dict]:
@@ -542,6 +525,16 @@ def _dotted_pair(saved: dict, current: dict) -> tuple[dict, dict]:
     return a, b
 
 
+def _changes(a: dict, b: dict) -> dict[str, tuple[Any, Any]]:
+    """The settings other than ``RESUMABLE`` that differ: dotted name -> (saved, current)."""
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if k not in RESUMABLE and a.get(k) != b.get(k)}  # fmt: skip
+
+
+def _detail(changes: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
+
+
 # Settings that shape a checkpoint's arrays, or the data a loaded run is analysed on.
 _SHAPING = ("method", "num_replicas", "num_stages", "seed", "model.", "data.", "outer.fragments",
             "outer.delay", "outer.exchange_dtype", "outer.error_feedback")  # fmt: skip
@@ -551,34 +544,33 @@ def check_loadable(saved: dict, current: dict) -> None:
     """Refuses to load a checkpoint for analysis with settings that shape its arrays or data
     (the schedule, rates and run length may differ: an extended run loads with its first
     config)."""
-    a, b = _dotted_pair(saved, current)
-    changed = sorted(k for k in set(a) | set(b) if k.startswith(_SHAPING) and k not in RESUMABLE
-                     and a.get(k) != b.get(k))  # fmt: skip
-    if changed:
-        detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed)
+    changes = {k: v for k, v in _changes(*_dotted_pair(saved, current)).items()
+               if k.startswith(_SHAPING)}  # fmt: skip
+    if changes:
         raise ValueError(f"cannot load the run: its checkpoint was written with other settings "
-                         f"that shape its arrays or data ({detail}); pass the run's own.")
+                         f"that shape its arrays or data ({_detail(changes)}); pass the run's own.")
 
 
 def check_resume_compatible(saved: dict, current: dict) -> None:
     """Refuses to resume when settings that shape the run have changed.
 
-    ``num_steps`` may grow when the schedule allows it (``_can_extend``). A setting the
-    checkpoint does not record (it predates the field) counts as its default.
+    ``num_steps`` may grow when the checkpoint's ``optim.min_lr_ratio`` is 1 (warmup, then
+    constant): that schedule does not depend on it, so the longer run equals one planned that
+    long. A setting the checkpoint does not record (it predates the field) counts as its default.
     """
     a, b = _dotted_pair(saved, current)
-    changed = sorted(k for k in set(a) | set(b) if k not in RESUMABLE and a.get(k) != b.get(k))
-    if "num_steps" in changed and _can_extend(a, b):
-        changed.remove("num_steps")
-    if changed:
-        detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed)
+    changes = _changes(a, b)
+    if b.get("num_steps", 0) > a["num_steps"] and a.get("optim.min_lr_ratio") == 1:
+        del changes["num_steps"]
+    if changes:
         hint = ""
-        if "num_steps" in changed:
+        if "num_steps" in changes:
             hint = (" A run can be extended (num_steps raised) only when its learning-rate "
                     "schedule does not depend on num_steps: optim.min_lr_ratio=1 (warmup, then "
                     "constant); a cosine schedule would change the rate of the steps already "
                     "taken.")
         raise ValueError(
-            f"cannot resume: the checkpoint was written with different settings ({detail}). "
-            f"Resume with the original settings, or start a new run in another --workdir.{hint}"
+            f"cannot resume: the checkpoint was written with different settings "
+            f"({_detail(changes)}). Resume with the original settings, or start a new run in "
+            f"another --workdir.{hint}"
         )
