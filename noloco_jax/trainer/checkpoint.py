@@ -196,8 +196,9 @@ class Checkpointer:
                     ),
                 )
             except Exception as err:  # noqa: BLE001 - classified below
-                error = _restore_error(self.directory, step, err)  # the message keeps its gist;
-        if error is not None:  # err's frames (and orbax's failed reads) are gone by now
+                # Keep only the message: err's frames must die inside the block (its docstring).
+                error = _restore_error(self.directory, step, err)
+        if error is not None:
             raise _stop_every_process(step, self.directory, error)
         state, meta = restored["state"], restored["meta"]
         _verify(state, meta, step)
@@ -229,7 +230,7 @@ class Checkpointer:
         while dst.exists():
             k += 1
             dst = self.directory / f"{step}.corrupt-{k}"
-        if _first_process():
+        if jax.process_index() == 0:
             src.rename(dst)
         _barrier(f"noloco_quarantine_{step}_done")
         self._manager.reload()
@@ -242,6 +243,7 @@ class Checkpointer:
     def size_bytes(self, step: int) -> int:
         """Bytes on disk of the checkpoint of ``step`` (0 if there is none)."""
         return sum(f.stat().st_size for f in (self.directory / str(step)).rglob("*") if f.is_file())
+
     def set_aside(self) -> list[pathlib.Path]:
         """Step directories set aside as corrupt by earlier runs."""
         if not self.directory.is_dir():
@@ -275,10 +277,6 @@ def _barrier(name: str) -> None:
         from jax.experimental import multihost_utils  # noqa: PLC0415
 
         multihost_utils.sync_global_devices(name)
-
-
-def _first_process() -> bool:
-    return jax.process_index() == 0
 
 
 def _several_processes() -> bool:

@@ -47,12 +47,13 @@ def skipping(graphdef: Any, cfg: SkipConfig) -> GradsFn:
     return grads_fn
 
 
-def _route_idx(step: jax.Array, *, num_stages: int, batch: int, pool_size: int, seed: int,
+def _route_idx(step: jax.Array, tokens: jax.Array, pool: np.ndarray, num_stages: int, seed: int,
                fixed: bool) -> jax.Array:  # fmt: skip
+    """Pool index of each boundary and micro-batch (a row of ``tokens``), [S - 1, B]."""
     if fixed:  # pool row 0 is the identity
-        return jax.numpy.zeros((num_stages - 1, batch), jax.numpy.int32)
-    return pl.route_indices(step, num_boundaries=num_stages - 1, num_microbatches=batch,
-                            pool_size=pool_size, seed=seed)  # fmt: skip
+        return jax.numpy.zeros((num_stages - 1, tokens.shape[0]), jax.numpy.int32)
+    return pl.route_indices(step, num_boundaries=num_stages - 1, num_microbatches=tokens.shape[0],
+                            pool_size=len(pool), seed=seed)  # fmt: skip
 
 
 def routed(graphdef: Any, pool: np.ndarray, num_stages: int, *, seed: int,
@@ -61,8 +62,7 @@ def routed(graphdef: Any, pool: np.ndarray, num_stages: int, *, seed: int,
     routing gathers over "replica"."""
 
     def grads_fn(params: Any, tokens: jax.Array, step: jax.Array):
-        idx = _route_idx(step, num_stages=num_stages, batch=tokens.shape[0], pool_size=len(pool),
-                         seed=seed, fixed=fixed)  # fmt: skip
+        idx = _route_idx(step, tokens, pool, num_stages, seed, fixed)
         loss = functools.partial(pl.routed_loss, graphdef=graphdef, pool=pool,
                                  num_stages=num_stages, gather=True)  # fmt: skip
         return jax.value_and_grad(loss)(params, tokens, idx)
@@ -75,8 +75,7 @@ def routed_on_mesh(graphdef: Any, pool: np.ndarray, num_stages: int, *, seed: in
     """The routed pipeline on a ``(replica, stage)`` mesh; the loss is the replica's."""
 
     def grads_fn(params: Any, tokens: jax.Array, step: jax.Array):
-        idx = _route_idx(step, num_stages=num_stages, batch=tokens.shape[0], pool_size=len(pool),
-                         seed=seed, fixed=fixed)  # fmt: skip
+        idx = _route_idx(step, tokens, pool, num_stages, seed, fixed)
 
         def total(p):
             local = pl.routed_loss_on_mesh(p, tokens, idx, graphdef=graphdef, pool=pool,

@@ -12,11 +12,17 @@ import numpy as np
 
 from noloco_jax.trainer.settings import TrainSettings, parse_profile_steps
 
-__all__ = ["WandbSink", "Profiler", "check_sinks", "make_sinks", "distance_to_mean", "parse_profile_steps"]
+__all__ = ["WandbSink", "Profiler", "check_sinks", "make_sinks", "distance_to_mean",
+           "parse_profile_steps"]  # fmt: skip
 
 
-_NO_WANDB = ("config.log.wandb=True needs the wandb package: pip install 'noloco-jax[wandb]' "
-             "(or set config.log.wandb=False).")
+def _import_wandb() -> Any:
+    try:
+        import wandb  # noqa: PLC0415
+    except ImportError as err:
+        raise ValueError("config.log.wandb=True needs the wandb package: pip install "
+                         "'noloco-jax[wandb]' (or set config.log.wandb=False).") from err
+    return wandb
 
 
 class WandbSink:
@@ -39,11 +45,8 @@ class WandbSink:
 
     def __init__(self, workdir: str | pathlib.Path, *, project: str, run_name: str,
                  config: dict, resume_id: str) -> None:  # fmt: skip
-        try:
-            import wandb  # noqa: PLC0415
-        except ImportError as err:
-            raise ValueError(_NO_WANDB) from err
         directory = pathlib.Path(workdir)
+        wandb = _import_wandb()
         (directory / "wandb").mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
             project=project, name=run_name or None, config=config, dir=str(directory),
@@ -71,10 +74,7 @@ def check_sinks(s: TrainSettings) -> None:
     """Raises ``ValueError`` now (before any data or checkpoint work) if W&B is asked for but
     not installed."""
     if s.log.wandb:
-        try:
-            import wandb  # noqa: F401, PLC0415
-        except ImportError as err:
-            raise ValueError(_NO_WANDB) from err
+        _import_wandb()
 
 
 def make_sinks(s: TrainSettings, workdir: pathlib.Path) -> list[Any]:
@@ -90,18 +90,17 @@ def make_sinks(s: TrainSettings, workdir: pathlib.Path) -> list[Any]:
 
 def wandb_run_id(workdir: pathlib.Path) -> str:
     """The workdir's W&B run id, kept in ``workdir/wandb_run_id``: a resume continues its run,
-    and a fresh run in a reused path gets a new one (a path-derived id resumed the old run,
-    whose higher steps made W&B drop the new run's records). A workdir with checkpoints
-    from before the file existed keeps the path-derived id it used."""
+    a fresh run in a reused path gets a new one. A workdir with checkpoints from before the
+    file existed keeps the path-derived id it used."""
     import hashlib  # noqa: PLC0415
     import uuid  # noqa: PLC0415
 
-    path = pathlib.Path(workdir) / "wandb_run_id"
+    workdir = pathlib.Path(workdir)
+    path = workdir / "wandb_run_id"
     if path.is_file():
         return path.read_text().strip()
-    if any((pathlib.Path(workdir) / "checkpoints").glob("[0-9]*")):
-        run_id = "noloco-" + hashlib.sha256(str(pathlib.Path(workdir).resolve()).encode()
-                                            ).hexdigest()[:12]  # fmt: skip
+    if any((workdir / "checkpoints").glob("[0-9]*")):
+        run_id = "noloco-" + hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:12]
     else:
         run_id = "noloco-" + uuid.uuid4().hex[:12]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,7 @@
 """The run's first state, made where it lives: no device ever holds more than its share.
 
-Building one replica's state eagerly and copying it N times put N whole replicas (params,
-Adam moments, slow weights, outer momentum) on the first device before they were split,
-which no real cluster run survives. Here the state is one compiled program whose outputs
-are placed as the run places them, and a checkpoint restores onto placed shapes alone.
+The state is one compiled program whose outputs are placed as the run places them (never N
+whole replicas on the first device), and a checkpoint restores onto placed shapes alone.
 """
 
 from __future__ import annotations

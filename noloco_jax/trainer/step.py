@@ -108,9 +108,8 @@ def run_steps(
 ) -> tuple[TrainState, jax.Array]:
     """``step_fn`` on each of the K batches in turn, in one loop.
 
-    K is the tokens' leading size, so the loop's length is fixed when the program
-    compiles (each K compiles once). On a GPU a loop whose length is a run-time
-    value waits for the host at every step (BENCHMARKS.md: "trip count").
+    K is the tokens' leading size, fixed when the program compiles (each K compiles once;
+    BENCHMARKS.md: "trip count").
 
     Returns:
       The new state and the K losses.
@@ -142,9 +141,7 @@ def run_window(
 ) -> tuple[TrainState, jax.Array]:
     """The steps of one overlap window, unrolled: ``step_fns[k]`` on ``tokens[k]`` ([1, B, T + 1]).
 
-    Straight-line code, so the compiler sees that the exchange started by the
-    first step is needed only by the last (the merge) and may run it while
-    the steps in between compute.
+    Unrolled, so the exchange the first step starts may run during the steps before the merge.
 
     Returns:
       The new state and the K losses.

@@ -25,12 +25,10 @@ class MetricWriter:
         self._purge_step: int | None = None
         self.workdir = pathlib.Path(workdir)
         self.enabled = enabled
+        self._tensorboard = tensorboard
         self._sinks = list(sinks) if enabled else []
         self._jsonl = None
         self._tb = None
-        if not enabled:
-            return
-        self._tensorboard = tensorboard
 
     def _open(self) -> None:
         """Opens the sinks at the first record: a run that writes nothing leaves no new file."""
