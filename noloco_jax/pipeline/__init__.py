@@ -8,7 +8,8 @@ from noloco_jax.pipeline.routing import (
     sequence_paths,
 )
 from noloco_jax.pipeline.simulated import route_boundary, routed_losses
-from noloco_jax.pipeline.routed import make_pipeline_mesh, routed_loss, routed_loss_on_mesh, stage_leaf_axes
+from noloco_jax.pipeline.routed import (make_pipeline_mesh, routed_loss, routed_loss_on_mesh,
+                                        stage_leaf_axes)
 from noloco_jax.pipeline.stages import clip_by_stage_norm, leaf_owner, stage_layer_ids
 
 __all__ = [

@@ -123,7 +123,8 @@ def stage_leaf_axes(path: tuple, local: Any) -> tuple[str, ...]:
     return (STAGE,) if "blocks" in names else ()
 
 
-def make_pipeline_mesh(num_replicas: int, num_stages: int, devices: Any = None) -> jax.sharding.Mesh:
+def make_pipeline_mesh(num_replicas: int, num_stages: int,
+                       devices: Any = None) -> jax.sharding.Mesh:  # fmt: skip
     """A (replica, stage) mesh of N x S devices; a clear error when too few exist."""
     devices = list(jax.devices() if devices is None else devices)
     need = num_replicas * num_stages
@@ -133,5 +134,4 @@ def make_pipeline_mesh(num_replicas: int, num_stages: int, devices: Any = None) 
             f"{len(devices)} are visible (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count"
             f"={need})."
         )
-    arr = np.asarray(devices[:need]).reshape(num_replicas, num_stages)
-    return jax.make_mesh((num_replicas, num_stages), (REPLICA, STAGE), devices=arr.ravel())
+    return jax.make_mesh((num_replicas, num_stages), (REPLICA, STAGE), devices=devices[:need])

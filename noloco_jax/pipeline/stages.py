@@ -50,14 +50,9 @@ def stage_layer_ids(num_layers: int, num_stages: int) -> list[np.ndarray]:
     return [np.arange(s * per, (s + 1) * per, dtype=np.int32) for s in range(num_stages)]
 
 
-def _top_name(path: tuple) -> str:
-    key = path[0]
-    return str(getattr(key, "key", getattr(key, "name", key)))
-
-
 def leaf_owner(path: tuple) -> str:
     """"blocks" (split over stages by layer), "first" or "last" stage."""
-    name = _top_name(path)
+    name = str(getattr(path[0], "key", getattr(path[0], "name", path[0])))
     if name in BLOCK_LEAVES:
         return "blocks"
     if name in FIRST_STAGE_LEAVES:
