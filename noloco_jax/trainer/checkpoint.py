@@ -230,7 +230,7 @@ class Checkpointer:
         while dst.exists():
             k += 1
             dst = self.directory / f"{step}.corrupt-{k}"
-        if jax.process_index() == 0:
+        if _first_process():
             src.rename(dst)
         _barrier(f"noloco_quarantine_{step}_done")
         self._manager.reload()
@@ -277,6 +277,10 @@ def _barrier(name: str) -> None:
         from jax.experimental import multihost_utils  # noqa: PLC0415
 
         multihost_utils.sync_global_devices(name)
+
+
+def _first_process() -> bool:
+    return jax.process_index() == 0
 
 
 def _several_processes() -> bool:

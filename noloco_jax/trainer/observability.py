@@ -45,8 +45,8 @@ class WandbSink:
 
     def __init__(self, workdir: str | pathlib.Path, *, project: str, run_name: str,
                  config: dict, resume_id: str) -> None:  # fmt: skip
-        directory = pathlib.Path(workdir)
         wandb = _import_wandb()
+        directory = pathlib.Path(workdir)
         (directory / "wandb").mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
             project=project, name=run_name or None, config=config, dir=str(directory),
