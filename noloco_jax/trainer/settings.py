@@ -429,8 +429,7 @@ def warnings_for(s: TrainSettings) -> list[str]:
         out.append(f"config.outer.exchange_dtype={s.outer.exchange_dtype!r} with a split replica "
                    f"(config.mesh): this exchange packs the replica into one flat message, so each "
                    f"device sends {'all of it' if s.method == 'diloco' else 'twice its share'}, "
-                   f"not 1/(fsdp x tensor); {keeps} "
-                   f"keeps the split.")  # fmt: skip
+                   f"not 1/(fsdp x tensor); {keeps} keeps the split.")  # fmt: skip
     window = parse_profile_steps(s.profile_steps)
     if window is not None and window[0] >= s.num_steps:
         out.append(f"config.profile_steps={s.profile_steps!r} starts at or after num_steps="
