@@ -559,8 +559,8 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
     """
     a, b = _dotted_pair(saved, current)
     changes = _changes(a, b)
-    if b.get("num_steps", 0) > a["num_steps"] and a.get("optim.min_lr_ratio") == 1:
-        del changes["num_steps"]
+    if b["num_steps"] > a["num_steps"] and a.get("optim.min_lr_ratio") == 1:
+        changes.pop("num_steps")
     if changes:
         hint = ""
         if "num_steps" in changes:
