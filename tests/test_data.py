@@ -479,6 +479,20 @@ def test_shards_are_disjoint_and_epochs_visit_each_window_once(num_replicas, bat
         assert not np.array_equal(per_epoch[0], per_epoch[1])  # fresh order every epoch
 
 
+def test_the_data_order_is_numpy_s_permutation_of_the_window_ids():
+    """The dealing and each epoch's order are ``default_rng(...).permutation(n)`` (the int32 ids
+    the batcher keeps give the same order as numpy's int64 ones, so old runs resume alike)."""
+    b = data.ReplicaBatcher(STREAM, num_replicas=3, batch_size=2, seq_len=4, seed=7)
+    dealt = np.random.default_rng([7, 0]).permutation(b.num_windows)
+    shards = dealt[: 3 * b.windows_per_replica].reshape(-1, 3).T
+    for r in range(3):
+        np.testing.assert_array_equal(b.shard(r), np.sort(shards[r]))
+    step = 2 * b.steps_per_epoch + 1  # epoch 2, its second batch
+    for r in range(3):
+        order = np.random.default_rng([7, 1, r, 2]).permutation(b.windows_per_replica)
+        np.testing.assert_array_equal(b.window_ids(step)[r], shards[r][order][2:4])
+
+
 def test_batcher_errors():
     with pytest.raises(ValueError, match=r"too small: 100 tokens.*at least 193 tokens.*"
                                          r"config\.global_batch_size / num_replicas and "

@@ -135,15 +135,19 @@ class ReplicaBatcher:
                 f"trainer's config.num_replicas, config.global_batch_size / num_replicas and "
                 f"config.data.seq_len)."
             )
-        dealt = np.random.default_rng([seed, 0]).permutation(self.num_windows)
+        # int32 ids while they fit: 4 bytes per window, half of numpy's default. Shuffling an
+        # arange of either dtype draws the same order as ``permutation(num_windows)``.
+        self._ids_dtype = np.int32 if self.num_windows < 2**31 else np.int64
+        dealt = np.random.default_rng([seed, 0]).permutation(self._arange(self.num_windows))
         used = dealt[: self.windows_per_replica * num_replicas]
-        # int32 ids (half the memory of the permutation) while they fit: 4 bytes per window.
-        ids_dtype = np.int32 if self.num_windows < 2**31 else np.int64
-        self._shards = used.reshape(self.windows_per_replica, num_replicas).T.astype(ids_dtype)
+        self._shards = np.ascontiguousarray(used.reshape(self.windows_per_replica, num_replicas).T)
         del dealt, used
         self._digest: str | None = None
         self._order_cache: dict[tuple[int, int], np.ndarray] = {}
         self._offsets = np.arange(seq_len + 1)
+
+    def _arange(self, n: int) -> np.ndarray:
+        return np.arange(n, dtype=self._ids_dtype)
 
     def shard(self, replica: int) -> np.ndarray:
         """Window ids owned by ``replica`` (sorted)."""
@@ -158,7 +162,7 @@ class ReplicaBatcher:
             if len(self._order_cache) > 4 * self.num_replicas:
                 self._order_cache.clear()
             rng = np.random.default_rng([self.seed, 1, replica, epoch])
-            order = rng.permutation(self.windows_per_replica)
+            order = rng.permutation(self._arange(self.windows_per_replica))
             self._order_cache[key] = self._shards[replica][order]
         return self._order_cache[key]
 

@@ -28,6 +28,7 @@ import numpy as np
 __all__ = ["TokenFile", "token_dtype", "write_tokens", "open_token_dir", "sharded_batches"]
 
 _CHUNK = 1 << 24  # tokens per chunk of a full pass (16M)
+_SCAN_CHUNK = 1 << 20  # tokens per piece hashed as int32: 4 MB, whatever the stream's size
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -148,7 +149,7 @@ class TokenFile:
 
     def _scan(self) -> None:
         h, top, low = hashlib.sha256(), -1, 0
-        for chunk in self.chunks():
+        for chunk in self.chunks(_SCAN_CHUNK):
             h.update(chunk.astype(np.int32))  # same hash as an in-memory int32 stream (no copy)
             if chunk.size:
                 top, low = max(top, int(chunk.max())), min(low, int(chunk.min()))
