@@ -50,15 +50,20 @@ def test_batches_from_disk_equal_batches_in_memory(tmp_path):
 
 
 def _traced_peak(fn) -> int:
-    """Peak bytes that Python and numpy hold while ``fn()`` runs (tracemalloc)."""
+    """Peak bytes that Python and numpy hold while ``fn()`` runs, over what they held before
+    (tracemalloc; left on if it already was)."""
     import tracemalloc  # noqa: PLC0415
 
+    was_tracing = tracemalloc.is_tracing()
     tracemalloc.start()
+    tracemalloc.reset_peak()
     try:
+        held = tracemalloc.get_traced_memory()[0]
         fn()
-        return tracemalloc.get_traced_memory()[1]
+        return tracemalloc.get_traced_memory()[1] - held
     finally:
-        tracemalloc.stop()
+        if not was_tracing:
+            tracemalloc.stop()
 
 
 def test_a_full_scan_of_a_token_file_holds_a_few_megabytes(tmp_path):

@@ -141,7 +141,8 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
       vocab_size: the tokenizer's vocabulary size V.
       program: "sync" (the step that ends a round, one step; data parallel has
         no rounds and gets its one program) or "inner" (a block of
-        gcd(log_every, period) inner steps, the longest block the trainer can run).
+        gcd(log_every, period) inner steps, the longest block the trainer can run; it
+        runs one step fewer where every block ends on a sync step).
 
     Returns:
       The ``jax.stages.Compiled`` program (``memory_analysis()``, ``as_text()``).

@@ -57,8 +57,9 @@ def inner_optimizer(o: OptimSettings, num_steps: int) -> optax.GradientTransform
 
 
 def _exchange_dtype(name: str) -> Any:
-    """None, a jnp dtype, or the name of an 8-bit format of ``noloco_jax.quantize``."""
-    return {"": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32}.get(name, name)
+    if name in ("int8", "float8_e4m3fn"):  # 8-bit formats of noloco_jax.quantize
+        return name
+    return {"": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
 
 
 def build_optimizer(

@@ -249,7 +249,7 @@ def _check_bools(s: TrainSettings) -> None:
     """Every ``bool`` field is True or False (not 0, 1 or "yes")."""
     for prefix, obj in [("", s), *((f"{n}.", getattr(s, n)) for n in _SECTIONS)]:
         for f in dataclasses.fields(obj):
-            if f.type == "bool":
+            if f.type in (bool, "bool"):
                 check_bool(f"config.{prefix}{f.name}", getattr(obj, f.name))
 
 
