@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from noloco_jax import hlo, local_steps, models, noloco_outer, replicas
-from noloco_jax.trainer import loop
+from noloco_jax.trainer import health, loop
 from noloco_jax.trainer import grads
 from noloco_jax.trainer.step import TrainState, make_program, run_steps, train_step
 from tests.helpers import assert_trees_close, random_tree
@@ -85,10 +85,10 @@ def test_trainer_stops_on_a_phase_error():
     tx = local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 2, check_phase="count")
     p = jnp.zeros(3)
     good = TrainState(jnp.zeros([], jnp.int32), p, tx.init(p))
-    loop._check_phase_errors(good, 2)  # no error counted: nothing happens
+    health.check_phase_errors(good, 2)  # no error counted: nothing happens
     bad = good._replace(opt_state=good.opt_state._replace(phase_errors=jnp.ones([], jnp.int32)))
     with pytest.raises(RuntimeError, match="by step 2 the trainer ran a sync step"):
-        loop._check_phase_errors(bad, 2)
+        health.check_phase_errors(bad, 2)
 
 
 def test_check_phase_must_be_true_false_or_count():
@@ -154,9 +154,9 @@ def test_two_programs_equal_on_device_phase(log_every, h, start):
 
 def test_counter_out_of_step_with_the_run_is_refused():
     _, _, state = _model_setup(2)
-    loop._check_counter(state, 0)
+    health.check_counter(state, 0)
     with pytest.raises(ValueError, match="step counter"):
-        loop._check_counter(state, 5)
+        health.check_counter(state, 5)
 
 
 def test_sync_program_needs_no_more_memory_than_on_device_phase():

@@ -39,7 +39,7 @@ from noloco_jax.errors import (
 from noloco_jax.trainer import settings as settings_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like, is_environment_error
 from noloco_jax.trainer.lock import WorkdirLock
-from noloco_jax.trainer import checkpoint, loop
+from noloco_jax.trainer import checkpoint, health, loop
 from noloco_jax.trainer.loop import load_run, train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
 from tests.helpers import copy_run, tensorboard_view
@@ -423,10 +423,10 @@ def test_each_fragment_sync_counts_towards_the_consecutive_resets(finished_run, 
     s, workdir = finished_run
     fragmented = dataclasses.replace(s, outer=dataclasses.replace(s.outer, fragments=2))
     resets = iter(np.arange(10)[:, None] * np.eye(s.num_replicas)[1])  # replica 1, each sync
-    monkeypatch.setattr(loop, "_per_replica_resets", lambda state, n: next(resets))
+    monkeypatch.setattr(health, "per_replica_resets", lambda state, n: next(resets))
     period = s.outer.sync_every // 2
     run = types.SimpleNamespace(settings=fragmented, streak=None, period=period)
-    guard = loop._Escalation(run, None, ckpt=Checkpointer(workdir / "checkpoints"))
+    guard = health.Escalation(run, None, ckpt=Checkpointer(workdir / "checkpoints"))
     for k in (1, 2):  # chunks of one fragment's sync each
         guard.after_chunk(None, k * period - 1, k * period)
     assert guard.streak.tolist() == [0, 2, 0, 0]  # was [0, 1, 0, 0]: the first chunk was skipped
@@ -441,11 +441,11 @@ def test_the_consecutive_reset_count_survives_a_resume(finished_run, monkeypatch
     meta = Checkpointer(workdir / "checkpoints").read_meta(12)
     assert meta["reset_streak"] == [0] * s.num_replicas  # every save records the count
     resets = iter(np.arange(10)[:, None] * np.eye(s.num_replicas)[1])  # replica 1, each sync
-    monkeypatch.setattr(loop, "_per_replica_resets", lambda state, n: next(resets))
+    monkeypatch.setattr(health, "per_replica_resets", lambda state, n: next(resets))
 
     def escalation(streak):
         run = types.SimpleNamespace(settings=s, streak=streak, period=s.outer.sync_every)
-        return loop._Escalation(run, None, ckpt=Checkpointer(workdir / "checkpoints"))
+        return health.Escalation(run, None, ckpt=Checkpointer(workdir / "checkpoints"))
 
     h = s.outer.sync_every
     first = escalation(None)

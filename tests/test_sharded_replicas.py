@@ -164,14 +164,14 @@ def test_one_replica_split_over_devices_evaluates_and_checks_its_weights(mesh_sh
     a size-1 replica axis of split leaves) and the finiteness check does not stack leaves
     whose results come differently sharded (the trainer crashed at the first eval / save)."""
     from noloco_jax.metrics import replica_spread  # noqa: PLC0415
-    from noloco_jax.trainer import loop  # noqa: PLC0415
+    from noloco_jax.trainer import health  # noqa: PLC0415
 
     cfg = models.get_preset("nano", vocab_size=256, max_seq_len=64)
     reps = replicas.make_replicas(1, backend="shard_map", mesh_shape=mesh_shape)
     params = reps.put(replicas.replicate(models.init_params(cfg, 0)[1], 1))
     spread = jax.jit(reps.map(lambda p: replica_spread(p, "replica")))(params)
     assert np.asarray(spread).tolist() == [0.0]
-    per_leaf = loop._per_replica_finite(params)
+    per_leaf = health.per_replica_finite(params)
     assert all(np.asarray(v).tolist() == [True] for v in per_leaf)
 
 

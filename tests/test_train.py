@@ -255,13 +255,13 @@ def test_an_awkward_number_of_eval_windows_is_padded_not_run_one_by_one():
     import jax.numpy as jnp  # noqa: PLC0415
 
     from noloco_jax import models, replicas  # noqa: PLC0415
-    from noloco_jax.trainer import loop, step  # noqa: PLC0415
+    from noloco_jax.trainer import evaluate, step  # noqa: PLC0415
 
-    assert [loop._eval_layout(w) for w in (17, 40, 8, 64)] == [(16, 32), (10, 40), (8, 8),
-                                                              (16, 64)]  # fmt: skip
+    assert [evaluate.eval_layout(w) for w in (17, 40, 8, 64)] == [(16, 32), (10, 40), (8, 8),
+                                                                  (16, 64)]  # fmt: skip
     graphdef, params = models.init_params(models.get_preset("nano", vocab_size=256), 0)
     windows = np.random.default_rng(0).integers(0, 256, (17, 17)).astype(np.int32)
-    got = loop._make_evaluator(replicas.Replicas(2), graphdef, windows)(
+    got = evaluate.make_evaluator(replicas.Replicas(2), graphdef, windows)(
         replicas.replicate(params, 2))  # fmt: skip
     each = step.eval_window_losses(params, jnp.asarray(windows), graphdef=graphdef, batch_size=1)
     assert got["val_loss"] == pytest.approx(float(each.mean()), rel=1e-6)

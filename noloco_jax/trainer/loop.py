@@ -28,27 +28,25 @@ from jax import lax
 
 from noloco_jax import data as data_lib
 from noloco_jax import defaults
-from noloco_jax import ensemble, models, replicas, sharding
+from noloco_jax import models, replicas, sharding
 from noloco_jax import pipeline as pl
-from noloco_jax.errors import CorruptCheckpointError, TrainingDivergedError, UserError
-from noloco_jax.metrics import replica_spread
+from noloco_jax.errors import CorruptCheckpointError, UserError
 from noloco_jax.data.token_files import open_token_dir, sharded_batches
 from noloco_jax.optim.fragments import by_layer_blocks
-from noloco_jax.optim.local_steps import find_local_steps_state
 from noloco_jax.pipeline.stages import check_stages
-from noloco_jax.trainer import aot, grads, memory
+from noloco_jax.trainer import aot, grads, health, memory
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.checkpoint import Checkpointer
+from noloco_jax.trainer.evaluate import make_evaluator
 from noloco_jax.trainer.lock import WorkdirLock
-from noloco_jax.trainer.observability import Profiler, check_sinks, distance_to_mean, make_sinks
+from noloco_jax.trainer.observability import Profiler, check_sinks, make_sinks
 from noloco_jax.pipeline.routed import STAGE
 from noloco_jax.skippipe.training import SkipConfig
 from noloco_jax.trainer.resize import check_resume, restore_resized
 from noloco_jax.trainer.state import first_state
 from noloco_jax.trainer.settings import (ROUND_METHODS, TrainSettings, check_delay_windows,
                                          check_loadable, guard_acts, warnings_for)
-from noloco_jax.trainer.step import (TrainState, eval_token_losses, make_program,
-                                     make_window_program)
+from noloco_jax.trainer.step import TrainState, make_program, make_window_program
 from noloco_jax.trainer.writers import MetricWriter, Progress, read_jsonl
 
 __all__ = ["DataBundle", "prepare_data", "prepare_model", "train_and_evaluate", "load_run"]
@@ -245,7 +243,7 @@ class _Programs:
                                 delay=s.outer.delay if rounds else 0,
                                 num_fragments=s.outer.fragments)  # fmt: skip
         evaluate = _reuse(_EVALUATORS, _evaluator_key(s, data),
-                          lambda: _make_evaluator(reps, graphdef, data.eval_windows))
+                          lambda: make_evaluator(reps, graphdef, data.eval_windows))
         return cls(reps, inner, sync, evaluate, target,
                    first_state(target, tx, s.num_replicas, init))  # fmt: skip
 
@@ -381,84 +379,12 @@ def _check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
                       backend=backend)  # fmt: skip
 
 
-def _check_counter(state: TrainState, step: int) -> None:
-    found = find_local_steps_state(state.opt_state)
-    if found is None:
-        return
-    counts = replicas.to_host(found.count)
-    if not (np.asarray(counts) == step).all():
-        raise ValueError(f"the optimizer's step counter {counts} does not match the run's step "
-                         f"{step}; the checkpoint's optimizer state is inconsistent.")  # fmt: skip
-
-
-def _check_phase_errors(state: TrainState, step: int) -> None:
-    """Every step's phase (inner, sync) as the host ran it agreed with the optimizer's counter."""
-    found = find_local_steps_state(state.opt_state)
-    if found is not None and np.asarray(replicas.to_host(found.phase_errors)).any():
-        raise RuntimeError(f"internal error: by step {step} the trainer ran a sync step where the "
-                           f"optimizer's counter has none, or the reverse (phase_errors > 0).")
-
-
 def _skip_config(s: TrainSettings, num_layers: int) -> Any:
     if s.skip.num_stages == 0:
         return None
     check_stages(num_layers, s.skip.num_stages, field="config.skip.num_stages")
     return SkipConfig(s.skip.num_stages, s.skip.path_length, num_layers // s.skip.num_stages,
                       s.skip.full_every, s.skip.swaps, s.seed)  # fmt: skip
-
-
-def _ppl(loss: float) -> float:
-    """exp(loss): inf for a large loss instead of an OverflowError, NaN for a NaN loss."""
-    return math.exp(loss) if loss < 700 else float("inf") if loss >= 700 else float("nan")
-
-
-def _lowest(values: np.ndarray) -> float:
-    """The smallest non-NaN value (NaN when every value is NaN)."""
-    finite = values[~np.isnan(values)]
-    return float(finite.min()) if finite.size else float("nan")
-
-
-def _eval_layout(num_windows: int, limit: int = 16) -> tuple[int, int]:
-    """(batch size, windows after padding): an even split when a divisor of at least half the
-    limit exists, else batches of ``limit``, the last padded with the first windows (dropped)."""
-    most = min(limit, num_windows)
-    best = max(d for d in range(1, most + 1) if num_windows % d == 0)
-    return (best, num_windows) if best >= most // 2 else (limit, -(-num_windows // limit) * limit)
-
-
-def _make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) -> Callable:
-    if reps.manual_axes - {reps.axis_name}:  # stages split by hand: evaluate a host copy
-        evaluate = _make_evaluator(replicas.Replicas(reps.num_replicas), graphdef, windows)
-        return lambda params: evaluate(jax.tree.map(replicas.to_host, params))  # all processes
-    n, num = reps.num_replicas, len(windows)
-    batch, padded = _eval_layout(num)
-    windows = np.concatenate([windows, windows[: padded - num]])  # padding dropped below
-    token_losses = functools.partial(eval_token_losses, graphdef=graphdef, batch_size=batch)
-    per_replica = jax.jit(reps.map(token_losses))
-    spread = jax.jit(reps.map(lambda p: replica_spread(p, reps.axis_name)))
-    averaged = jax.jit(lambda p, w: token_losses(jax.tree.map(lambda x: x.mean(0), p), w)[:num])
-    stacked = reps.put(np.broadcast_to(windows, (n, *windows.shape)).copy())
-    single = jnp.asarray(windows)
-
-    def evaluate(params: Any) -> dict[str, float]:
-        per = replicas.to_host(per_replica(params, stacked))[:, :num]  # [N, W, T] token losses
-        seq = per.mean(-1)  # [N, W] per-sequence mean CE
-        mixture = -np.asarray(ensemble.uniform_mixture(-jnp.asarray(per)))  # [W, T]
-        return {
-            # The paper's metric: exp of the mean per-sequence CE pooled over replicas.
-            "val_ppl": _ppl(float(seq.mean())),
-            "val_loss": float(seq.mean()),
-            "val_ppl_best_replica": _ppl(_lowest(seq.mean(1))),  # a NaN replica is not best
-            "val_ppl_worst_replica": _ppl(float(seq.mean(1).max())),
-            "val_ppl_avg_model": _ppl(float(replicas.to_host(averaged(params, single)).mean())),
-            # All replicas as one model: the mean of their next-token distributions.
-            "val_ppl_ensemble": _ppl(float(mixture.mean())),
-            "replica_spread": (float(replicas.to_host(spread(params)).reshape(-1)[0]) if n > 1
-                               else 0.0),
-            "distance_to_mean_per_replica": distance_to_mean(params),
-        }
-
-    return evaluate
 
 
 def _restore_or_init(
@@ -595,14 +521,14 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
                               sinks=make_sinks(settings, workdir) if first else [])  # fmt: skip
         state, step = _restore_or_init(run, target, ckpt, writer)
         writer.resume_at(step)  # TensorBoard drops what earlier sessions logged after it
-        _check_counter(state, step)  # the host's step must be the optimizer's step counter
+        health.check_counter(state, step)  # the host's step must be the optimizer's step counter
         if step >= settings.num_steps:  # nothing to do: report, write nothing
             ckpt.close()
             writer.close()
             return _already_finished(workdir, step, verbose=first)
         _report_resize(run, writer, step)
         bar = Progress(progress and first, settings.num_steps, step)
-        session = _Session(run, ckpt, writer, bar, _Escalation(run, state, ckpt), stop,
+        session = _Session(run, ckpt, writer, bar, health.Escalation(run, state, ckpt), stop,
                            array_bytes=sum(x.nbytes for x in jax.tree.leaves(state)))
         end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)
         last = _loop(session, state, step, end, profiler)
@@ -626,7 +552,7 @@ class _Session:
     ckpt: Checkpointer
     writer: MetricWriter
     bar: Progress
-    guard: _Escalation
+    guard: health.Escalation
     stop: types.SimpleNamespace  # .requested: the stop signal's name, or None
     array_bytes: int  # the state's, shown beside each checkpoint's size on disk
     pending: list = dataclasses.field(default_factory=list)  # saves not yet reported
@@ -637,7 +563,7 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
           ) -> dict[str, Any]:  # fmt: skip
     """Trains from ``step`` to ``end`` a log chunk at a time; returns the last metrics."""
     s, ses.last["step"] = ses.run.settings, step
-    ses.last["nonfinite_resets"] = _nonfinite_resets(state)  # a resume reports only new ones
+    ses.last["nonfinite_resets"] = health.nonfinite_resets(state)  # a resume reports only new ones
     # At step 0, and right after a resize (marked, as it shares its step with the eval before);
     # a signal during start-up writes nothing, so the resume's step-0 eval is the only one.
     if (step == 0 or ses.run.resized_from) and not ses.stop.requested:
@@ -672,7 +598,7 @@ def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metric
         _report_reset(ses.writer, step, metrics["nonfinite_resets"], ses.bar)
     ses.last.update(metrics, step=step)
     ses.guard.after_chunk(state, start, step)
-    _check_phase_errors(state, step)
+    health.check_phase_errors(state, step)
     ses.ckpt.check()  # a failed asynchronous save stops the run now
     if step % s.eval_every == 0 or step == s.num_steps:
         _evaluate(ses, state, step)
@@ -766,98 +692,6 @@ def _stop_signals() -> Iterator[types.SimpleNamespace]:
             signal.signal(sig, handler)
 
 
-# A replica caught by the guard at this many consecutive syncs stops the run.
-MAX_CONSECUTIVE_RESETS = 3
-
-
-class _Escalation:
-    """Stops runs that cannot learn, reading the guard's per-replica reset counters.
-
-    Escalates (``TrainingDivergedError``, no checkpoint written) when every
-    replica was caught at every sync of a chunk, or one replica at
-    ``MAX_CONSECUTIVE_RESETS`` consecutive syncs. ``check_savable`` refuses to
-    checkpoint weights the guard will not repair, so the last finite
-    checkpoint is never rotated out.
-    """
-
-    def __init__(self, run: _Run, state: TrainState, ckpt: Checkpointer) -> None:
-        s = run.settings
-        self._period = run.period  # steps between syncs: H, or H / fragments (each counts)
-        self._guard = guard_acts(s)  # the optimizer builds the guard on the same rule
-        self._ckpt, self._settings = ckpt, s
-        self._before = _per_replica_resets(state, s.num_replicas)
-        kept = run.streak is not None and len(run.streak) == s.num_replicas  # saved, same N
-        self.streak = np.asarray(run.streak if kept else [0] * s.num_replicas, np.int64)
-
-    def after_chunk(self, state: TrainState, start: int, stop: int) -> None:
-        if not self._guard:
-            return
-        now = _per_replica_resets(state, self._settings.num_replicas)
-        caught, self._before = now - self._before, now
-        syncs = stop // self._period - start // self._period
-        if syncs == 0:
-            return
-        every = caught >= syncs
-        self.streak = np.where(every, self.streak + syncs, 0)
-        if every.all():
-            self._fail(stop, f"every replica's weights were non-finite at the sync(s) up to "
-                             f"step {stop}")  # fmt: skip
-        if (self.streak >= MAX_CONSECUTIVE_RESETS).any():
-            worst = int(np.argmax(self.streak))
-            self._fail(stop, f"replica {worst}'s weights were non-finite at "
-                             f"{int(self.streak[worst])} consecutive syncs")  # fmt: skip
-
-    def check_savable(self, state: TrainState, step: int) -> None:
-        """Raises instead of checkpointing weights the guard will not put back."""
-        found = find_local_steps_state(state.opt_state)
-        tree = found.slow_params if (self._guard and found is not None) else state.params
-        per_leaf = [np.asarray(replicas.to_host(v)) for v in _per_replica_finite(tree)]
-        ok = np.stack(per_leaf).all(0)
-        if not ok.all():
-            which = "slow weights" if tree is not state.params else "weights"
-            self._fail(step, f"the {which} of replica(s) {np.flatnonzero(~ok).tolist()} are "
-                             f"non-finite at step {step}")  # fmt: skip
-
-    def _fail(self, step: int, what: str) -> None:
-        s = self._settings
-        o = s.optim
-        kept = self._ckpt.latest_step()
-        kept_text = (f"the last checkpoint (step {kept}) is kept" if kept is not None
-                     else "no checkpoint was written")  # fmt: skip
-        guard = ""
-        if not self._guard and s.method in ROUND_METHODS and s.num_replicas > 1:
-            guard = " or turn on config.fault.nonfinite_guard"
-        elif not self._guard and s.fault.nonfinite_guard:
-            guard = " (the non-finite guard acts for noloco and diloco with 2+ replicas only)"
-        elif s.num_stages > 1 and s.routing == "random":
-            guard = (". With random routing between stages one replica's NaN reaches every "
-                     "replica along the routes, so the guard cannot isolate it; "
-                     "config.routing='fixed' keeps replicas apart")  # fmt: skip
-        raise TrainingDivergedError(
-            f"training diverged: {what}; the run cannot learn and was stopped, {kept_text}. "
-            f"Lower config.optim.learning_rate (now {o.learning_rate}), raise optim.eps "
-            f"(now {o.eps}) or clip harder{guard}."
-        )
-
-
-def _per_replica_resets(state: TrainState, num_replicas: int) -> np.ndarray:
-    found = find_local_steps_state(state.opt_state)
-    if found is None:
-        return np.zeros(num_replicas)
-    counts = np.asarray(replicas.to_host(found.nonfinite_resets), np.float64)
-    return counts.reshape(num_replicas, -1).max(1)
-
-
-@jax.jit
-def _per_replica_finite(tree: Any) -> list[jax.Array]:
-    """Per float leaf, [N] bool: replica i's values are all finite (leading axis = replica).
-
-    A list, stacked on the host: with a replica split over devices the shardings differ.
-    """
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return [jnp.isfinite(x).reshape(x.shape[0], -1).all(1) for x in leaves]
-
-
 def _evaluate(ses: _Session, state: TrainState, step: int, resized_from: int | None = None
               ) -> None:  # fmt: skip
     metrics = ses.run.evaluate(state.params)
@@ -900,11 +734,6 @@ def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
     except OSError as err:
         raise ValueError(f"--workdir {str(workdir)!r} is not writable: {err}") from err
     return workdir
-
-
-def _nonfinite_resets(state: TrainState) -> float:
-    found = find_local_steps_state(state.opt_state)
-    return float(replicas.to_host(found.nonfinite_resets).sum()) if found is not None else 0.0
 
 
 def _run_blocks(run: _Run, state: TrainState, step: int, k: int) -> tuple[TrainState, Any]:
@@ -968,7 +797,7 @@ def _train_metrics(run: _Run, state: TrainState, step: int, k: int, losses: np.n
                             float("nan")) if guarded else float(losses[:, -1].mean()),
         "train_loss_per_replica": [float(x) for x in losses.mean(1)],
         "nonfinite_replica_steps": int((~finite).sum()),
-        "nonfinite_resets": _nonfinite_resets(state),
+        "nonfinite_resets": health.nonfinite_resets(state),
         "learning_rate": float(optim_lib.learning_rate_schedule(s.optim, s.num_steps)(step - 1)),
         "tokens_per_sec": n_tokens / seconds,
         **_counts(run, step),
