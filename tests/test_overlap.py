@@ -13,7 +13,7 @@ import pytest
 
 from noloco_jax import comm, diloco_outer, hlo, local_steps, models, noloco_outer, replicas
 from noloco_jax.optim import fragments as frag
-from noloco_jax.trainer import grads, loop
+from noloco_jax.trainer import build, grads, loop
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.step import TrainState, make_window_program, train_step
 from noloco_jax.trainer.writers import read_jsonl
@@ -324,7 +324,7 @@ def test_loop_windows_equal_the_on_device_phase(num_frags, h, delay, log_every, 
     grads_fn, b = _setup(tx, n, model)
     reps = replicas.make_replicas(n, backend="vmap")
     kwargs = dict(grads_fn=grads_fn, tx=tx)
-    inner, sync = loop._programs(reps, kwargs, rounds=True, fragments=spec is not None,
+    inner, sync = build.make_programs(reps, kwargs, rounds=True, fragments=spec is not None,
                                  delay=delay, num_fragments=num_frags)  # fmt: skip
     data = types.SimpleNamespace(batcher=types.SimpleNamespace(batch=lambda t: _batch(n, t)[:, 0]))
     period = h // num_frags

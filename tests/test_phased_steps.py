@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from noloco_jax import hlo, local_steps, models, noloco_outer, replicas
-from noloco_jax.trainer import health, loop
+from noloco_jax.trainer import build, health, loop
 from noloco_jax.trainer import grads
 from noloco_jax.trainer.step import TrainState, make_program, run_steps, train_step
 from tests.helpers import assert_trees_close, random_tree
@@ -111,11 +111,11 @@ def _model_setup(h):
 
 
 def _fake_run(reps, graphdef, tx, n, log_every, period, **kwargs):
-    """A ``loop._Run`` with only what ``loop._run_blocks`` reads; batches from a seeded RNG."""
+    """A ``build.Run`` with only what ``loop._run_blocks`` reads; batches from a seeded RNG."""
     def batch(t):
         return np.random.default_rng(t).integers(0, CFG.vocab_size, (n, 2, 9)).astype(np.int32)
 
-    inner, sync = loop._programs(reps, dict(grads_fn=grads.plain(graphdef), tx=tx, **kwargs),
+    inner, sync = build.make_programs(reps, dict(grads_fn=grads.plain(graphdef), tx=tx, **kwargs),
                                  rounds=True, fragments=False)  # fmt: skip
     data = types.SimpleNamespace(batcher=types.SimpleNamespace(batch=batch))
     return types.SimpleNamespace(inner=inner, sync=sync, block=np.gcd(log_every, period),
@@ -192,7 +192,7 @@ def test_guard_repairs_on_sync_steps_and_ends_the_round_in_the_same_state():
     state0 = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), params, tx.init(params)), n)
     reps = replicas.make_replicas(n, backend="vmap")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (n, 2, 2, 9)), jnp.int32)
-    corrupt = loop._nan_drill(types.SimpleNamespace(inject_nan_step=0, inject_nan_replica=1))
+    corrupt = build.nan_drill(types.SimpleNamespace(inject_nan_step=0, inject_nan_replica=1))
     kwargs = dict(grads_fn=grads.plain(graphdef), tx=tx, nonfinite_guard=True, corrupt=corrupt)
     inner, sync = (make_program(reps, sync_step=p, **kwargs) for p in (False, True))
     host, loss_i = inner(jax.tree.map(jnp.copy, state0), tokens[:, :1])

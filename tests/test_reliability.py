@@ -39,7 +39,7 @@ from noloco_jax.errors import (
 from noloco_jax.trainer import settings as settings_lib
 from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like, is_environment_error
 from noloco_jax.trainer.lock import WorkdirLock
-from noloco_jax.trainer import checkpoint, health, loop
+from noloco_jax.trainer import build, checkpoint, health, loop
 from noloco_jax.trainer.loop import load_run, train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
 from tests.helpers import copy_run, tensorboard_view
@@ -461,7 +461,7 @@ def test_the_consecutive_reset_count_survives_a_resume(finished_run, monkeypatch
     read = Checkpointer.read_meta
     monkeypatch.setattr(Checkpointer, "read_meta",
                         lambda self, step: {**read(self, step), "reset_streak": [0, 2, 0, 0]})
-    run, target = loop._build(s)
+    run, target = build.build_run(s)
     ckpt = Checkpointer(workdir / "checkpoints")
     _, step = loop._restore_or_init(run, target, ckpt, writer=None)
     ckpt.close()
@@ -721,7 +721,7 @@ def test_memory_estimate_splits_only_the_blocks_and_only_on_the_stage_mesh(monke
     for stages in (1, 2):  # simulated stages (vmap) hold every stage on the one device
         s = settings_lib.from_config({"num_stages": stages, "backend": "vmap", "num_replicas": 2,
                                       "global_batch_size": 2, "model": {"preset": "nano"}})
-        loop._check_memory(s, 256, adam)
+        build.check_memory(s, 256, adam)
     assert seen[0] == seen[1]  # was halved by num_stages, so a run that cannot fit passed
 
 

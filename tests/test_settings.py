@@ -143,7 +143,7 @@ def test_log_every_and_sync_every_must_divide_one_another(log, sync, method):
 
 def test_num_layers_changes_the_depth_and_zero_keeps_the_preset():
     """model.num_layers = 4 deepens nano (2 blocks) at the same width; 0 keeps the preset."""
-    from noloco_jax.trainer.loop import _model_config  # noqa: PLC0415
+    from noloco_jax.trainer.build import model_config as _model_config  # noqa: PLC0415
 
     deep = settings_lib.from_config(_tiny(**{"model.preset": "nano", "model.num_layers": 4}))
     plain = settings_lib.from_config(_tiny(**{"model.preset": "nano"}))

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from noloco_jax import models
-from noloco_jax.trainer import loop
+from noloco_jax.trainer import build, loop
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.aot import abstract_state
 from noloco_jax.trainer.state import first_state
@@ -24,7 +24,7 @@ def built(corpus_dir, data_dir):
     """(settings, run, target) of a run of 2 replicas, each split over fsdp 2 x tensor 2."""
     s = tiny_settings(corpus_dir, data_dir, num_replicas=2, backend="shard_map", mesh=SPLIT)
     with jax.transfer_guard_device_to_device("disallow_explicit"):
-        run, target = loop._build(s)
+        run, target = build.build_run(s)
     return s, run, target
 
 
@@ -46,7 +46,7 @@ def test_first_state_moves_nothing_between_devices_and_lands_split(built, tmp_pa
 def test_first_state_has_the_models_initial_weights_on_every_replica(built):
     s, run, target = built
     state = run.fresh()
-    cfg = loop._model_config(s, run.data.tokenizer.vocab_size)
+    cfg = build.model_config(s, run.data.tokenizer.vocab_size)
     want = models.init_params(cfg, s.seed)[1]
     for w, got in zip(jax.tree.leaves(want), jax.tree.leaves(state.params)):
         for r in range(s.num_replicas):
@@ -57,7 +57,7 @@ def test_first_state_has_the_models_initial_weights_on_every_replica(built):
 def test_given_weights_reach_each_device_as_its_part(built):
     """The ``init_from`` path: host weights, each device sent only its part of them."""
     s, run, _ = built
-    cfg = loop._model_config(s, run.data.tokenizer.vocab_size)
+    cfg = build.model_config(s, run.data.tokenizer.vocab_size)
     weights = jax.tree.map(lambda x: np.asarray(x) + 1.0, models.init_params(cfg, s.seed)[1])
     tx = optax.adam(1e-3)
     target = abstract_state(run.reps, tx, weights)

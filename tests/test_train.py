@@ -120,33 +120,33 @@ def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, noloco_run):
 
 
 def test_a_run_with_the_same_settings_reuses_the_compiled_programs(tmp_path, noloco_run):
-    from noloco_jax.trainer import loop  # noqa: PLC0415
+    from noloco_jax.trainer import build  # noqa: PLC0415
 
     s = noloco_run[0]
-    first, _ = loop._build(s)
-    again, _ = loop._build(s)  # a resume, a notebook cell run again: nothing to compile
+    first, _ = build.build_run(s)
+    again, _ = build.build_run(s)  # a resume, a notebook cell run again: nothing to compile
     assert (again.inner, again.sync, again.evaluate) == (first.inner, first.sync, first.evaluate)
     assert again.calls is first.calls  # so the bar does not report a compile that did not happen
     # The real loop compiled each block length once, and the sync step once: no recompiles.
     lengths = {key for name, key in first.calls if name == "inner"}
     assert lengths and first.inner._cache_size() == len(lengths) and first.sync._cache_size() == 1
     host_only = variant(s, eval_every=6, keep_checkpoints=5, data={"data_dir": str(tmp_path)})
-    assert loop._build(host_only)[0].inner is first.inner  # fields the programs never read
-    other_lr = loop._build(variant(s, optim={"learning_rate": 1e-3}))[0]
+    assert build.build_run(host_only)[0].inner is first.inner  # fields the programs never read
+    other_lr = build.build_run(variant(s, optim={"learning_rate": 1e-3}))[0]
     assert other_lr.inner is not first.inner and other_lr.evaluate is first.evaluate  # same model
     # Anything that shapes the programs (here the schedule, through num_steps) builds new ones,
     # and the process keeps the newest KEEP_COMPILED (the other tests' programs are put back).
-    kept = loop._COMPILED.copy()
+    kept = build._COMPILED.copy()
     try:
-        others = [loop._build(variant(s, num_steps=n))[0]
-                  for n in range(13, 14 + loop.KEEP_COMPILED)]  # fmt: skip
+        others = [build.build_run(variant(s, num_steps=n))[0]
+                  for n in range(13, 14 + build.KEEP_COMPILED)]  # fmt: skip
         assert len({id(r.inner) for r in [first, *others]}) == len(others) + 1
         assert all(r.evaluate is first.evaluate for r in others)  # one model: one evaluator
-        assert len(loop._COMPILED) == loop.KEEP_COMPILED
-        assert loop._build(s)[0].inner is not first.inner  # evicted, so built again
+        assert len(build._COMPILED) == build.KEEP_COMPILED
+        assert build.build_run(s)[0].inner is not first.inner  # evicted, so built again
     finally:
-        loop._COMPILED.clear()
-        loop._COMPILED.update(kept)
+        build._COMPILED.clear()
+        build._COMPILED.update(kept)
 
 
 def test_vmap_and_shard_map_train_the_same(tmp_path, noloco_run):

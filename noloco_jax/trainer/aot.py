@@ -132,7 +132,7 @@ def _placed(reps: replicas.Replicas, single: Any, lead: bool) -> Any:
 def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") -> Any:
     """Compiles one of the trainer's two programs for ``settings`` with abstract inputs.
 
-    The topology, optimizer and programs are the trainer's own (``trainer.loop``);
+    The topology, optimizer and programs are the trainer's own (``trainer.build``);
     the inputs are ``jax.ShapeDtypeStruct`` placed as the trainer places them.
 
     Args:
@@ -147,21 +147,21 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
     Returns:
       The ``jax.stages.Compiled`` program (``memory_analysis()``, ``as_text()``).
     """
-    from noloco_jax.trainer import loop, optimizer  # noqa: PLC0415 (loop imports memory)
+    from noloco_jax.trainer import build, optimizer  # noqa: PLC0415 (build imports aot)
 
     if program not in ("sync", "inner"):
         raise ValueError(f"program must be 'sync' or 'inner', got {program!r}.")
     s = settings
-    cfg = loop._model_config(s, vocab_size)
+    cfg = build.model_config(s, vocab_size)
     graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
     spec = (by_layer_blocks(params, s.outer.fragments, field="config.outer.fragments")
             if s.outer.fragments > 1 else None)  # fmt: skip
     build_tx = lambda: optimizer.build_optimizer(  # noqa: E731
         s.method, s.optim, s.outer, num_steps=s.num_steps, num_replicas=s.num_replicas,
         num_stages=s.num_stages, fault=s.fault, fragment_spec=spec)  # fmt: skip
-    reps, step_kwargs = loop._topology(s, cfg, graphdef, build_tx)
+    reps, step_kwargs = build.topology(s, cfg, graphdef, build_tx)
     rounds = s.method in ROUND_METHODS
-    inner, sync = loop._programs(reps, step_kwargs, rounds, fragments=spec is not None)
+    inner, sync = build.make_programs(reps, step_kwargs, rounds, fragments=spec is not None)
     run = sync if program == "sync" and sync is not None else inner
     period = s.outer.sync_every // s.outer.fragments
     steps = 1 if run is sync else (math.gcd(s.log_every, period) if rounds else s.log_every)

@@ -70,7 +70,8 @@ def export_run(
     Returns:
       ``out``.
     """
-    from noloco_jax.trainer.loop import load_run, prepare_model  # noqa: PLC0415
+    from noloco_jax.trainer.build import prepare_model  # noqa: PLC0415
+    from noloco_jax.trainer.loop import load_run  # noqa: PLC0415
 
     _, params, data = load_run(s, workdir)
     cfg = prepare_model(s, data.tokenizer.vocab_size, abstract=True)[0]

@@ -1,0 +1,384 @@
+"""From settings to a runnable run: data, model, topology and the compiled programs.
+
+``build_run(settings)`` prepares the data and the model's shapes, picks where the replicas
+run (``topology``), jits the run's two programs and its evaluator, and checks that the
+state fits, allocating nothing. A process keeps the programs of its last ``KEEP_COMPILED``
+runs, keyed on what they read, so a resume or a notebook cell run again compiles nothing new.
+The loop (``trainer.loop``) runs what this module builds.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import math
+import pathlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from noloco_jax import data as data_lib
+from noloco_jax import defaults
+from noloco_jax import models, replicas, sharding
+from noloco_jax import pipeline as pl
+from noloco_jax.data.token_files import open_token_dir
+from noloco_jax.optim.fragments import by_layer_blocks
+from noloco_jax.pipeline.routed import STAGE
+from noloco_jax.pipeline.stages import check_stages
+from noloco_jax.skippipe.training import SkipConfig
+from noloco_jax.trainer import aot, grads, memory
+from noloco_jax.trainer import optimizer as optim_lib
+from noloco_jax.trainer.evaluate import make_evaluator
+from noloco_jax.trainer.settings import ROUND_METHODS, TrainSettings
+from noloco_jax.trainer.state import first_state
+from noloco_jax.trainer.step import TrainState, make_program, make_window_program
+
+__all__ = ["DataBundle", "KEEP_COMPILED", "Run", "build_run", "check_memory", "make_programs",
+           "model_config", "nan_drill", "prepare_data", "prepare_model", "stage_mesh", "topology"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataBundle:
+    """What the loop needs from the data layer."""
+
+    tokenizer: Any
+    batcher: Any
+    eval_windows: np.ndarray  # [W, T + 1]
+    train_tokens: int
+
+
+def prepare_data(s: TrainSettings) -> DataBundle:
+    """Corpus -> tokenizer -> token streams -> per-replica batcher and eval windows."""
+    data_dir = pathlib.Path(s.data.data_dir) if s.data.data_dir else data_lib.default_data_dir()
+    corpus = None
+    if s.data.source != "tokens":  # pre-tokenized streams need no text
+        corpus = data_lib.load_corpus(
+            s.data.source,
+            data_dir=data_dir,
+            path=s.data.path or None,
+            tfds_name=s.data.tfds_name or None,
+            max_documents=s.data.max_documents or None,
+            validation_fraction=s.data.validation_fraction,
+            seed=s.seed,
+            encoding=s.data.encoding,
+        )
+    tokenizer = data_lib.make_tokenizer(
+        s.data.tokenizer,
+        corpus=corpus,
+        vocab_size=s.data.tokenizer_vocab_size or None,
+        cache_dir=data_dir,
+        path=s.data.tokenizer_path or None,
+    )
+    # Streams stay on disk and are read window by window (data larger than RAM).
+    if corpus is None:
+        train, val = open_token_dir(s.data.path, tokenizer.vocab_size)
+    else:
+        train = data_lib.load_token_stream(corpus, tokenizer, "train", data_dir, on_disk=True)
+        val = data_lib.load_token_stream(corpus, tokenizer, "validation", data_dir, on_disk=True)
+    batcher = data_lib.ReplicaBatcher(
+        train,
+        num_replicas=s.num_replicas,
+        batch_size=s.batch_per_replica,
+        seq_len=s.data.seq_len,
+        seed=s.seed,
+    )
+    windows = data_lib.eval_windows(val, seq_len=s.data.seq_len, max_windows=s.data.eval_windows)
+    if len(windows) == 0:
+        raise ValueError(
+            f"the validation split has fewer than seq_len + 1 = {s.data.seq_len + 1} tokens; "
+            f"use a larger corpus, more validation data or a shorter config.data.seq_len."
+        )
+    return DataBundle(tokenizer, batcher, windows, int(len(train)))
+
+
+def prepare_model(s: TrainSettings, vocab_size: int, abstract: bool = False
+                  ) -> tuple[models.LlamaConfig, Any, Any]:  # fmt: skip
+    """Model config, graphdef and the initial params (identical for every replica).
+
+    ``abstract``: the preset's params as ``jax.ShapeDtypeStruct`` (nothing is allocated; the
+    trainer initialises them in place); ``init_from`` weights are always read.
+    """
+    if s.model.init_from:
+        from noloco_jax.trainer.hf_init import prepare_hf_model  # noqa: PLC0415
+
+        return prepare_hf_model(s, vocab_size)
+    if s.model.vocab_size and s.model.vocab_size != vocab_size:
+        raise ValueError(
+            f"config.model.vocab_size={s.model.vocab_size} does not match the "
+            f"{s.data.tokenizer!r} tokenizer's vocabulary of {vocab_size}; set it to "
+            f"{vocab_size} or to 0 (take the tokenizer's)."
+        )
+    cfg = model_config(s, vocab_size)
+    if abstract:
+        return cfg, *jax.eval_shape(functools.partial(models.init_params, cfg, s.seed))
+    return cfg, *models.init_params(cfg, s.seed)
+
+
+def model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
+    if s.model.init_from:  # the checkpoint's config.json replaces the preset
+        from noloco_jax.models.hf import read_config  # noqa: PLC0415
+
+        return dataclasses.replace(read_config(s.model.init_from, dtype=s.model.dtype,
+                                               param_dtype=s.model.param_dtype),
+                                   remat=s.model.remat)  # fmt: skip
+    cfg = models.get_preset(
+        s.model.preset,
+        vocab_size=vocab_size,
+        dtype=s.model.dtype,
+        param_dtype=s.model.param_dtype,
+        max_seq_len=max(2048, s.data.seq_len),
+        num_kv_heads=s.model.num_kv_heads,
+        tie_embeddings=s.model.tie_embeddings,
+        remat=s.model.remat,
+        **({"num_layers": s.model.num_layers} if s.model.num_layers else {}),
+    )
+    if cfg.tie_embeddings and s.num_stages > 1:
+        raise ValueError("config.model.tie_embeddings=True cannot be split into "
+                         "config.num_stages > 1 pipeline stages.")  # fmt: skip
+    return cfg
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything compiled and built for one run.
+
+    The run's two programs: ``inner(state, tokens [N, K, ...])`` runs K <= ``block`` inner
+    steps; ``sync(state, tokens [N, 1, ...])`` the step that ends a round (None without rounds).
+    With ``delay`` > 0, ``sync[p](state, tokens)`` runs fragment p's window, the delay + 1 steps
+    from its exchange to its merge (``tokens``: one [N, 1, ...] array per step).
+    """
+
+    settings: TrainSettings
+    data: DataBundle
+    reps: replicas.Replicas
+    params0: Any
+    graphdef: Any
+    inner: Callable
+    sync: Callable | None
+    block: int  # steps per call of ``inner``; the sync steps fall on block ends
+    period: int | None  # steps between sync steps (H, or H / fragments)
+    evaluate: Callable
+    meta: dict
+    fresh: Callable[[], TrainState]  # the step-0 state, made in place (trainer.state)
+    resized_from: int | None = None  # the checkpoint's replica count after a resize
+    counted: tuple | None = None  # the restored checkpoint's (step, tokens seen, bytes sent)
+    streak: list | None = None  # the restored checkpoint's consecutive resets per replica
+    calls: set = dataclasses.field(default_factory=set)  # (program, length or fragment) compiled
+    delay: int = 0  # tau, the steps between an exchange's start and its merge
+
+
+def build_run(s: TrainSettings) -> tuple[Run, TrainState]:
+    """The run's data, programs and state target (placed shapes: nothing is allocated)."""
+    data = prepare_data(s)
+    cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size, abstract=True)
+    spec = (by_layer_blocks(params0, s.outer.fragments, field="config.outer.fragments")
+            if s.outer.fragments > 1 else None)  # fmt: skip
+    build_tx = functools.partial(
+        optim_lib.build_optimizer, s.method, s.optim, s.outer, num_steps=s.num_steps,
+        num_replicas=s.num_replicas, num_stages=s.num_stages, fault=s.fault,
+        fragment_spec=spec,
+    )  # fmt: skip
+    check_memory(s, data.tokenizer.vocab_size, build_tx())
+    sharding.check_divides(params0, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
+    programs = _reuse(_COMPILED, _program_key(s, data),
+                      lambda: _Programs.make(s, cfg, graphdef, build_tx, spec, data, params0))
+    fresh = functools.partial(programs.first_state, params0 if _given(params0) else None)
+    rounds = s.method in ROUND_METHODS
+    period = s.outer.sync_every // s.outer.fragments if rounds else None
+    block = math.gcd(s.log_every, period) if rounds else s.log_every
+    meta = {
+        "settings": s.to_dict(),
+        "batcher": data.batcher.state(),
+        "vocab_size": int(data.tokenizer.vocab_size),
+    }
+    return Run(s, data, programs.reps, params0, graphdef, programs.inner, programs.sync, block,
+                period, programs.evaluate, meta, fresh, calls=programs.calls,
+                delay=s.outer.delay if rounds else 0), programs.target  # fmt: skip
+
+
+# A process keeps the programs of its last few runs: a run with the same settings and data (a
+# resume, a notebook cell run again) reuses them; one with another optimizer, the evaluator.
+KEEP_COMPILED = 8
+
+
+@dataclasses.dataclass
+class _Programs:
+    """A run's topology and jitted programs, and which of them have run (so compiled).
+
+    ``target``: the state's placed shapes; ``first_state(params)``: the step-0 state
+    (``params`` None: the model's initialiser).
+    """
+
+    reps: replicas.Replicas
+    inner: Callable
+    sync: Any
+    evaluate: Callable
+    target: TrainState
+    first_state: Callable
+    calls: set = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def make(cls, s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable, spec: Any,
+             data: DataBundle, params0: Any) -> "_Programs":  # fmt: skip
+        reps, step_kwargs = topology(s, cfg, graphdef, build_tx)
+        tx = build_tx()
+        target = aot.abstract_state(reps, tx, params0)
+        init = None if _given(params0) else (lambda: models.init_params(cfg, s.seed)[1])
+        rounds = s.method in ROUND_METHODS
+        inner, sync = make_programs(reps, step_kwargs, rounds, fragments=spec is not None,
+                                delay=s.outer.delay if rounds else 0,
+                                num_fragments=s.outer.fragments)  # fmt: skip
+        evaluate = _reuse(_EVALUATORS, _evaluator_key(s, data),
+                          lambda: make_evaluator(reps, graphdef, data.eval_windows))
+        return cls(reps, inner, sync, evaluate, target,
+                   first_state(target, tx, s.num_replicas, init))  # fmt: skip
+
+
+def _given(params0: Any) -> bool:
+    """Whether the initial params are given values (``init_from``), not shapes to initialise."""
+    return not isinstance(jax.tree.leaves(params0)[0], jax.ShapeDtypeStruct)
+
+
+_COMPILED: "collections.OrderedDict[tuple, _Programs]" = collections.OrderedDict()
+
+
+_EVALUATORS: "collections.OrderedDict[tuple, Callable]" = collections.OrderedDict()
+
+
+def _reuse(cache: collections.OrderedDict, key: tuple, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` when missing; the cache keeps its newest KEEP_COMPILED."""
+    value = cache.pop(key, None)
+    cache[key] = make() if value is None else value  # the newest last
+    while len(cache) > KEEP_COMPILED:
+        cache.popitem(last=False)
+    return cache[key]
+
+
+# Fields the programs never read: the data reach them only through the vocabulary and the
+# evaluation windows (both in the key), and these top-level fields are host bookkeeping.
+# A field not listed here (a new one included) is part of the key.
+_HOST_DATA = ("source", "path", "tfds_name", "data_dir", "encoding", "tokenizer", "tokenizer_path",
+              "tokenizer_vocab_size", "validation_fraction", "eval_windows")  # fmt: skip
+
+
+_HOST_RUN = ("eval_every", "checkpoint_every", "keep_checkpoints", "profile_steps", "log",
+             "allow_resize")  # fmt: skip
+
+
+# The evaluator reads the topology and the model (with data.seq_len, which bounds its
+# positions): these fields and every model.* and mesh.* field.
+_EVALUATOR_FIELDS = ("num_replicas", "backend", "num_stages", "data.seq_len")
+
+
+def _program_key(s: TrainSettings, data: DataBundle) -> tuple:
+    """What the compiled programs depend on: the settings less host-only fields, the data."""
+    d = s.to_dict()
+    for name in _HOST_RUN:
+        d.pop(name)
+    for name in _HOST_DATA:
+        d["data"].pop(name)
+    return repr(sorted(defaults.dotted(d).items())), *_data_key(data)
+
+
+def _evaluator_key(s: TrainSettings, data: DataBundle) -> tuple:
+    """What the evaluator depends on: the model, the topology and the data, not the optimizer."""
+    own = {k: v for k, v in defaults.dotted(s.to_dict()).items()
+           if k.startswith(("model.", "mesh.")) or k in _EVALUATOR_FIELDS}  # fmt: skip
+    return repr(sorted(own.items())), *_data_key(data)
+
+
+def _data_key(data: DataBundle) -> tuple[int, bytes]:
+    return int(data.tokenizer.vocab_size), hashlib.sha256(data.eval_windows.tobytes()).digest()
+
+
+def topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
+              ) -> tuple[replicas.Replicas, dict]:  # fmt: skip
+    """Where the replicas run, and how one replica's step computes its gradients."""
+    kwargs = dict(tx=build_tx(), nonfinite_guard=s.fault.nonfinite_guard,
+                  corrupt=nan_drill(s.fault))  # fmt: skip
+    if s.num_stages == 1:
+        skip = _skip_config(s, cfg.num_layers)
+        grads_fn = grads.plain(graphdef) if skip is None else grads.skipping(graphdef, skip)
+        split = {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor}
+        return replicas.make_replicas(s.num_replicas, backend=s.backend, mesh_shape=split), {
+            **kwargs, "grads_fn": grads_fn}
+    check_stages(cfg.num_layers, s.num_stages, field="config.num_stages")
+    pool = pl.permutation_pool(s.num_replicas, s.routing_pool_size, s.seed)
+    route = dict(seed=s.seed, fixed=s.routing == "fixed")
+    if not stage_mesh(s):
+        return replicas.Replicas(s.num_replicas), {
+            **kwargs, "grads_fn": grads.routed(graphdef, pool, s.num_stages, **route)}
+    mesh = pl.make_pipeline_mesh(s.num_replicas, s.num_stages)
+    reps = replicas.Replicas(s.num_replicas, mesh=mesh, leaf_axes=pl.stage_leaf_axes)
+    return reps, {**kwargs, "tx": grads.per_stage(build_tx), "guard_axis": STAGE,
+                  "grads_fn": grads.routed_on_mesh(graphdef, pool, s.num_stages, **route)}
+
+
+def stage_mesh(s: TrainSettings) -> bool:
+    """Whether a pipelined run gets a ``(replica, stage)`` mesh (else it is simulated)."""
+    need = s.num_replicas * s.num_stages
+    return s.backend == "shard_map" or (s.backend == "auto" and jax.device_count() >= need)
+
+
+def nan_drill(fault: Any) -> Callable | None:
+    """NaN weights for one replica at one step (a fault drill for tests and demos), or None."""
+    if fault.inject_nan_step < 0:
+        return None
+
+    def corrupt(params: Any, step: jax.Array) -> Any:
+        hit = (step == fault.inject_nan_step) & (lax.axis_index("replica") == fault.inject_nan_replica)
+        return jax.tree.map(lambda p: jnp.where(hit, jnp.full_like(p, jnp.nan), p), params)
+
+    return corrupt
+
+
+def make_programs(reps: replicas.Replicas, step_kwargs: dict, rounds: bool, fragments: bool,
+              delay: int = 0, num_fragments: int = 1) -> tuple[Callable, Any]:  # fmt: skip
+    """The run's two jitted programs over replicas (state donated): inner steps and sync step.
+
+    With ``delay`` > 0 the second is one window program per fragment (exchange, delay - 1
+    inner steps, merge), each fragment's phases known at compile time.
+    """
+    program = functools.partial(make_program, reps, **step_kwargs)
+    if not rounds:
+        return program(sync_step=None), None
+    if delay:
+        windows = tuple(make_window_program(reps, delay=delay, **step_kwargs,
+                                            fragment=p if fragments else None)
+                        for p in range(num_fragments if fragments else 1))  # fmt: skip
+        return program(sync_step=False, merge_step=False), windows
+    # With fragments the sync step picks its fragment from the step counter.
+    return program(sync_step=False), program(sync_step=None if fragments else True)
+
+
+def check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
+    """Refuses a state that cannot fit, from shapes only (nothing is allocated)."""
+    cfg = model_config(s, vocab_size)
+    abstract = jax.eval_shape(lambda: models.init_params(cfg, s.seed)[1])
+    backend, stages = s.backend, 1
+    if s.num_stages > 1:  # stages split a replica only on the (replica, stage) mesh
+        backend = "shard_map" if stage_mesh(s) else "vmap"
+        stages = s.num_stages if backend == "shard_map" else 1
+    elif backend == "auto":  # make_replicas' rule: a split replica always needs its devices
+        split = s.mesh.fsdp * s.mesh.tensor
+        spans = split > 1 or 1 < s.num_replicas <= jax.device_count()
+        backend = "shard_map" if spans else "vmap"
+    per_device = memory.state_bytes_per_device(abstract, tx, num_replicas=s.num_replicas,
+                                               backend=backend, num_stages=stages)
+    per_device //= s.mesh.fsdp * s.mesh.tensor  # a replica split over F x T devices
+    used = (1 if backend == "vmap" else s.num_replicas) * stages * s.mesh.fsdp * s.mesh.tensor
+    memory.check_fits(per_device, min(used, jax.device_count()), preset=s.model.preset,
+                      backend=backend)  # fmt: skip
+
+
+def _skip_config(s: TrainSettings, num_layers: int) -> Any:
+    if s.skip.num_stages == 0:
+        return None
+    check_stages(num_layers, s.skip.num_stages, field="config.skip.num_stages")
+    return SkipConfig(s.skip.num_stages, s.skip.path_length, num_layers // s.skip.num_stages,
+                      s.skip.full_every, s.skip.swaps, s.seed)  # fmt: skip
