@@ -95,6 +95,47 @@ def test_files_prepared_once_and_rebuilt_when_changed(text_dir, tmp_path, monkey
     assert len(grown.train) + len(grown.validation) == len(TEXTS) + 1
 
 
+def test_a_directory_skips_hidden_folders_as_a_glob_does(text_dir, tmp_path):
+    """Jupyter's .ipynb_checkpoints/ copies were read too: every document twice, and a held-out
+    document's copy trained on."""
+    hidden = text_dir / ".ipynb_checkpoints"
+    hidden.mkdir()
+    for f in sorted(text_dir.glob("*.txt"))[:5]:
+        (hidden / f"{f.stem}-checkpoint.txt").write_text(f.read_text("utf-8"), encoding="utf-8")
+    (text_dir / ".hidden.txt").write_text("a hidden file", encoding="utf-8")
+    assert sources._resolve_files(str(text_dir)) == sources._resolve_files(str(text_dir / "*.txt"))
+    c = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
+    assert sorted(c.train + c.validation) == sorted(TEXTS) and not set(c.train) & set(c.validation)
+
+
+def test_a_file_copied_with_its_size_and_mtime_is_prepared_again(text_dir, tmp_path):
+    """``cp -p`` or ``rsync -a`` of new text of the same size keeps (size, mtime): the stale
+    prepared dataset was reused."""
+    first = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
+    target = text_dir / "doc00.txt"
+    st = target.stat()
+    target.write_text(TEXTS[0].upper(), encoding="utf-8")  # same length, other text
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
+    assert again.name != first.name and TEXTS[0].upper() in again.train + again.validation
+
+
+def test_a_data_dir_with_a_tilde_is_the_home_directory(tmp_path, monkeypatch, text_dir):
+    """A config file's ``data_dir='~/data'`` (no shell expands it) made a literal ./~ folder."""
+    from noloco_jax.trainer import build, settings  # noqa: PLC0415
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    s = settings.from_config({"model": {"preset": "nano"}, "num_replicas": 1,
+                              "global_batch_size": 1, "data": {
+                                  "source": "files", "path": str(text_dir),
+                                  "data_dir": "~/data", "seq_len": 16, "eval_windows": 2}})
+    build.prepare_data(s)
+    assert not (tmp_path / "~").exists() and (tmp_path / "home" / "data" / "tokens").is_dir()
+    monkeypatch.setenv("NOLOCO_DATA_DIR", "~/env")
+    assert sources.default_data_dir() == tmp_path / "home" / "env"
+
+
 def test_concurrent_first_runs_prepare_the_dataset_once(text_dir, tmp_path):
     # Two processes (e.g. an experiment's parallel runs on a fresh machine) prepare the same
     # corpus at the same time: both must get it, neither may fail on the other's rename.

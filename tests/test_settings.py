@@ -88,6 +88,10 @@ def _tiny(**overrides):
         ({"data.tfds_name": "lm1b"}, "config.data.tfds_name: applies to data.source='tfds'"),
         ({"data.tokenizer": "tiktoken"}, "config.data.tokenizer"),
         ({"data.validation_fraction": 1.5}, "config.data.validation_fraction"),
+        ({"data.encoding": "base64"}, "config.data.encoding"),  # a codec, not a text encoding
+        ({"data.encoding": "zlib"}, "config.data.encoding"),
+        ({"data.tokenizer_path": "/tok"}, "config.data.tokenizer_path: applies to "
+         "data.tokenizer='hf'"),  # the byte tokenizer trained and nothing said so
         ({"optim.learning_rate": -1.0}, "config.optim.learning_rate"),
         ({"optim.warmup_steps": 10_000}, "config.optim.warmup_steps"),
         ({"optim.b2": 1.0}, "config.optim.b2"),

@@ -23,6 +23,14 @@ from noloco_jax.data.token_files import (
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def test_a_refused_part_leaves_no_temporary_file(tmp_path):
+    """Each failed write left its ``.tmp.*.raw`` behind, as large as what it had written."""
+    parts = [np.arange(10, dtype=np.int64), np.array([0, 300])]  # 300 >= vocab_size
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):
+        write_tokens(tmp_path / "t.npy", iter(parts), vocab_size=256)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_token_dtype_is_the_smallest_unsigned():
     assert [token_dtype(v) for v in (256, 257, 65536, 65537)] == [
         np.uint8, np.uint16, np.uint16, np.uint32]  # fmt: skip

@@ -86,7 +86,7 @@ def texts_digest(texts: Iterable[str]) -> str:
 def default_data_dir() -> pathlib.Path:
     """``$NOLOCO_DATA_DIR`` or ``~/.cache/noloco_jax``."""
     env = os.environ.get("NOLOCO_DATA_DIR")
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "noloco_jax"
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "noloco_jax"
 
 
 def _tfds_dir(data_dir: pathlib.Path) -> pathlib.Path:
@@ -283,9 +283,10 @@ def _resolve_files(path: str) -> list[pathlib.Path]:
     if any(ch in path for ch in "*?[") and not p.exists():  # an existing path is taken literally
         files = [pathlib.Path(f) for f in glob_lib.glob(str(p), recursive=True)]
         what = "no files match the glob"
-    elif p.is_dir():
-        files = list(p.rglob("*.txt"))
-        what = "the directory holds no .txt files"
+    elif p.is_dir():  # as a glob would, skip hidden files and folders (.ipynb_checkpoints/)
+        files = [f for f in p.rglob("*.txt")
+                 if not any(part.startswith(".") for part in f.relative_to(p).parts)]
+        what = "the directory holds no .txt files outside hidden folders"
     elif p.is_file():
         files, what = [p], ""
     else:
@@ -302,8 +303,8 @@ def _files_fingerprint(
     extra = "" if encoding == "utf-8" else f":{encoding}"
     h = hashlib.sha256(f"{fraction!r}:{seed}{extra}".encode())
     for f in files:
-        st = f.stat()
-        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        st = f.stat()  # ctime and inode too: a copy that keeps size and mtime changes them
+        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}\n".encode())
     return h.hexdigest()[:16]
 
 

@@ -20,7 +20,7 @@ import os
 import pathlib
 import socket
 import uuid
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import jax
 import numpy as np
@@ -59,6 +59,23 @@ def write_tokens(path: str | pathlib.Path, parts: Iterator[np.ndarray], vocab_si
     # Unique names: processes on several hosts may share this folder and a process id.
     unique = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"
     tmp = path.with_name(f"{path.stem}.tmp.{unique}.raw")
+    out = path.with_name(f"{path.stem}.tmp.{unique}.npy")
+    try:
+        total = _write_raw(tmp, parts, vocab_size, dtype)
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                  "shape": (total,)}  # fmt: skip
+        with open(out, "wb") as f, open(tmp, "rb") as src:
+            np.lib.format.write_array_header_1_0(f, header)
+            while block := src.read(1 << 24):
+                f.write(block)
+        out.replace(path)
+    finally:  # a refused part or a full disk leaves no temporary file behind
+        tmp.unlink(missing_ok=True)
+        out.unlink(missing_ok=True)
+    return total
+
+
+def _write_raw(tmp: pathlib.Path, parts: Iterable[Any], vocab_size: int, dtype: np.dtype) -> int:
     total = 0
     with open(tmp, "wb") as f:
         for part in parts:
@@ -68,15 +85,6 @@ def write_tokens(path: str | pathlib.Path, parts: Iterator[np.ndarray], vocab_si
                                  f"[{part.min()}, {part.max()}].")  # fmt: skip
             f.write(part.astype(dtype).tobytes())
             total += part.size
-    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
-              "shape": (total,)}  # fmt: skip
-    out = path.with_name(f"{path.stem}.tmp.{unique}.npy")
-    with open(out, "wb") as f, open(tmp, "rb") as src:
-        np.lib.format.write_array_header_1_0(f, header)
-        while block := src.read(1 << 24):
-            f.write(block)
-    tmp.unlink()
-    out.replace(path)
     return total
 
 

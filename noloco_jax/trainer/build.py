@@ -54,7 +54,8 @@ class DataBundle:
 
 def prepare_data(s: TrainSettings) -> DataBundle:
     """Corpus -> tokenizer -> token streams -> per-replica batcher and eval windows."""
-    data_dir = pathlib.Path(s.data.data_dir) if s.data.data_dir else data_lib.default_data_dir()
+    data_dir = (pathlib.Path(s.data.data_dir).expanduser() if s.data.data_dir
+                else data_lib.default_data_dir())  # fmt: skip
     corpus = None
     if s.data.source != "tokens":  # pre-tokenized streams need no text
         corpus = data_lib.load_corpus(

@@ -372,6 +372,9 @@ def _validate_data(s: TrainSettings) -> None:
     check_choice("config.data.tokenizer", d.tokenizer, ("byte", "sentencepiece", "hf"))
     require(d.tokenizer != "hf" or bool(d.tokenizer_path), "config.data.tokenizer_path",
             "must name a directory holding tokenizer.json when data.tokenizer='hf'.")
+    require(d.tokenizer == "hf" or not d.tokenizer_path, "config.data.tokenizer_path",
+            f"applies to data.tokenizer='hf' only, got data.tokenizer={d.tokenizer!r} (it would "
+            f"be ignored); add --config.data.tokenizer=hf.")  # fmt: skip
     require(_is_codec(d.encoding), "config.data.encoding",
             f"must be a text encoding Python knows (e.g. 'utf-8', 'latin-1'), got "
             f"{d.encoding!r}.")  # fmt: skip
@@ -438,8 +441,9 @@ def warnings_for(s: TrainSettings) -> list[str]:
 
 
 def _is_codec(name: Any) -> bool:
+    """A text encoding (bytes to str): 'base64', 'hex' or 'zlib' are codecs but not encodings."""
     try:
-        return isinstance(name, str) and bool(codecs.lookup(name))
+        return isinstance(name, str) and getattr(codecs.lookup(name), "_is_text_encoding", True)
     except LookupError:
         return False
 
