@@ -47,20 +47,28 @@ class HFTokenizer:
                 "pip install 'noloco-jax[hf]' (or pip install tokenizers)."
             ) from err
         blob = file.read_bytes()
-        self._tok = Tokenizer.from_str(blob.decode("utf-8"))
-        # A document that spells "</s>" out is text: only the loader ends documents.
+        self._tok = _parse(Tokenizer, blob, file)
+        # A document that spells "</s>" out is text: only the loader ends documents. A saved
+        # truncation or padding would cut or pad every whole document: both are turned off.
         self._tok.encode_special_tokens = True
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.path = file
-        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        # Largest id + 1: added tokens may sit after a gap in the ids (then the count is less).
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         self.eos_id = self._find_eos(file.parent)
-        # v2: special-token text is encoded as text (streams cached before used the specials)
-        self.name = "hf" + hashlib.sha256(blob + b"v2").hexdigest()[:12]
+        # v3: no truncation or padding (v2: special-token text encoded as text); the eos id
+        # from tokenizer_config.json separates the documents, so it is part of the key.
+        self.name = "hf" + hashlib.sha256(blob + f"v3:{self.eos_id}".encode()).hexdigest()[:12]
 
     def _find_eos(self, directory: pathlib.Path) -> int:
         names = list(_EOS_CANDIDATES)
         config = directory / "tokenizer_config.json"
         if config.is_file():
-            eos = json.loads(config.read_text()).get("eos_token")
+            try:
+                eos = json.loads(config.read_text()).get("eos_token")
+            except ValueError as err:
+                raise ValueError(f"{config} is not valid JSON ({err}); fix or remove it.") from err
             eos = eos.get("content") if isinstance(eos, dict) else eos
             if eos and self._tok.token_to_id(eos) is None:
                 raise ValueError(f"{config}'s eos_token {eos!r} is not in the vocabulary of "
@@ -83,3 +91,16 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; eos ids are dropped."""
         return self._tok.decode([int(i) for i in ids if int(i) != self.eos_id])
+
+
+def _parse(tokenizer_cls: type, blob: bytes, file: pathlib.Path):
+    """The ``Tokenizer`` in ``blob``, or a ``ValueError`` naming the file and the setting."""
+    if blob.startswith(b"version https://git-lfs"):
+        raise ValueError(f"{str(file)!r} is a git-lfs pointer, not the tokenizer: fetch it "
+                         f"(git lfs pull) or point config.data.tokenizer_path elsewhere.")
+    try:
+        return tokenizer_cls.from_str(blob.decode("utf-8"))
+    except Exception as err:  # tokenizers raises a bare Exception on bad JSON
+        raise ValueError(f"{str(file)!r} is not a Hugging Face tokenizer.json ({err}); "
+                         f"config.data.tokenizer_path must name the directory holding "
+                         f"one.") from err

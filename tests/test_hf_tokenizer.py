@@ -1,0 +1,75 @@
+"""HFTokenizer on tokenizer.json files made here with the ``tokenizers`` package (``[hf]``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers")
+
+from noloco_jax.data.hf_tokenizer import HFTokenizer  # noqa: E402
+
+WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away"]
+TEXT = " ".join(WORDS * 100)  # 1,000 words, one id each
+
+
+def _save(directory, *, truncation=None, padding=None, gap=False, eos_config=None):
+    """A word-level tokenizer.json (ids: [UNK] 0, [PAD] 1, the words, then "</s>" and "<e2>")."""
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    if gap:  # an added token after a gap in the ids, as in cl100k-style vocabularies
+        vocab["<gap>"] = 99
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["</s>", "<e2>"])
+    if truncation:
+        tok.enable_truncation(max_length=truncation)
+    if padding:
+        tok.enable_padding(length=padding, pad_id=1, pad_token="[PAD]")
+    tok.save(str(directory / "tokenizer.json"))
+    if eos_config:
+        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_config}))
+    return directory
+
+
+@pytest.mark.parametrize("saved", [dict(truncation=16), dict(padding=2048)])
+def test_a_saved_truncation_or_padding_does_not_cut_or_pad_documents(tmp_path, saved):
+    """A tokenizer.json saved with truncation kept 16 ids of each document; with fixed-length
+    padding it added pad ids to each."""
+    plain = HFTokenizer(_save(tmp_path / "plain"))
+    tok = HFTokenizer(_save(tmp_path / "saved", **saved))
+    assert len(plain.encode(TEXT)) == 1000
+    assert tok.encode(TEXT).tolist() == plain.encode(TEXT).tolist()
+    assert tok.name != plain.name  # another file: its own cached streams
+
+
+def test_vocab_size_is_the_largest_id_plus_one(tmp_path):
+    """Ids with a gap: 15 tokens, the largest id 99 (the count made id 99 out of range)."""
+    tok = HFTokenizer(_save(tmp_path, gap=True))
+    assert tok.vocab_size == 100 and tok._tok.token_to_id("<gap>") == 99
+
+
+def test_the_document_separator_is_part_of_the_cache_key(tmp_path):
+    """Changing tokenizer_config.json's eos_token reused streams cut with the old one."""
+    a = HFTokenizer(_save(tmp_path / "a", eos_config="</s>"))
+    b = HFTokenizer(_save(tmp_path / "b", eos_config="<e2>"))
+    assert (a.eos_id, b.eos_id) == (12, 13) and a.name != b.name
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 9\n", "git-lfs pointer"),
+    (b"not json", "is not a Hugging Face tokenizer.json"),
+])  # fmt: skip
+def test_an_unreadable_tokenizer_file_names_the_file_and_the_setting(tmp_path, content, match):
+    (tmp_path / "tokenizer.json").write_bytes(content)
+    with pytest.raises(ValueError, match=match) as err:
+        HFTokenizer(tmp_path)
+    assert "tokenizer_path" in str(err.value) and "tokenizer.json" in str(err.value)
+
+
+def test_a_broken_tokenizer_config_names_the_file(tmp_path):
+    d = _save(tmp_path)
+    (d / "tokenizer_config.json").write_text("{broken")
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json is not valid JSON"):
+        HFTokenizer(d)
