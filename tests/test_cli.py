@@ -101,7 +101,7 @@ def assert_user_error(code, err, pattern):
 
 
 # README row (the start of its first column) -> cases: (extra flags, expected message pattern).
-# "{corpus}", "{empty}", "{blocked}" are filled in by the test.
+# "{corpus}", "{empty}", "{blocked}", ... are filled in by the test.
 CASES = {
     "unknown or mistyped config field": [
         (["--config.num_replica=3"], r"unknown config field --config\.num_replica; did you mean "
@@ -134,6 +134,15 @@ CASES = {
                                                     r"'sentencepiece'.*got 0; e\.g\. 4096"),  # fmt: skip
         (["--config.data.tokenizer_vocab_size=4096"], r"config\.data\.tokenizer_vocab_size: the "
                                                       r"byte tokenizer has exactly 256 ids"),  # fmt: skip
+    ],
+    "a `tokenizer.json` that is a git-lfs pointer or not JSON": [
+        (["--config.data.tokenizer_path={corpus}"], r"config\.data\.tokenizer_path: applies to "
+                                                    r"data\.tokenizer='hf' only"),  # fmt: skip
+        (["--config.data.tokenizer=hf", "--config.data.tokenizer_path={lfs}"],
+         r"tokenizer\.json' is a git-lfs pointer, not the tokenizer"),
+    ],
+    "`data.encoding` a codec that is not a text encoding": [
+        (["--config.data.encoding=base64"], r"config\.data\.encoding: must be a text encoding"),
     ],
     "unknown model preset": [(["--config.model.preset=huge"],
                               r"config\.model\.preset: must be one of .*'nano'.*got 'huge'")],
@@ -342,6 +351,8 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
     latin1 = tmp_path / "latin1"
     latin1.mkdir()
     (latin1 / "latin1.txt").write_bytes("caf\xe9 na\xefve ".encode("latin-1") * 200)
+    (tmp_path / "lfs").mkdir()  # a Hub repo cloned without git-lfs
+    (tmp_path / "lfs" / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\n")
 
     def no_network(directory):
         raise RuntimeError(sources._no_shakespeare("network unreachable"))
@@ -358,7 +369,7 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
         fill = {"corpus": corpus_dir, "empty": empty, "blocked": tmp_path / "blocked", "root": ROOT,
                 "gpt2": tmp_path / "gpt2", "llama512": tmp_path / "llama512", "latin1": latin1,
                 "noget": tmp_path / "noget.py", "badsyntax": tmp_path / "badsyntax.py",
-                "typo": tmp_path / "typo.py", "five": tmp_path / "five.py"}
+                "typo": tmp_path / "typo.py", "five": tmp_path / "five.py", "lfs": tmp_path / "lfs"}
         extra = [e.format(**{k: str(v) for k, v in fill.items()}) for e in extra]
         argv = nano_argv(tmp_path / "run", corpus_dir, data_dir, *extra)
         code, err = run_cli(argv, capsys)

@@ -410,6 +410,20 @@ def test_byte_tokenizer():
         data.make_tokenizer("tiktoken")
 
 
+def test_sentencepiece_trains_on_paragraphs_longer_than_its_line_limit(tmp_path):
+    """SentencePiece skips training lines over 4192 bytes: one paragraph per line (text without
+    line breaks) trained on nothing and failed. Such lines are cut before whitespace."""
+    from noloco_jax.data import tokenizers  # noqa: PLC0415
+
+    one_line = [" ".join(t.split()) * 8 for t in TEXTS]  # each a few kB, no line break
+    assert max(len(t.encode()) for t in one_line) > 4192
+    tok = data.train_sentencepiece(one_line, vocab_size=300, model_path=tmp_path / "m.model")
+    assert tok.decode(tok.encode(one_line[0])) == one_line[0]
+    pieces = tokenizers._split_long("é" * 10 + " ab" * 3000)
+    assert "".join(pieces) == "é" * 10 + " ab" * 3000
+    assert max(len(p.encode()) for p in pieces) <= tokenizers._MAX_LINE_BYTES
+
+
 def test_sentencepiece_trained_locally_and_cached(tmp_path, monkeypatch):
     corpus = data.Corpus(train=TEXTS, validation=[], name="topics")
     tok = data.make_tokenizer("sentencepiece", corpus=corpus, vocab_size=300, cache_dir=tmp_path)

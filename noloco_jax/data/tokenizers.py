@@ -7,6 +7,7 @@ import hashlib
 import io
 import os
 import pathlib
+import re
 import uuid
 from typing import Iterable, Protocol
 
@@ -105,6 +106,27 @@ SP_RESERVED = 256 + _SP_SPECIALS  # ids a sentencepiece vocabulary holds before 
 _SP_MAX_LINES = 2_000_000
 
 
+# SentencePiece skips a training line over max_sentence_length bytes (default 4192) without a
+# word; a corpus of one paragraph per line trained on a fraction of its text, or failed.
+_MAX_LINE_BYTES = 4000
+
+
+def _split_long(line: str, limit: int = _MAX_LINE_BYTES) -> list[str]:
+    """``line`` cut before whitespace into pieces of at most ``limit`` UTF-8 bytes (a word
+    longer than that stays whole); pieces never span whitespace in training anyway."""
+    if len(line.encode("utf-8", "surrogatepass")) <= limit:
+        return [line]
+    pieces, start, size = [], 0, 0
+    for match in re.finditer(r"\s*\S+", line):
+        n = len(match.group().encode("utf-8", "surrogatepass"))
+        if size and size + n > limit:
+            pieces.append(line[start:match.start()])
+            start, size = match.start(), 0
+        size += n
+    pieces.append(line[start:])
+    return [p for p in pieces if p.strip()]
+
+
 def _training_lines(texts: Iterable[str], vocab_size: int) -> list[str]:
     """Non-blank lines of ``texts``, restricted to the characters the vocabulary can afford.
 
@@ -114,7 +136,8 @@ def _training_lines(texts: Iterable[str], vocab_size: int) -> list[str]:
     kept in the training text (leaving at least as many slots for merges); all
     others still encode exactly, through the 256 byte-fallback pieces.
     """
-    lines = [line for text in texts for line in text.splitlines() if line.strip()]
+    lines = [piece for text in texts for line in text.splitlines() if line.strip()
+             for piece in _split_long(line)]  # fmt: skip
     counts = collections.Counter()
     for line in lines:
         counts.update(line)
@@ -247,7 +270,8 @@ def make_tokenizer(
         from noloco_jax.data.sources import default_data_dir, texts_digest  # noqa: PLC0415
 
         root = pathlib.Path(cache_dir) if cache_dir is not None else default_data_dir()
-        key = f"{corpus.name}-{texts_digest(corpus.train)}-sp{vocab_size}.model"
+        # v2: lines over 4000 bytes are split (SentencePiece skipped them)
+        key = f"{corpus.name}-{texts_digest(corpus.train)}-sp{vocab_size}v2.model"
         path = root / "tokenizers" / key
         return train_sentencepiece(corpus.train, vocab_size=vocab_size, model_path=path)
     if kind == "hf":
