@@ -139,6 +139,26 @@ def test_a_signal_during_the_last_chunk_lets_the_run_finish(tmp_path, finished_r
     assert Checkpointer(run / "checkpoints").latest_step() == s.num_steps
 
 
+def test_a_signal_just_after_the_save_decision_is_saved_at_the_next_chunk(tmp_path, finished_run,
+                                                                          monkeypatch, capsys):
+    """A SIGTERM between a chunk's save decision and the loop's next check stopped the run with
+    nothing saved: the steps since the last checkpoint were lost."""
+    s, _ = finished_run  # its programs are compiled: this run from step 0 reuses them
+    real = loop._after_chunk
+
+    def after(ses, state, start, step, metrics):
+        stopping = real(ses, state, start, step, metrics)
+        if step == s.log_every:  # not a checkpoint step
+            ses.stop.requested = "SIGTERM"
+        return stopping
+
+    monkeypatch.setattr(loop, "_after_chunk", after)
+    last = train_and_evaluate(s, tmp_path / "run", progress=False)
+    assert last["step"] == 2 * s.log_every < s.num_steps  # one more chunk, then saved, stopped
+    assert Checkpointer(tmp_path / "run" / "checkpoints").latest_step() == last["step"]
+    assert f"stopped at step {last['step']} after saving its checkpoint" in capsys.readouterr().out
+
+
 def test_damaged_latest_checkpoint_is_set_aside_and_the_run_replays(tmp_path, finished_run):
     s, finished = finished_run
     run = copy_run(finished, tmp_path / "run")

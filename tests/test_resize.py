@@ -207,6 +207,25 @@ def test_a_resize_may_change_the_group_size(tmp_path):
     assert last["step"] == 8 and np.isfinite(last["train_loss"])
 
 
+def test_a_checkpoint_without_counts_is_counted_with_its_own_group_size(tmp_path):
+    """Checkpoints that predate the saved counts: their bytes came from the new run's
+    outer.group_size (a resize from groups of 4 to groups of 2 halved them)."""
+    import types  # noqa: PLC0415
+
+    from noloco_jax.trainer import loop, optimizer  # noqa: PLC0415
+
+    old = _settings(tmp_path, outer={"sync_every": 2, "group_size": 4})
+    new = _settings(tmp_path, num_replicas=2, allow_resize=True)
+    params = {"w": jnp.zeros((64, 64))}
+    run = types.SimpleNamespace(settings=new, params0=params)
+    step, tokens, sent = loop._counted_at({"settings": old.to_dict()}, 8, run)
+    want = optimizer.bytes_sent("noloco", old.outer, params, num_replicas=4, steps=8,
+                                fault=old.fault)  # fmt: skip
+    assert (step, tokens, sent) == (8, 8 * 8 * 32, want)
+    assert want != optimizer.bytes_sent("noloco", new.outer, params, num_replicas=4, steps=8,
+                                        fault=new.fault)  # fmt: skip
+
+
 def test_resize_with_pipeline_stages_is_refused(tmp_path):
     with pytest.raises(ValueError, match="config.allow_resize: resizing runs with pipeline"):
         _settings(tmp_path, allow_resize=True, num_stages=2)

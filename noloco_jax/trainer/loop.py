@@ -85,8 +85,11 @@ def _counted_at(meta: dict, step: int, run: Run) -> tuple[int, int, float]:
     if isinstance(meta.get("counted"), dict):
         return step, meta["counted"]["tokens_seen"], meta["counted"]["bytes_sent_per_replica"]
     old, s = meta["settings"], run.settings
+    # A resize may change num_replicas, global_batch_size and outer.group_size: the old ones.
+    outer = dataclasses.replace(s.outer, group_size=old.get("outer", {}).get("group_size",
+                                                                s.outer.group_size))
     return step, step * old["global_batch_size"] * old["data"]["seq_len"], optim_lib.bytes_sent(
-        s.method, s.outer, run.params0, num_replicas=old["num_replicas"], steps=step,
+        s.method, outer, run.params0, num_replicas=old["num_replicas"], steps=step,
         fault=s.fault)  # fmt: skip
 
 
@@ -219,7 +222,8 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
     # a signal during start-up writes nothing, so the resume's step-0 eval is the only one.
     if (step == 0 or ses.run.resized_from) and not ses.stop.requested:
         _evaluate(ses, state, step, ses.run.resized_from)
-    while step < end and not ses.stop.requested:
+    stopping = ses.stop.requested is not None
+    while step < end and not stopping:
         start, programs = step, len(ses.run.calls)
         k = min(s.log_every - step % s.log_every, end - step)
         profiler.before_chunk(step, step + k)
@@ -227,8 +231,8 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
         state, losses = _run_blocks(ses.run, state, step, k)  # [N, k]; waits for the device
         step += k
         profiler.after_chunk(step)
-        _after_chunk(ses, state, start, step, _train_metrics(ses.run, state, step, k, losses,
-                                                              time.perf_counter() - t0))
+        stopping = _after_chunk(ses, state, start, step, _train_metrics(
+            ses.run, state, step, k, losses, time.perf_counter() - t0))
         ses.bar.advance(step, ses.last, compiled=len(ses.run.calls) > programs)
     if ses.stop.requested and step < s.num_steps:  # a signal in the last chunk: the run is done
         ses.last["stopped_by"] = ses.stop.requested
@@ -239,8 +243,12 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
     return ses.last
 
 
-def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metrics: dict) -> None:
-    """Writes the chunk's metrics, then checks, evaluates and checkpoints when due."""
+def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metrics: dict) -> bool:
+    """Writes the chunk's metrics, then checks, evaluates and checkpoints when due.
+
+    Returns whether a stop signal came before the save decision (the loop stops here, saved);
+    one that comes after it stops the loop at the next chunk's end.
+    """
     s = ses.run.settings
     resets_before = ses.last.get("nonfinite_resets", 0.0)
     ses.writer.write(step, "train", metrics)
@@ -253,13 +261,15 @@ def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metric
     ses.ckpt.check()  # a failed asynchronous save stops the run now
     if step % s.eval_every == 0 or step == s.num_steps:
         _evaluate(ses, state, step)
-    if step % s.checkpoint_every == 0 or step == s.num_steps or ses.stop.requested:
+    stopping = ses.stop.requested is not None
+    if step % s.checkpoint_every == 0 or step == s.num_steps or stopping:
         ses.guard.check_savable(state, step)
         _report_saves(ses, wait=True)  # orbax waits for the previous save here anyway
         counted = {k: ses.last[k] for k in ("tokens_seen", "bytes_sent_per_replica")}
         ses.ckpt.save(step, state, {**ses.run.meta, "counted": counted,
                                     "reset_streak": ses.guard.streak.tolist()})  # fmt: skip
         ses.pending.append(step)
+    return stopping
 
 
 def _report_saves(ses: _Session, wait: bool = False, closed: bool = False) -> None:
