@@ -108,6 +108,14 @@ def test_a_directory_skips_hidden_folders_as_a_glob_does(text_dir, tmp_path):
     assert sorted(c.train + c.validation) == sorted(TEXTS) and not set(c.train) & set(c.validation)
 
 
+def test_a_file_name_that_is_not_utf8_is_read(text_dir, tmp_path):
+    """A name like b'caf\\xe9.txt' (Latin-1 on disk) crashed the files source with a
+    UnicodeEncodeError that named no file."""
+    (text_dir / os.fsdecode(b"caf\xe9.txt")).write_text("un caf\u00e9 " * 50, encoding="utf-8")
+    c = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
+    assert sorted(c.train + c.validation) == sorted([*TEXTS, "un caf\u00e9 " * 50])
+
+
 def test_a_file_copied_with_its_size_and_mtime_is_prepared_again(text_dir, tmp_path):
     """``cp -p`` or ``rsync -a`` of new text of the same size keeps (size, mtime): the stale
     prepared dataset was reused."""

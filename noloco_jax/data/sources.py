@@ -304,7 +304,8 @@ def _files_fingerprint(
     h = hashlib.sha256(f"{fraction!r}:{seed}{extra}".encode())
     for f in files:
         st = f.stat()  # ctime and inode too: a copy that keeps size and mtime changes them
-        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}\n".encode())
+        h.update(os.fsencode(f) + f":{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:"
+                 f"{st.st_ino}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -349,13 +350,18 @@ def _read_text(f: pathlib.Path, encoding: str) -> str:
     return text
 
 
+def _title(f: pathlib.Path) -> str:
+    """The file's path as text; bytes of a name that are not UTF-8 as ``\\xNN`` escapes."""
+    return os.fsencode(f).decode("utf-8", "backslashreplace")
+
+
 def _local_files(
     path: str, data_dir: pathlib.Path, fraction: float, seed: int, encoding: str = "utf-8"
 ) -> Corpus:
     files = _resolve_files(path)
     name = "noloco_files_" + _files_fingerprint(files, fraction, seed, encoding)
     if not _is_stored(data_dir, name):
-        docs = [(str(f), _read_text(f, encoding)) for f in files]
+        docs = [(_title(f), _read_text(f, encoding)) for f in files]
         docs = [(t, x.replace("\x00", "")) for t, x in docs]
         docs = [(t, x) for t, x in docs if x.strip()]
         if not docs:
