@@ -90,6 +90,9 @@ def _tiny(**overrides):
         ({"data.validation_fraction": 1.5}, "config.data.validation_fraction"),
         ({"data.encoding": "base64"}, "config.data.encoding"),  # a codec, not a text encoding
         ({"data.encoding": "zlib"}, "config.data.encoding"),
+        ({"data.encoding": "latin-1"}, "config.data.encoding: applies to data.source='files'"),
+        ({"data.validation_fraction": 0.2}, "config.data.validation_fraction: applies to "
+         "data.source='files'"),  # both were ignored for the other sources
         ({"data.tokenizer_path": "/tok"}, "config.data.tokenizer_path: applies to "
          "data.tokenizer='hf'"),  # the byte tokenizer trained and nothing said so
         ({"optim.learning_rate": -1.0}, "config.optim.learning_rate"),

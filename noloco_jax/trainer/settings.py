@@ -391,6 +391,11 @@ def _validate_data(s: TrainSettings) -> None:
             f"got {d.tokenizer_vocab_size}; e.g. 4096.")  # fmt: skip
     check_number("config.data.validation_fraction", d.validation_fraction, 0, 1, open_low=True,
                  open_high=True)  # fmt: skip
+    for field in ("validation_fraction", "encoding"):  # ignored by the other sources
+        value = getattr(d, field)
+        require(d.source == "files" or value == defaults.default(f"data.{field}"),
+                f"config.data.{field}", f"applies to data.source='files' only, got "
+                f"data.source={d.source!r} (it would be ignored); leave it at its default.")
 
 
 def parse_profile_steps(text: Any) -> tuple[int, int] | None:
