@@ -91,6 +91,8 @@ def _tiny(**overrides):
         ({"data.encoding": "base64"}, "config.data.encoding"),  # a codec, not a text encoding
         ({"data.encoding": "zlib"}, "config.data.encoding"),
         ({"data.encoding": "latin-1"}, "config.data.encoding: applies to data.source='files'"),
+        ({"data.tokenizer": "hf", "data.tokenizer_path": "/tok", "data.tokenizer_vocab_size": 512},
+         "config.data.tokenizer_vocab_size: the hf tokenizer's size comes from"),
         ({"data.validation_fraction": 0.2}, "config.data.validation_fraction: applies to "
          "data.source='files'"),  # both were ignored for the other sources
         ({"data.tokenizer_path": "/tok"}, "config.data.tokenizer_path: applies to "

@@ -385,6 +385,9 @@ def _validate_data(s: TrainSettings) -> None:
             "config.data.tokenizer_vocab_size", f"the byte tokenizer has exactly 256 ids, got "
             f"{d.tokenizer_vocab_size}; leave it 0, or set config.data.tokenizer='sentencepiece' "
             f"for another size.")  # fmt: skip
+    require(d.tokenizer != "hf" or d.tokenizer_vocab_size == 0, "config.data.tokenizer_vocab_size",
+            f"the hf tokenizer's size comes from its tokenizer.json (it would be ignored); leave "
+            f"it 0, got {d.tokenizer_vocab_size}.")  # fmt: skip
     require(d.tokenizer != "sentencepiece" or d.tokenizer_vocab_size > SP_RESERVED,
             "config.data.tokenizer_vocab_size", f"must be > {SP_RESERVED} with "
             f"config.data.tokenizer='sentencepiece' (256 byte pieces, unk and eos are reserved), "
