@@ -494,6 +494,43 @@ def test_inject_hyperparams_of_the_outer_step_equals_fixed_rates():
         reps.map(injected.update)(phi - theta, s2, phi)
 
 
+@pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])
+@pytest.mark.parametrize("how", ["inject", "float32 momentum"])
+def test_float32_hyperparameters_on_bfloat16_params_keep_the_state_dtypes(factory, how):
+    """Injected (float32) rates turned a bf16 leaf's momentum float32 in the sync branch only:
+    lax.cond refused the branches (a TypeError from inside local_steps)."""
+    import importlib  # noqa: PLC0415
+
+    module = importlib.import_module(factory.__module__)
+    if how == "inject":
+        outer = optax.inject_hyperparams(factory, static_args=module.INJECT_STATIC_ARGS)(
+            learning_rate=0.7, momentum=0.5)  # fmt: skip
+    else:
+        outer = factory(0.7, jnp.asarray(0.5, jnp.float32))
+    plain = factory(0.7, 0.5)
+    params = {"a": jnp.ones((N, 3), jnp.bfloat16), "b": jnp.ones((N, 3), jnp.float32)}
+    reps = replicas.make_replicas(N, backend="vmap")
+    got = []
+    for o in (outer, plain):
+        tx = local_steps(optax.sgd(0.1), o, sync_every=2)
+        step = jax.jit(reps.map(step_fn(tx)))
+        p, st = params, reps.init(tx, params)
+        for _ in range(4):  # two rounds
+            p, st = step(p, st, jax.tree.map(jnp.ones_like, p))
+        got.append(p)
+    assert jax.tree.map(lambda x: x.dtype, got[0]) == jax.tree.map(lambda x: x.dtype, params)
+    for x, y in zip(jax.tree.leaves(got[0]), jax.tree.leaves(got[1])):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+@pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])
+def test_nesterov_must_be_a_bool(factory):
+    """nesterov='False' (a config string) turned Nesterov momentum on without a word."""
+    for bad in ("False", 1e-4, 1):
+        with pytest.raises(ValueError, match="nesterov: must be True or False"):
+            factory(0.7, 0.5, nesterov=bad)
+
+
 @pytest.mark.parametrize("factory, module", [(noloco_outer, "noloco"), (diloco_outer, "diloco")])
 def test_injecting_a_structural_argument_names_the_static_args(factory, module):
     with pytest.raises(ValueError, match=f"noloco_jax.optim.{module}.INJECT_STATIC_ARGS"):

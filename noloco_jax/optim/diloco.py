@@ -34,7 +34,7 @@ from noloco_jax.optim.noloco import (
     check_rate,
     check_static_args,
 )
-from noloco_jax.optim.trees import float_leaves, zeros_where_none
+from noloco_jax.optim.trees import float_leaves, like_dtypes, zeros_where_none
 
 __all__ = ["DiLoCoOuterState", "diloco_outer", "INJECT_STATIC_ARGS"]
 
@@ -161,7 +161,8 @@ def diloco_outer(
     errors.check_bool("resync_absent", resync_absent)
     beta = check_rate("learning_rate", learning_rate)
     alpha = check_momentum("momentum", momentum)
-    sgd = optax.sgd(beta, momentum=alpha, nesterov=bool(nesterov))
+    errors.check_bool("nesterov", nesterov)
+    sgd = optax.sgd(beta, momentum=alpha, nesterov=nesterov)
     dropout_prob = check_dropout_prob(dropout_prob)
 
     def init_fn(params: optax.Params) -> DiLoCoOuterState:
@@ -198,6 +199,7 @@ def diloco_outer(
             # bfloat16 trace would turn float32 after one round: a retrace, a failed cond).
             outer_grad = jax.tree.map(lambda m, d: m.astype(d), outer_grad, dtypes)
         delta, sgd_state = sgd.update(outer_grad, state.sgd_state, params)
+        delta, sgd_state = like_dtypes(delta, outer_grad), like_dtypes(sgd_state, state.sgd_state)
         delta = zeros_where_none(delta, full) if full is not None else delta
         return delta, DiLoCoOuterState(optax.safe_int32_increment(state.round), sgd_state,
                                        residual)  # fmt: skip

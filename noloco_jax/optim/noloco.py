@@ -40,7 +40,8 @@ import numpy as np
 import optax
 
 from noloco_jax import comm, errors, quantize
-from noloco_jax.optim.trees import BATCHED_COUNTER_FIX, float_leaves, is_batched, zeros_where_none
+from noloco_jax.optim.trees import (BATCHED_COUNTER_FIX, float_leaves, is_batched, like_dtypes,
+                                    zeros_where_none)
 
 __all__ = [
     "NoLoCoOuterState",
@@ -338,7 +339,8 @@ def noloco_outer(
     if pool_size is not None:
         errors.check_int("pool_size", pool_size)
     dropout_prob = check_dropout_prob(dropout_prob)
-    sgd = optax.sgd(beta, momentum=alpha, nesterov=bool(nesterov))
+    errors.check_bool("nesterov", nesterov)
+    sgd = optax.sgd(beta, momentum=alpha, nesterov=nesterov)
 
     def init_fn(params: optax.Params) -> NoLoCoOuterState:
         phi = float_leaves(params)
@@ -383,6 +385,7 @@ def noloco_outer(
                 residual=residual,
             )
         delta, sgd_state = sgd.update(g, state.sgd_state, phi)
+        delta, sgd_state = like_dtypes(delta, phi), like_dtypes(sgd_state, state.sgd_state)
         delta = zeros_where_none(delta, params)
         return delta, NoLoCoOuterState(optax.safe_int32_increment(state.round), sgd_state,
                                        residual)  # fmt: skip

@@ -11,6 +11,7 @@ __all__ = [
     "is_float",
     "float_leaves",
     "zeros_where_none",
+    "like_dtypes",
     "is_batched",
     "BATCHED_COUNTER_FIX",
 ]
@@ -32,6 +33,15 @@ def zeros_where_none(partial: Any, like: Any) -> Any:
         lambda u, x: u if u is not None or x is None else jnp.zeros_like(x), partial, like,
         is_leaf=lambda v: v is None,
     )  # fmt: skip
+
+
+def like_dtypes(tree: Any, like: Any) -> Any:
+    """``tree`` cast leaf by leaf to ``like``'s dtypes (a state keeps its dtypes across steps).
+
+    A float32 hyperparameter (``optax.inject_hyperparams``) turns a bfloat16 momentum float32;
+    the step that does not sync keeps bfloat16, and ``lax.cond`` refuses the two branches.
+    """
+    return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
 
 
 def is_batched(x: Any) -> bool:
