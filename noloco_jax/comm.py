@@ -319,6 +319,9 @@ def groups_for_round(
       >>> groups_for_round(0, num_replicas=4, group_size=2, seed=0).shape
       (2, 2)
     """
+    errors.check_int("round_index", round_index, 0, 2**32 - 1, "2**32 - 1")
+    if stream is not None:
+        errors.check_int("stream", stream, 0, 2**32 - 1, "2**32 - 1")
     pool = partition_pool(num_replicas, group_size, seed, pool_size)
     idx = int(pool_index(round_index, len(pool), seed, stream))
     return np.array(pool[idx])

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from noloco_jax import comm
+from noloco_jax.optim.trees import is_float
 
 __all__ = ["replica_spread"]
 
@@ -39,7 +40,9 @@ def replica_spread(params: Any, axis_name: str) -> jax.Array:
     """
     if comm.axis_size(axis_name) == 1:  # one replica: no spread (and no collective, which
         return jnp.zeros([], jnp.float32)  # XLA refuses over a size-1 axis of split leaves)
-    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(params)]
+    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(params) if is_float(x)]  # weights
+    if not leaves:
+        return jnp.zeros([], jnp.float32)
     first = jax.lax.axis_index(axis_name) == 0
     refs = jax.lax.psum([jnp.where(first, x, jnp.zeros_like(x)) for x in leaves], axis_name)
     leaves = [x - r for x, r in zip(leaves, refs)]

@@ -35,6 +35,17 @@ def test_pool_entries_are_partitions(n_replicas, n):
     assert not pool.flags.writeable
 
 
+@pytest.mark.parametrize("kwargs, field", [({"round_index": -1}, "round_index"),
+                                           ({"round_index": 2**32}, "round_index"),
+                                           ({"round_index": 1.5}, "round_index"),
+                                           ({"stream": -1}, "stream")])  # fmt: skip
+def test_groups_for_round_refuses_a_bad_round_or_stream(kwargs, field):
+    """-1 gave an OverflowError from numpy, 1.5 was taken and gave groups."""
+    args = {"round_index": 0, "num_replicas": 8, "group_size": 2, "seed": 0, **kwargs}
+    with pytest.raises(ValueError, match=f"{field}: must be an integer in"):
+        groups_for_round(**args)
+
+
 def test_groups_for_round_is_deterministic_and_redrawn():
     rounds = [groups_for_round(r, 8, 2, seed=5) for r in range(30)]
     again = [groups_for_round(r, 8, 2, seed=5) for r in range(30)]

@@ -523,6 +523,30 @@ def test_float32_hyperparameters_on_bfloat16_params_keep_the_state_dtypes(factor
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
+def test_fragments_given_as_a_number_names_the_spec_to_pass():
+    """fragments=2 was read as a one-leaf spec: errors about 3 fragments, or about leaves."""
+    with pytest.raises(ValueError, match=r"fragments must be a fragment spec, e\.g\. "
+                                         r"fragments\.by_layer_blocks\(params, 2\)"):  # fmt: skip
+        local_steps(optax.sgd(0.1), noloco_outer(), 4, fragments=2)
+
+
+def test_integer_leaves_are_neither_clipped_nor_counted():
+    """Clipping and the replica spread counted int leaves: {'a': [3, 4]} clipped to norm 1
+    gave [0.35, 0.47] beside an int leaf 7 (and the int leaf 0); the spread halved."""
+    from noloco_jax.metrics import replica_spread  # noqa: PLC0415
+    from noloco_jax.optim.clipping import clip_by_global_norm_fused  # noqa: PLC0415
+
+    clip = clip_by_global_norm_fused(1.0)
+    updates = {"a": jnp.array([3.0, 4.0]), "i": jnp.array([7], jnp.int32)}
+    got, _ = clip.update(updates, clip.init(updates))
+    np.testing.assert_allclose(got["a"], [0.6, 0.8], rtol=1e-6)
+    assert got["i"].tolist() == [7] and got["i"].dtype == jnp.int32
+    spread = lambda t: jax.vmap(lambda x: replica_spread(x, "r"), axis_name="r")(t)  # noqa: E731
+    w = jnp.array([[0.0], [2.0]])
+    with_int = {"w": w, "count": jnp.zeros((2, 3), jnp.int32)}
+    assert spread(w).tolist() == spread(with_int).tolist() == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])
 def test_nesterov_must_be_a_bool(factory):
     """nesterov='False' (a config string) turned Nesterov momentum on without a word."""

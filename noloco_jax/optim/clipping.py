@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from noloco_jax.optim.trees import float_leaves, is_float
+
 __all__ = ["clip_by_global_norm_fused"]
 
 
@@ -42,8 +44,9 @@ def clip_by_global_norm_fused(max_norm: float) -> optax.GradientTransformation:
         updates: optax.Updates, state: optax.EmptyState, params: Any = None
     ) -> tuple[optax.Updates, optax.EmptyState]:
         del params
-        norm = optax.tree.norm(updates)
+        norm = optax.tree.norm(float_leaves(updates))  # integer leaves: neither counted nor scaled
         scale = jnp.minimum(1.0, max_norm / norm)  # norm 0 -> inf -> 1; NaN stays NaN
-        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+        return jax.tree.map(lambda g: (g * scale).astype(g.dtype) if is_float(g) else g,
+                            updates), state  # fmt: skip
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

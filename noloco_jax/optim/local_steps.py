@@ -429,6 +429,9 @@ def local_steps(
     if check_phase not in (True, False, "count"):
         raise ValueError(f"check_phase must be True, False or 'count', got {check_phase!r}.")
     _check_accumulation(inner, sync_every)
+    if isinstance(fragments, int):  # read as a one-leaf spec, it gave errors about P + 1
+        raise ValueError(f"fragments must be a fragment spec, e.g. fragments.by_layer_blocks("
+                         f"params, {fragments}), or None; got the int {fragments!r}.")
     num_frags, spec = frag.num_fragments(fragments), fragments
     fragments = None if num_frags == 1 else fragments  # one fragment: today's update
     frag.check_fragments(num_frags, sync_every)
