@@ -184,7 +184,7 @@ def diloco_outer(
         residual = state.residual
         if axis_name is not None:
             comm.axis_size(axis_name)  # clear error if unbound
-            dtypes = jax.tree.map(lambda g: g.dtype, outer_grad)
+            own = outer_grad
             present = active
             if dropout_prob > 0:
                 mine = comm.own_presence(state.round, axis_name, dropout_prob, seed)
@@ -197,7 +197,7 @@ def diloco_outer(
                                                   exchange_dtype, present, resync_absent)
             # A wire's mean comes back in at least float32; the momentum keeps phi's dtype (a
             # bfloat16 trace would turn float32 after one round: a retrace, a failed cond).
-            outer_grad = jax.tree.map(lambda m, d: m.astype(d), outer_grad, dtypes)
+            outer_grad = like_dtypes(outer_grad, own)
         delta, sgd_state = sgd.update(outer_grad, state.sgd_state, params)
         delta, sgd_state = like_dtypes(delta, outer_grad), like_dtypes(sgd_state, state.sgd_state)
         delta = zeros_where_none(delta, full) if full is not None else delta
