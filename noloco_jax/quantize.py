@@ -49,7 +49,9 @@ def _codes(x: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array, int]:
     dtype, top = FORMATS[fmt]
     blocks, n = _blocks(x)
     absmax = jnp.max(jnp.abs(blocks), axis=1)
-    scale = jnp.where(absmax > 0, absmax / top, 1.0).astype(jnp.float32)
+    # An all-zero block gets scale 1; a block with a NaN keeps a NaN scale, so it arrives
+    # non-finite (as a block with an inf does) instead of as finite, clipped values.
+    scale = jnp.where(absmax == 0, 1.0, absmax / top).astype(jnp.float32)
     scaled = blocks / scale[:, None]
     codes = (jnp.clip(jnp.round(scaled), -top, top) if fmt == "int8" else scaled).astype(dtype)
     return codes, scale, n

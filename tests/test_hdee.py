@@ -150,6 +150,9 @@ def test_one_expert_ensemble_is_that_expert_and_weights_are_normalised():
     two = jnp.concatenate([lp, lp - 1.0])  # the second expert is uniformly worse
     w0, w1 = ev.posterior_weight_on(two, 0), ev.posterior_weight_on(two, 1)
     assert abs(w0 + w1 - 1) < 1e-6 and w0 > 0.99
+    for bad in (2, 7, -1, 0.0, True):  # a JAX index would clamp 2 and 7 to expert 1
+        with pytest.raises(ValueError, match=r"^expert must be an integer in \[0, 2\)"):
+            ev.posterior_weight_on(two, bad)
 
 
 def test_rules_on_two_tiny_experts_differ_and_posterior_finds_the_domain_expert():

@@ -36,6 +36,20 @@ def test_zeros_and_fp8_range():
     np.testing.assert_allclose(qz.roundtrip(x, "float8_e4m3fn"), x, rtol=0.07)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_arrives_non_finite_and_spares_other_blocks(fmt, bad):
+    # A replica that diverged must show as non-finite on the wire, as with a float32 wire,
+    # not as finite values that its partner averages in (a NaN used to get scale 1: code 0,
+    # and the block's other values clipped to +-127).
+    x = jnp.arange(2 * qz.BLOCK, dtype=jnp.float32) - 300.0
+    x = x.at[3].set(bad)
+    got = np.asarray(qz.decode(qz.encode(x, fmt), x.size, fmt))
+    assert not np.isfinite(got[: qz.BLOCK]).any()
+    clean = np.asarray(qz.decode(qz.encode(x.at[3].set(0.0), fmt), x.size, fmt))
+    np.testing.assert_array_equal(got[qz.BLOCK :], clean[qz.BLOCK :])
+
+
 def test_error_feedback_keeps_the_accumulated_error_bounded():
     # A toy stream: the running sum of what was sent tracks the true running sum to within
     # one block's half step (the residual), over 500 rounds; without feedback it drifts.

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -53,5 +55,8 @@ def rule_perplexities(
 
 def posterior_weight_on(logp_KxWxT: jax.Array, expert: int) -> float:
     """Mean posterior weight (uniform prior) of ``expert`` after whole windows."""
+    k = logp_KxWxT.shape[0]
+    if isinstance(expert, bool) or not isinstance(expert, numbers.Integral) or not 0 <= expert < k:
+        raise ValueError(f"expert must be an integer in [0, {k}), got {expert!r}.")  # jax clamps
     post = jax.nn.softmax(jnp.sum(logp_KxWxT.astype(jnp.float32), axis=-1), axis=0)  # [K, W]
     return float(post[expert].mean())

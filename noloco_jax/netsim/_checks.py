@@ -9,7 +9,8 @@ import numpy as np
 
 def positive(name: str, value: float) -> float:
     """``value`` as a float, or a ValueError unless it is a finite number > 0."""
-    if not (isinstance(value, (int, float, np.integer, np.floating)) and value > 0):
+    if isinstance(value, bool) or not (
+            isinstance(value, (int, float, np.integer, np.floating)) and value > 0):
         raise ValueError(f"{name} must be a number > 0, got {value!r}.")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite and > 0, got {value!r}.")
@@ -18,10 +19,19 @@ def positive(name: str, value: float) -> float:
 
 def non_negative(name: str, value: float) -> float:
     """``value`` as a float, or a ValueError unless it is a finite number >= 0."""
-    if not (isinstance(value, (int, float, np.integer, np.floating)) and value >= 0):
+    if isinstance(value, bool) or not (
+            isinstance(value, (int, float, np.integer, np.floating)) and value >= 0):
         raise ValueError(f"{name} must be a number >= 0, got {value!r}.")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite and >= 0, got {value!r}.")
+    return float(value)
+
+
+def finite(name: str, value: float) -> float:
+    """``value`` as a float, or a ValueError unless it is a finite real number (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
     return float(value)
 
 

@@ -33,7 +33,7 @@ def _group_wait(clocks: np.ndarray, rng: np.random.Generator, group_size: int) -
 
 def _check_blocking_args(
     num_workers: int, inner_steps: int, diloco_sync_every: int, noloco_sync_every: int,
-    group_size: int, sigma2: float,
+    group_size: int, sigma2: float, mu: float,
 ) -> None:
     _checks.int_at_least("num_workers", num_workers, 2)
     _checks.int_at_least("inner_steps", inner_steps, 1)
@@ -47,6 +47,7 @@ def _check_blocking_args(
             )
     _checks.groups_divide("num_workers", num_workers, group_size)
     _checks.non_negative("sigma2", sigma2)
+    _checks.finite("mu", mu)
 
 
 def simulate_global_blocking(
@@ -89,7 +90,7 @@ def simulate_global_blocking(
        "ratio": diloco / noloco [num_trials]}.
     """
     _check_blocking_args(
-        num_workers, inner_steps, diloco_sync_every, noloco_sync_every, group_size, sigma2
+        num_workers, inner_steps, diloco_sync_every, noloco_sync_every, group_size, sigma2, mu
     )
     _checks.int_at_least("num_trials", num_trials, 1)
     step_rng, group_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))

@@ -83,8 +83,7 @@ def expected_max_of_two(mu: float, sigma: float) -> float:
     Returns:
       (1 + erf(σ/2))·exp(μ + σ²/2).
     """
-    if not math.isfinite(mu):
-        raise ValueError(f"mu must be a finite number, got {mu!r}.")
+    _checks.finite("mu", mu)
     s = _checks.non_negative("sigma", sigma)
     return (1.0 + math.erf(s / 2.0)) * math.exp(mu + s * s / 2.0)
 
@@ -103,8 +102,7 @@ def expected_max_of_two_mc(
     Returns:
       The sample mean of max(t1, t2).
     """
-    if not math.isfinite(mu):
-        raise ValueError(f"mu must be a finite number, got {mu!r}.")
+    _checks.finite("mu", mu)
     s = _checks.non_negative("sigma", sigma)
     n = _checks.int_at_least("num_samples", num_samples, 1)
     t = np.random.default_rng(seed).lognormal(mu, s, size=(n, 2))

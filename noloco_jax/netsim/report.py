@@ -55,7 +55,11 @@ def sync_report(
     """Sync time and communication share of data parallel, DiLoCo and NoLoCo.
 
     Bytes come from ``noloco_jax.comm`` applied to a ``jax.ShapeDtypeStruct``
-    of ``num_params`` parameters, so they are the ones the optimizers report.
+    of ``num_params`` parameters. NoLoCo's are the ones its optimizer reports;
+    the all-reduces are counted at ``bytes_per_param`` width, as a network that
+    reduces 16-bit values natively sends them, while the trainer's DiLoCo and
+    data parallel sum 16-bit values in float32 and report twice as many
+    (``comm.diloco_bytes_per_sync``, ``comm.mean_bytes_per_replica``).
     Data parallel all-reduces the gradients every inner step, DiLoCo the outer
     gradient every ``diloco_sync_every`` steps (both with ``allreduce``), and
     NoLoCo runs one group exchange every ``noloco_sync_every`` steps.

@@ -120,6 +120,7 @@ def streaming_sync(
     if method not in ("noloco", "diloco"):
         raise ValueError(f"method must be 'noloco' or 'diloco', got {method!r}.")
     n_rep = _checks.int_at_least("num_replicas", num_replicas, 2)
+    _checks.int_at_least("group_size", group_size, 2)
     fragment = -(-p // frags)
     if method == "noloco":
         nbytes, sync_s, latency = _group_cost(fragment, link, exchange, group_size)
