@@ -42,7 +42,7 @@ from experiments import options  # noqa: E402
 from noloco_jax import netsim  # noqa: E402
 from noloco_jax.experiments import harness  # noqa: E402
 
-_SMOKE, _OUT_DIR, _PUBLISH = options.SMOKE, options.OUT_DIR, options.PUBLISH
+_SMOKE = options.SMOKE
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
 _FIG_DIR = flags.DEFINE_string(
@@ -438,8 +438,7 @@ def main(argv: Sequence[str]) -> None:
     if report_flags:
         raise app.UsageError(f"{' '.join('--' + f for f in report_flags)} apply only to a sync "
                              f"report: give --params too (e.g. --params=125e6).")
-    out_dir = _OUT_DIR.value or (harness.RESULTS if _PUBLISH.value else harness.SCRATCH)
-    out_dir = pathlib.Path(out_dir)
+    out_dir = options.out_dir()
     publishing = out_dir.resolve() == harness.RESULTS.resolve()
     fig_dir = pathlib.Path(_FIG_DIR.value or (harness.FIGURES if publishing else out_dir))
     run(smoke=_SMOKE.value, seed=_SEED.value, out_dir=out_dir, fig_dir=fig_dir)

@@ -41,8 +41,9 @@ REPORT_ONLY = flags.DEFINE_bool(
     "report_only", False, "Re-write the report from <out_dir>/<name>.json; train nothing.")
 PART = flags.DEFINE_string(
     "part", "",
-    "i/k: train only the i-th of k interleaved parts of the unfinished runs (e.g. 1/3), for "
-    "spreading a grid over several calls; the report is written once every run is done.")
+    "i/k: train only runs i, i + k, i + 2k, ... of the whole grid (e.g. 1/3; the same split "
+    "on every call, finished runs skipped), for spreading a grid over several calls; the "
+    "report is written once every run is done.")
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "List the grid's runs (done or to train); train "
                             "nothing.")
 
@@ -65,10 +66,21 @@ GRID_FLAGS = (*OUT_FLAGS, "jobs", "runs_dir", "data_path", "data_dir", "report_o
               "dry_run")
 
 
+def _folder(flag: str, path: pathlib.Path) -> pathlib.Path:
+    """``path``, refused now (not after the runs) when it or a folder above it is a file."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise app.UsageError(f"--{flag}={path}: {folder} is a file, not a folder; name "
+                                     f"a folder (it is made if missing).")
+            break
+    return path
+
+
 def out_dir(default: pathlib.Path = harness.SCRATCH) -> pathlib.Path:
     """``--out_dir``, else experiments/results with ``--publish``, else ``default``."""
     if OUT_DIR.value:
-        return pathlib.Path(OUT_DIR.value)
+        return _folder("out_dir", pathlib.Path(OUT_DIR.value))
     return harness.RESULTS if PUBLISH.value else default
 
 
@@ -94,7 +106,8 @@ def grid_options() -> harness.Options:
     return harness.Options(
         smoke=SMOKE.value,
         jobs=JOBS.value,
-        runs_dir=pathlib.Path(RUNS_DIR.value) if RUNS_DIR.value else harness.RUNS,
+        runs_dir=_folder("runs_dir", pathlib.Path(RUNS_DIR.value)) if RUNS_DIR.value
+        else harness.RUNS,
         out_dir=out_dir(),
         data_path=DATA_PATH.value,
         data_dir=DATA_DIR.value,

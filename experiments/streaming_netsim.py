@@ -35,7 +35,7 @@ from experiments import options  # noqa: E402
 from noloco_jax import netsim  # noqa: E402
 from noloco_jax.experiments import harness  # noqa: E402
 
-_SMOKE, _OUT_DIR, _PUBLISH = options.SMOKE, options.OUT_DIR, options.PUBLISH
+_SMOKE = options.SMOKE
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
 
@@ -148,8 +148,7 @@ def main(argv: Sequence[str]) -> None:
     """Runs the experiment with the flags' settings."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    out_dir = _OUT_DIR.value or (harness.RESULTS if _PUBLISH.value else harness.SCRATCH)
-    run(smoke=_SMOKE.value, out_dir=pathlib.Path(out_dir))
+    run(smoke=_SMOKE.value, out_dir=options.out_dir())
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ def _sweep_rows(results: dict, sweep: str, period: int) -> tuple[list, dict]:
         test = stats.paired_test([ppl[s] for s in seeds],
                                  [_metric(results[base[s]], period) for s in seeds])
         out[str(v)] = {"ppl": {str(s): p for s, p in ppl.items()}, "test_vs_baseline": test}
-        sd = statistics.stdev(ppl.values()) if len(ppl) > 1 else float("nan")
+        finite = len(ppl) > 1 and all(math.isfinite(x) for x in ppl.values())
+        sd = statistics.stdev(ppl.values()) if finite else float("nan")  # inf: diverged
         rows.append([v, f"{statistics.mean(ppl.values()):.3f} ± {sd:.3f} ({len(ppl)})",
                      f"{statistics.mean(avg):.3f}", f"{test['mean']:+.3f}",
                      "baseline" if names is base else f"{test['p']:.3g}"])  # fmt: skip

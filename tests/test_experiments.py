@@ -317,6 +317,12 @@ USER_ERRORS = [
      "file '/nope.json'"),
     ("experiments.hdee_stability", ["--before=README.md"], "hdee_stability: error: --before: "
      "README.md is not JSON"),
+    ("experiments.table2", ["--smoke", "--runs_dir=README.md"], "table2: error: "
+     "--runs_dir=README.md: README.md is a file, not a folder"),  # a traceback after the runs
+    ("experiments.quadratic_theory", ["--smoke", "--out_dir=README.md/x"], "quadratic_theory: "
+     "error: --out_dir=README.md/x: README.md is a file, not a folder"),
+    ("experiments.streaming_netsim", ["--smoke", "--out_dir=README.md"], "streaming_netsim: "
+     "error: --out_dir=README.md: README.md is a file, not a folder"),
 ]
 
 

@@ -63,3 +63,21 @@ def test_a_run_refused_in_a_worker_is_a_user_error_naming_the_run(tmp_path):
     bad = harness.load_config(CONFIG, {"num_replicas": 0})
     with pytest.raises(UserError, match=r"run bad: config\.num_replicas: must be an integer"):
         harness.train_in_processes([(tmp_path / "bad", bad)], jobs=1)
+
+
+def test_read_run_skips_a_line_cut_short_by_a_crash(tmp_path):
+    # The writer starts a fresh line after a cut one and read_jsonl skips it; read_run raised
+    # a JSONDecodeError on it at the end of a grid.
+    from noloco_jax.trainer.writers import MetricWriter  # noqa: PLC0415
+
+    w = MetricWriter(tmp_path, tensorboard=False)
+    w.write(5, "eval", {"val_ppl": 9.0})
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 10, "kind": "train", "train_lo')  # killed mid-record
+    w = MetricWriter(tmp_path, tensorboard=False)  # the resumed session appends
+    w.write(10, "eval", {"val_ppl": 8.0})
+    w.close()
+    with pytest.warns(UserWarning):
+        run = harness.read_run(tmp_path)
+    assert [(e["step"], e["val_ppl"]) for e in run["eval"]] == [(5, 9.0), (10, 8.0)]

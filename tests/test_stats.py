@@ -260,3 +260,40 @@ def test_partial_correlation_ar1_is_the_plain_test_without_autocorrelation():
     out = stats.partial_correlation_ar1(x, y, np.arange(200))
     assert out["n_eff"] == pytest.approx(200, rel=0.05)
     assert out["p_eff"] == pytest.approx(out["p"], rel=0.2)
+
+
+def _diverged(results, name):
+    """A copy of ``results`` where run ``name`` reports an infinite PPL at every evaluation."""
+    run = results[name]
+    evals = [{**e, "val_ppl": math.inf, "val_ppl_avg_model": math.inf} for e in run["eval"]]
+    return {**results, name: {**run, "eval": evals}}
+
+
+def test_table2_report_shows_a_diverged_pair_instead_of_crashing(synthetic, tmp_path):
+    # A diverged seed is scored inf and its pair is named by the verdict; the report crashed
+    # on it (statistics.stdev of an inf, then a KeyError on the verdict's text).
+    from noloco_jax.experiments import harness, table2
+
+    results = _diverged(synthetic, "noloco_n8_s3")
+    analysis, md = table2.report(results, harness.Options(smoke=True, out_dir=tmp_path))
+    verdict = analysis["sizes"]["8"]["tests"]["noloco-diloco"]["verdict"]
+    assert verdict == "not tested: 1 of 7 pairs diverged"
+    assert verdict in md and "inf ± nan (7)" in md
+
+
+def test_sweeps_rows_show_a_diverged_seed_as_inf():
+    from experiments import sweeps
+
+    runs = {}
+    for seed in range(3):
+        base = _synthetic_run("noloco", seed, np.random.default_rng(seed), 10)
+        runs[f"noloco_n8_s{seed}"] = base
+        for sweep, (_, values, _) in plan.SWEEPS.items():
+            for v in values:
+                runs[f"sweep_{sweep}_{v}_n8_s{seed}"] = base
+    sweep = next(iter(plan.SWEEPS))
+    value = plan.SWEEPS[sweep][1][-1]
+    runs = _diverged(runs, f"sweep_{sweep}_{value}_n8_s1")
+    rows, _ = sweeps._sweep_rows(runs, sweep, 20)  # crashed in statistics.stdev
+    row = next(r for r in rows if r[0] == value)
+    assert row[1] == "inf ± nan (3)"

@@ -39,6 +39,7 @@ from ml_collections import config_dict
 
 from noloco_jax import errors
 from noloco_jax.experiments import provenance
+from noloco_jax.trainer.writers import read_jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository (configs/, experiments/)
 RESULTS = ROOT / "experiments" / "results"  # published (tracked): --publish
@@ -332,11 +333,8 @@ def run_grid(
 def read_run(workdir: pathlib.Path) -> dict[str, list[dict]]:
     """Train and eval records of a run, the last record per step (resumed runs repeat steps)."""
     out: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
-    with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                rec = json.loads(line)
-                out.setdefault(rec["kind"], {})[rec["step"]] = rec
+    for rec in read_jsonl(workdir / "metrics.jsonl"):  # a line cut short by a crash: skipped
+        out.setdefault(rec["kind"], {})[rec["step"]] = rec
     return {kind: [recs[s] for s in sorted(recs)] for kind, recs in out.items()}
 
 

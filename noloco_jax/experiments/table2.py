@@ -9,6 +9,7 @@ DiLoCo's sync steps and those mid-round as two series.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -150,7 +151,8 @@ def _fmt(values: dict) -> str:
     v = list(values.values())
     if len(v) == 1:
         return f"{v[0]:.3f}"
-    return f"{statistics.mean(v):.3f} ± {statistics.stdev(v):.3f} ({len(v)})"
+    sd = statistics.stdev(v) if all(math.isfinite(x) for x in v) else math.nan  # inf: diverged
+    return f"{statistics.mean(v):.3f} ± {sd:.3f} ({len(v)})"
 
 
 _READING = {"A < B": "holds", "A > B": "reversed", "no difference shown": "not shown"}
@@ -164,7 +166,7 @@ def _test_rows(analysis: dict) -> list[list[Any]]:
             rows.append([f"N = {n}", name, f"{t['mean']:+.4f} ± {t['sd']:.4f}", t["n"],
                          f"{t['t']:.2f}" if t["t"] == t["t"] else "n/a", p,
                          f"{t['negative']} / {t['positive']}", f"{t['sign_p']:.3g}",
-                         _READING[t["verdict"]]])  # fmt: skip
+                         _READING.get(t["verdict"], t["verdict"])])  # fmt: skip
     return rows
 
 
