@@ -847,7 +847,11 @@ def _from_wire(words: jax.Array, wire: Any, size: int) -> jax.Array:
     """Inverse of ``_to_wire``: float32 rows [M, size]."""
     if quantize.is_codec(wire):
         return jax.vmap(lambda b: quantize.decode(b, size, wire))(words)
-    return lax.bitcast_convert_type(words, jnp.dtype(wire)).astype(jnp.float32)
+    values = lax.bitcast_convert_type(words, jnp.dtype(wire))
+    # Under vmap the collective is a copy, and XLA (excess precision allowed) may drop the
+    # narrowing cast before it with the widening one after it: pin the wire's rounding.
+    info = jnp.finfo(values.dtype)
+    return lax.reduce_precision(values.astype(jnp.float32), info.nexp, info.nmant)
 
 
 def _wire_roundtrip(rows: jax.Array, wire: Any) -> jax.Array:

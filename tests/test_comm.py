@@ -174,6 +174,22 @@ def test_all_replica_mean_of_bfloat16_is_the_correctly_rounded_mean(backend):
         np.testing.assert_array_equal(-np.asarray(update), np.broadcast_to(want, x.shape))
 
 
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_diloco_bfloat16_wire_rounds_the_float32_mean_on_every_backend(backend):
+    """float32 pseudo-gradients over a bfloat16 wire: under vmap XLA dropped the rounding of
+    the gathered mean (a cast pair around a copy), so the simulation's mean was float32."""
+    import ml_dtypes  # noqa: PLC0415
+
+    n, r = 2, lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)
+    g = (np.random.default_rng(0).normal(size=(n, 4096)) * 0.01).astype(np.float32)
+    want = r(r(g).sum(0) / np.float32(n))
+    reps = replicas.make_replicas(n, backend=backend)
+    tx = optim.diloco_outer(1.0, 0.0, exchange_dtype=jnp.bfloat16)
+    phi = reps.put(jnp.zeros_like(g))
+    update, _ = jax.jit(reps.map(tx.update))(reps.put(jnp.asarray(g)), reps.init(tx, phi), phi)
+    np.testing.assert_array_equal(-np.asarray(update), np.broadcast_to(want, g.shape))
+
+
 @pytest.mark.parametrize(
     "n_replicas,n,match",
     [(8, 1, "group_size: must be an integer >= 2"), (8, 3, "must divide"), (4, 8, "must divide")],

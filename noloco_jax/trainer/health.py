@@ -43,7 +43,8 @@ def check_phase_errors(state: TrainState, step: int) -> None:
                            f"optimizer's counter has none, or the reverse (phase_errors > 0).")
 
 
-# A replica caught by the guard at this many consecutive syncs stops the run.
+# A replica caught by the guard at every sync of consecutive chunks holding this many syncs stops
+# the run (see Escalation).
 MAX_CONSECUTIVE_RESETS = 3
 
 
@@ -51,8 +52,10 @@ class Escalation:
     """Stops runs that cannot learn, reading the guard's per-replica reset counters.
 
     Escalates (``TrainingDivergedError``, no checkpoint written) when every
-    replica was caught at every sync of a chunk, or one replica at
-    ``MAX_CONSECUTIVE_RESETS`` consecutive syncs. ``check_savable`` refuses to
+    replica was caught at every sync of a chunk, or one replica at every sync
+    of consecutive chunks holding ``MAX_CONSECUTIVE_RESETS`` syncs or more (the
+    counters are read per chunk: a chunk with some of its syncs caught, not
+    all, starts the count again). ``check_savable`` refuses to
     checkpoint weights the guard will not repair, so the last finite
     checkpoint is never rotated out.
     """
