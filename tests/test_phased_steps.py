@@ -135,10 +135,10 @@ def test_two_programs_equal_on_device_phase(log_every, h, start):
     for t in range(start):  # a resume mid-block
         b, _ = dynamic(b, jnp.asarray(batch(t)))
     a = jax.tree.map(jnp.copy, b)
-    step = start
+    step, synced = start, []
     while step < start + steps:
         k = min(log_every - step % log_every, start + steps - step)
-        a, loss_a = loop._run_blocks(run, a, step, k)
+        a, loss_a = loop._run_blocks(run, a, step, k, synced)
         loss_b = []
         for t in range(step, step + k):
             b, loss = dynamic(b, jnp.asarray(batch(t)))
@@ -147,6 +147,8 @@ def test_two_programs_equal_on_device_phase(log_every, h, start):
         assert_trees_close(a, b, rtol=1e-5, atol=1e-6)  # rounding, compounded over steps
         step += k
     assert int(a.opt_state[1].count) == start + steps
+    # The guard's counters, read after each sync program (the escalation counts per sync).
+    assert len(synced) == sum((t + 1) % h == 0 for t in range(start, start + steps))
     # Two programs: the sync step compiled once, the inner steps once per block length.
     lengths = {size for name, size in run.calls if name == "inner"}
     assert run.inner._cache_size() == len(lengths) and run.sync._cache_size() == 1

@@ -127,10 +127,10 @@ def test_a_signal_during_the_last_chunk_lets_the_run_finish(tmp_path, finished_r
     shutil.rmtree(run / "checkpoints" / "12")  # resumes at 8
     real = loop._after_chunk
 
-    def after(ses, state, start, step, metrics):
+    def after(ses, state, synced, step, metrics):
         if step == s.num_steps:
             ses.stop.requested = "SIGTERM"
-        return real(ses, state, start, step, metrics)
+        return real(ses, state, synced, step, metrics)
 
     monkeypatch.setattr(loop, "_after_chunk", after)
     last = train_and_evaluate(s, run, progress=False)
@@ -146,8 +146,8 @@ def test_a_signal_just_after_the_save_decision_is_saved_at_the_next_chunk(tmp_pa
     s, _ = finished_run  # its programs are compiled: this run from step 0 reuses them
     real = loop._after_chunk
 
-    def after(ses, state, start, step, metrics):
-        stopping = real(ses, state, start, step, metrics)
+    def after(ses, state, synced, step, metrics):
+        stopping = real(ses, state, synced, step, metrics)
         if step == s.log_every:  # not a checkpoint step
             ses.stop.requested = "SIGTERM"
         return stopping
@@ -438,20 +438,45 @@ def test_random_routing_spreads_a_nan_replica_and_the_error_says_so(tmp_path, co
         train_and_evaluate(s, tmp_path, progress=False)
 
 
-def test_each_fragment_sync_counts_towards_the_consecutive_resets(finished_run, monkeypatch):
-    """With P fragments a sync comes every H / P steps; a chunk holding one was ignored."""
+def _readings(caught_at, num_syncs, n, replica=1):
+    """The guard's cumulative counters after each sync: ``replica`` caught at ``caught_at``."""
+    counts = np.zeros(n)
+    out = []
+    for sync in range(1, num_syncs + 1):
+        counts = counts + (np.eye(n)[replica] if sync in caught_at else 0)
+        out.append(counts.copy())
+    return out
+
+
+@pytest.mark.parametrize("per_chunk,longest", [(1, 3), (2, 3), (3, 4)])
+def test_consecutive_resets_are_counted_per_sync_whatever_the_chunks(finished_run, monkeypatch,
+                                                                     per_chunk, longest):  # fmt: skip
+    """Replica 1 is caught at syncs 2 to 5: the run stops at the chunk holding sync 4. The
+    counters were read once per chunk, so two syncs per chunk never stopped it (1 of 2, 2 of
+    2, 1 of 2) and the stop depended on log_every."""
     s, workdir = finished_run
-    fragmented = dataclasses.replace(s, outer=dataclasses.replace(s.outer, fragments=2))
-    resets = iter(np.arange(10)[:, None] * np.eye(s.num_replicas)[1])  # replica 1, each sync
-    monkeypatch.setattr(health, "per_replica_resets", lambda state, n: next(resets))
-    period = s.outer.sync_every // 2
-    run = types.SimpleNamespace(settings=fragmented, streak=None, period=period)
+    monkeypatch.setattr(health, "per_replica_resets", lambda state, n: np.zeros(n))
+    run = types.SimpleNamespace(settings=s, streak=None)
     guard = health.Escalation(run, None, ckpt=Checkpointer(workdir / "checkpoints"))
-    for k in (1, 2):  # chunks of one fragment's sync each
-        guard.after_chunk(None, k * period - 1, k * period)
-    assert guard.streak.tolist() == [0, 2, 0, 0]  # was [0, 1, 0, 0]: the first chunk was skipped
-    with pytest.raises(TrainingDivergedError, match="replica 1's weights were non-finite at 3"):
-        guard.after_chunk(None, 3 * period - 1, 3 * period)
+    readings = _readings({2, 3, 4, 5}, 8, s.num_replicas)
+    chunks = [readings[i:i + per_chunk] for i in range(0, len(readings), per_chunk)]
+    stop_chunk = (4 - 1) // per_chunk
+    for c in chunks[:stop_chunk]:
+        guard.after_chunk(c, 0)
+    with pytest.raises(TrainingDivergedError, match=f"replica 1's weights were non-finite at "
+                       f"{longest} consecutive syncs"):  # syncs 2-5 by the chunk's end  # fmt: skip
+        guard.after_chunk(chunks[stop_chunk], 0)
+
+
+def test_every_replica_at_every_sync_of_a_chunk_stops_the_run(finished_run, monkeypatch):
+    s, workdir = finished_run
+    monkeypatch.setattr(health, "per_replica_resets", lambda state, n: np.zeros(n))
+    guard = health.Escalation(types.SimpleNamespace(settings=s, streak=None), None,
+                              ckpt=Checkpointer(workdir / "checkpoints"))  # fmt: skip
+    all_once = np.ones(s.num_replicas)
+    guard.after_chunk([all_once, all_once + np.eye(s.num_replicas)[0]], 0)  # not every sync
+    with pytest.raises(TrainingDivergedError, match="every replica's weights were non-finite"):
+        guard.after_chunk([all_once * 3], 0)
 
 
 def test_the_consecutive_reset_count_survives_a_resume(finished_run, monkeypatch):
@@ -460,22 +485,23 @@ def test_the_consecutive_reset_count_survives_a_resume(finished_run, monkeypatch
     s, workdir = finished_run
     meta = Checkpointer(workdir / "checkpoints").read_meta(12)
     assert meta["reset_streak"] == [0] * s.num_replicas  # every save records the count
-    resets = iter(np.arange(10)[:, None] * np.eye(s.num_replicas)[1])  # replica 1, each sync
-    monkeypatch.setattr(health, "per_replica_resets", lambda state, n: next(resets))
+    readings = _readings({1, 2, 3}, 3, s.num_replicas)
+    before = iter([np.zeros(s.num_replicas), readings[1]])  # at the start, at the resume
+    monkeypatch.setattr(health, "per_replica_resets", lambda state, n: next(before))
 
     def escalation(streak):
-        run = types.SimpleNamespace(settings=s, streak=streak, period=s.outer.sync_every)
+        run = types.SimpleNamespace(settings=s, streak=streak)
         return health.Escalation(run, None, ckpt=Checkpointer(workdir / "checkpoints"))
 
-    h = s.outer.sync_every
     first = escalation(None)
-    for k in (1, 2):  # chunks of one sync each
-        first.after_chunk(None, k * h - 1, k * h)
+    for r in readings[:2]:  # chunks of one sync each
+        first.after_chunk([r], 0)
     assert first.streak.tolist() == [0, 2, 0, 0]
     resumed = escalation(first.streak.tolist())  # as restored from the checkpoint's meta
     with pytest.raises(TrainingDivergedError, match=r"replica 1's weights were non-finite at "
                        r"3 consecutive syncs"):  # fmt: skip
-        resumed.after_chunk(None, 3 * h - 1, 3 * h)
+        resumed.after_chunk(readings[2:], 0)
+    monkeypatch.setattr(health, "per_replica_resets", lambda state, n: np.zeros(n))
     assert escalation([0, 2]).streak.tolist() == [0] * 4  # another replica count: start afresh
     # The restore hands the saved count to the run (the escalation above starts from it).
     read = Checkpointer.read_meta

@@ -21,7 +21,7 @@ from noloco_jax.trainer.settings import ROUND_METHODS, guard_acts
 from noloco_jax.trainer.step import TrainState
 
 __all__ = ["Escalation", "MAX_CONSECUTIVE_RESETS", "check_counter", "check_phase_errors",
-           "nonfinite_resets", "per_replica_finite", "per_replica_resets"]
+           "nonfinite_resets", "per_replica_finite", "per_replica_resets", "reset_counts"]
 
 
 def check_counter(state: TrainState, step: int) -> None:
@@ -43,8 +43,7 @@ def check_phase_errors(state: TrainState, step: int) -> None:
                            f"optimizer's counter has none, or the reverse (phase_errors > 0).")
 
 
-# A replica caught by the guard at every sync of consecutive chunks holding this many syncs stops
-# the run (see Escalation).
+# A replica caught by the guard at this many consecutive syncs stops the run.
 MAX_CONSECUTIVE_RESETS = 3
 
 
@@ -52,45 +51,44 @@ class Escalation:
     """Stops runs that cannot learn, reading the guard's per-replica reset counters.
 
     Escalates (``TrainingDivergedError``, no checkpoint written) when every
-    replica was caught at every sync of a chunk, or one replica at every sync
-    of consecutive chunks holding ``MAX_CONSECUTIVE_RESETS`` syncs or more (the
-    counters are read per chunk: a chunk with some of its syncs caught, not
-    all, starts the count again). ``check_savable`` refuses to
-    checkpoint weights the guard will not repair, so the last finite
-    checkpoint is never rotated out.
+    replica was caught at every sync of a chunk, or one replica at
+    ``MAX_CONSECUTIVE_RESETS`` consecutive syncs, counted across chunks (the
+    loop reads the counters after each sync program). ``check_savable``
+    refuses to checkpoint weights the guard will not repair, so the last
+    finite checkpoint is never rotated out.
     """
 
     def __init__(self, run: Any, state: TrainState, ckpt: Checkpointer) -> None:
         s = run.settings
-        self._period = run.period  # steps between syncs: H, or H / fragments (each counts)
-        self._guard = guard_acts(s)  # the optimizer builds the guard on the same rule
+        self.active = guard_acts(s)  # the optimizer builds the guard on the same rule
         self._ckpt, self._settings = ckpt, s
         self._before = per_replica_resets(state, s.num_replicas)
         kept = run.streak is not None and len(run.streak) == s.num_replicas  # saved, same N
         self.streak = np.asarray(run.streak if kept else [0] * s.num_replicas, np.int64)
 
-    def after_chunk(self, state: TrainState, start: int, stop: int) -> None:
-        if not self._guard:
+    def after_chunk(self, synced: list, stop: int) -> None:
+        """``synced``: the counters after each of the chunk's syncs (``reset_counts``), in order."""
+        if not self.active or not synced:
             return
-        now = per_replica_resets(state, self._settings.num_replicas)
-        caught, self._before = now - self._before, now
-        syncs = stop // self._period - start // self._period
-        if syncs == 0:
-            return
-        every = caught >= syncs
-        self.streak = np.where(every, self.streak + syncs, 0)
-        if every.all():
+        every, worst = True, self.streak
+        for counts in synced:
+            now = _per_replica(counts, self._settings.num_replicas)
+            caught, self._before = now > self._before, now
+            every &= caught.all()
+            self.streak = np.where(caught, self.streak + 1, 0)
+            worst = np.maximum(worst, self.streak)
+        if every:
             self._fail(stop, f"every replica's weights were non-finite at the sync(s) up to "
                              f"step {stop}")  # fmt: skip
-        if (self.streak >= MAX_CONSECUTIVE_RESETS).any():
-            worst = int(np.argmax(self.streak))
-            self._fail(stop, f"replica {worst}'s weights were non-finite at "
-                             f"{int(self.streak[worst])} consecutive syncs")  # fmt: skip
+        if (worst >= MAX_CONSECUTIVE_RESETS).any():
+            i = int(np.argmax(worst))
+            self._fail(stop, f"replica {i}'s weights were non-finite at {int(worst[i])} "
+                             f"consecutive syncs")  # fmt: skip
 
     def check_savable(self, state: TrainState, step: int) -> None:
         """Raises instead of checkpointing weights the guard will not put back."""
         found = find_local_steps_state(state.opt_state)
-        tree = found.slow_params if (self._guard and found is not None) else state.params
+        tree = found.slow_params if (self.active and found is not None) else state.params
         per_leaf = [np.asarray(replicas.to_host(v)) for v in per_replica_finite(tree)]
         ok = np.stack(per_leaf).all(0)
         if not ok.all():
@@ -105,9 +103,9 @@ class Escalation:
         kept_text = (f"the last checkpoint (step {kept}) is kept" if kept is not None
                      else "no checkpoint was written")  # fmt: skip
         guard = ""
-        if not self._guard and s.method in ROUND_METHODS and s.num_replicas > 1:
+        if not self.active and s.method in ROUND_METHODS and s.num_replicas > 1:
             guard = " or turn on config.fault.nonfinite_guard"
-        elif not self._guard and s.fault.nonfinite_guard:
+        elif not self.active and s.fault.nonfinite_guard:
             guard = " (the non-finite guard acts for noloco and diloco with 2+ replicas only)"
         elif s.num_stages > 1 and s.routing == "random":
             guard = (". With random routing between stages one replica's NaN reaches every "
@@ -125,7 +123,18 @@ def per_replica_resets(state: TrainState, num_replicas: int) -> np.ndarray:
     found = find_local_steps_state(state.opt_state)
     if found is None:
         return np.zeros(num_replicas)
-    counts = np.asarray(replicas.to_host(found.nonfinite_resets), np.float64)
+    return _per_replica(found.nonfinite_resets, num_replicas)
+
+
+def reset_counts(state: TrainState) -> jax.Array | None:
+    """A copy of the guard's reset counters, taken without waiting for the device (the next
+    program donates the state); the loop takes one after each sync program."""
+    found = find_local_steps_state(state.opt_state)
+    return None if found is None else jnp.copy(found.nonfinite_resets)
+
+
+def _per_replica(counts: Any, num_replicas: int) -> np.ndarray:
+    counts = np.asarray(replicas.to_host(counts), np.float64)
     return counts.reshape(num_replicas, -1).max(1)
 
 

@@ -224,14 +224,15 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
         _evaluate(ses, state, step, ses.run.resized_from)
     stopping = ses.stop.requested is not None
     while step < end and not stopping:
-        start, programs = step, len(ses.run.calls)
+        programs = len(ses.run.calls)
         k = min(s.log_every - step % s.log_every, end - step)
         profiler.before_chunk(step, step + k)
         t0 = time.perf_counter()
-        state, losses = _run_blocks(ses.run, state, step, k)  # [N, k]; waits for the device
+        synced = [] if ses.guard.active else None
+        state, losses = _run_blocks(ses.run, state, step, k, synced)  # waits for the device
         step += k
         profiler.after_chunk(step)
-        stopping = _after_chunk(ses, state, start, step, _train_metrics(
+        stopping = _after_chunk(ses, state, synced, step, _train_metrics(
             ses.run, state, step, k, losses, time.perf_counter() - t0))
         ses.bar.advance(step, ses.last, compiled=len(ses.run.calls) > programs)
     if ses.stop.requested and step < s.num_steps:  # a signal in the last chunk: the run is done
@@ -243,7 +244,8 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
     return ses.last
 
 
-def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metrics: dict) -> bool:
+def _after_chunk(ses: _Session, state: TrainState, synced: list | None, step: int,
+                 metrics: dict) -> bool:  # fmt: skip
     """Writes the chunk's metrics, then checks, evaluates and checkpoints when due.
 
     Returns whether a stop signal came before the save decision (the loop stops here, saved);
@@ -256,7 +258,7 @@ def _after_chunk(ses: _Session, state: TrainState, start: int, step: int, metric
     if metrics["nonfinite_resets"] > resets_before:
         _report_reset(ses.writer, step, metrics["nonfinite_resets"], ses.bar)
     ses.last.update(metrics, step=step)
-    ses.guard.after_chunk(state, start, step)
+    ses.guard.after_chunk(synced, step)
     health.check_phase_errors(state, step)
     ses.ckpt.check()  # a failed asynchronous save stops the run now
     if step % s.eval_every == 0 or step == s.num_steps:
@@ -397,12 +399,14 @@ def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
     return workdir
 
 
-def _run_blocks(run: Run, state: TrainState, step: int, k: int) -> tuple[TrainState, Any]:
+def _run_blocks(run: Run, state: TrainState, step: int, k: int, synced: list | None = None
+                ) -> tuple[TrainState, Any]:  # fmt: skip
     """``k`` steps from ``step`` as calls of the two programs; returns the state and [N, k] losses.
 
     The inner program runs blocks of up to ``run.block`` steps; the sync program runs the
     ``delay + 1`` steps from the step that starts a round's exchange to the one that ends
-    the round (one step without delay). Blocks stop where the sync program starts.
+    the round (one step without delay). Blocks stop where the sync program starts. A
+    ``synced`` list gets the guard's reset counters after each sync program.
     """
     losses, end = [], step + k
     while step < end:
@@ -410,6 +414,8 @@ def _run_blocks(run: Run, state: TrainState, step: int, k: int) -> tuple[TrainSt
         if start == step:  # the exchange, the delay's inner steps and the merge
             state, out = _run_window(run, state, step)
             size = run.delay + 1
+            if synced is not None:
+                synced.append(health.reset_counts(state))
         else:
             size = min(run.block - step % run.block, end - step, start - step)
             run.calls.add(("inner", size))  # each block length compiles once
