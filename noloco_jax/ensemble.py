@@ -85,6 +85,12 @@ def posterior_mixture(logp_KxBxT: jax.Array, prior_K: jax.Array | None = None) -
         log_prior = jnp.full((k,), -jnp.log(k), jnp.float32)
     else:
         prior = jnp.asarray(prior_K, jnp.float32)
+        if prior.shape != (k,):  # a length-1 prior broadcast silently to a uniform one
+            raise ValueError(f"prior_K must have shape ({k},), one weight per model; got "
+                             f"{prior.shape}.")
+        if not isinstance(prior, jax.core.Tracer) and not (
+                bool((prior >= 0).all()) and float(prior.sum()) > 0):  # fmt: skip
+            raise ValueError(f"prior_K must be non-negative with a positive sum, got {prior}.")
         log_prior = jnp.log(prior) - jnp.log(prior.sum())
     log_w = _log_weights(logp_KxBxT, log_prior)
     return jax.nn.logsumexp(log_w + logp_KxBxT.astype(jnp.float32), axis=0)

@@ -55,6 +55,18 @@ def test_identical_models_and_first_position():
     )
 
 
+@pytest.mark.parametrize("prior,match", [
+    ([0.5], r"shape \(3,\)"),  # broadcast to a uniform prior before
+    ([0.5, -0.1, 0.6], "non-negative"),  # NaN mixtures before
+    ([0.0, 0.0, 0.0], "positive sum"),
+])
+def test_a_bad_prior_is_refused(prior, match):
+    obs = _observed(_logprobs(), jax.random.randint(jax.random.key(3), (B, T), 0, V))
+    assert obs.shape[0] == 3
+    with pytest.raises(ValueError, match=rf"^prior_K must .*{match}"):
+        ensemble.posterior_mixture(obs, jnp.asarray(prior))
+
+
 def test_posterior_moves_towards_the_better_model_and_beats_uniform():
     good = jnp.full((1, B, 40), jnp.log(0.9))
     bad = jnp.full((1, B, 40), jnp.log(0.1))

@@ -131,3 +131,23 @@ def test_remat_keeps_the_numbers_and_needs_less_scratch():
 def test_remat_setting_must_be_a_bool():
     with pytest.raises(ValueError, match="config.model.remat"):
         st.from_config({"model": {"remat": "yes"}})
+
+
+@pytest.mark.parametrize("overrides", [
+    {"num_stages": 2},  # a (replica, stage) mesh: per_stage builds the optimizer per stage
+    {"outer": {"delay": 2, "sync_every": 10}, "log_every": 10},  # the overlap window
+], ids=["stages", "delay"])
+def test_step_memory_compiles_every_program_the_trainer_runs(overrides):
+    """Both raised before: the stage mesh called the optimizer factory with stage=..., and with
+    a delay the programs were built without it (train_step refused their phases)."""
+    s = st.from_config({"model": {"preset": "nano"}, "method": "noloco", "num_replicas": 2,
+                        "backend": "shard_map", "global_batch_size": 8, "data": {"seq_len": 32},
+                        "eval_every": 100, "checkpoint_every": 100, **overrides})  # fmt: skip
+    inner = aot.step_memory(s, VOCAB, program="inner")
+    sync = aot.step_memory(s, VOCAB, program="sync")
+    assert inner.state == sync.state > 0  # one train state, held by both programs
+    for m in (inner, sync):
+        assert m.state + m.tokens == m.argument
+    one_step = 8 // 2 * 33 * 4  # int32 tokens of a replica's step (each stage device has them)
+    window = s.outer.delay + 1  # the sync program is the window: one token array per step
+    assert sync.tokens == window * one_step

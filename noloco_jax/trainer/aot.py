@@ -10,6 +10,7 @@ than the machine asking.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -156,19 +157,27 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
     graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
     spec = (by_layer_blocks(params, s.outer.fragments, field="config.outer.fragments")
             if s.outer.fragments > 1 else None)  # fmt: skip
-    build_tx = lambda: optimizer.build_optimizer(  # noqa: E731
-        s.method, s.optim, s.outer, num_steps=s.num_steps, num_replicas=s.num_replicas,
-        num_stages=s.num_stages, fault=s.fault, fragment_spec=spec)  # fmt: skip
+    build_tx = functools.partial(  # the trainer's: per_stage calls it with stage=...
+        optimizer.build_optimizer, s.method, s.optim, s.outer, num_steps=s.num_steps,
+        num_replicas=s.num_replicas, num_stages=s.num_stages, fault=s.fault, fragment_spec=spec)
     reps, step_kwargs = build.topology(s, cfg, graphdef, build_tx)
     rounds = s.method in ROUND_METHODS
-    inner, sync = build.make_programs(reps, step_kwargs, rounds, fragments=spec is not None)
+    delay = s.outer.delay if rounds else 0
+    inner, sync = build.make_programs(reps, step_kwargs, rounds, fragments=spec is not None,
+                                      delay=delay, num_fragments=s.outer.fragments)
     run = sync if program == "sync" and sync is not None else inner
+    if delay and run is sync:  # the trainer's sync program: fragment 0's overlap window, with
+        # the state leaves it does not read kept as arguments (they stay on the device)
+        run = jax.jit(sync[0].__wrapped__, donate_argnums=0, keep_unused=True)
     period = s.outer.sync_every // s.outer.fragments
-    steps = 1 if run is sync else (math.gcd(s.log_every, period) if rounds else s.log_every)
+    steps = 1 if run is not inner else (math.gcd(s.log_every, period) if rounds else s.log_every)
     tokens = jax.ShapeDtypeStruct((s.num_replicas, steps, s.batch_per_replica, s.data.seq_len + 1),
                                   jnp.int32)  # fmt: skip
+    tokens = _placed(reps, tokens, lead=True)
+    if delay and run is not inner:  # one [N, 1, B, T + 1] array per step of the window
+        tokens = (tokens,) * (delay + 1)
     state = abstract_state(reps, step_kwargs["tx"], params)
-    return run.lower(state, _placed(reps, tokens, lead=True)).compile()
+    return run.lower(state, tokens).compile()
 
 
 def step_memory(settings: Any, vocab_size: int, *, program: str = "sync") -> StepMemory:
