@@ -178,6 +178,16 @@ def test_training_with_noloco_per_stage_matches_on_mesh_and_in_simulation(setup)
     assert not np.allclose(out["sim"]["lm_head"][...][0], out["sim"]["lm_head"][...][1])
 
 
+def test_clip_by_stage_norm_leaves_integer_leaves_out():
+    """As clip_by_global_norm_fused does: an integer leaf was counted in its stage's norm and
+    then scaled and truncated (7, 9 -> 0, 0), and it clipped the floats of its stage."""
+    tree = {"blocks": {"w": jnp.full((2, 3), 0.1)}, "lm_head": jnp.full((2,), 0.1),
+            "final_norm": {"count": jnp.array([7, 9], jnp.int32)}}  # last stage's
+    out, _ = pl.clip_by_stage_norm(1.0, 2).update(tree, optax.EmptyState())
+    np.testing.assert_array_equal(out["final_norm"]["count"], [7, 9])
+    np.testing.assert_array_equal(out["lm_head"], tree["lm_head"])  # its stage's norm is < 1
+
+
 def test_clip_by_stage_norm_clips_each_stage_on_its_own(setup):
     _, params, *_ = setup
     single = jax.tree.map(lambda x: x[0] * 10.0, params)
@@ -195,8 +205,10 @@ def test_clip_by_stage_norm_clips_each_stage_on_its_own(setup):
     np.testing.assert_allclose(np.sqrt(sq), [1.0] * S, rtol=1e-5)
     with pytest.raises(ValueError, match="max_norm"):
         pl.clip_by_stage_norm(0.0, S)
-    with pytest.raises(ValueError, match="max_norm must be > 0, got nan"):  # was taken: NaN out
+    with pytest.raises(ValueError, match="max_norm must be a number > 0, got nan"):  # NaN out
         pl.clip_by_stage_norm(float("nan"), S)
+    with pytest.raises(ValueError, match="max_norm must be a number > 0, got True"):  # was 1
+        pl.clip_by_stage_norm(True, S)
     with pytest.raises(ValueError, match=r"num_stages: must be an integer"):  # ZeroDivisionError
         pl.clip_by_stage_norm(1.0, 0)
     bad = pl.clip_by_stage_norm(1.0, CFG.num_layers + 1)  # was a reshape TypeError

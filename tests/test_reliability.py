@@ -705,6 +705,10 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
     assert settings_lib.warnings_for(ignored) == [
         "config.skip.path_length / full_every are ignored without config.skip.num_stages "
         "(stage skipping is off)."]
+    swaps = "config.skip.swaps=True does nothing: a swap needs stage skipping"
+    for skip in ({"swaps": True}, {"num_stages": 2, "path_length": 2, "swaps": True}):
+        assert [w for w in settings_lib.warnings_for(_settings(corpus_dir, data_dir, skip=skip))
+                if w.startswith(swaps)], skip  # silently ignored before
     frozen = _settings(corpus_dir, data_dir, outer={"learning_rate": 0.0})  # learned nothing
     assert settings_lib.warnings_for(frozen) == [
         "config.outer.learning_rate=0: the slow weights never move and every sync puts the "

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from noloco_jax import errors
+from noloco_jax.optim.trees import is_float
 
 __all__ = ["check_stages", "stage_layer_ids", "leaf_owner", "clip_by_stage_norm"]
 
@@ -74,6 +75,8 @@ def _stage_sq_norms(
     total = jnp.zeros([num_stages], jnp.float32)
     mine = None if stage is None else jax.nn.one_hot(stage, num_stages, dtype=jnp.float32)
     for path, g in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        if not is_float(g):  # integer leaves: neither counted nor scaled
+            continue
         g = g.astype(jnp.float32)
         owner = leaf_owner(path)
         if owner == "blocks":
@@ -114,8 +117,8 @@ def clip_by_stage_norm(
     Returns:
       A stateless ``optax.GradientTransformation``.
     """
-    if not max_norm > 0:  # NaN too
-        raise ValueError(f"max_norm must be > 0, got {max_norm}.")
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}.")  # NaN too
     errors.check_int("num_stages", num_stages)
 
     def update_fn(updates, state, params=None):
@@ -128,6 +131,8 @@ def clip_by_stage_norm(
         scale = jnp.minimum(1.0, max_norm / jnp.maximum(norms, 1e-30))
 
         def clip(path, g):
+            if not is_float(g):
+                return g
             owner = leaf_owner(path)
             if owner == "blocks":
                 if stage is None:

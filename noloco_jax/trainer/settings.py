@@ -429,6 +429,9 @@ def warnings_for(s: TrainSettings) -> list[str]:
     if s.skip.num_stages == 0 and (s.skip.path_length or s.skip.full_every):
         out.append("config.skip.path_length / full_every are ignored without "
                    "config.skip.num_stages (stage skipping is off).")
+    if s.skip.swaps and (s.skip.num_stages == 0 or s.skip.path_length < 3):
+        out.append("config.skip.swaps=True does nothing: a swap needs stage skipping "
+                   "(config.skip.num_stages) and two stages after stage 0 (path_length >= 3).")
     if s.method in ROUND_METHODS and s.outer.learning_rate == 0:
         out.append(f"config.outer.learning_rate=0: the slow weights never move and every sync "
                    f"puts the replicas back on them, so the run learns nothing.")
