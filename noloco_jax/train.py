@@ -474,9 +474,16 @@ def _print_help() -> int:
 
 def run() -> None:
     """Console-script entry point."""
-    code = cli()
-    jax = sys.modules.get("jax")  # imported by then if this process joined others
-    if code and jax is not None and jax.distributed.is_initialized():
+    try:
+        code = cli()
+    except BaseException:  # a bug (traceback) or a second Ctrl-C: the same barrier applies
+        if not _joined_others():
+            raise
+        import traceback  # noqa: PLC0415
+
+        traceback.print_exc()
+        code = 130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else RUN_FAILURE_EXIT
+    if code and _joined_others():
         # Leave without jax.distributed's shutdown barrier, which would wait (300 s) for
         # processes that may be stuck in a collective this one left: once it is gone, the
         # runtime's health check stops them too.
@@ -484,6 +491,11 @@ def run() -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _joined_others() -> bool:
+    jax = sys.modules.get("jax")  # imported by then if this process joined others
+    return jax is not None and jax.distributed.is_initialized()
 
 
 # ---------------------------------------------------------------- --help

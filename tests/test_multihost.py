@@ -173,3 +173,60 @@ def test_a_part_one_process_cannot_read_stops_both_at_once(tmp_path, corpus_and_
     for log in logs:
         assert "checkpoint 8 could not be read in this run of several processes" in log.read_text()
     assert (tmp_path / "two" / "checkpoints" / "8").is_dir()  # nothing moved
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_signal_one_process_gets_stops_both_at_the_same_saved_step(tmp_path, corpus_and_data):
+    """Preemption notices reach hosts at different moments, or one host only. Each process
+    decided from its own signal: the one signalled entered the collective save while the
+    other trained on, and the run crashed or hung with no checkpoint."""
+    import signal  # noqa: PLC0415
+
+    port, flags = _free_port(), ["--config.num_replicas=4", "--config.num_steps=400",
+                                 "--config.eval_every=1000", "--config.checkpoint_every=1000"]
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    procs = [subprocess.Popen(_cmd(*corpus_and_data, tmp_path / "run", *flags,
+                                   *_distributed(2, i, port)),
+                              env=_env(2), stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for i, log in enumerate(logs)]  # fmt: skip
+    deadline = time.monotonic() + 300
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    while not (metrics.exists() and '"train"' in metrics.read_text()):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
+            logs[0].read_text()[-3000:])
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)  # process 0 gets none
+    _wait_all(procs, timeout=150)
+    texts = [log.read_text() for log in logs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(t[-2000:] for t in texts)
+    from noloco_jax.trainer.checkpoint import Checkpointer  # noqa: PLC0415
+
+    saved = Checkpointer(tmp_path / "run" / "checkpoints").latest_step()
+    assert saved is not None and 0 < saved < 400
+    assert f"SIGTERM: stopped at step {saved} after saving its checkpoint" in texts[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_bug_on_one_process_exits_it_at_once_with_its_traceback(tmp_path, corpus_and_data):
+    """An unexpected exception (here: metrics.jsonl is a folder, so process 0, the writer,
+    fails at its first record) took the normal exit through jax.distributed's shutdown
+    barrier, which waited 300 s for the peer stuck in a collective."""
+    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
+    port, flags = _free_port(), ["--config.num_replicas=4", "--config.num_steps=200"]
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    procs = [subprocess.Popen(_cmd(*corpus_and_data, tmp_path / "run", *flags,
+                                   *_distributed(2, i, port)),
+                              env=_env(2), stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for i, log in enumerate(logs)]  # fmt: skip
+    start = time.monotonic()
+    while procs[0].poll() is None and time.monotonic() - start < 120:
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    text = logs[0].read_text()
+    assert procs[0].returncode == 1, text[-3000:]
+    assert "Traceback" in text and "IsADirectoryError" in text

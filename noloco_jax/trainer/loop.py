@@ -220,9 +220,9 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
     ses.last["nonfinite_resets"] = health.nonfinite_resets(state)  # a resume reports only new ones
     # At step 0, and right after a resize (marked, as it shares its step with the eval before);
     # a signal during start-up writes nothing, so the resume's step-0 eval is the only one.
-    if (step == 0 or ses.run.resized_from) and not ses.stop.requested:
+    stopping = _stop_agreed(ses.stop) is not None
+    if (step == 0 or ses.run.resized_from) and not stopping:
         _evaluate(ses, state, step, ses.run.resized_from)
-    stopping = ses.stop.requested is not None
     while step < end and not stopping:
         programs = len(ses.run.calls)
         k = min(s.log_every - step % s.log_every, end - step)
@@ -235,11 +235,12 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
         stopping = _after_chunk(ses, state, synced, step, _train_metrics(
             ses.run, state, step, k, losses, time.perf_counter() - t0))
         ses.bar.advance(step, ses.last, compiled=len(ses.run.calls) > programs)
-    if ses.stop.requested and step < s.num_steps:  # a signal in the last chunk: the run is done
-        ses.last["stopped_by"] = ses.stop.requested
+    name = ses.stop.agreed or ses.stop.requested  # (one after the last decision: this one's)
+    if name and step < s.num_steps:  # a signal in the last chunk: the run is done
+        ses.last["stopped_by"] = name
         saved = ("after saving its checkpoint" if ses.ckpt.latest_step() == step
                  else "before training further (nothing new to save)")
-        ses.bar.write(f"{ses.stop.requested}: stopped at step {step} {saved}; run the same "
+        ses.bar.write(f"{name}: stopped at step {step} {saved}; run the same "
                       f"command again to resume.")  # fmt: skip
     return ses.last
 
@@ -263,7 +264,7 @@ def _after_chunk(ses: _Session, state: TrainState, synced: list | None, step: in
     ses.ckpt.check()  # a failed asynchronous save stops the run now
     if step % s.eval_every == 0 or step == s.num_steps:
         _evaluate(ses, state, step)
-    stopping = ses.stop.requested is not None
+    stopping = _stop_agreed(ses.stop) is not None
     if step % s.checkpoint_every == 0 or step == s.num_steps or stopping:
         ses.guard.check_savable(state, step)
         _report_saves(ses, wait=True)  # orbax waits for the previous save here anyway
@@ -325,6 +326,23 @@ def _close_quietly(ckpt: Checkpointer, writer: MetricWriter, bar: Any) -> None:
             print(f"WARNING: while stopping: {type(err).__name__}: {str(err)[:300]}", flush=True)
 
 
+def _stop_agreed(stop: types.SimpleNamespace) -> str | None:
+    """The stop signal's name if any process has received one, else None; every process of
+    a multi-process run gets the same answer at the same point of the loop.
+
+    Preemption notices reach the hosts at different moments: a process that stopped (and
+    entered the collective save) on its own while another went on into the next chunk left
+    both in mismatched collectives, and the run crashed without its checkpoint.
+    """
+    signum = 0 if stop.requested is None else int(signal.Signals[stop.requested])
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        signum = int(np.max(multihost_utils.process_allgather(np.asarray([signum], np.int32))))
+    stop.agreed = signal.Signals(signum).name if signum else None
+    return stop.agreed
+
+
 @contextlib.contextmanager
 def _stop_signals() -> Iterator[types.SimpleNamespace]:
     """SIGINT/SIGTERM set ``requested``; the loop saves at the next step boundary and returns.
@@ -333,7 +351,7 @@ def _stop_signals() -> Iterator[types.SimpleNamespace]:
     (SIGINT: ``KeyboardInterrupt``; SIGTERM: the process ends). Handlers are
     installed only in the main thread and restored on exit.
     """
-    stop, previous = types.SimpleNamespace(requested=None), {}
+    stop, previous = types.SimpleNamespace(requested=None, agreed=None), {}
 
     def handle(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
