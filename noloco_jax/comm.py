@@ -847,11 +847,10 @@ def _from_wire(words: jax.Array, wire: Any, size: int) -> jax.Array:
     """Inverse of ``_to_wire``: float32 rows [M, size]."""
     if quantize.is_codec(wire):
         return jax.vmap(lambda b: quantize.decode(b, size, wire))(words)
-    values = lax.bitcast_convert_type(words, jnp.dtype(wire))
-    # Under vmap the collective is a copy, and XLA (excess precision allowed) may drop the
-    # narrowing cast before it with the widening one after it: pin the wire's rounding.
-    info = jnp.finfo(values.dtype)
-    return lax.reduce_precision(values.astype(jnp.float32), info.nexp, info.nmant)
+    # Under vmap the collective is a copy, and XLA (excess precision allowed) dropped the
+    # narrowing cast before it with the widening one after it: the barrier keeps the rounding.
+    words = lax.optimization_barrier(words)
+    return lax.bitcast_convert_type(words, jnp.dtype(wire)).astype(jnp.float32)
 
 
 def _wire_roundtrip(rows: jax.Array, wire: Any) -> jax.Array:

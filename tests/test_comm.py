@@ -190,6 +190,16 @@ def test_diloco_bfloat16_wire_rounds_the_float32_mean_on_every_backend(backend):
     np.testing.assert_array_equal(-np.asarray(update), np.broadcast_to(want, g.shape))
 
 
+@pytest.mark.parametrize("wire", [jnp.float16, jnp.bfloat16, jnp.float8_e5m2, jnp.float8_e4m3fn,
+                                  jnp.float8_e4m3fnuz])
+def test_a_plain_float_wire_decodes_as_its_own_cast(wire):
+    """reduce_precision models IEEE layouts only: on float8_e4m3fn it turned 288..448 into inf
+    and the subnormals into 0 (a mean of 300s over the wire was NaN)."""
+    x = jnp.array([[1.0, 300.0, 448.0, -400.0, 1e-3, 2.0**-9]], jnp.float32)
+    got = comm._from_wire(comm._to_wire(x, wire), wire, x.shape[1])
+    np.testing.assert_array_equal(got, x.astype(wire).astype(jnp.float32))
+
+
 @pytest.mark.parametrize(
     "n_replicas,n,match",
     [(8, 1, "group_size: must be an integer >= 2"), (8, 3, "must divide"), (4, 8, "must divide")],

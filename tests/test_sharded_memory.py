@@ -151,3 +151,6 @@ def test_step_memory_compiles_every_program_the_trainer_runs(overrides):
     one_step = 8 // 2 * 33 * 4  # int32 tokens of a replica's step (each stage device has them)
     window = s.outer.delay + 1  # the sync program is the window: one token array per step
     assert sync.tokens == window * one_step
+    # gcd(log_every, H): 25 by default; with the delay, 10 - (2 + 1) before the window starts
+    longest = 10 - window if s.outer.delay else 25
+    assert inner.tokens == longest * one_step  # the trainer's longest inner block

@@ -171,6 +171,8 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
         run = jax.jit(sync[0].__wrapped__, donate_argnums=0, keep_unused=True)
     period = s.outer.sync_every // s.outer.fragments
     steps = 1 if run is not inner else (math.gcd(s.log_every, period) if rounds else s.log_every)
+    if delay and run is inner:  # inner blocks stop where a window of delay + 1 steps starts
+        steps = max(1, min(steps, period - delay - 1))
     tokens = jax.ShapeDtypeStruct((s.num_replicas, steps, s.batch_per_replica, s.data.seq_len + 1),
                                   jnp.int32)  # fmt: skip
     tokens = _placed(reps, tokens, lead=True)
