@@ -13,6 +13,12 @@ from noloco_jax.optim.trees import float_leaves, is_float
 __all__ = ["clip_by_global_norm_fused"]
 
 
+def check_max_norm(max_norm: Any) -> None:
+    """A ``ValueError`` unless ``max_norm`` is a number > 0 (not a bool; NaN fails ``> 0``)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}.")
+
+
 def clip_by_global_norm_fused(max_norm: float) -> optax.GradientTransformation:
     """Scales the updates by ``min(1, max_norm / ||updates||)``.
 
@@ -37,8 +43,7 @@ def clip_by_global_norm_fused(max_norm: float) -> optax.GradientTransformation:
     References:
       Pascanu et al., 2013, https://arxiv.org/abs/1211.5063.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}.")
+    check_max_norm(max_norm)
 
     def update_fn(
         updates: optax.Updates, state: optax.EmptyState, params: Any = None

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from noloco_jax import errors
+from noloco_jax.optim.clipping import check_max_norm
 from noloco_jax.optim.trees import is_float
 
 __all__ = ["check_stages", "stage_layer_ids", "leaf_owner", "clip_by_stage_norm"]
@@ -117,8 +118,7 @@ def clip_by_stage_norm(
     Returns:
       A stateless ``optax.GradientTransformation``.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}.")  # NaN too
+    check_max_norm(max_norm)
     errors.check_int("num_stages", num_stages)
 
     def update_fn(updates, state, params=None):

@@ -10,7 +10,6 @@ than the machine asking.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -21,7 +20,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from noloco_jax import models, replicas
-from noloco_jax.optim.fragments import by_layer_blocks
 from noloco_jax.trainer.settings import ROUND_METHODS
 from noloco_jax.trainer.step import TrainState
 
@@ -148,23 +146,18 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
     Returns:
       The ``jax.stages.Compiled`` program (``memory_analysis()``, ``as_text()``).
     """
-    from noloco_jax.trainer import build, optimizer  # noqa: PLC0415 (build imports aot)
+    from noloco_jax.trainer import build  # noqa: PLC0415 (build imports aot)
 
     if program not in ("sync", "inner"):
         raise ValueError(f"program must be 'sync' or 'inner', got {program!r}.")
     s = settings
     cfg = build.model_config(s, vocab_size)
     graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
-    spec = (by_layer_blocks(params, s.outer.fragments, field="config.outer.fragments")
-            if s.outer.fragments > 1 else None)  # fmt: skip
-    build_tx = functools.partial(  # the trainer's: per_stage calls it with stage=...
-        optimizer.build_optimizer, s.method, s.optim, s.outer, num_steps=s.num_steps,
-        num_replicas=s.num_replicas, num_stages=s.num_stages, fault=s.fault, fragment_spec=spec)
+    spec, build_tx = build.optimizer_factory(s, params)
     reps, step_kwargs = build.topology(s, cfg, graphdef, build_tx)
+    inner, sync = build.run_programs(s, reps, step_kwargs, spec)
     rounds = s.method in ROUND_METHODS
     delay = s.outer.delay if rounds else 0
-    inner, sync = build.make_programs(reps, step_kwargs, rounds, fragments=spec is not None,
-                                      delay=delay, num_fragments=s.outer.fragments)
     run = sync if program == "sync" and sync is not None else inner
     if delay and run is sync:  # the trainer's sync program: fragment 0's overlap window, with
         # the state leaves it does not read kept as arguments (they stay on the device)

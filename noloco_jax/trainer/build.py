@@ -173,17 +173,31 @@ class Run:
     delay: int = 0  # tau, the steps between an exchange's start and its merge
 
 
-def build_run(s: TrainSettings) -> tuple[Run, TrainState]:
-    """The run's data, programs and state target (placed shapes: nothing is allocated)."""
-    data = prepare_data(s)
-    cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size, abstract=True)
-    spec = (by_layer_blocks(params0, s.outer.fragments, field="config.outer.fragments")
+def optimizer_factory(s: TrainSettings, params: Any) -> tuple[Any, Callable]:
+    """The run's fragment spec (None for one fragment) and its optimizer factory, which
+    ``grads.per_stage`` calls with ``stage=...`` on a stage mesh."""
+    spec = (by_layer_blocks(params, s.outer.fragments, field="config.outer.fragments")
             if s.outer.fragments > 1 else None)  # fmt: skip
-    build_tx = functools.partial(
+    return spec, functools.partial(
         optim_lib.build_optimizer, s.method, s.optim, s.outer, num_steps=s.num_steps,
         num_replicas=s.num_replicas, num_stages=s.num_stages, fault=s.fault,
         fragment_spec=spec,
     )  # fmt: skip
+
+
+def run_programs(s: TrainSettings, reps: replicas.Replicas, step_kwargs: dict, spec: Any
+                 ) -> tuple[Callable, Any]:  # fmt: skip
+    """``make_programs`` as the settings ask: rounds, fragments and the overlap delay."""
+    rounds = s.method in ROUND_METHODS
+    return make_programs(reps, step_kwargs, rounds, fragments=spec is not None,
+                         delay=s.outer.delay if rounds else 0, num_fragments=s.outer.fragments)
+
+
+def build_run(s: TrainSettings) -> tuple[Run, TrainState]:
+    """The run's data, programs and state target (placed shapes: nothing is allocated)."""
+    data = prepare_data(s)
+    cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size, abstract=True)
+    spec, build_tx = optimizer_factory(s, params0)
     check_memory(s, data.tokenizer.vocab_size, build_tx())
     sharding.check_divides(params0, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
     programs = _reuse(_COMPILED, _program_key(s, data),
@@ -230,10 +244,7 @@ class _Programs:
         tx = build_tx()
         target = aot.abstract_state(reps, tx, params0)
         init = None if _given(params0) else (lambda: models.init_params(cfg, s.seed)[1])
-        rounds = s.method in ROUND_METHODS
-        inner, sync = make_programs(reps, step_kwargs, rounds, fragments=spec is not None,
-                                delay=s.outer.delay if rounds else 0,
-                                num_fragments=s.outer.fragments)  # fmt: skip
+        inner, sync = run_programs(s, reps, step_kwargs, spec)
         evaluate = _reuse(_EVALUATORS, _evaluator_key(s, data),
                           lambda: make_evaluator(reps, graphdef, data.eval_windows))
         return cls(reps, inner, sync, evaluate, target,
