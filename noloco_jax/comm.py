@@ -123,6 +123,8 @@ def check_group_size(num_replicas: int | None, group_size: int, *, field: str = 
       UserError (a ``ValueError``): naming both fields and the allowed values.
     """
     errors.check_int(field, group_size, minimum=2)
+    if num_replicas is not None:
+        errors.check_int(replicas_field, num_replicas)
     if num_replicas is not None and num_replicas % group_size:
         allowed = [d for d in range(2, num_replicas + 1) if num_replicas % d == 0]
         raise errors.UserError(f"{field}={group_size} must divide {replicas_field}="
@@ -320,6 +322,7 @@ def groups_for_round(
       (2, 2)
     """
     errors.check_int("round_index", round_index, 0, 2**32 - 1, "2**32 - 1")
+    errors.check_int("seed", seed, 0, 2**32 - 1, "2**32 - 1")
     if stream is not None:
         errors.check_int("stream", stream, 0, 2**32 - 1, "2**32 - 1")
     pool = partition_pool(num_replicas, group_size, seed, pool_size)

@@ -38,11 +38,15 @@ def test_pool_entries_are_partitions(n_replicas, n):
 @pytest.mark.parametrize("kwargs, field", [({"round_index": -1}, "round_index"),
                                            ({"round_index": 2**32}, "round_index"),
                                            ({"round_index": 1.5}, "round_index"),
-                                           ({"stream": -1}, "stream")])  # fmt: skip
+                                           ({"stream": -1}, "stream"),
+                                           ({"seed": -1}, "seed"),
+                                           ({"seed": 2**32}, "seed"),
+                                           ({"num_replicas": 0}, "num_replicas")])  # fmt: skip
 def test_groups_for_round_refuses_a_bad_round_or_stream(kwargs, field):
-    """-1 gave an OverflowError from numpy, 1.5 was taken and gave groups."""
+    """-1 gave an OverflowError from numpy, 1.5 was taken and gave groups; a seed of -1 a
+    numpy "expected non-negative integer", num_replicas=0 a message about pool_size=-1."""
     args = {"round_index": 0, "num_replicas": 8, "group_size": 2, "seed": 0, **kwargs}
-    with pytest.raises(ValueError, match=f"{field}: must be an integer in"):
+    with pytest.raises(ValueError, match=f"{field}: must be an integer"):
         groups_for_round(**args)
 
 

@@ -162,6 +162,29 @@ def test_a_reset_replica_keeps_its_place_in_the_learning_rate_schedule():
     np.testing.assert_array_equal(sched.count, [2, 2, 2, 2])  # the schedule goes on
 
 
+def test_a_reset_replica_keeps_its_place_in_an_injected_schedule():
+    """optax.inject_hyperparams makes an InjectStatefulHyperparamsState: its count restarted
+    at 0 for the reset replica (its learning rate warmed up again from 0)."""
+    num, h = 4, 2
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, 20)
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=schedule)
+    tx = local_steps(inner, noloco_outer(seed=0), h, nonfinite_guard=True)
+    reps = replicas.make_replicas(num, backend="vmap")
+    params = replicas.replicate(random_tree(jax.random.key(9)), num)
+    state = reps.init(tx, params)
+    step = jax.jit(reps.map(lambda p, s, g: tx.update(g, s, p)[1]))
+    grads = random_tree(jax.random.key(3), num)
+    state = step(params, state, grads)
+    broken = jax.tree.map(lambda x: x.at[0].set(jnp.nan), params)
+    state = step(broken, state, grads)  # the sync step catches replica 0
+    np.testing.assert_array_equal(state.nonfinite_resets, [1.0, 0.0, 0.0, 0.0])
+    injected = state.local_opt_state
+    np.testing.assert_array_equal(injected.inner_state[0].count, [0, 2, 2, 2])  # fresh Adam
+    np.testing.assert_array_equal(injected.count, [2, 2, 2, 2])  # the schedule goes on
+    lr = np.asarray(injected.hyperparams["learning_rate"])
+    np.testing.assert_array_equal(lr, np.full(num, lr[1]))
+
+
 @pytest.mark.parametrize("backend", ["vmap", "shard_map"])
 def test_restore_puts_back_only_the_broken_replica(backend):
     # An inner step (no sync): replica 2's params are NaN and go back to its slow

@@ -633,6 +633,25 @@ def test_multisteps_inside_local_steps_and_refused_outside():
         check_composition(outside.init(random_tree(jax.random.key(0))))
 
 
+def test_multisteps_inside_a_chain_is_checked_or_refused():
+    """An accumulation inside the inner chain escaped the check: with k=3 and sync_every=4 a
+    sync fell in the middle of an accumulation, silently."""
+    acc = lambda k: optax.MultiSteps(optax.sgd(0.1), k).gradient_transformation()  # noqa: E731
+    clip = optax.clip_by_global_norm(1.0)
+    with pytest.raises(ValueError, match="multiple of the MultiSteps accumulation count k=3"):
+        local_steps(optax.chain(clip, acc(3)), noloco_outer(), 4)
+    with pytest.raises(ValueError, match="multiple of the MultiSteps accumulation count k=3"):
+        local_steps(optax.chain(clip, optax.chain(acc(3))), noloco_outer(), 4)
+    params, state = _train(local_steps(optax.chain(clip, acc(2)), noloco_outer(), 4), steps=8)
+    assert int(state.outer_state.round) == 2
+    hidden = optax.MultiSteps(optax.sgd(0.1), 3)  # reached through a default, not a closure
+    opaque = optax.GradientTransformationExtraArgs(
+        hidden.init, lambda u, s, p=None, _m=hidden, **kw: _m.update(u, s, p, **kw))
+    with pytest.raises(ValueError, match=r"cannot read its count k .*local_steps\(optax\."
+                                         r"MultiSteps\(optax.chain\(\.\.\.\), k\)"):
+        local_steps(opaque, noloco_outer(), 4).init(random_tree(jax.random.key(0)))
+
+
 def test_masked_and_multi_transform():
     mask = {"w": True, "b": False}
     tx = optax.masked(local_steps(optax.sgd(0.1), noloco_outer(), 2), mask)

@@ -144,14 +144,17 @@ def _keep_schedules(fresh: Any, old: Any) -> Any:
     A replica the guard resets restarts Adam's moments and bias correction, not its learning
     rate schedule: it would warm up again and trail the others' cosine for the rest of the run.
     """
-    kinds = (optax.ScaleByScheduleState, optax.InjectHyperparamsState)
+    # optax.inject_hyperparams makes the stateful kind (optax >= 0.2.3), with the schedules'
+    # own states in `hyperparams_states`: everything but the inner state is schedule position.
+    injected = tuple(k for k in (optax.InjectHyperparamsState,
+                                 getattr(optax, "InjectStatefulHyperparamsState", None)) if k)
+    kinds = (optax.ScaleByScheduleState, *injected)
 
     def keep(f: Any, o: Any) -> Any:
         if isinstance(f, optax.ScaleByScheduleState):
             return o
-        if isinstance(f, optax.InjectHyperparamsState):
-            return f._replace(count=o.count, hyperparams=o.hyperparams,
-                              inner_state=_keep_schedules(f.inner_state, o.inner_state))
+        if isinstance(f, injected):
+            return o._replace(inner_state=_keep_schedules(f.inner_state, o.inner_state))
         return f
 
     return jax.tree.map(keep, fresh, old, is_leaf=lambda x: isinstance(x, kinds))
@@ -312,17 +315,58 @@ def check_mixing(mixing: float, field: str = "mixing") -> float:
     return errors.check_number(field, mixing, 0, 1)
 
 
-def _check_accumulation(inner: Any, sync_every: int) -> None:
-    """An ``optax.MultiSteps`` inner optimizer must end its accumulations on sync steps."""
-    owner = getattr(getattr(inner, "update", None), "__self__", None)
-    if not isinstance(owner, optax.MultiSteps):
-        return
-    k = owner._every_k_schedule(0)  # noqa: SLF001 - optax keeps the count private
-    if isinstance(k, int) and k > 0 and sync_every % k:
+def _accumulators(inner: Any) -> list[optax.MultiSteps]:
+    """The ``optax.MultiSteps`` in ``inner``: itself, or inside the chains its update closes
+    over (``optax.chain`` keeps its transformations in a closure)."""
+    found, todo, seen = [], [getattr(inner, "update", None)], set()
+    while todo:
+        fn = todo.pop()
+        if not callable(fn) or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, optax.MultiSteps):
+            found.append(owner)
+            continue
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                todo.append(getattr(item, "update", item))
+    return found
+
+
+def _check_accumulation(inner: Any, sync_every: int) -> int:
+    """Every ``optax.MultiSteps`` in the inner optimizer ends its accumulations on sync steps.
+
+    Returns:
+      How many it checked (``init`` compares it with the ``MultiStepsState``s it finds).
+    """
+    owners = _accumulators(inner)
+    for owner in owners:
+        k = owner._every_k_schedule(0)  # noqa: SLF001 - optax keeps the count private
+        if isinstance(k, int) and k > 0 and sync_every % k:
+            raise ValueError(
+                f"sync_every={sync_every} must be a multiple of the MultiSteps accumulation "
+                f"count k={k} (local_steps counts micro-steps): a sync would otherwise fall in "
+                f"the middle of an accumulation."
+            )
+    return len(owners)
+
+
+def _check_accumulators_seen(state: Any, checked: int) -> None:
+    """Refuses an inner state with more ``MultiStepsState``s than ``_check_accumulation`` saw."""
+    kind = optax.MultiStepsState
+    leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind))
+    found = sum(isinstance(x, kind) for x in leaves)
+    if found > checked:
         raise ValueError(
-            f"sync_every={sync_every} must be a multiple of the MultiSteps accumulation "
-            f"count k={k} (local_steps counts micro-steps): a sync would otherwise fall in "
-            f"the middle of an accumulation."
+            "the inner optimizer accumulates gradients (optax.MultiSteps) where local_steps "
+            "cannot read its count k to check that sync_every is a multiple of it; wrap the "
+            "whole inner optimizer instead: local_steps(optax.MultiSteps(optax.chain(...), k), "
+            "...)."
         )
 
 
@@ -428,7 +472,7 @@ def local_steps(
         raise ValueError(f"slow_dtype must be None or a float dtype, got {slow_dtype!r}.")
     if check_phase not in (True, False, "count"):
         raise ValueError(f"check_phase must be True, False or 'count', got {check_phase!r}.")
-    _check_accumulation(inner, sync_every)
+    accumulators = _check_accumulation(inner, sync_every)
     if isinstance(fragments, int):  # read as a one-leaf spec, it gave errors about P + 1
         raise ValueError(f"fragments must be a fragment spec, e.g. fragments.by_layer_blocks("
                          f"params, {fragments}), or None; got the int {fragments!r}.")
@@ -452,6 +496,7 @@ def local_steps(
             anchor = jax.tree.map(lambda p: jnp.array(p, copy=True), float_leaves(params))
         local_opt_state = inner.init(params)
         _check_not_an_outer_step(local_opt_state)
+        _check_accumulators_seen(local_opt_state, accumulators)
         return LocalStepsState(
             count=jnp.zeros([], jnp.int32),
             slow_params=slow,
