@@ -285,6 +285,13 @@ def test_sync_every_must_be_positive_integer(bad):
         local_steps(optax.sgd(0.1), noloco_outer(), bad)
 
 
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_nonfinite_guard_must_be_a_bool(bad):
+    """"yes", 1 or None were taken as truthy or falsy flags."""
+    with pytest.raises(ValueError, match="nonfinite_guard: must be True or False"):
+        local_steps(optax.sgd(0.1), noloco_outer(), 2, nonfinite_guard=bad)
+
+
 def test_unbound_axis_in_wrappers():
     params = jnp.zeros(2)
     for tx in [

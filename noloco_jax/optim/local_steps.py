@@ -470,6 +470,7 @@ def local_steps(
     check_sync_every(sync_every)
     if slow_dtype is not None and not jnp.issubdtype(slow_dtype, jnp.floating):
         raise ValueError(f"slow_dtype must be None or a float dtype, got {slow_dtype!r}.")
+    errors.check_bool("nonfinite_guard", nonfinite_guard)
     if check_phase not in (True, False, "count"):
         raise ValueError(f"check_phase must be True, False or 'count', got {check_phase!r}.")
     accumulators = _check_accumulation(inner, sync_every)
