@@ -64,11 +64,12 @@ def plot_replicas(workdir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
               ("eval", "distance_to_mean_per_replica", "distance to the replica mean (L2)")]
     for ax, (kind, key, title) in zip(axes, panels):
         recs = [r for r in last_per_step(read_jsonl(path, kind)) if key in r]
-        if recs:
-            values = [r[key] for r in recs]
-            for i in range(len(values[0])):
-                ax.plot([r["step"] for r in recs], [v[i] for v in values], label=f"replica {i}",
-                        lw=1)  # fmt: skip
+        # A resized run (allow_resize) changes the number of replicas: each replica's line
+        # covers the records that have it.
+        for i in range(max((len(r[key]) for r in recs), default=0)):
+            have = [r for r in recs if i < len(r[key])]
+            ax.plot([r["step"] for r in have], [r[key][i] for r in have], label=f"replica {i}",
+                    lw=1)  # fmt: skip
         ax.set_title(title)
         ax.set_xlabel("step")
     if len(axes[0].lines) <= 16:

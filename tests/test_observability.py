@@ -173,3 +173,86 @@ def test_a_line_cut_short_by_a_crash_is_skipped_with_a_warning_and_later_records
     with pytest.warns(UserWarning, match=r"metrics.jsonl:2: skipped a record"):
         records = read_jsonl(tmp_path / "metrics.jsonl", "train")
     assert [(r["step"], r["loss"]) for r in records] == [(2, 1.0), (4, 0.5)]
+
+
+def test_plot_of_a_resized_run_draws_each_replica_while_it_exists(tmp_path):
+    """A run resized 4 -> 2 (allow_resize) logs shorter per-replica lists after the resize;
+    plot_replicas indexed every record by the first record's length: IndexError."""
+    import json  # noqa: PLC0415
+
+    sys.path.insert(0, str(ROOT))
+    from experiments.plot import plot_replicas  # noqa: PLC0415
+
+    recs = [{"step": 2, "kind": "train", "train_loss_per_replica": [5.0, 5.1, 4.9, 5.0]},
+            {"step": 2, "kind": "eval", "distance_to_mean_per_replica": [0.1, 0.2, 0.1, 0.2]},
+            {"step": 2, "kind": "eval", "distance_to_mean_per_replica": [0.1, 0.1],
+             "resized_from": 4},
+            {"step": 4, "kind": "train", "train_loss_per_replica": [4.0, 4.1]},
+            {"step": 4, "kind": "eval", "distance_to_mean_per_replica": [0.1, 0.1]}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    png = plot_replicas(tmp_path, tmp_path / "replicas.png")
+    assert png.stat().st_size > 1000
+
+
+def test_train_loss_last_leaves_out_an_infinite_loss_as_train_loss_does(tmp_path):
+    """With the guard, both means are over finite losses; np.nanmean dropped NaN, not inf."""
+    import types  # noqa: PLC0415
+
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from noloco_jax.trainer.loop import _train_metrics  # noqa: PLC0415
+
+    s = _settings(tmp_path)
+    run = types.SimpleNamespace(settings=s, counted=None, params0={"w": jnp.zeros((3,))})
+    losses = np.array([[2.0, 3.0], [2.0, np.inf], [2.0, np.nan], [2.0, 3.0]])
+    m = _train_metrics(run, types.SimpleNamespace(opt_state=()), 2, 2, losses, 1.0)
+    assert m["train_loss"] == pytest.approx(14 / 6)
+    assert m["train_loss_last"] == 3.0
+    assert m["nonfinite_replica_steps"] == 2
+
+
+def test_an_already_finished_run_opens_no_metric_sink(tmp_path, monkeypatch):
+    """A finished run says "Nothing was written", but it started (and finished) a W&B run:
+    a new offline-run directory, or a resumed online run, at every such call."""
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    opened, records = [], []
+
+    class Sink:
+        def write(self, step, kind, values):
+            records.append((step, kind))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(loop, "make_sinks", lambda s, workdir: opened.append(1) or [Sink()])
+    s = _settings(tmp_path, num_steps=2, eval_every=2, checkpoint_every=2)
+    train_and_evaluate(s, tmp_path / "run", progress=False)
+    assert len(opened) == 1 and (2, "train") in records and (2, "eval") in records
+    train_and_evaluate(s, tmp_path / "run", progress=False)  # already finished
+    assert len(opened) == 1
+
+
+def test_metric_sinks_finish_when_the_last_checkpoint_fails(tmp_path, monkeypatch):
+    """A failed final save (raised by the checkpointer's close) skipped the writer's close, so
+    the W&B run was never finished."""
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    closed = []
+
+    class Sink:
+        def write(self, step, kind, values):
+            pass
+
+        def close(self):
+            closed.append(1)
+
+    def fail(self):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(loop, "make_sinks", lambda s, workdir: [Sink()])
+    monkeypatch.setattr(loop.Checkpointer, "close", fail)
+    s = _settings(tmp_path, num_steps=2, eval_every=2, checkpoint_every=2)
+    with pytest.raises(OSError, match="No space left"):
+        train_and_evaluate(s, tmp_path / "run", progress=False)
+    assert closed == [1]

@@ -172,7 +172,7 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
     try:
         run, target = build_run(settings)
         writer = MetricWriter(workdir, enabled=first,
-                              sinks=make_sinks(settings, workdir) if first else [])  # fmt: skip
+                              sinks=lambda: make_sinks(settings, workdir))  # fmt: skip
         state, step = _restore_or_init(run, target, ckpt, writer)
         writer.resume_at(step)  # TensorBoard drops what earlier sessions logged after it
         health.check_counter(state, step)  # the host's step must be the optimizer's step counter
@@ -191,10 +191,12 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
         _close_quietly(ckpt, writer, bar)
         raise
     profiler.close()
-    ckpt.close()  # raises CheckpointSaveError if the last save failed
-    _report_saves(session, closed=True)
-    writer.close()
-    bar.close()
+    try:
+        ckpt.close()  # raises CheckpointSaveError if the last save failed
+        _report_saves(session, closed=True)
+    finally:  # the metric sinks finish either way (W&B's run included)
+        writer.close()
+        bar.close()
     return last
 
 
@@ -478,7 +480,7 @@ def _train_metrics(run: Run, state: TrainState, step: int, k: int, losses: np.nd
         # resetting is counted apart). Without: a NaN replica makes the loss NaN (both).
         "train_loss": (float(losses[finite].mean()) if finite.any() else float("nan"))
         if guarded else float(losses.mean()),
-        "train_loss_last": (float(np.nanmean(losses[:, -1])) if finite[:, -1].any() else
+        "train_loss_last": (float(losses[finite[:, -1], -1].mean()) if finite[:, -1].any() else
                             float("nan")) if guarded else float(losses[:, -1].mean()),
         "train_loss_per_replica": [float(x) for x in losses.mean(1)],
         "nonfinite_replica_steps": int((~finite).sum()),

@@ -6,7 +6,7 @@ import json
 import math
 import pathlib
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["MetricWriter", "Progress", "read_jsonl"]
 
@@ -16,17 +16,20 @@ class MetricWriter:
 
     def __init__(
         self, workdir: str | pathlib.Path, *, tensorboard: bool = True, enabled: bool = True,
-        sinks: Sequence[Any] = (),
+        sinks: Sequence[Any] | Callable[[], Sequence[Any]] = (),
     ):
         """``enabled=False`` (processes other than 0 in a multi-process run) writes nothing.
 
-        ``sinks``: more objects with ``write(step, kind, values)`` and ``close()`` (W&B).
+        ``sinks``: more objects with ``write(step, kind, values)`` and ``close()`` (W&B), or a
+        function making them, called at the first record (a run that writes nothing, such as
+        one already finished, opens no W&B run).
         """
         self._purge_step: int | None = None
         self.workdir = pathlib.Path(workdir)
         self.enabled = enabled
         self._tensorboard = tensorboard
-        self._sinks = list(sinks) if enabled else []
+        self._make_sinks = sinks if callable(sinks) else (lambda: sinks)
+        self._sinks: list[Any] = []
         self._jsonl = None
         self._tb = None
 
@@ -40,6 +43,7 @@ class MetricWriter:
             self._jsonl.write("\n")
         if self._tensorboard:
             self._open_tensorboard()
+        self._sinks = list(self._make_sinks())
 
     def _open_tensorboard(self) -> None:
         from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional, slow import)
