@@ -1,6 +1,6 @@
 """The paper's Fig. 4 ablation in miniature, and pipelines vs none for NoLoCo/DiLoCo.
 
-    python -m experiments.routing_ablation      # ~30 min on 2 CPU cores
+    python -m experiments.routing_ablation      # ~15 min on 2 CPU cores
 
 Tiny Llama (4 layers). Ablation: no outer steps at all (method "local": independent
 replicas), random vs fixed routing between stages, at N = 8 replicas of S = 4 stages of one

@@ -1,6 +1,7 @@
 """The collectives between replicas, and what each one costs.
 
-The optimizers (``noloco_jax.optim``) and ``noloco_jax.metrics`` reach other
+The optimizers (``noloco_jax.optim``) and ``noloco_jax.metrics`` (but for
+``replica_spread``'s ``psum`` of replica 0's weights) reach other
 replicas, and the other model-parallel shards of their replica, only through
 this module. The trainer and the pipeline call the few collectives that
 belong to them (pipeline stage sends and stage sums, per-replica fault

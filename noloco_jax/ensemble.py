@@ -1,8 +1,8 @@
 """Ensembles of K language models scored token by token.
 
-All functions take ``logp_KxBxT``: each model's log-probability of the actual
-next token, ``log p_k(x_t | x_<t)``, for K models, B sequences, T positions,
-and return the ensemble's log-probability of the same tokens, [B, T]. They
+``uniform_mixture`` and ``posterior_mixture`` take ``logp_KxBxT``: each model's
+log-probability of the actual next token, ``log p_k(x_t | x_<t)``, for K models,
+B sequences, T positions, and return the ensemble's log-probability of the same tokens, [B, T]. They
 are vectorised over models and numerically stable (log-sum-exp throughout).
 
 * ``uniform_mixture``: p(x_t) = (1/K) sum_k p_k(x_t). A proper distribution

@@ -8,8 +8,8 @@ Everything above this module sees trees in the *replicated layout*:
   counters, which are identical on all replicas - carry no replica axis. The
   inner optimizer's state inside ``local_steps`` (its ``local_opt_state``) is the
   exception: all of it is per replica, counts included, because the
-  non-finite guard restarts one replica's inner optimizer (count and all)
-  without touching the others.
+  non-finite guard restarts one replica's inner optimizer (its moments and
+  count; a schedule's position is kept) without touching the others.
 
 Keeping counters shared is what lets ``lax.cond``/``lax.switch`` on them stay
 real branches under ``vmap`` (a batched predicate would turn both branches

@@ -180,7 +180,6 @@ def test_plot_of_a_resized_run_draws_each_replica_while_it_exists(tmp_path):
     plot_replicas indexed every record by the first record's length: IndexError."""
     import json  # noqa: PLC0415
 
-    sys.path.insert(0, str(ROOT))
     from experiments.plot import plot_replicas  # noqa: PLC0415
 
     recs = [{"step": 2, "kind": "train", "train_loss_per_replica": [5.0, 5.1, 4.9, 5.0]},
@@ -247,7 +246,10 @@ def test_metric_sinks_finish_when_the_last_checkpoint_fails(tmp_path, monkeypatc
         def close(self):
             closed.append(1)
 
-    def fail(self):
+    real_close = loop.Checkpointer.close
+
+    def fail(self):  # the saves finish, then the last one reports its failure
+        real_close(self)
         raise OSError("No space left on device")
 
     monkeypatch.setattr(loop, "make_sinks", lambda s, workdir: [Sink()])

@@ -114,7 +114,8 @@ def diloco_outer(
         it, changes only wall time (see netsim).
       seed: seeds the drop-outs.
       exchange_dtype: what the pseudo-gradients phi - theta travel as.
-        ``None`` (or the params' own dtype): an all-reduce, as before. A
+        ``None`` (or the params' own dtype, when it is float32 or wider): an
+        all-reduce, as before; a 16-bit params' own dtype takes the wire path below. A
         narrower float dtype (``jnp.bfloat16``), ``"int8"`` or
         ``"float8_e4m3fn"`` (block-wise 8-bit codes with a float32 scale per
         256 values, ``noloco_jax.quantize``): an all-to-all and an all-gather

@@ -396,7 +396,9 @@ def local_steps(
         finite is passed to ``outer`` as ``active=False`` (it then sends nothing
         its partners use, so it cannot poison them), keeps its last slow
         weights and outer state, restarts its inner optimizer from a fresh
-        state (step counts included, so Adam's bias correction starts over)
+        state (Adam's moments and count, so its bias correction starts over;
+        a learning-rate schedule's position, ``optax.scale_by_schedule`` or
+        ``optax.inject_hyperparams``, is kept, so it does not warm up again)
         and counts the event in ``nonfinite_resets``. Its returned update is
         not finite; repair the params with ``restore_nonfinite``.
       guard_axis_name: mesh axis (or axes) over which one replica's params are
@@ -540,7 +542,7 @@ def local_steps(
                     state.nonfinite_resets, state.anchor)  # fmt: skip
         if sync_step is None:
             branches = rules.on_device(params, operands, count, sync_every, num_frags, delay)
-        else:  # the caller knows the phase statically (``trainer.step.sync_positions``)
+        else:  # the caller knows the phase statically (``trainer.step.make_program``)
             if check_phase:
                 loud = check_phase != "count"
                 errors = errors + _check_phase(count, sync_every, sync_step, num_frags, delay,
