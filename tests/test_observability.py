@@ -14,7 +14,7 @@ from noloco_jax import models
 from noloco_jax.trainer import settings as settings_lib
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.observability import make_sinks
-from noloco_jax.trainer.writers import read_jsonl
+from noloco_jax.trainer.writers import MetricWriter, read_jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N = 4
@@ -163,8 +163,6 @@ def test_bad_profile_steps(tmp_path, bad):
 
 def test_a_line_cut_short_by_a_crash_is_skipped_with_a_warning_and_later_records_kept(tmp_path):
     """A partial last line made the next record unparseable: every reader failed on the file."""
-    from noloco_jax.trainer.writers import MetricWriter  # noqa: PLC0415
-
     (tmp_path / "metrics.jsonl").write_text('{"step": 2, "kind": "train", "loss": 1.0}\n'
                                             '{"step": 4, "kind": "tr')  # fmt: skip
     writer = MetricWriter(tmp_path, tensorboard=False)
@@ -258,3 +256,29 @@ def test_metric_sinks_finish_when_the_last_checkpoint_fails(tmp_path, monkeypatc
     with pytest.raises(OSError, match="No space left"):
         train_and_evaluate(s, tmp_path / "run", progress=False)
     assert closed == [1]
+
+
+def test_a_new_session_hides_what_an_abandoned_one_logged_past_its_start(tmp_path):
+    """A run killed before its first checkpoint and started again with another log_every kept
+    the first session's records (steps 3 and 6 beside the new 4 and 8); so did a resume that
+    stopped before the old session's last step. Readers now see only the run that counts."""
+    first = MetricWriter(tmp_path, tensorboard=False)
+    first.resume_at(0)
+    for step in (3, 6):
+        first.write(step, "train", {"train_loss": 9.0})
+    first.write(6, "event", {"event": "nonfinite_reset"})
+    first.close()
+    again = MetricWriter(tmp_path, tensorboard=False)  # killed before a checkpoint: from 0
+    again.resume_at(0)
+    for step in (4, 8):
+        again.write(step, "train", {"train_loss": 5.0})
+    again.close()
+    resumed = MetricWriter(tmp_path, tensorboard=False)  # from a checkpoint at 4
+    resumed.write(4, "event", {"event": "corrupt_checkpoint"})  # before resume_at
+    resumed.resume_at(4)
+    resumed.write(6, "train", {"train_loss": 4.0})
+    resumed.close()
+    train = read_jsonl(tmp_path / "metrics.jsonl", "train")
+    assert [(r["step"], r["train_loss"]) for r in train] == [(4, 5.0), (6, 4.0)]
+    events = read_jsonl(tmp_path / "metrics.jsonl", "event")
+    assert [r["event"] for r in events] == ["nonfinite_reset", "corrupt_checkpoint"]

@@ -43,7 +43,14 @@ class MetricWriter:
             self._jsonl.write("\n")
         if self._tensorboard:
             self._open_tensorboard()
+        self._mark_session()
         self._sinks = list(self._make_sinks())
+
+    def _mark_session(self) -> None:
+        """A ``session`` record: readers drop what earlier sessions logged after its step."""
+        if self._jsonl is not None and self._purge_step is not None:
+            start = self._purge_step - 1  # -1: a fresh start, nothing earlier counts
+            self._jsonl.write(json.dumps({"step": start, "kind": "session"}) + "\n")
 
     def _open_tensorboard(self) -> None:
         from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional, slow import)
@@ -55,6 +62,7 @@ class MetricWriter:
         it (a run resumed from a checkpoint older than its last records repeats those steps).
         """
         self._purge_step = step + 1 if step else 0  # a fresh start: nothing before counts
+        self._mark_session()
         if self._tb is not None:  # opened already (a damaged checkpoint was reported)
             self._tb.close()
             self._open_tensorboard()
@@ -176,6 +184,9 @@ def read_jsonl(path: str | pathlib.Path, kind: str | None = None) -> list[dict]:
     """Records of a metrics.jsonl file (optionally only one kind).
 
     A line cut short (a crash or a full disk while it was written) is skipped with a warning.
+    A ``session`` record (a session of the run started at its step) drops the train and eval
+    records before it that are past that step: a session killed before its checkpoint, or one
+    replaced by a fresh start, logged them (TensorBoard hides them too). Events stay.
     """
     out = []
     with open(path, encoding="utf-8") as f:
@@ -188,6 +199,8 @@ def read_jsonl(path: str | pathlib.Path, kind: str | None = None) -> list[dict]:
                 warnings.warn(f"{path}:{number}: skipped a record that is not valid JSON (cut "
                               f"short?): {line[:80]!r}", stacklevel=2)  # fmt: skip
                 continue
-            if kind is None or rec.get("kind") == kind:
+            if rec.get("kind") == "session":  # events stay: they say what happened
+                out = [r for r in out if r.get("kind") == "event" or r["step"] <= rec["step"]]
+            elif kind is None or rec.get("kind") == kind:
                 out.append(rec)
     return out
