@@ -11,7 +11,8 @@ import numpy as np
 import optax
 import pytest
 
-from noloco_jax import comm, diloco_outer, hlo, local_steps, models, noloco_outer, replicas
+from noloco_jax import (comm, diloco_outer, hlo, local_steps, models, noloco_outer, replicas,
+                        restore_nonfinite)
 from noloco_jax.optim import fragments as frag
 from noloco_jax.trainer import build, grads, loop
 from noloco_jax.trainer.loop import train_and_evaluate
@@ -208,6 +209,32 @@ def test_guard_caught_replica_lands_on_its_slow_weights_and_anchors_there():
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
+def test_a_replica_broken_inside_the_window_is_caught_at_the_merge():
+    """The guard looked only at the exchange: a replica that broke inside the window landed
+    non-finite at the merge and stayed so (its evals too) until the next round's exchange."""
+    tx = local_steps(optax.sgd(LR), noloco_outer(seed=1), H, delay=2, nonfinite_guard=True)
+    reps = replicas.make_replicas(N, backend="vmap")
+    step, restore = jax.jit(reps.map(_step(tx))), jax.jit(reps.map(restore_nonfinite))
+
+    def run(broken):
+        params = random_tree(jax.random.key(0), N)
+        state = reps.init(tx, params)
+        for t in range(H):  # t = 1 starts the exchange, t = 3 (H - 1) merges it
+            c = _targets(t)
+            if broken and t == 2:  # inside the window
+                c = jax.tree.map(lambda x: jnp.asarray(x).at[2].set(jnp.nan), c)
+            params, state = step(params, state, c)
+        return restore(params, state), state
+
+    clean, _ = run(False)
+    params, state = run(True)
+    assert np.asarray(state.nonfinite_resets).tolist() == [0.0, 0.0, 1.0, 0.0]
+    for key in ("w", "b"):
+        np.testing.assert_array_equal(params[key][2], state.slow_params[key][2])  # phi_new
+        for i in (0, 1, 3):  # the exchange came before the break: the others are untouched
+            np.testing.assert_array_equal(params[key][i], clean[key][i])
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(delay=4), r"delay: must be an integer in \[0, 3\] .*sync_every=4 steps later\), got 4"),
     (dict(delay=-1), r"delay: must be an integer >= 0, got -1"),
@@ -370,6 +397,24 @@ def test_tiny_trainer_run_with_delay_is_finite(tmp_path, corpus_dir, data_dir):
     assert np.isfinite(last["val_ppl"])
     with pytest.raises(ValueError, match="stop_at=6 ends inside an overlap window"):
         train_and_evaluate(s, tmp_path / "other", stop_at=6, progress=False)
+
+
+@pytest.mark.slow  # a minute on 2 busy cores; test_a_replica_broken_inside_the_window_... above
+def test_trainer_repairs_a_replica_broken_inside_the_window_at_the_merge(tmp_path, corpus_dir,
+                                                                          data_dir):  # fmt: skip
+    """Replica 1 breaks at step index 2, inside the window of the round ending at step 4 (its
+    exchange started at index 1). It stayed NaN through the merge: the eval at step 4 was NaN,
+    and the next exchange (index 5) caught it."""
+    s = tiny_settings(corpus_dir, data_dir, num_replicas=2, global_batch_size=4, num_steps=8,
+                      log_every=4, eval_every=4, checkpoint_every=8,
+                      outer={"sync_every": 4, "delay": 2},
+                      fault={"inject_nan_step": 2, "inject_nan_replica": 1})  # fmt: skip
+    train_and_evaluate(s, tmp_path, progress=False)
+    evals = read_jsonl(tmp_path / "metrics.jsonl", "eval")
+    assert [r["step"] for r in evals] == [0, 4, 8]
+    assert all(np.isfinite(r["val_ppl_worst_replica"]) for r in evals)
+    events = read_jsonl(tmp_path / "metrics.jsonl", "event")
+    assert [(e["event"], e["step"], e["total"]) for e in events] == [("nonfinite_reset", 4, 1)]
 
 
 @pytest.mark.parametrize("overrides,match", [

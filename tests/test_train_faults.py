@@ -1,5 +1,6 @@
 """Training that survives faults and refuses bad input (the trainer level of issue 6)."""
 
+import json
 import multiprocessing
 
 import numpy as np
@@ -65,9 +66,11 @@ def reference(noloco_run):
 
 
 def _replayed(run, step):
-    """The train losses logged at ``step`` in ``run``: the copied record, then the replay's."""
-    records = read_jsonl(run / "metrics.jsonl", "train")
-    return [r["train_loss"] for r in records if r["step"] == step]
+    """The train losses logged at ``step`` in ``run``: the copied record, then the replay's
+    (read from the raw lines: ``read_jsonl`` keeps only the session that superseded it)."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines if x.strip()]
+    return [r["train_loss"] for r in records if r["kind"] == "train" and r["step"] == step]
 
 
 def test_corrupt_latest_checkpoint_is_reported_and_the_previous_used(tmp_path, reference):

@@ -72,7 +72,8 @@ State: from step s on ``slow_params`` holds phi_new (nothing reads phi before
 the next exchange) and ``anchor`` holds theta_s (one more copy of the float
 params, in their dtype), so a pause or checkpoint inside the window resumes
 exactly. A replica the non-finite guard catches at s lands on its slow
-weights there, as without delay, and its anchor is those weights.
+weights there, as without delay, and its anchor is those weights; one that
+breaks inside the window is caught at the merge and lands on phi_new.
 """
 
 from __future__ import annotations
@@ -687,6 +688,12 @@ class _Rules:
 
         mine = jax.tree.map(jump, self.view(slow, p), self.view(anchor, p), self.view(params, p),
                             self.view(inner_updates, p), is_leaf=lambda x: x is None)
+        if self.guard:  # broken inside the window: restore_nonfinite lands it on phi_new
+            ok = _all_finite(float_leaves(optax.apply_updates(params, inner_updates)),
+                             self.guard_axis)  # fmt: skip
+            fresh = _keep_schedules(self.inner.init(_theta_like(slow, params)), local_opt_state)
+            local_opt_state = optax.tree.where(ok, local_opt_state, fresh)
+            resets = resets + (1.0 - ok)
         return (self.merge(inner_updates, mine, p), slow, outer_state, local_opt_state, resets,
                 anchor)  # fmt: skip
 
@@ -706,8 +713,9 @@ def restore_nonfinite(
     nonfinite_guard=True)`` is in ``opt_state`` (anywhere in a chain). An
     additive update cannot turn NaN back into numbers, so this is the step that
     actually resets theta <- phi for a replica the guard caught. Calling it
-    after sync steps is enough (the guard resets the inner optimizer's state
-    there; until then a broken replica's moments keep its updates non-finite).
+    after sync steps (with ``delay``, also merge steps) is enough (the guard
+    resets the inner optimizer's state there; until then a broken replica's
+    moments keep its updates non-finite).
 
     Args:
       params: the fast weights after ``optax.apply_updates``.

@@ -81,7 +81,7 @@ def train_step(
       merge_step: with ``local_steps(..., delay > 0)`` and a ``sync_step``:
         whether this step merges the pending exchange (True or the fragment).
       nonfinite_guard: put the params of a replica the optimizer's guard caught
-        back on its slow weights (``restore_nonfinite``; on sync steps only).
+        back on its slow weights (``restore_nonfinite``; on sync and merge steps only).
       guard_axis: intra-replica axis for the guard (a replica's stages).
       corrupt: ``corrupt(params, step)`` before the step (fault drills).
 
@@ -95,7 +95,8 @@ def train_step(
         phase["merge_step"] = merge_step
     updates, opt_state = tx.update(grads, state.opt_state, params, **phase)
     params = optax.apply_updates(params, updates)
-    if nonfinite_guard and sync_step is not False:
+    merges = merge_step is not None and merge_step is not False  # fragment 0 == False
+    if nonfinite_guard and (sync_step is not False or merges):
         params = restore_nonfinite(params, opt_state, guard_axis)
     return TrainState(state.step + 1, params, opt_state), loss
 
