@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import shutil
 from typing import Any
@@ -61,6 +62,13 @@ def copy_run(workdir: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
     shutil.copytree(workdir, dst)
     (dst / ".lock").unlink(missing_ok=True)
     return dst
+
+
+def logged_records(workdir: pathlib.Path, kind: str) -> list[dict]:
+    """Every ``kind`` record of a run's metrics.jsonl in the order logged, a replayed step's
+    record and its replay both (``read_jsonl`` keeps only the session that superseded it)."""
+    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, filter(str.strip, lines)) if r["kind"] == kind]
 
 
 def variant(settings: Any, **overrides: Any) -> Any:

@@ -1,7 +1,6 @@
 """The overlapped exchange of local_steps (``delay=tau``): an exchange starts tau steps before
 its round ends and is merged when the round ends, theta <- phi_new + m (theta_t - theta_s)."""
 
-import dataclasses
 import functools
 import types
 

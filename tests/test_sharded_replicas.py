@@ -299,9 +299,9 @@ def _killed_while_saving(finished, dst):
 
 def _records(workdir, kind, key):
     """[(step, value)] of every ``kind`` record in the order logged (a replay logs twice)."""
-    from noloco_jax.trainer.writers import read_jsonl  # noqa: PLC0415
+    from tests.helpers import logged_records  # noqa: PLC0415
 
-    return [(r["step"], r[key]) for r in read_jsonl(workdir / "metrics.jsonl", kind)]
+    return [(r["step"], r[key]) for r in logged_records(workdir, kind)]
 
 
 def test_trainer_on_split_replicas_and_resharded_checkpoints(tmp_path, corpus_dir, data_dir,

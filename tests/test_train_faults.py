@@ -1,6 +1,5 @@
 """Training that survives faults and refuses bad input (the trainer level of issue 6)."""
 
-import json
 import multiprocessing
 
 import numpy as np
@@ -9,7 +8,7 @@ import pytest
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
-from tests.helpers import copy_run, tensorboard_view, variant
+from tests.helpers import copy_run, logged_records, tensorboard_view, variant
 from tests.test_train import _losses, tiny_settings
 
 
@@ -66,11 +65,8 @@ def reference(noloco_run):
 
 
 def _replayed(run, step):
-    """The train losses logged at ``step`` in ``run``: the copied record, then the replay's
-    (read from the raw lines: ``read_jsonl`` keeps only the session that superseded it)."""
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(x) for x in lines if x.strip()]
-    return [r["train_loss"] for r in records if r["kind"] == "train" and r["step"] == step]
+    """The train losses logged at ``step`` in ``run``: the copied record, then the replay's."""
+    return [r["train_loss"] for r in logged_records(run, "train") if r["step"] == step]
 
 
 def test_corrupt_latest_checkpoint_is_reported_and_the_previous_used(tmp_path, reference):

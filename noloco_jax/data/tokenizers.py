@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import io
-import os
 import pathlib
 import re
 import uuid

@@ -56,8 +56,8 @@ def make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) 
       ``replica_spread`` and ``distance_to_mean_per_replica``.
     """
     if reps.manual_axes - {reps.axis_name}:  # stages split by hand: evaluate a host copy
-        evaluate = make_evaluator(replicas.Replicas(reps.num_replicas), graphdef, windows)
-        return lambda params: evaluate(jax.tree.map(replicas.to_host, params))  # all processes
+        on_host = make_evaluator(replicas.Replicas(reps.num_replicas), graphdef, windows)
+        return lambda params: on_host(jax.tree.map(replicas.to_host, params))  # all processes
     n, num = reps.num_replicas, len(windows)
     batch, padded = eval_layout(num)
     windows = np.concatenate([windows, windows[: padded - num]])  # padding dropped below

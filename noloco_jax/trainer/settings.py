@@ -433,8 +433,8 @@ def warnings_for(s: TrainSettings) -> list[str]:
         out.append("config.skip.swaps=True does nothing: a swap needs stage skipping "
                    "(config.skip.num_stages) and two stages after stage 0 (path_length >= 3).")
     if s.method in ROUND_METHODS and s.outer.learning_rate == 0:
-        out.append(f"config.outer.learning_rate=0: the slow weights never move and every sync "
-                   f"puts the replicas back on them, so the run learns nothing.")
+        out.append("config.outer.learning_rate=0: the slow weights never move and every sync "
+                   "puts the replicas back on them, so the run learns nothing.")
     wire = s.outer.exchange_dtype  # DiLoCo: float32 on float32 phi is a plain all-reduce
     plain = wire == "" or wire == s.model.param_dtype == "float32"
     packed = quantize.is_codec(wire) or (s.method == "diloco" and not plain)
