@@ -219,12 +219,15 @@ def test_two_processes_set_a_checkpoint_aside_once(tmp_path, monkeypatch):
     assert waits == ["noloco_quarantine_4_start", "noloco_quarantine_4_done"] * 2
 
 
-def test_metadata_without_settings_is_corrupt_and_no_silent_restart(tmp_path, finished_run):
+@pytest.mark.parametrize("drop", ["settings", "settings.num_replicas"])
+def test_metadata_without_settings_is_corrupt_and_no_silent_restart(tmp_path, finished_run,
+                                                                     drop):  # fmt: skip
+    """Without settings.num_replicas (edited metadata) the resize check raised a bare KeyError."""
     s, finished = finished_run
     run = copy_run(finished, tmp_path / "run")
     meta = run / "checkpoints" / "8" / "meta" / "metadata"
     data = json.loads(meta.read_text())
-    del data["settings"]
+    del (data["settings"] if drop == "settings.num_replicas" else data)[drop.rpartition(".")[2]]
     meta.write_text(json.dumps(data))
     _flip_array_bytes(run / "checkpoints" / "12")
     with pytest.raises(UserError, match=r"no readable checkpoint.*move the \*\.corrupt"):

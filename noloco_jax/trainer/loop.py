@@ -104,6 +104,8 @@ def _report_resize(run: Run, writer: MetricWriter, step: int) -> None:
 def _checked_meta(ckpt: Checkpointer, step: int) -> dict:
     meta = ckpt.read_meta(step)
     missing = [k for k in ("settings", "batcher") if not isinstance(meta.get(k), dict)]
+    if not missing and "num_replicas" not in meta["settings"]:  # the arrays' shapes need it
+        missing = ["settings.num_replicas"]
     if missing:
         raise CorruptCheckpointError(f"checkpoint {step}: its metadata lacks {missing}.")
     return meta
