@@ -39,6 +39,17 @@ def test_resize_state_merges_and_clones_by_replica_axis():
         np.testing.assert_allclose(out["w"].mean(0), tree["w"].mean(0))
 
 
+def test_a_merge_leaves_out_a_broken_replicas_values():
+    """A checkpoint may hold a replica with NaN fast weights and moments (the guard resets it
+    at its next sync): the merge spread the NaN to its partner, which lost its progress."""
+    w = jnp.arange(8.0).reshape(4, 2).at[1].set(jnp.nan).at[3, 0].set(jnp.inf)
+    nan_all = jnp.full((4, 1), jnp.nan)
+    merged = resize_state({"w": w, "broken": nan_all, "bf16": w.astype(jnp.bfloat16)}, 2)
+    np.testing.assert_array_equal(merged["w"], [[0.0, 1.0], [4.0, 6.0]])  # finite ones only
+    np.testing.assert_array_equal(merged["bf16"], np.asarray([[0.0, 1.0], [4.0, 6.0]]))
+    assert np.isnan(merged["broken"]).all()  # none finite: stays non-finite (the guard's case)
+
+
 def test_resize_keeps_the_total_of_the_guards_reset_counts():
     import optax  # noqa: PLC0415
 

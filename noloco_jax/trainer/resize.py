@@ -2,7 +2,8 @@
 
 N -> N / k (k an integer): replicas ``k i .. k i + k - 1`` merge into new replica ``i``: every
 per-replica float leaf (fast weights theta, slow weights phi, outer momentum, Adam moments) is
-their mean; a per-replica integer scalar (a counter such as Adam's step count, equal on every
+their mean, over the finite values (a replica whose weights broke, which the non-finite guard
+would reset at its next sync, does not spread NaN to its partners); a per-replica integer scalar (a counter such as Adam's step count, equal on every
 replica unless the non-finite guard restarted one) takes the largest, so merged moments are
 not bias-corrected as if they were young; other integer leaves (a PRNG key) take the first
 replica's. N -> k N: replica ``i`` is cloned into ``k i .. k i + k - 1``.
@@ -97,8 +98,11 @@ def _resize_leaf(x: Any, axis: Any, new_n: int) -> Any:
     if new_n >= old_n:
         return np.repeat(x, new_n // old_n, axis=0)
     groups = x.reshape(new_n, old_n // new_n, *x.shape[1:])
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return groups.astype(np.float32).mean(1).astype(x.dtype)
+    if jnp.issubdtype(x.dtype, jnp.floating):  # the mean of the finite values
+        wide = groups.astype(np.float32)
+        finite = np.isfinite(wide)
+        mean = np.where(finite, wide, 0).sum(1) / np.maximum(finite.sum(1), 1)
+        return np.where(finite.any(1), mean, wide.mean(1)).astype(x.dtype)
     if groups.ndim == 2 and jnp.issubdtype(x.dtype, jnp.integer):  # a counter per replica
         return groups.max(1)  # the longest history (a guard reset restarts Adam's count)
     return groups[:, 0]  # other integers (e.g. a PRNG key): the first replica's
