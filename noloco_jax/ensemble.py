@@ -32,9 +32,17 @@ __all__ = [
 ]
 
 
+def _check_KxBxT(logp_KxBxT: jax.Array) -> int:
+    """K, after checking the shape [K >= 1, B, T] (a 2-D array broadcast silently before)."""
+    shape = tuple(jnp.shape(logp_KxBxT))
+    if len(shape) != 3 or shape[0] < 1:
+        raise ValueError(f"logp_KxBxT must be [K, B, T] with K >= 1 models, got {shape}.")
+    return shape[0]
+
+
 def uniform_mixture(logp_KxBxT: jax.Array) -> jax.Array:
     """log (1/K) sum_k p_k(x_t), [B, T]."""
-    k = logp_KxBxT.shape[0]
+    k = _check_KxBxT(logp_KxBxT)
     return jax.nn.logsumexp(logp_KxBxT.astype(jnp.float32), axis=0) - jnp.log(k)
 
 
@@ -63,8 +71,14 @@ def log_average_mixture(
 def _log_weights(logp_KxBxT: jax.Array, log_prior_K: jax.Array) -> jax.Array:
     """Normalised log posterior weights before each position, [K, B, T]."""
     logp = logp_KxBxT.astype(jnp.float32)
-    # Evidence of the tokens *before* t: exclusive cumulative sum along T.
-    before = jnp.cumsum(logp, axis=-1) - logp
+    # Evidence of the tokens *before* t: exclusive cumulative sum along T, as the inclusive sum
+    # shifted by one (not cumsum - logp, which cancels catastrophically: a very negative or -inf
+    # log-prob at t wipes out, or turns into NaN, the evidence before it).
+    # Only differences between models matter: subtracting each position's best log-prob keeps
+    # the float32 sums small (a long window's totals would otherwise lose the differences).
+    top = jnp.max(logp, axis=0, keepdims=True)
+    cum = jnp.cumsum(logp - jnp.where(jnp.isfinite(top), top, 0.0), axis=-1)
+    before = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
     logits = before + log_prior_K.astype(jnp.float32)[:, None, None]
     return logits - jax.nn.logsumexp(logits, axis=0, keepdims=True)
 
@@ -80,7 +94,7 @@ def posterior_mixture(logp_KxBxT: jax.Array, prior_K: jax.Array | None = None) -
     Returns:
       The mixture's log-probabilities of the observed tokens.
     """
-    k = logp_KxBxT.shape[0]
+    k = _check_KxBxT(logp_KxBxT)
     if prior_K is None:
         log_prior = jnp.full((k,), -jnp.log(k), jnp.float32)
     else:
@@ -89,8 +103,9 @@ def posterior_mixture(logp_KxBxT: jax.Array, prior_K: jax.Array | None = None) -
             raise ValueError(f"prior_K must have shape ({k},), one weight per model; got "
                              f"{prior.shape}.")
         if not isinstance(prior, jax.core.Tracer) and not (
-                bool((prior >= 0).all()) and float(prior.sum()) > 0):  # fmt: skip
-            raise ValueError(f"prior_K must be non-negative with a positive sum, got {prior}.")
+                bool((prior >= 0).all()) and 0 < float(prior.sum()) < float("inf")):  # fmt: skip
+            raise ValueError(f"prior_K must be finite and non-negative with a positive sum, "
+                             f"got {prior}.")  # fmt: skip
         log_prior = jnp.log(prior) - jnp.log(prior.sum())
     log_w = _log_weights(logp_KxBxT, log_prior)
     return jax.nn.logsumexp(log_w + logp_KxBxT.astype(jnp.float32), axis=0)
@@ -98,6 +113,7 @@ def posterior_mixture(logp_KxBxT: jax.Array, prior_K: jax.Array | None = None) -
 
 def estimate_prior(logp_KxBxT: jax.Array) -> jax.Array:
     """Prior over models: their mean posterior weight after whole dev sequences, [K]."""
+    _check_KxBxT(logp_KxBxT)
     logp = logp_KxBxT.astype(jnp.float32)
     total = logp.sum(axis=-1)  # [K, B] log-likelihood of each dev sequence
     post = jax.nn.softmax(total, axis=0)

@@ -59,6 +59,7 @@ def test_identical_models_and_first_position():
     ([0.5], r"shape \(3,\)"),  # broadcast to a uniform prior before
     ([0.5, -0.1, 0.6], "non-negative"),  # NaN mixtures before
     ([0.0, 0.0, 0.0], "positive sum"),
+    ([np.inf, 1.0, 1.0], "finite"),  # NaN mixtures before
 ])
 def test_a_bad_prior_is_refused(prior, match):
     obs = _observed(_logprobs(), jax.random.randint(jax.random.key(3), (B, T), 0, V))
@@ -113,3 +114,29 @@ def test_log_average_of_one_model_is_that_model_and_checks_shapes():
     assert bool(jnp.all(jnp.isfinite(ensemble.log_average_mixture(huge, tokens))))
     with pytest.raises(ValueError, match="logp_KxBxTxV"):
         ensemble.log_average_mixture(logp[..., 0], tokens)
+
+
+def test_posterior_matches_a_float64_reference_with_extreme_tokens():
+    """A very unlikely (or impossible) token must not erase the evidence before it: the
+    exclusive cumulative sum was cumsum - logp, which lost it (9 nats off; NaN for -inf)."""
+
+    def reference(lp):
+        lp = np.asarray(lp, np.float64)
+        before = np.concatenate([np.zeros_like(lp[..., :1]), np.cumsum(lp, -1)[..., :-1]], -1)
+        logits = before - np.log(lp.shape[0])
+        logits = logits - np.logaddexp.reduce(logits, axis=0, keepdims=True)
+        return np.logaddexp.reduce(logits + lp, axis=0)
+
+    a = np.r_[np.full(9, -5.0), -1e30, np.full(5, -1.0)]
+    b = np.full(15, -1.0)
+    c = np.r_[np.full(3, -1.0), -np.inf, np.full(11, -1.0)]
+    for obs in (np.stack([a, b])[:, None], np.stack([c, 2 * b])[:, None]):
+        got = ensemble.posterior_mixture(jnp.asarray(obs, jnp.float32))
+        np.testing.assert_allclose(got, reference(obs.astype(np.float32)), atol=1e-5)
+
+
+def test_a_bad_shape_is_refused():
+    for bad in (jnp.zeros((2, 3)), jnp.zeros((0, 2, 3))):  # 2-D broadcast; K = 0 gave NaN
+        for rule in (ensemble.uniform_mixture, ensemble.posterior_mixture, ensemble.estimate_prior):
+            with pytest.raises(ValueError, match=r"^logp_KxBxT must be \[K, B, T\]"):
+                rule(bad)

@@ -108,6 +108,11 @@ def _group(streams, steps, seed=0):
                           learning_rate=1e-2, seed=seed, warmup=1)  # fmt: skip
 
 
+def _one_model():
+    graphdef, params = models.init_params(CFG, 0)
+    return graphdef, jax.tree.map(lambda x: x[None], params)
+
+
 def _expert(params, i):
     return [np.asarray(x[i]) for x in jax.tree.leaves(params)]
 
@@ -205,6 +210,19 @@ def test_ngram_reference_model_measures_difficulty():
     (lambda: ex.size_config(CFG, "XL", WIDTHS), "size"),
     (lambda: _group([np.arange(100)], [0]), "steps_K"),
     (lambda: _group([np.arange(10)], [1]), "streams"),
+    # A model the stack lacks was a clamped copy of the last one; NaN difficulties misordered
+    # the tiers; an unknown tier was a KeyError; a float budget was truncated.
+    (lambda: ex.train_group(*_one_model(), [np.arange(100)] * 2, [2, 2], batch=2, seq_len=8,
+                            learning_rate=1e-2, seed=0), r"params_K must stack 2 models"),
+    (lambda: _group([np.arange(100)], [2.7]), "steps_K"),
+    (lambda: ex.train_group(*_one_model(), [], [], batch=2, seq_len=8, learning_rate=1e-2,
+                            seed=0), "streams must hold at least one"),
+    (lambda: ex.train_group(*_one_model(), [np.arange(100)], [2], batch=0, seq_len=8,
+                            learning_rate=1e-2, seed=0), "batch"),
+    (lambda: ex.train_group(*_one_model(), [np.arange(100)], [2], batch=2, seq_len=8,
+                            learning_rate=float("nan"), seed=0), "learning_rate"),
+    (lambda: dom.assign_tiers({"a": 1.0, "b": float("nan"), "c": 0.5}), "difficulty must be finite"),
+    (lambda: ex.plan_ensemble("M_Ho-I_Ho", {"a": "extreme"}, 10, 2), "tiers must map"),
 ])  # fmt: skip
 def test_bad_input_names_the_field(call, match):
     with pytest.raises(ValueError, match=match):

@@ -354,10 +354,14 @@ def ngram_bits_per_byte(train: str, test: str, order: int = 3) -> float:
 
 def assign_tiers(difficulty: dict[str, float]) -> dict[str, str]:
     """Easy / medium / hard thirds of the domains by measured difficulty (ties by name)."""
-    order = sorted(difficulty, key=lambda n: (difficulty[n], n))
-    k = len(order)
+    k = len(difficulty)
     if k < 3:
         raise ValueError(f"assign_tiers needs at least 3 domains, got {k}.")
+    bad = {n: v for n, v in difficulty.items() if not np.isfinite(v)}
+    if bad:  # NaN compares false with everything: sorted() would put the others out of order
+        raise ValueError(f"difficulty must be finite for every domain, got {bad} (a diverged "
+                         f"seed model?).")  # fmt: skip
+    order = sorted(difficulty, key=lambda n: (difficulty[n], n))
     tiers = {}
     for i, name in enumerate(order):
         tiers[name] = ("easy", "medium", "hard")[min(2, 3 * i // k)]

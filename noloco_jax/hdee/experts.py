@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from noloco_jax import models
+from noloco_jax import errors, models
 from noloco_jax.replicas import make_replicas
 from noloco_jax.trainer import grads
 from noloco_jax.trainer.optimizer import build_optimizer
@@ -62,6 +62,9 @@ def plan_ensemble(kind: str, tiers: dict[str, str], steps: int, delta: int) -> l
     if not 0 <= delta < steps:
         raise ValueError(f"delta must be in [0, steps={steps}), got {delta!r}.")
     by_tier = {"easy": -1, "medium": 0, "hard": 1}
+    unknown = {d: t for d, t in tiers.items() if t not in by_tier}
+    if unknown:
+        raise ValueError(f"tiers must map each domain to one of {list(by_tier)}, got {unknown}.")
     counts = {t: sum(v == t for v in tiers.values()) for t in by_tier}
     if kind != "M_Ho-I_Ho" and counts["easy"] != counts["hard"]:
         raise ValueError(
@@ -152,8 +155,20 @@ def train_group(
       (trained params [K, ...], each model's training loss at its last step [K]).
     """
     k = len(streams)
-    if len(steps_K) != k or any(int(s) < 1 for s in steps_K):
-        raise ValueError(f"steps_K must hold {k} positive step counts, got {steps_K!r}.")
+    if k < 1:
+        raise ValueError("streams must hold at least one token stream, got none.")
+    if len(steps_K) != k:
+        raise ValueError(f"steps_K must hold {k} positive integer step counts, got {steps_K!r}.")
+    for i, s in enumerate(steps_K):
+        errors.check_int(f"steps_K[{i}]", s)
+    leading = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(params_K)}
+    if leading != {k}:  # a JAX gather would clamp a missing model's index to the last one
+        raise ValueError(f"params_K must stack {k} models (one per stream) on a leading axis, "
+                         f"got leading sizes {sorted(leading, key=str)}.")  # fmt: skip
+    errors.check_int("batch", batch)
+    errors.check_int("seq_len", seq_len)
+    errors.check_number("learning_rate", learning_rate, open_low=True)
+    errors.check_int("warmup", warmup, minimum=0)
     lengths = [len(s) for s in streams]
     if min(lengths) < seq_len + 2:
         raise ValueError(f"streams: every stream needs more than seq_len + 1 = {seq_len + 1} "
