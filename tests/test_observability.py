@@ -208,38 +208,18 @@ def test_train_loss_last_leaves_out_an_infinite_loss_as_train_loss_does(tmp_path
     assert m["nonfinite_replica_steps"] == 2
 
 
-def test_an_already_finished_run_opens_no_metric_sink(tmp_path, monkeypatch):
-    """A finished run says "Nothing was written", but it started (and finished) a W&B run:
-    a new offline-run directory, or a resumed online run, at every such call."""
+def test_metric_sinks_close_after_a_failed_final_save_and_a_finished_run_opens_none(
+        tmp_path, monkeypatch):  # fmt: skip
+    """A failed final save (raised by the checkpointer's close) skipped the writer's close, so
+    the W&B run was never finished; and a finished run, which says "Nothing was written",
+    started (and finished) a W&B run at every such call."""
     from noloco_jax.trainer import loop  # noqa: PLC0415
 
-    opened, records = [], []
+    opened, records, closed = [], [], []
 
     class Sink:
         def write(self, step, kind, values):
             records.append((step, kind))
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(loop, "make_sinks", lambda s, workdir: opened.append(1) or [Sink()])
-    s = _settings(tmp_path, num_steps=2, eval_every=2, checkpoint_every=2)
-    train_and_evaluate(s, tmp_path / "run", progress=False)
-    assert len(opened) == 1 and (2, "train") in records and (2, "eval") in records
-    train_and_evaluate(s, tmp_path / "run", progress=False)  # already finished
-    assert len(opened) == 1
-
-
-def test_metric_sinks_finish_when_the_last_checkpoint_fails(tmp_path, monkeypatch):
-    """A failed final save (raised by the checkpointer's close) skipped the writer's close, so
-    the W&B run was never finished."""
-    from noloco_jax.trainer import loop  # noqa: PLC0415
-
-    closed = []
-
-    class Sink:
-        def write(self, step, kind, values):
-            pass
 
         def close(self):
             closed.append(1)
@@ -250,12 +230,15 @@ def test_metric_sinks_finish_when_the_last_checkpoint_fails(tmp_path, monkeypatc
         real_close(self)
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(loop, "make_sinks", lambda s, workdir: [Sink()])
+    monkeypatch.setattr(loop, "make_sinks", lambda s, workdir: opened.append(1) or [Sink()])
     monkeypatch.setattr(loop.Checkpointer, "close", fail)
     s = _settings(tmp_path, num_steps=2, eval_every=2, checkpoint_every=2)
     with pytest.raises(OSError, match="No space left"):
         train_and_evaluate(s, tmp_path / "run", progress=False)
-    assert closed == [1]
+    assert closed == [1] and (2, "train") in records and (2, "eval") in records
+    monkeypatch.setattr(loop.Checkpointer, "close", real_close)
+    train_and_evaluate(s, tmp_path / "run", progress=False)  # already finished
+    assert len(opened) == 1
 
 
 def test_a_new_session_hides_what_an_abandoned_one_logged_past_its_start(tmp_path):

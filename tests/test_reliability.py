@@ -219,17 +219,17 @@ def test_two_processes_set_a_checkpoint_aside_once(tmp_path, monkeypatch):
     assert waits == ["noloco_quarantine_4_start", "noloco_quarantine_4_done"] * 2
 
 
-@pytest.mark.parametrize("drop", ["settings", "settings.num_replicas"])
-def test_metadata_without_settings_is_corrupt_and_no_silent_restart(tmp_path, finished_run,
-                                                                     drop):  # fmt: skip
-    """Without settings.num_replicas (edited metadata) the resize check raised a bare KeyError."""
+def test_metadata_without_settings_is_corrupt_and_no_silent_restart(tmp_path, finished_run):
+    """Checkpoint 8 lacks its settings, 12 its settings.num_replicas (edited metadata: the
+    resize check raised a bare KeyError): both are corrupt, and nothing is left to resume."""
     s, finished = finished_run
     run = copy_run(finished, tmp_path / "run")
-    meta = run / "checkpoints" / "8" / "meta" / "metadata"
-    data = json.loads(meta.read_text())
-    del (data["settings"] if drop == "settings.num_replicas" else data)[drop.rpartition(".")[2]]
-    meta.write_text(json.dumps(data))
-    _flip_array_bytes(run / "checkpoints" / "12")
+    for step, drop in ((8, lambda d: d.pop("settings")),
+                       (12, lambda d: d["settings"].pop("num_replicas"))):  # fmt: skip
+        meta = run / "checkpoints" / str(step) / "meta" / "metadata"
+        data = json.loads(meta.read_text())
+        drop(data)
+        meta.write_text(json.dumps(data))
     with pytest.raises(UserError, match=r"no readable checkpoint.*move the \*\.corrupt"):
         train_and_evaluate(s, run, progress=False)
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == [
