@@ -62,6 +62,12 @@ def log_average_mixture(
             f"logp_KxBxTxV must be [K, B, T, V] with [B, T] = tokens_BxT.shape "
             f"{tuple(tokens_BxT.shape)}, got {tuple(logp_KxBxTxV.shape)}."
         )
+    vocab = logp_KxBxTxV.shape[-1]
+    if not isinstance(tokens_BxT, jax.core.Tracer) and jnp.size(tokens_BxT) and not (
+            0 <= int(jnp.min(tokens_BxT)) and int(jnp.max(tokens_BxT)) < vocab):  # fmt: skip
+        raise ValueError(f"tokens_BxT must be ids in [0, {vocab}) (the vocabulary of "
+                         f"logp_KxBxTxV), got ids from {int(jnp.min(tokens_BxT))} to "
+                         f"{int(jnp.max(tokens_BxT))}; a gather would give NaN.")  # fmt: skip
     mean = jnp.mean(logp_KxBxTxV.astype(jnp.float32), axis=0)  # [B, T, V]
     if normalize:
         mean = mean - jax.nn.logsumexp(mean, axis=-1, keepdims=True)

@@ -135,6 +135,16 @@ def test_posterior_matches_a_float64_reference_with_extreme_tokens():
         np.testing.assert_allclose(got, reference(obs.astype(np.float32)), atol=1e-5)
 
 
+def test_out_of_range_tokens_are_refused_by_the_log_average():
+    """An id outside the vocabulary was gathered as NaN."""
+    logp = jnp.log(jnp.full((2, 1, 3, 4), 0.25))
+    for bad in (jnp.asarray([[0, 4, 1]]), jnp.asarray([[0, -1, 1]])):
+        with pytest.raises(ValueError, match=r"tokens_BxT must be ids in \[0, 4\)"):
+            ensemble.log_average_mixture(logp, bad)
+    np.testing.assert_allclose(ensemble.log_average_mixture(logp, jnp.asarray([[0, 3, 1]])),
+                               jnp.log(jnp.full((1, 3), 0.25)), rtol=1e-6)
+
+
 def test_a_bad_shape_is_refused():
     for bad in (jnp.zeros((2, 3)), jnp.zeros((0, 2, 3))):  # 2-D broadcast; K = 0 gave NaN
         for rule in (ensemble.uniform_mixture, ensemble.posterior_mixture, ensemble.estimate_prior):

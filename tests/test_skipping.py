@@ -33,6 +33,8 @@ def test_paths_obey_the_rules(swaps):
     assert swaps == any((np.diff(p[1:]) < 0).any() for p in paths)
     with pytest.raises(ValueError, match="path_length"):
         skipping.sample_stage_paths(jax.random.key(0), num_stages=4, path_length=5, num_paths=1)
+    with pytest.raises(ValueError, match="num_paths: must be an integer >= 1, got 0"):
+        skipping.sample_stage_paths(jax.random.key(0), num_stages=4, path_length=2, num_paths=0)
 
 
 @pytest.mark.parametrize("num_stages, path_length", [(8, 3), (10, 4)])

@@ -85,6 +85,7 @@ def sample_stage_paths(
       The paths (skip ratio = (S - path_length) / S).
     """
     check_path_length(path_length, num_stages)
+    errors.check_int("num_paths", num_paths)  # 0 returned an empty array
     k_pick, k_swap = jax.random.split(key)
     keys = jax.random.split(k_pick, num_paths)
     if num_stages - 1 <= MAX_JUMP:  # every subset obeys the jump limit
