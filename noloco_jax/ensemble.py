@@ -2,8 +2,8 @@
 
 ``uniform_mixture`` and ``posterior_mixture`` take ``logp_KxBxT``: each model's
 log-probability of the actual next token, ``log p_k(x_t | x_<t)``, for K models,
-B sequences, T positions, and return the ensemble's log-probability of the same tokens, [B, T]. They
-are vectorised over models and numerically stable (log-sum-exp throughout).
+B sequences, T positions, and return the ensemble's log-probability of the same
+tokens, [B, T]. They are vectorised over models and numerically stable (log-sum-exp throughout).
 
 * ``uniform_mixture``: p(x_t) = (1/K) sum_k p_k(x_t). A proper distribution
   over the vocabulary because each p_k is.
@@ -63,11 +63,12 @@ def log_average_mixture(
             f"{tuple(tokens_BxT.shape)}, got {tuple(logp_KxBxTxV.shape)}."
         )
     vocab = logp_KxBxTxV.shape[-1]
-    if not isinstance(tokens_BxT, jax.core.Tracer) and jnp.size(tokens_BxT) and not (
-            0 <= int(jnp.min(tokens_BxT)) and int(jnp.max(tokens_BxT)) < vocab):  # fmt: skip
-        raise ValueError(f"tokens_BxT must be ids in [0, {vocab}) (the vocabulary of "
-                         f"logp_KxBxTxV), got ids from {int(jnp.min(tokens_BxT))} to "
-                         f"{int(jnp.max(tokens_BxT))}; a gather would give NaN.")  # fmt: skip
+    if not isinstance(tokens_BxT, jax.core.Tracer) and jnp.size(tokens_BxT):
+        low, high = int(jnp.min(tokens_BxT)), int(jnp.max(tokens_BxT))
+        if not 0 <= low <= high < vocab:
+            raise ValueError(f"tokens_BxT must be ids in [0, {vocab}) (the vocabulary of "
+                             f"logp_KxBxTxV), got ids from {low} to {high}; a gather would "
+                             f"give NaN.")  # fmt: skip
     mean = jnp.mean(logp_KxBxTxV.astype(jnp.float32), axis=0)  # [B, T, V]
     if normalize:
         mean = mean - jax.nn.logsumexp(mean, axis=-1, keepdims=True)

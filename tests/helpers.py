@@ -64,11 +64,12 @@ def copy_run(workdir: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
     return dst
 
 
-def logged_records(workdir: pathlib.Path, kind: str) -> list[dict]:
-    """Every ``kind`` record of a run's metrics.jsonl in the order logged, a replayed step's
-    record and its replay both (``read_jsonl`` keeps only the session that superseded it)."""
+def logged_records(workdir: pathlib.Path, kind: str | None = None) -> list[dict]:
+    """Every record (or every ``kind`` record) of a run's metrics.jsonl in the order logged, a
+    replayed step's record and its replay both (``read_jsonl`` keeps only the session that
+    superseded it)."""
     lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, filter(str.strip, lines)) if r["kind"] == kind]
+    return [r for r in map(json.loads, filter(str.strip, lines)) if kind in (None, r["kind"])]
 
 
 def variant(settings: Any, **overrides: Any) -> Any:

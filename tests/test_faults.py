@@ -142,12 +142,11 @@ def test_nonfinite_replica_is_reset_and_poisons_no_one():
     np.testing.assert_array_equal(state.nonfinite_resets, [1.0, 0.0, 0.0, 0.0])
 
 
-def test_a_reset_replica_keeps_its_place_in_the_learning_rate_schedule():
-    """Fresh Adam moments and bias correction, the schedule where the others are: the reset
-    replica re-warmed up and then trailed the others' cosine (5x their rate at the end)."""
-    num, h = 4, 2
-    schedule = optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, 20)
-    tx = local_steps(optax.adam(schedule), noloco_outer(seed=0), h, nonfinite_guard=True)
+def _replica_0_reset_at_a_sync(inner: optax.GradientTransformation):
+    """The state of 4 replicas after two steps of local_steps(inner, H = 2) with the guard,
+    replica 0's weights NaN at the second (the sync catches it)."""
+    num = 4
+    tx = local_steps(inner, noloco_outer(seed=0), 2, nonfinite_guard=True)
     reps = replicas.make_replicas(num, backend="vmap")
     params = replicas.replicate(random_tree(jax.random.key(9)), num)
     state = reps.init(tx, params)
@@ -157,6 +156,16 @@ def test_a_reset_replica_keeps_its_place_in_the_learning_rate_schedule():
     broken = jax.tree.map(lambda x: x.at[0].set(jnp.nan), params)
     state = step(broken, state, grads)  # the sync step catches replica 0
     np.testing.assert_array_equal(state.nonfinite_resets, [1.0, 0.0, 0.0, 0.0])
+    return state
+
+
+_SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, 20)
+
+
+def test_a_reset_replica_keeps_its_place_in_the_learning_rate_schedule():
+    """Fresh Adam moments and bias correction, the schedule where the others are: the reset
+    replica re-warmed up and then trailed the others' cosine (5x their rate at the end)."""
+    state = _replica_0_reset_at_a_sync(optax.adam(_SCHEDULE))
     adam, sched = state.local_opt_state[0], state.local_opt_state[-1]
     np.testing.assert_array_equal(adam.count, [0, 2, 2, 2])  # fresh bias correction
     np.testing.assert_array_equal(sched.count, [2, 2, 2, 2])  # the schedule goes on
@@ -165,24 +174,12 @@ def test_a_reset_replica_keeps_its_place_in_the_learning_rate_schedule():
 def test_a_reset_replica_keeps_its_place_in_an_injected_schedule():
     """optax.inject_hyperparams makes an InjectStatefulHyperparamsState: its count restarted
     at 0 for the reset replica (its learning rate warmed up again from 0)."""
-    num, h = 4, 2
-    schedule = optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, 20)
-    inner = optax.inject_hyperparams(optax.adam)(learning_rate=schedule)
-    tx = local_steps(inner, noloco_outer(seed=0), h, nonfinite_guard=True)
-    reps = replicas.make_replicas(num, backend="vmap")
-    params = replicas.replicate(random_tree(jax.random.key(9)), num)
-    state = reps.init(tx, params)
-    step = jax.jit(reps.map(lambda p, s, g: tx.update(g, s, p)[1]))
-    grads = random_tree(jax.random.key(3), num)
-    state = step(params, state, grads)
-    broken = jax.tree.map(lambda x: x.at[0].set(jnp.nan), params)
-    state = step(broken, state, grads)  # the sync step catches replica 0
-    np.testing.assert_array_equal(state.nonfinite_resets, [1.0, 0.0, 0.0, 0.0])
-    injected = state.local_opt_state
+    injected = _replica_0_reset_at_a_sync(
+        optax.inject_hyperparams(optax.adam)(learning_rate=_SCHEDULE)).local_opt_state
     np.testing.assert_array_equal(injected.inner_state[0].count, [0, 2, 2, 2])  # fresh Adam
     np.testing.assert_array_equal(injected.count, [2, 2, 2, 2])  # the schedule goes on
     lr = np.asarray(injected.hyperparams["learning_rate"])
-    np.testing.assert_array_equal(lr, np.full(num, lr[1]))
+    np.testing.assert_array_equal(lr, np.full(lr.shape[0], lr[1]))
 
 
 @pytest.mark.parametrize("backend", ["vmap", "shard_map"])

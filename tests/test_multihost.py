@@ -10,7 +10,6 @@ devices that joins the multi-process runtime alone (``--num_processes=1``: Gloo 
 then every logged loss, every evaluation and every array of the checkpoint agree bit for bit.
 """
 
-import json
 import os
 import pathlib
 import socket
@@ -22,6 +21,7 @@ import pytest
 from pydoc_data.topics import topics
 
 from tests.conftest import FAST_COMPILE_FLAGS
+from tests.helpers import logged_records
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -51,11 +51,6 @@ def _env(devices: int) -> dict:
                                    *FAST_COMPILE_FLAGS)),
                TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu")  # fmt: skip
     return env
-
-
-def _records(workdir):
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines if x.strip()]
 
 
 def _wait_all(procs: list, timeout: float) -> None:
@@ -134,7 +129,7 @@ def test_two_processes_match_one_process(tmp_path, corpus_and_data, topology):
     assert one.returncode == 0, one_log.read_text()[-3000:]
     for i, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"process {i} (port {port}):\n{log.read_text()[-3000:]}"
-    a, b = _records(tmp_path / "one"), _records(tmp_path / "two")
+    a, b = logged_records(tmp_path / "one"), logged_records(tmp_path / "two")
     train = lambda recs: [r["train_loss"] for r in recs if r["kind"] == "train"]  # noqa: E731
     evals = lambda recs: [r["val_ppl"] for r in recs if r["kind"] == "eval"]  # noqa: E731
     assert len(train(a)) == steps // 2 and train(a) == train(b)  # a NoLoCo round each, equal

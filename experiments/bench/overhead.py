@@ -11,8 +11,9 @@ the weights shows), in chunks of 10 steps, the shortest chunk (``log_every``) of
 configs. Each call of a compiled chunk pays a fixed cost per state buffer it carries, so a
 larger state costs more in short chunks: "plain Adam + 2 untouched param-sized buffers" carries
 the size of local_steps' extra state without its work, which tells the two apart. Targets:
-inner steps within 2 % of plain Adam, sync amortized under 2 % at H = 50. Besides the ratio of medians it reports the per-round ("paired") ratios: each round
-runs every variant's chunk back to back, so drifts in machine speed cancel within a round.
+inner steps within 2 % of plain Adam, sync amortized under 2 % at H = 50. Besides the ratio
+of medians it reports the per-round ("paired") ratios: each round runs every variant's chunk
+back to back, so drifts in machine speed cancel within a round.
 """
 
 from __future__ import annotations

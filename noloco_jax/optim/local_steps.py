@@ -612,6 +612,13 @@ class _Rules:
             return self.land(params, operands, _fragment(merge_step, self.fragments))
         return operands
 
+    def reset_inner(self, ok: jax.Array, slow: Any, params: Any, local_opt_state: Any,
+                    resets: jax.Array) -> tuple[Any, jax.Array]:  # fmt: skip
+        """The guard's verdict on the inner optimizer: unless ``ok``, a fresh state for weights
+        landing on ``slow`` (schedules keep their place), and one more reset counted."""
+        fresh = _keep_schedules(self.inner.init(_theta_like(slow, params)), local_opt_state)
+        return optax.tree.where(ok, local_opt_state, fresh), resets + (1.0 - ok)  # counts too
+
     def outer_step(self, params: Any, operands: tuple, p: int | None) -> tuple:
         """phi_new from theta after this step's inner update, and what the guard decided.
 
@@ -639,10 +646,8 @@ class _Rules:
             new_outer, outer_state = _same_varying_axes(new_outer, outer_state)
             kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
             outer_state = _counters_from(new_outer, kept)
-            fresh = _keep_schedules(self.inner.init(_theta_like(self.merge(slow, new_slow, p),
-                                                                params)), local_opt_state)
-            local_opt_state = optax.tree.where(ok, local_opt_state, fresh)  # counts too
-            resets = resets + (1.0 - ok)
+            local_opt_state, resets = self.reset_inner(ok, self.merge(slow, new_slow, p), params,
+                                                       local_opt_state, resets)  # fmt: skip
         if p is not None:
             outer_state = tuple(outer_state if q == p else o for q, o in enumerate(outer_states))
         return theta, new_slow, outer_state, local_opt_state, resets, ok
@@ -691,9 +696,7 @@ class _Rules:
         if self.guard:  # broken inside the window: restore_nonfinite lands it on phi_new
             ok = _all_finite(float_leaves(optax.apply_updates(params, inner_updates)),
                              self.guard_axis)  # fmt: skip
-            fresh = _keep_schedules(self.inner.init(_theta_like(slow, params)), local_opt_state)
-            local_opt_state = optax.tree.where(ok, local_opt_state, fresh)
-            resets = resets + (1.0 - ok)
+            local_opt_state, resets = self.reset_inner(ok, slow, params, local_opt_state, resets)
         return (self.merge(inner_updates, mine, p), slow, outer_state, local_opt_state, resets,
                 anchor)  # fmt: skip
 

@@ -3,8 +3,9 @@
 N -> N / k (k an integer): replicas ``k i .. k i + k - 1`` merge into new replica ``i``: every
 per-replica float leaf (fast weights theta, slow weights phi, outer momentum, Adam moments) is
 their mean, over the finite values (a replica whose weights broke, which the non-finite guard
-would reset at its next sync, does not spread NaN to its partners); a per-replica integer scalar (a counter such as Adam's step count, equal on every
-replica unless the non-finite guard restarted one) takes the largest, so merged moments are
+would reset at its next sync, does not spread NaN to its partners); a per-replica integer
+scalar (a counter such as Adam's step count, equal on every replica unless the non-finite
+guard restarted one) takes the largest, so merged moments are
 not bias-corrected as if they were young; other integer leaves (a PRNG key) take the first
 replica's. N -> k N: replica ``i`` is cloned into ``k i .. k i + k - 1``.
 Shared leaves (the step and round counters, no replica axis) are kept. Which leaves carry the
