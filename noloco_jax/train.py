@@ -336,9 +336,14 @@ def _run_config_file(path: pathlib.Path, value: str) -> tuple[str | None, Any]:
 
 
 def _config_args(argv: Sequence[str]) -> list[tuple[str, str]]:
-    """(file, value) of each ``--config=FILE[:variant]`` in ``argv``, in order."""
-    found = (re.match(r"^--?config=(.*)$", arg) for arg in argv)
-    return [(m.group(1).split(":", 1)[0], m.group(1)) for m in found if m]
+    """(file, value) of each ``--config=FILE[:variant]`` or ``--config FILE[:variant]`` (absl
+    takes both) in ``argv``, in order."""
+    values = []
+    for i, arg in enumerate(argv):
+        m = re.match(r"^--?config(=(.*))?$", arg)
+        if m and (m.group(1) or i + 1 < len(argv)):
+            values.append(m.group(2) if m.group(1) else argv[i + 1])
+    return [(v.split(":", 1)[0], v) for v in values]
 
 
 def _top_level_names(path: pathlib.Path) -> set[str] | None:

@@ -378,6 +378,25 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
     assert not (ckpts.exists() and any(ckpts.iterdir()))  # nothing trained, nothing saved
 
 
+@pytest.mark.parametrize("name, text, pattern", [
+    ("nope.py", None, r"no such config file"),
+    ("noget.py", "from configs import common\n\n\ndef get_cfg():\n    return common.get_config()\n",
+     r"the file defines no get_config\(\)"),
+    ("badsyntax.py", "def get_config(:\n    pass\n", r"the file fails to load: SyntaxError"),
+])  # fmt: skip
+def test_config_file_checks_apply_to_the_space_separated_form(name, text, pattern, tmp_path,
+                                                              capsys):  # fmt: skip
+    """``--config FILE`` (absl's other form) skipped them: a traceback (exit 1), or the default
+    config's get_config() was used silently."""
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    argv = ["noloco-train", "--config", path, f"--workdir={tmp_path / 'run'}",
+            "--config.num_steps=0"]  # nothing would train
+    code, err = run_cli(argv, capsys)
+    assert_user_error(code, err, rf"--config={re.escape(str(path))}: {pattern}")
+
+
 def test_user_error_subprocess_exit_2_without_traceback(tmp_path):
     argv = [sys.executable, "-m", "noloco_jax.train", f"--workdir={tmp_path}",
             "--config.num_replica=3"]  # fmt: skip
