@@ -112,6 +112,12 @@ def _tiny(**overrides):
         ({"method": "diloco", "outer.sync_every": 30}, "config.log_every=25 and config.outer"),
         ({"fault.dropout_prob": 1.0}, "config.fault.dropout_prob"),
         ({"fault.resync_absent": True}, "config.fault.resync_absent: applies to method"),
+        # These were ignored silently (DiLoCo has no gamma, dp no outer momentum, and
+        # mixing acts in a delay only):
+        ({"method": "diloco", "outer.sync_every": 100, "outer.gamma": 0.3},
+         "config.outer.gamma: acts on NoLoCo's groups only"),
+        ({"method": "dp", "outer.nesterov": True}, "config.outer.nesterov: acts on the outer"),
+        ({"outer.mixing": 0.5}, "config.outer.mixing: acts on the overlapped exchange only"),
         ({"num_stages": 2, "outer.exchange_dtype": "int8"},
          "config.outer.exchange_dtype: an 8-bit exchange with pipeline stages"),
         ({"skip.num_stages": 2, "skip.path_length": 3}, "config.skip.path_length"),

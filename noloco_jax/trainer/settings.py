@@ -225,10 +225,17 @@ def validate(s: TrainSettings) -> TrainSettings:
     _validate_fault(s.fault, s.num_replicas)
     for field, unused in (("fault.dropout_prob", s.fault.dropout_prob != 0),
                           ("outer.exchange_dtype", s.outer.exchange_dtype != ""),
-                          ("outer.error_feedback", s.outer.error_feedback)):  # fmt: skip
+                          ("outer.error_feedback", s.outer.error_feedback),
+                          ("outer.nesterov", s.outer.nesterov)):  # fmt: skip
         require(not unused or s.method in ROUND_METHODS, f"config.{field}",
                 f"acts on the outer rounds of method noloco or diloco only, got "
                 f"method={s.method!r}; leave it at its default.")  # fmt: skip
+    require(s.outer.gamma is None or s.method == "noloco", "config.outer.gamma",
+            f"acts on NoLoCo's groups only (DiLoCo has no gamma), got method={s.method!r}; "
+            f"leave it None.")  # fmt: skip
+    require(s.outer.delay > 0 or s.outer.mixing == defaults.default("outer.mixing"),
+            "config.outer.mixing", f"acts on the overlapped exchange only (config.outer.delay "
+            f"> 0), got delay=0; leave it at {defaults.default('outer.mixing')}.")  # fmt: skip
     require(s.num_stages == 1 or not quantize.is_codec(s.outer.exchange_dtype),
             "config.outer.exchange_dtype", f"an 8-bit exchange with pipeline stages "
             f"(num_stages={s.num_stages}) is not supported: on the stage mesh each stage "
