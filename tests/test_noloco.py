@@ -162,6 +162,9 @@ def test_bf16_exchange_keeps_local_state_dtype_and_stays_close():
         ({"learning_rate": "0.7"}, "learning_rate"),
         ({"learning_rate": 0.0, "gamma": 0.5}, "gamma"),
         ({"pool_size": 0}, "pool_size"),
+        # NumPy scalars are host numbers: they were let through unchecked, as arrays are.
+        ({"momentum": np.float64(1.5)}, r"momentum: must be in \[0, 1\)"),
+        ({"gamma": np.float32(-1.0)}, "gamma"),
     ],
 )
 def test_bad_arguments(kwargs, match):

@@ -3,6 +3,7 @@
 import importlib.util
 import pathlib
 
+import numpy as np
 import pytest
 
 from noloco_jax import defaults
@@ -136,6 +137,18 @@ def test_a_bool_field_given_as_text_in_a_plain_dict_is_refused(table, field):
     plain.setdefault(table, {})[field] = "false"
     with pytest.raises(ValueError, match=rf"config\.{table}\.{field}: "):
         settings_lib.from_config(plain)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("momentum", np.float64(1.5), r"must be in \[0, 1\)"),
+    ("learning_rate", np.float64("nan"), "must be a finite number"),
+    ("gamma", np.float64(-1.0), "must be a finite number"),
+])  # fmt: skip
+def test_an_outer_rate_given_as_a_numpy_scalar_is_checked(field, value, match):
+    """np.float64 is a float (a ConfigDict takes it, e.g. from np.linspace); it was taken for an
+    array on the device and not checked: momentum 1.5 or a NaN rate trained."""
+    with pytest.raises(ValueError, match=rf"config\.outer\.{field}: {match}"):
+        settings_lib.from_config(_tiny(**{f"outer.{field}": value}))
 
 
 @pytest.mark.parametrize("log,sync,method", [(25, 50, "noloco"), (50, 25, "diloco"),

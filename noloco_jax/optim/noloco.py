@@ -90,8 +90,9 @@ def check_momentum(name: str, value: Any) -> Any:
 
 
 def _on_device(value: Any) -> bool:
-    """An array or a schedule: a value a Python check cannot see."""
-    return callable(value) or isinstance(value, (jax.Array, np.ndarray, np.generic))
+    """An array or a schedule: a value a Python check cannot see (a NumPy scalar is a host
+    number, checked as one)."""
+    return callable(value) or isinstance(value, (jax.Array, np.ndarray))
 
 
 def check_dropout_prob(value: Any, field: str = "dropout_prob") -> float:
