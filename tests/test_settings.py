@@ -206,6 +206,14 @@ def test_unknown_fields_are_refused():
         settings_lib.from_config({"model": {"presett": "tiny"}})
 
 
+@pytest.mark.parametrize("section,value", [("optim", 5), ("model", "tiny"),
+                                           ("optim", [("learning_rate", 1.0)])])
+def test_a_section_that_is_not_a_dict_is_refused(section, value):
+    """A TypeError (or a list of pairs taken as the section) before."""
+    with pytest.raises(ValueError, match=rf"config\.{section}: must be a section"):
+        settings_lib.from_config({section: value})
+
+
 def test_resume_compatibility():
     base = settings_lib.TrainSettings().to_dict()
     settings_lib.check_resume_compatible(base, {**base, "eval_every": 50})  # allowed

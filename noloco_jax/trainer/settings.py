@@ -530,7 +530,10 @@ def from_config(config: Any) -> TrainSettings:
     _check_known(d, TrainSettings, "")
     kwargs = {k: v for k, v in d.items() if k not in _SECTIONS}
     for name, cls in _SECTIONS.items():
-        values = dict(d.get(name) or {})
+        values = d.get(name) or {}
+        values = values.to_dict() if hasattr(values, "to_dict") else values  # a ConfigDict
+        require(isinstance(values, dict), f"config.{name}", f"must be a section (a dict of its "
+                f"fields), got {values!r}.")  # fmt: skip
         _check_known(values, cls, f"{name}.")
         kwargs[name] = cls(**values)
     return validate(TrainSettings(**kwargs))
