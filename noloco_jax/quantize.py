@@ -32,6 +32,7 @@ FORMATS: dict[str, tuple[Any, float]] = {
     "int8": (jnp.int8, 127.0),
     "float8_e4m3fn": (jnp.float8_e4m3fn, 448.0),
 }
+_TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
 def is_codec(wire: Any) -> bool:
@@ -50,8 +51,10 @@ def _codes(x: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array, int]:
     blocks, n = _blocks(x)
     absmax = jnp.max(jnp.abs(blocks), axis=1)
     # An all-zero block gets scale 1; a block with a NaN keeps a NaN scale, so it arrives
-    # non-finite (as a block with an inf does) instead of as finite, clipped values.
-    scale = jnp.where(absmax == 0, 1.0, absmax / top).astype(jnp.float32)
+    # non-finite (as a block with an inf does) instead of as finite, clipped values. A scale
+    # is at least float32's smallest normal number: a subnormal one is flushed to 0, and the
+    # codes x / 0 were NaN (float8) or clipped to zero (int8) for a block of tiny values.
+    scale = jnp.where(absmax == 0, 1.0, jnp.maximum(absmax / top, _TINY)).astype(jnp.float32)
     scaled = blocks / scale[:, None]
     codes = (jnp.clip(jnp.round(scaled), -top, top) if fmt == "int8" else scaled).astype(dtype)
     return codes, scale, n
