@@ -91,9 +91,10 @@ def test_trainer_stops_on_a_phase_error():
         health.check_phase_errors(bad, 2)
 
 
-def test_check_phase_must_be_true_false_or_count():
+@pytest.mark.parametrize("bad", ["yes", 1, 0, 1.0, 0.0])  # ints and floats equal a bool
+def test_check_phase_must_be_true_false_or_count(bad):
     with pytest.raises(ValueError, match="check_phase must be True, False or 'count'"):
-        local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 2, check_phase="yes")
+        local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 2, check_phase=bad)
 
 
 def test_sync_step_must_be_a_bool():

@@ -474,7 +474,7 @@ def local_steps(
     if slow_dtype is not None and not jnp.issubdtype(slow_dtype, jnp.floating):
         raise ValueError(f"slow_dtype must be None or a float dtype, got {slow_dtype!r}.")
     errors.check_bool("nonfinite_guard", nonfinite_guard)
-    if check_phase not in (True, False, "count"):
+    if not isinstance(check_phase, bool) and check_phase != "count":  # `in` took 1 and 0.0
         raise ValueError(f"check_phase must be True, False or 'count', got {check_phase!r}.")
     accumulators = _check_accumulation(inner, sync_every)
     if isinstance(fragments, int):  # read as a one-leaf spec, it gave errors about P + 1
