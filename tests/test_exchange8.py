@@ -167,6 +167,25 @@ def test_error_feedback_keeps_a_butterfly_group_within_a_step(n):
     assert max(np.abs(d).max() for d in drift) <= 1.5 / 127
 
 
+def test_error_feedback_with_bfloat16_slow_weights_keeps_its_residual():
+    """Two identical replicas (exact mean = phi), beta = 1, alpha = 0: the deltas telescope to
+    minus the residual. theta + residual was formed in bf16, which rounded the residual (under
+    half an int8 step, about a bf16 ulp here) away: the same message went out every round.
+    Run op by op: under jit XLA:CPU's excess precision happened to hide the rounding."""
+    tx = noloco_outer(1.0, 0.0, exchange_dtype="int8", error_feedback=True)
+    reps = replicas.make_replicas(2, backend="vmap")
+    x = jnp.linspace(0.5, 1.0, 256).astype(jnp.bfloat16)
+    phi = jnp.stack([x, x])
+    state, total = reps.init(tx, phi), np.zeros(256)
+    for _ in range(6):
+        delta, state = reps.map(tx.update)(jnp.zeros_like(phi), state, phi)
+        total += np.asarray(delta[0], np.float64)
+    residual = np.asarray(state.residual, np.float64).mean(0)
+    assert np.abs(residual).max() > 1e-3  # in play
+    # bf16 deltas of under 1/127 round by at most 2^-16 each (it was off by 1e-2)
+    np.testing.assert_allclose(total, -residual, rtol=0, atol=1e-4)
+
+
 def test_absent_replica_with_error_feedback_steps_on_its_own_pseudo_gradient():
     """An absent replica's local step uses theta - phi, not theta + residual - phi."""
     beta = 0.7

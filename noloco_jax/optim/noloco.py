@@ -160,7 +160,8 @@ def _pseudo_gradient(
     if residual is None:
         bar = comm.group_mean(travel, axis_name, pool, index, exchange_dtype, present)
     else:  # error feedback: send value + residual; keep what the 8-bit message left out
-        plain, travel = travel, jax.tree.map(lambda x, e: x + e.astype(x.dtype), travel, residual)
+        # (the sum in the residual's float32: in bf16 it rounded the residual away)
+        plain, travel = travel, jax.tree.map(lambda x, e: x.astype(e.dtype) + e, travel, residual)
         bar, sent, joined = comm.group_mean_codec(travel, axis_name, pool, index,
                                                   exchange_dtype, present)  # fmt: skip
         kept = lambda x, s, e: (x - s).astype(e.dtype)  # noqa: E731
