@@ -59,6 +59,13 @@ def test_by_layer_blocks_spec_and_validation():
     assert frag.fragment_sizes(frag.by_layer_blocks(_params(), 4), _params()) == [16, 4, 4, 16]
 
 
+def test_a_row_spec_on_a_scalar_leaf_is_a_value_error():
+    """It read the scalar's shape[0] and died with an IndexError."""
+    params = {"blocks": np.zeros((2, 3)), "scale": np.zeros(())}
+    with pytest.raises(ValueError, match="scale: a scalar has no rows"):
+        frag.check_spec({"blocks": (0, 1), "scale": (1,)}, params, 4)
+
+
 def test_take_and_put_round_trip():
     spec = frag.by_layer_blocks(_params(), 2)
     p = _params()

@@ -148,6 +148,9 @@ def check_spec(spec: PyTree, params: PyTree, sync_every: int) -> int:
         if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0 for i in ids):
             raise ValueError(f"fragment of {name} must be integers >= 0, got {s!r}.")
         if isinstance(s, tuple):
+            if not len(x.shape):
+                raise ValueError(f"{name}: a scalar has no rows to split; give it one int "
+                                 f"fragment, got {s!r}.")  # fmt: skip
             if len(s) != x.shape[0]:
                 raise ValueError(f"{name}: {len(s)} row fragments for a leading axis of "
                                  f"{x.shape[0]}.")  # fmt: skip
