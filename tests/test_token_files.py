@@ -254,3 +254,13 @@ def test_two_writers_of_one_token_file_do_not_corrupt_it(tmp_path):
         t.join()
     assert not errors
     np.testing.assert_array_equal(np.asarray(TokenFile(path)), np.concatenate(corpus))
+
+
+@pytest.mark.parametrize("part", [np.array([5.0, 7.9]), np.array([1.0, np.nan]),
+                                  np.array([True, False])])  # fmt: skip
+def test_write_tokens_refuses_non_integer_parts(tmp_path, part):
+    """7.9 was written as id 7 and NaN (which passes every range check) as id 0."""
+    with pytest.raises(ValueError, match=f"token ids must be integers, got .*{part.dtype}"):
+        write_tokens(tmp_path / "t.npy", iter([np.array([1, 2]), part]), vocab_size=10)
+    assert list(tmp_path.iterdir()) == []
+    assert write_tokens(tmp_path / "t.npy", iter([np.array([1, 2]), []]), vocab_size=10) == 2

@@ -80,6 +80,8 @@ def _write_raw(tmp: pathlib.Path, parts: Iterable[Any], vocab_size: int, dtype: 
     with open(tmp, "wb") as f:
         for part in parts:
             part = np.asarray(part)
+            if part.size and not np.issubdtype(part.dtype, np.integer):  # 7.9 -> 7, NaN -> 0
+                raise ValueError(f"token ids must be integers, got a part of dtype {part.dtype}.")
             if part.size and (part.min() < 0 or part.max() >= vocab_size):
                 raise ValueError(f"token ids must lie in [0, {vocab_size}), got "
                                  f"[{part.min()}, {part.max()}].")  # fmt: skip
