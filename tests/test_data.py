@@ -614,6 +614,12 @@ def test_eval_windows_spread_over_the_stream():
     assert data.eval_windows(STREAM[:5], seq_len=10).shape == (0, 11)
     with pytest.raises(ValueError, match="max_windows"):
         data.eval_windows(STREAM, seq_len=10, max_windows=0)
+    stream = np.asarray(STREAM)
+    for bad, says in [(stream + 0.7, "integer ids, got dtype float64"),  # were truncated
+                      (np.append(stream, 2**32 + 1), r"\[0, 2\*\*31 - 1\]"),  # was id 1
+                      (np.append(stream, -1), r"\[0, 2\*\*31 - 1\], got -1")]:  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            data.eval_windows(bad, seq_len=10)
 
 
 def test_importing_the_package_does_not_import_tensorflow():

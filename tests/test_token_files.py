@@ -264,3 +264,17 @@ def test_write_tokens_refuses_non_integer_parts(tmp_path, part):
         write_tokens(tmp_path / "t.npy", iter([np.array([1, 2]), part]), vocab_size=10)
     assert list(tmp_path.iterdir()) == []
     assert write_tokens(tmp_path / "t.npy", iter([np.array([1, 2]), []]), vocab_size=10) == 2
+
+
+@pytest.mark.parametrize("ids", [np.array([3, -1, 4, -1, 5, 9, 2, 6, 5], np.int32),
+                                 np.array([3, 2**31 + 7, 4, 1, 5, 9, 2, 6, 5], np.uint32)])
+def test_a_token_file_s_ids_are_range_checked_as_in_memory(tmp_path, ids):
+    """Refused in memory, a file's -1 reached the model and its 2**31 + 7 came back as
+    -2**31 + 7 (int32 windows)."""
+    np.save(tmp_path / "t.npy", ids)
+    bad = ids[1]
+    with pytest.raises(ValueError, match=rf"\[0, 2\*\*31 - 1\].*holds id {bad}"):
+        data.ReplicaBatcher(TokenFile(tmp_path / "t.npy"), num_replicas=1, batch_size=1,
+                            seq_len=8)  # fmt: skip
+    with pytest.raises(ValueError, match=rf"\[0, 2\*\*31 - 1\].*holds id {bad}"):
+        data.eval_windows(TokenFile(tmp_path / "t.npy"), seq_len=8)

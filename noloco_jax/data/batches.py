@@ -86,6 +86,17 @@ def _as_ids(tokens: Any) -> np.ndarray:
     return array.astype(np.int32)
 
 
+def _as_stream(tokens: Any) -> np.ndarray | TokenFile:
+    """``_as_ids`` of an in-memory stream; a ``TokenFile`` after the same range check (one
+    chunked pass, cached for ``digest``): its windows are read as int32."""
+    if not isinstance(tokens, TokenFile):
+        return _as_ids(tokens)
+    bad = tokens.min_id() if tokens.min_id() < 0 else tokens.max_id()
+    if bad < 0 or bad > np.iinfo(np.int32).max:
+        raise ValueError(f"token ids must be in [0, 2**31 - 1], but {tokens.path} holds id {bad}.")
+    return tokens
+
+
 class ReplicaBatcher:
     """Per-replica training batches from one token stream.
 
@@ -116,7 +127,7 @@ class ReplicaBatcher:
                             ("seq_len", seq_len)]:  # fmt: skip
             check_int(name, value)
         check_int("seed", seed, minimum=0)
-        self.tokens = tokens if isinstance(tokens, TokenFile) else _as_ids(tokens)
+        self.tokens = _as_stream(tokens)
         self.num_replicas, self.batch_size, self.seq_len, self.seed = (
             num_replicas, batch_size, seq_len, seed)  # fmt: skip
         if self.tokens.ndim != 1:
@@ -231,8 +242,7 @@ def eval_windows(tokens: np.ndarray, *, seq_len: int, max_windows: int | None = 
     check_int("seq_len", seq_len)
     if max_windows is not None:
         check_int("max_windows", max_windows)
-    if not isinstance(tokens, TokenFile):
-        tokens = np.asarray(tokens, np.int32)
+    tokens = _as_stream(tokens)
     total = max(len(tokens) - 1, 0) // seq_len
     ids = np.arange(total)
     if max_windows is not None and max_windows < total:
