@@ -179,6 +179,20 @@ def test_damaged_files_and_sizes_name_the_tensor(tmp_path):
         hf.load_llama(directory)  # was numpy's "cannot reshape array of size ..."
 
 
+@pytest.mark.parametrize("header, says", [
+    ([1, 2], "header is not a JSON object"),  # was TypeError
+    ({"w": {"shape": [2], "data_offsets": [0, 8]}}, "entry 'w' is not a tensor's dtype"),
+    ({"w": 5}, "entry 'w' is not a tensor's dtype"),  # was TypeError
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}, "does not fit its bytes"),
+])  # fmt: skip
+def test_a_malformed_safetensors_header_is_a_value_error(tmp_path, header, says):
+    """The last header was read: its tensor held 8 bytes of the JSON header as weights."""
+    blob = json.dumps(header).encode()
+    (tmp_path / "x.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(8))
+    with pytest.raises(ValueError, match=says):
+        hf.read_safetensors(tmp_path / "x.safetensors")
+
+
 def test_shards_follow_the_index_and_a_tensor_stored_twice_is_refused(tmp_path):
     directory, _ = _saved(tmp_path)
     tensors = dict(hf.read_safetensors(directory / "model.safetensors"))

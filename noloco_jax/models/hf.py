@@ -85,21 +85,29 @@ def read_safetensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
             header = json.loads(f.read(n))
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not a safetensors file (header: {err}).") from err
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file (header is not a JSON object).")
     header.pop("__metadata__", None)
     if not header:
         return {}
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
     for name, info in header.items():
-        if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}.")
-        begin, end = (8 + n + o for o in info["data_offsets"])
-        dtype = _ST_DTYPES[info["dtype"]]
-        if end > size or end - begin != math.prod(info["shape"]) * np.dtype(dtype).itemsize:
-            raise ValueError(f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}) does "
-                             f"not fit its bytes {begin}..{end} of a {size}-byte file (a "
-                             f"truncated or damaged file?).")  # fmt: skip
-        out[name] = mapped[begin:end].view(dtype).reshape(info["shape"])
+        try:
+            kind, shape = info["dtype"], [int(d) for d in info["shape"]]
+            begin, end = (8 + n + int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{path}: header entry {name!r} is not a tensor's dtype, shape and "
+                             f"data_offsets ({err!r}).") from None  # fmt: skip
+        if kind not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {kind}.")
+        dtype = _ST_DTYPES[kind]
+        fits = min(shape, default=0) >= 0 and 8 + n <= begin and end <= size
+        if not fits or end - begin != math.prod(shape) * np.dtype(dtype).itemsize:
+            raise ValueError(f"{path}: tensor {name!r} ({kind} {shape}) does not fit its bytes "
+                             f"{begin}..{end} of a {size}-byte file (a truncated or damaged "
+                             f"file?).")  # fmt: skip
+        out[name] = mapped[begin:end].view(dtype).reshape(shape)
     return out
 
 
