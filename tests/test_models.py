@@ -124,6 +124,10 @@ def test_get_preset_overrides_and_unknown_names():
         (dict(dtype="float16"), "dtype.*bfloat16"),
         (dict(param_dtype="int8"), "param_dtype"),
         (dict(norm_eps=0.0), "norm_eps"),
+        (dict(norm_eps=float("nan")), "norm_eps must be a finite number"),  # NaN logits
+        (dict(norm_eps=float("inf")), "norm_eps must be a finite number"),  # constant logits
+        (dict(rope_theta=float("nan")), "rope_theta must be a finite number"),
+        (dict(rope_theta=float("inf")), "rope_theta must be a finite number"),
     ],
 )
 def test_bad_configs_raise_naming_the_field(overrides, field):

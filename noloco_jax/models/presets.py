@@ -13,6 +13,7 @@ Dimension key:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 __all__ = ["LlamaConfig", "PRESETS", "preset_names", "get_preset", "param_count"]
@@ -73,8 +74,9 @@ class LlamaConfig:
                 raise ValueError(f"LlamaConfig.{name} must be an int >= 1, got {value!r}")
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be a number > 0, got {value!r}")
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (ok and 0 < value < math.inf):  # NaN and inf fail too
+                raise ValueError(f"LlamaConfig.{name} must be a finite number > 0, got {value!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"LlamaConfig.hidden_size ({self.hidden_size}) must be divisible by "
