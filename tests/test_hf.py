@@ -154,6 +154,19 @@ def test_configs_transformers_reads_otherwise_are_refused(tmp_path):
         hf.load_llama(directory)
 
 
+@pytest.mark.parametrize("change, says", [
+    (dict(num_attention_heads=0), "num_heads must be an int >= 1"),  # was ZeroDivisionError
+    (dict(intermediate_size=None), r"no \['intermediate_size'\]"),  # was KeyError
+    (dict(vocab_size=None, hidden_size=None), r"no \['vocab_size', 'hidden_size'\]"),
+])  # fmt: skip
+def test_a_config_without_sizes_or_heads_is_a_value_error(change, says):
+    d = hf.config_to_hf(models.LlamaConfig(vocab_size=16, hidden_size=16, num_layers=1,
+                                           num_heads=2, mlp_hidden_size=16))  # fmt: skip
+    d = {k: v for k, v in {**d, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=says):
+        hf.config_from_hf(d)
+
+
 def test_a_tied_config_with_a_different_stored_head_is_refused(tmp_path):
     directory, cfg = _saved(tmp_path, tie_embeddings=True)
     tensors = dict(hf.read_safetensors(directory / "model.safetensors"))

@@ -57,6 +57,9 @@ _ST_DTYPES = {
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 # Tensors some checkpoints carry that hold no parameters (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# config.json fields without a default here (transformers' defaults are Llama-7B's sizes).
+_HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "intermediate_size")  # fmt: skip
 
 
 # ------------------------------------------------------------------ safetensors
@@ -245,14 +248,13 @@ def config_from_hf(
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json sets hidden_act={d['hidden_act']!r}; only 'silu' "
                          f"(SwiGLU) is supported.")  # fmt: skip
+    missing = [k for k in _HF_SIZES if k not in d]
+    if missing:
+        raise ValueError(f"config.json has no {missing}; a Llama config.json sets all of "
+                         f"{list(_HF_SIZES)}.")  # fmt: skip
     heads = d["num_attention_heads"]
-    if d.get("head_dim") not in (None, d["hidden_size"] // heads):
-        raise ValueError(
-            f"config.json sets head_dim={d['head_dim']}, but the Llama here needs "
-            f"hidden_size / num_attention_heads = {d['hidden_size'] // heads}."
-        )
     kv = d.get("num_key_value_heads") or heads
-    return LlamaConfig(
+    cfg = LlamaConfig(
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
         num_layers=d["num_hidden_layers"], num_heads=heads, mlp_hidden_size=d["intermediate_size"],
         max_seq_len=max_seq_len or d.get("max_position_embeddings", 2048),
@@ -260,6 +262,12 @@ def config_from_hf(
         param_dtype=param_dtype, num_kv_heads=0 if kv == heads else kv,
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
     )  # fmt: skip
+    if d.get("head_dim") not in (None, cfg.head_dim):  # checked once the heads are valid
+        raise ValueError(
+            f"config.json sets head_dim={d['head_dim']}, but the Llama here needs "
+            f"hidden_size / num_attention_heads = {cfg.head_dim}."
+        )
+    return cfg
 
 
 def read_config(directory: str | pathlib.Path, **kwargs: Any) -> LlamaConfig:
