@@ -172,6 +172,26 @@ def test_bad_arguments(kwargs, match):
         noloco_outer(**kwargs)
 
 
+@pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])
+@pytest.mark.parametrize("wrap", [np.float64, np.float32, np.asarray])
+@pytest.mark.parametrize("field,bad", [("learning_rate", float("nan")), ("learning_rate", -0.7),
+                                       ("momentum", 1.5), ("momentum", float("nan"))])
+def test_numpy_scalar_rates_are_checked_as_numbers(factory, wrap, field, bad):
+    """A NumPy scalar or 0-d array was taken for an on-device value and passed unchecked
+    (momentum 1.5 diverges, a NaN rate makes every weight NaN)."""
+    with pytest.raises(ValueError, match=field):
+        factory(**{field: wrap(bad)})
+    factory(**{field: wrap(0.5)})  # a good one is still taken
+
+
+@pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])
+def test_a_momentum_schedule_is_refused_when_built(factory):
+    """optax.sgd takes a constant momentum: a schedule was taken and the first update died
+    with "TypeError: unsupported operand type(s) for *: 'function' ..."."""
+    with pytest.raises(ValueError, match="momentum: .*not a schedule"):
+        factory(momentum=optax.constant_schedule(0.5))
+
+
 def test_group_size_must_divide_replicas_at_trace_time():
     phi0, thetas = _rounds(6, num_rounds=1)
     with pytest.raises(ValueError, match="group_size=4 must divide.*num_replicas=6"):

@@ -78,21 +78,33 @@ def check_rate(name: str, value: Any) -> Any:
 
     Arrays and callables come from ``optax.inject_hyperparams`` and optax
     schedules (``ScalarOrSchedule``); they are values on the device, which a
-    Python check cannot see. ``name`` is the field the message names.
+    Python check cannot see. A NumPy scalar (or 0-d array) is a host number and
+    is checked as one. ``name`` is the field the message names.
     """
-    return value if _on_device(value) else errors.check_number(name, value)
+    return value if _on_device(value) else errors.check_number(name, _number(value))
 
 
 def check_momentum(name: str, value: Any) -> Any:
-    """The outer momentum alpha: in [0, 1) (heavy ball diverges from 1 on); arrays and schedules
-    pass, as in ``check_rate``."""
-    return value if _on_device(value) else errors.check_number(name, value, 0, 1, open_high=True)
+    """The outer momentum alpha: in [0, 1) (heavy ball diverges from 1 on); arrays pass, as in
+    ``check_rate``. A schedule is refused: ``optax.sgd`` takes a constant momentum (one of
+    ``optax.inject_hyperparams`` arrives as an array)."""
+    errors.require(not callable(value), name, f"must be a number in [0, 1) or an array, not a "
+                   f"schedule (wrap the optimizer in optax.inject_hyperparams to schedule it), "
+                   f"got {value!r}.")  # fmt: skip
+    if _on_device(value):
+        return value
+    return errors.check_number(name, _number(value), 0, 1, open_high=True)
 
 
 def _on_device(value: Any) -> bool:
-    """An array or a schedule: a value a Python check cannot see (a NumPy scalar is a host
-    number, checked as one)."""
-    return callable(value) or isinstance(value, (jax.Array, np.ndarray))
+    """An array or a schedule: a value a Python check cannot see (a NumPy scalar it can)."""
+    return callable(value) or isinstance(value, jax.Array) or (
+        isinstance(value, np.ndarray) and value.ndim > 0)
+
+
+def _number(value: Any) -> Any:
+    """A NumPy scalar or 0-d array as a Python number."""
+    return value.item() if isinstance(value, (np.ndarray, np.generic)) else value
 
 
 def check_dropout_prob(value: Any, field: str = "dropout_prob") -> float:
