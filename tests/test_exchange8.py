@@ -275,6 +275,16 @@ def test_bad_exchange_settings(factory):
         factory(exchange_dtype=jnp.bfloat16, error_feedback=True)
 
 
+@pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_a_1_byte_float_dtype_is_refused_for_the_named_8_bit_codes(factory, dtype):
+    """The dtype jnp.float8_e4m3fn (not the name) was taken as a plain cast without scales:
+    a weight of 500 arrived as NaN. The name gives block-scaled codes."""
+    with pytest.raises(ValueError, match="exchange_dtype: a plain cast to the 1-byte"):
+        factory(exchange_dtype=dtype)
+    factory(exchange_dtype="float8_e4m3fn")
+
+
 def test_training_with_8_bit_exchange_stays_close_to_float32():
     def run(fmt, ef=False):
         tx = local_steps(optax.adam(0.01), noloco_outer(exchange_dtype=fmt, error_feedback=ef), 2)

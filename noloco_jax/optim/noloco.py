@@ -195,15 +195,22 @@ def _pseudo_gradient(
 
 
 def check_exchange_dtype(exchange_dtype: Any) -> None:
-    """None, a float dtype, or an 8-bit format name; anything else is a ``ValueError``."""
+    """None, a float dtype of 2 bytes or more, or an 8-bit format name; anything else is a
+    ``ValueError``. A 1-byte float dtype is refused: a plain cast to it has no scale, so
+    weights past its range (448 for float8_e4m3fn) would arrive as NaN."""
     if exchange_dtype is None or quantize.is_codec(exchange_dtype):
         return
     try:
-        ok = jnp.issubdtype(jnp.dtype(exchange_dtype), jnp.floating)
+        dtype = jnp.dtype(exchange_dtype)
+        ok = jnp.issubdtype(dtype, jnp.floating)
     except TypeError:
         ok = False
     errors.require(ok, "exchange_dtype", f"must be None, a float dtype (e.g. jnp.bfloat16) or "
                    f"one of {sorted(quantize.FORMATS)}, got {exchange_dtype!r}.")  # fmt: skip
+    errors.require(dtype.itemsize > 1, "exchange_dtype", f"a plain cast to the 1-byte {dtype} "
+                   f"has no scale (values past its range arrive as NaN or inf); pass the name "
+                   f"'float8_e4m3fn' or 'int8' for block-scaled 8-bit codes, got "
+                   f"{exchange_dtype!r}.")  # fmt: skip
 
 
 INJECT_STATIC_ARGS = ("group_size", "seed", "dropout_prob", "pool_size", "exchange_dtype",
