@@ -49,19 +49,38 @@ def _bits(dtype: str) -> int:
     return _DTYPE_BITS[dtype]
 
 
+def _tuple_elements(shape_text: str) -> list[str]:
+    """The top-level elements of a tuple shape ``(a, (b, c), ...)``; a non-tuple is one element."""
+    text = shape_text.strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                return parts + [text[start:i]]
+        elif ch == "," and depth == 1:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
 def _shape_bytes(shape_text: str, kind: str, is_start: bool) -> int:
     """Bytes of an instruction's result, as its synchronous form has it.
 
-    An async start holds more: ``(operand, output, contexts...)`` for a permute (its operand
-    counts), ``(operands, outputs)`` for a gather or scatter (its outputs count, as in the
-    synchronous form), and the results for an all-reduce (all of them: combined operands).
-    Dynamic dimensions (``<=1000``) count at their bound.
+    An async start holds more: ``(operands, outputs, contexts...)`` for a permute (its
+    operands count: element 0), a gather, scatter or all-to-all (its outputs count, as in
+    the synchronous form: element 1; each element a tuple when combined), and the results
+    for an all-reduce (all of them: combined operands). Dynamic dimensions (``<=1000``)
+    count at their bound.
     """
+    if is_start and kind != "all-reduce":
+        parts = _tuple_elements(shape_text)
+        shape_text = parts[0 if kind == "collective-permute" else min(1, len(parts) - 1)]
     arrays = _ARRAY.findall(shape_text)
-    if is_start and kind == "collective-permute":
-        arrays = arrays[:1]
-    elif is_start and kind in ("all-gather", "reduce-scatter"):
-        arrays = arrays[len(arrays) // 2 :]
     bits = 0
     for dtype, dims in arrays:
         sizes = [int(d.removeprefix("<=")) for d in dims.split(",") if d]

@@ -58,3 +58,18 @@ def test_crossing_bytes_use_the_hlo_device_numbers_of_a_reordered_mesh():
     ops = hlo.collective_ops(compiled.as_text())
     assert [op.kind for op in ops] == ["collective-permute"]
     assert hlo.crossing_bytes(ops, aot.device_replicas(compiled)) == {}
+
+
+def test_async_all_to_all_and_combined_permute_count_as_their_synchronous_forms():
+    """An async all-to-all counted operand and output (2x, plus its contexts), a combined
+    permute-start only its first operand, a scatter-start with a context that context too."""
+    text = f"""ENTRY %main (p: f32[1000], q: f32[500]) -> f32[500] {{
+  %a = ((f32[1000]{{0}}), f32[1000]{{0}}) all-to-all-start(f32[1000]{{0}} %p){_OPS}, dimensions={{0}}
+  %b = ((f32[1000]{{0}}), f32[1000]{{0}}, u32[], u32[]) all-to-all-start(f32[1000]{{0}} %p){_OPS}, dimensions={{0}}
+  %c = ((f32[1000]{{0}}, f32[500]{{0}}), (f32[1000]{{0}}, f32[500]{{0}})) collective-permute-start(f32[1000]{{0}} %p, f32[500]{{0}} %q), source_target_pairs={{{{0,1}},{{1,0}}}}
+  ROOT %d = ((f32[1000]{{0}}), f32[500]{{0}}, u32[]) reduce-scatter-start(f32[1000]{{0}} %p){_OPS}, dimensions={{0}}
+}}
+"""
+    got = [(op.kind, op.bytes) for op in hlo.collective_ops(text)]
+    assert got == [("all-to-all", 4000), ("all-to-all", 4000), ("collective-permute", 6000),
+                   ("reduce-scatter", 2000)]  # fmt: skip
