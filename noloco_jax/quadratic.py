@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from noloco_jax import replicas
+from noloco_jax import errors, replicas
 from noloco_jax.optim.local_steps import local_steps
 
 __all__ = ["QuadraticRun", "simulate_quadratic", "gamma_bounds"]
@@ -32,8 +32,13 @@ def gamma_bounds(momentum: float, group_size: int) -> tuple[float, float]:
     alpha = 0.8 gamma = 1.2 lies inside the range and diverges
     (``tests/test_theory.py``). The exact limit rises with n (1.8 at n = 3, 2.0 at 4)
     while this upper end falls, and no gamma > 0 below the lower end is unstable.
+
+    Raises:
+      ValueError: ``momentum`` outside [0, 1) or ``group_size`` not an integer >= 2 (the
+        formula divides by n - 1).
     """
-    n = group_size
+    momentum = errors.check_number("momentum", momentum, 0, 1, open_high=True)
+    n = errors.check_int("group_size", group_size, 2)
     lower = momentum * (n / (2 * (n - 1))) ** 0.5
     upper = (n * (2 + momentum**2) / (2 * (n - 1))) ** 0.5
     return lower, upper

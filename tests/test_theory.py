@@ -39,6 +39,15 @@ def test_bounds_formula():
     assert lo == pytest.approx(0.5 * np.sqrt(4 / 6)) and hi == pytest.approx(np.sqrt(4 * 2.25 / 6))
 
 
+@pytest.mark.parametrize("momentum,group_size,field", [(0.5, 1, "group_size"),
+                                                        (0.5, 0, "group_size"),
+                                                        (-0.5, 2, "momentum"), (1.0, 2, "momentum")])
+def test_bounds_refuse_a_group_below_two_or_a_momentum_outside_0_1(momentum, group_size, field):
+    """n = 1 divided by zero, n = 0 gave the empty range (0, 0), alpha < 0 a negative bound."""
+    with pytest.raises(ValueError, match=f"^{field}: must be"):
+        gamma_bounds(momentum, group_size)
+
+
 @pytest.mark.parametrize("gamma,group_size", [(0.7, 2), (1.2, 2), (0.7, 4)])
 def test_inside_range_mean_converges_and_spread_stays_bounded(gamma, group_size):
     lo, hi = gamma_bounds(0.5, group_size)
