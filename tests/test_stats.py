@@ -103,6 +103,21 @@ def test_primary_metric_reads_the_last_sync_aligned_evaluations():
                                     plan.LAST_K) == [1800, 1900, 2000]  # fmt: skip
 
 
+@pytest.mark.parametrize("period,last,field", [(20, 0, "last"), (20, -1, "last"),
+                                               (0, 2, "period"), (-20, 2, "period")])
+def test_sync_aligned_steps_refuse_a_period_or_count_below_one(period, last, field):
+    """last=0 averaged every aligned evaluation (steps[-0:]), last=-1 all but the first,
+    period=0 divided by zero and a negative period read the steps of its absolute value."""
+    steps = [20, 40, 60, 80]
+    with pytest.raises(ValueError, match=f"^{field}: must be an integer >= 1"):
+        stats.sync_aligned_steps(steps, period, last)
+    with pytest.raises(ValueError, match=f"^{field}: must be an integer >= 1"):
+        stats.sync_aligned_mean([{"step": s, "val_ppl": 1.0} for s in steps], period, last)
+    if field == "period":
+        with pytest.raises(ValueError, match="^period: must be an integer >= 1"):
+            stats.split_by_phase(steps, [1.0] * 4, period)
+
+
 def test_split_by_phase():
     sync, mid = stats.split_by_phase([0, 25, 50, 75, 100], [9, 1, 2, 3, 4], 20)
     assert sync == [(100, 4.0)] and mid == [(25, 1.0), (50, 2.0), (75, 3.0)]

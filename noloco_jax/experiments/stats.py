@@ -22,6 +22,8 @@ import numpy as np
 import scipy.integrate
 import scipy.stats
 
+from noloco_jax import errors
+
 __all__ = ["sync_aligned_steps", "sync_aligned_mean", "paired_test", "verdict", "sign_test",
            "split_by_phase", "pearson", "run_metric", "partial_correlation", "lag1",
            "partial_correlation_ar1", "binomial_tail",
@@ -40,12 +42,14 @@ def sync_aligned_steps(steps: Sequence[int], period: int, last: int) -> list[int
       Sorted steps; fewer than ``last`` raises.
 
     Raises:
-      ValueError: fewer than ``last`` aligned evaluations.
+      ValueError: ``period`` or ``last`` below 1, or fewer than ``last`` aligned evaluations.
 
     Example:
       >>> sync_aligned_steps([25, 50, 75, 100, 125, 150, 175, 200], 20, 2)
       [100, 200]
     """
+    errors.check_int("period", period, 1)
+    errors.check_int("last", last, 1)  # steps[-0:] would be all of them
     aligned = sorted(s for s in steps if s > 0 and s % period == 0)
     if len(aligned) < last:
         raise ValueError(f"only {len(aligned)} evaluations fall on a multiple of {period} "
@@ -176,6 +180,7 @@ def split_by_phase(steps: Sequence[int], values: Sequence[float], period: int
     Returns:
       (sync-aligned [(step, value)], mid-round [(step, value)]), step 0 left out.
     """
+    errors.check_int("period", period, 1)
     pts = [(int(s), float(v)) for s, v in zip(steps, values) if s > 0]
     return [p for p in pts if p[0] % period == 0], [p for p in pts if p[0] % period]
 
