@@ -48,6 +48,16 @@ def test_bounds_refuse_a_group_below_two_or_a_momentum_outside_0_1(momentum, gro
         gamma_bounds(momentum, group_size)
 
 
+@pytest.mark.parametrize("kwargs,field", [({"dim": 0}, "dim"), ({"num_rounds": 0}, "num_rounds"),
+                                          ({"inner_lr": -0.05}, "inner_lr"),
+                                          ({"noise": float("nan")}, "noise")])  # fmt: skip
+def test_simulation_refuses_degenerate_inputs(kwargs, field):
+    """dim=0 gave a NaN spread, num_rounds=0 empty traces, inner_lr < 0 gradient ascent."""
+    with pytest.raises(ValueError, match=f"^{field}: must be"):
+        simulate_quadratic(noloco_outer(0.7, 0.5), num_replicas=4, **{"dim": 2, "num_rounds": 2,
+                                                                       **kwargs})
+
+
 @pytest.mark.parametrize("gamma,group_size", [(0.7, 2), (1.2, 2), (0.7, 4)])
 def test_inside_range_mean_converges_and_spread_stays_bounded(gamma, group_size):
     lo, hi = gamma_bounds(0.5, group_size)
