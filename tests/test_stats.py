@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+import scipy.stats
 
 from noloco_jax.experiments import plan, stats
 
@@ -154,6 +155,14 @@ def test_partial_correlation_separates_a_time_trend_from_the_lr():
     real = stats.partial_correlation(follows, lr, step)
     assert null["r_xy"] > 0.9 and abs(null["r"]) < 0.4 and null["p"] > 0.05
     assert real["r"] > 0.9 and real["p"] < 1e-6
+
+
+def test_binomial_tail_and_sign_test_of_many_pairs():
+    """comb(n, i) as a float overflowed from n ~ 1030 on (OverflowError)."""
+    assert stats.binomial_tail(1100, 600, 0.5) == pytest.approx(
+        scipy.stats.binom.sf(599, 1100, 0.5), rel=1e-12)
+    assert stats.sign_test([1.0] * 560 + [-1.0] * 540)["p"] == pytest.approx(
+        scipy.stats.binomtest(560, 1100).pvalue, rel=1e-12)
 
 
 def test_binomial_power_by_hand():

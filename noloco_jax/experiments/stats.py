@@ -265,8 +265,8 @@ def partial_correlation_ar1(x: Sequence[float], y: Sequence[float], control: Seq
 
 
 def binomial_tail(n: int, k: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p)."""
-    return float(sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+    """P(X >= k) for X ~ Binomial(n, p) (no float overflow of comb(n, i) from n ~ 1030 on)."""
+    return float(scipy.stats.binom.sf(k - 1, n, p))
 
 
 def _critical_count(n: int, p0: float, alpha: float) -> int:
