@@ -154,3 +154,24 @@ def test_step_memory_compiles_every_program_the_trainer_runs(overrides):
     # gcd(log_every, H): 25 by default; with the delay, 10 - (2 + 1) before the window starts
     longest = 10 - window if s.outer.delay else 25
     assert inner.tokens == longest * one_step  # the trainer's longest inner block
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_memory_of_counts_the_overlap_anchor_as_outer_state(delay):
+    """With outer.delay the state holds an anchor (theta at the exchange, params-sized): it is
+    outer state, not the inner optimizer's (it was counted as Adam moments)."""
+    import optax  # noqa: PLC0415
+
+    from noloco_jax.optim import local_steps  # noqa: PLC0415
+    from noloco_jax.trainer.step import TrainState  # noqa: PLC0415
+
+    params = {"w": jnp.zeros((2, 8, 16), jnp.float32)}  # 2 replicas of an 8 x 16 weight
+    tx = local_steps(optax.adam(1e-3), optax.sgd(0.7, momentum=0.5), 4, delay=delay)
+    opt_state = jax.vmap(tx.init)(params)
+    state = TrainState(jnp.zeros([], jnp.int32), params, opt_state)
+    tokens = jnp.zeros((2, 1, 1, 3), jnp.int32)
+    m = aot.memory_of(jax.jit(lambda s, t: s, keep_unused=True).lower(state, tokens).compile())
+    weights = 2 * 8 * 16 * 4
+    assert m.params == weights
+    assert m.optimizer == 2 * weights + 2 * 4  # Adam's moments and per-replica counts
+    assert m.outer == (3 if delay else 2) * weights  # slow weights, momentum (, anchor)

@@ -26,7 +26,7 @@ from noloco_jax.trainer.step import TrainState
 __all__ = ["StepMemory", "abstract_state", "compile_program", "memory_of", "step_memory",
            "device_replicas"]
 
-_OUTER_FIELDS = frozenset({"slow_params", "outer_state"})
+_OUTER_FIELDS = frozenset({"slow_params", "outer_state", "anchor"})
 _INNER_FIELDS = frozenset({"local_opt_state"})
 
 
@@ -40,7 +40,8 @@ class StepMemory(NamedTuple):
       params: the model weights (fast weights).
       optimizer: the inner optimizer's state (Adam moments; for data parallel,
         all of its state).
-      outer: the outer state of NoLoCo / DiLoCo: slow weights and outer momentum.
+      outer: the outer state of NoLoCo / DiLoCo: slow weights and outer momentum (with
+        ``outer.delay``, also the anchor: theta at the last exchange).
       counters: step counters and other scalars.
       tokens: the batches the program reads.
       argument: all inputs, as the compiler counts them.
