@@ -175,3 +175,12 @@ def test_memory_of_counts_the_overlap_anchor_as_outer_state(delay):
     assert m.params == weights
     assert m.optimizer == 2 * weights + 2 * 4  # Adam's moments and per-replica counts
     assert m.outer == (3 if delay else 2) * weights  # slow weights, momentum (, anchor)
+
+
+def test_step_memory_refuses_a_vocab_size_the_settings_contradict():
+    """The trainer refuses config.model.vocab_size=512 with a 256-id tokenizer; step_memory
+    sized a 256-id model for it silently."""
+    s = st.from_config({"model": {"preset": "nano", "vocab_size": 512}, "num_replicas": 1})
+    with pytest.raises(ValueError, match="vocab_size=256 differs from the model's vocabulary "
+                                         "of 512"):
+        aot.step_memory(s, 256)

@@ -146,6 +146,11 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
 
     Returns:
       The ``jax.stages.Compiled`` program (``memory_analysis()``, ``as_text()``).
+
+    Raises:
+      ValueError: ``program`` is not "sync" or "inner", or ``vocab_size`` is not the model's
+        (``config.model.vocab_size`` when set, the ``init_from`` config's): the trainer
+        refuses that pair.
     """
     from noloco_jax.trainer import build  # noqa: PLC0415 (build imports aot)
 
@@ -153,6 +158,11 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
         raise ValueError(f"program must be 'sync' or 'inner', got {program!r}.")
     s = settings
     cfg = build.model_config(s, vocab_size)
+    model_vocab = s.model.vocab_size or cfg.vocab_size  # init_from: its config.json's
+    if model_vocab != vocab_size:  # the trainer refuses this pair (build.prepare_model)
+        raise ValueError(f"vocab_size={vocab_size} differs from the model's vocabulary of "
+                         f"{model_vocab} (config.model.vocab_size or init_from); give the "
+                         f"tokenizer's size, which the model must match.")  # fmt: skip
     graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
     spec, build_tx = build.optimizer_factory(s, params)
     reps, step_kwargs = build.topology(s, cfg, graphdef, build_tx)
