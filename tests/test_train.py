@@ -266,3 +266,13 @@ def test_an_awkward_number_of_eval_windows_is_padded_not_run_one_by_one():
     each = step.eval_window_losses(params, jnp.asarray(windows), graphdef=graphdef, batch_size=1)
     assert got["val_loss"] == pytest.approx(float(each.mean()), rel=1e-6)
     assert got["val_ppl_avg_model"] == pytest.approx(float(np.exp(each.mean())), rel=1e-6)
+
+
+@pytest.mark.parametrize("stop_at", [-3, 2.5, True, "4"])
+def test_stop_at_must_be_an_integer_of_at_least_0(tmp_path, corpus_dir, data_dir, stop_at):
+    """-3 trained nothing and returned as if done; 2.5 trained, then died with a TypeError in
+    the batcher; True trained one step."""
+    s = tiny_settings(corpus_dir, data_dir)
+    with pytest.raises(ValueError, match=r"stop_at: must be an integer >= 0, got"):
+        train_and_evaluate(s, tmp_path, stop_at=stop_at, progress=False)
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before anything was written

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from noloco_jax import replicas
-from noloco_jax.errors import CorruptCheckpointError, UserError
+from noloco_jax.errors import CorruptCheckpointError, UserError, check_int
 from noloco_jax.data.token_files import sharded_batches
 from noloco_jax.trainer import health
 from noloco_jax.trainer import optimizer as optim_lib
@@ -144,12 +144,15 @@ def train_and_evaluate(
       settings: validated ``TrainSettings``.
       workdir: where checkpoints, metrics.jsonl and TensorBoard files go; a
         workdir that holds a checkpoint is resumed from its latest step.
-      stop_at: stop after this step, as if preempted (tests and experiments).
+      stop_at: stop after this step, as if preempted (tests and experiments): an integer
+        >= 0, or None.
       progress: show a console progress bar.
 
     Returns:
       Dict with the last train and eval metrics and ``"step"``.
     """
+    if stop_at is not None:  # a float died in the batcher after training, -1 did nothing
+        check_int("stop_at", stop_at, minimum=0)
     workdir = _writable_workdir(workdir)
     check_sinks(settings)
     check_delay_windows(settings, stop_at)  # no run stops inside an overlap window
