@@ -258,3 +258,15 @@ def _part_edit(edit):
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         call()
+
+
+@pytest.mark.parametrize("kind", ["skip_agnostic", "skippipe_no_tc2", "skippipe"])
+def test_capacity_check_counts_one_visit_per_stage_and_microbatch(kind):
+    # Stage 1 has one node (3 slots) and every path visits it: 4 microbatches cannot fit,
+    # although all later stages together have 3 + 3 + 15 slots for the 12 visits.
+    net = sp.single_cluster(8)
+    part, rules = ((0,), (1,), (2,), (3, 4, 5, 6, 7)), sp.PathRules(4, 4, allow_swaps=False)
+    with pytest.raises(ValueError, match=r"microbatches must be <= 3\b"):
+        sp.make_schedule(kind, net, part, rules, microbatches=4, message_bytes=0.0)
+    sched = sp.make_schedule(kind, net, part, rules, microbatches=3, message_bytes=0.0)
+    assert len(sched.paths) == 3

@@ -297,6 +297,15 @@ def _check_partition(partition: Partition, network: Network, rules: PathRules) -
                          f"left out {missing}.")  # fmt: skip
 
 
+def _spare_visits(agents: int, visits: int, caps: Sequence[int]) -> int:
+    """Stage visits left over when ``agents`` paths each visit ``visits`` distinct later stages.
+
+    A path visits a stage at most once, so a stage of capacity c serves at most
+    ``min(c, agents)`` of them; negative: no schedule exists (the look-ahead test).
+    """
+    return sum(min(c, agents) for c in caps) - agents * visits
+
+
 def _check(kind: str, partition: Partition, rules: PathRules, microbatches: int, memory: int,
            stage_cap: int | None, time_limit_s: float, max_restarts: int) -> int:  # fmt: skip
     if kind not in SCHEDULES:
@@ -313,11 +322,13 @@ def _check(kind: str, partition: Partition, rules: PathRules, microbatches: int,
     cap = max(sizes[1:]) * memory if stage_cap is None else stage_cap
     if cap < 1:
         raise ValueError(f"stage_cap must be >= 1, got {stage_cap}")
-    need = sizes[0] * microbatches * (rules.path_length - 1)
-    have = sum(min(cap, n * memory) for n in sizes[1:])
-    if kind != "full" and need > have:
-        raise ValueError(f"microbatches must be <= {have // (sizes[0] * (rules.path_length - 1))} "
-                         f"for these caps (stage visits needed {need} > capacity {have}), "
+    caps = [min(cap, n * memory) for n in sizes[1:]]
+    heads, visits = sizes[0], rules.path_length - 1
+    short = -_spare_visits(heads * microbatches, visits, caps)
+    if kind != "full" and short > 0:
+        most = max(m for m in range(microbatches) if _spare_visits(heads * m, visits, caps) >= 0)
+        raise ValueError(f"microbatches must be <= {most} for these caps (stage visits needed "
+                         f"{heads * microbatches * visits}, {short} more than they serve), "
                          f"got {microbatches}")  # fmt: skip
     return cap
 
