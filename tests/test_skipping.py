@@ -91,3 +91,23 @@ def test_skip_settings_validation(corpus_dir, data_dir):  # noqa: F811
         tiny_settings(corpus_dir, data_dir, skip={"num_stages": 2, "path_length": 3})
     with pytest.raises(ValueError, match="cannot be combined"):
         tiny_settings(corpus_dir, data_dir, num_stages=2, skip={"num_stages": 2, "path_length": 1})
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"num_stages": 4, "path_length": 4, "layers_per_stage": 2}, "layers_per_stage"),  # 8 != 4
+    ({"num_stages": 2, "path_length": 2, "layers_per_stage": 0}, "layers_per_stage"),
+    ({"num_stages": 4, "path_length": 2, "layers_per_stage": 1, "full_every": -1}, "full_every"),
+])  # fmt: skip
+def test_skip_config_must_match_the_model(kwargs, field):
+    """Traced block ids beyond the model were clamped: the wrong blocks trained, silently."""
+    graphdef, params = models.init_params(CFG, 0)
+    tokens = jax.random.randint(jax.random.key(1), (1, 2, 9), 1, 64)
+
+    def run():
+        cfg = skipping.SkipConfig(**kwargs)
+        return jax.vmap(lambda p, t: skipping.skip_value_and_grad(
+            p, t, jnp.int32(0), graphdef=graphdef, cfg=cfg, full_loss=loss_fn),
+            axis_name="replica")(jax.tree.map(lambda a: a[None], params), tokens)  # fmt: skip
+
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        run()

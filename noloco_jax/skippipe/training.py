@@ -56,6 +56,18 @@ class SkipConfig:
     swaps: bool = False
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        errors.check_int("num_stages", self.num_stages)
+        check_path_length(self.path_length, self.num_stages)
+        errors.check_int("layers_per_stage", self.layers_per_stage)
+        errors.check_int("full_every", self.full_every, 0)
+
+    def check_model(self, num_layers: int) -> None:
+        """The stages must cover the model's blocks exactly (traced block ids are clamped)."""
+        errors.require(self.num_stages * self.layers_per_stage == num_layers, "layers_per_stage",
+                       f"times num_stages={self.num_stages} must equal the model's "
+                       f"{num_layers} layers, got {self.layers_per_stage}.")  # fmt: skip
+
 
 def check_path_length(path_length: int, num_stages: int, *, field: str = "path_length",
                       stages_field: str = "num_stages") -> None:  # fmt: skip
@@ -183,6 +195,7 @@ def skip_value_and_grad(
     On steps where ``step % full_every == 0`` the full model is trained instead (``lax.cond``
     on the shared step: only one branch runs).
     """
+    cfg.check_model(nnx.merge(graphdef, params).cfg.num_layers)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), step),
                              lax.axis_index(axis_name))  # fmt: skip
     paths = sample_stage_paths(key, num_stages=cfg.num_stages, path_length=cfg.path_length,
