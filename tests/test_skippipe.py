@@ -254,6 +254,13 @@ def _part_edit(edit):
      "message_bytes"),
     (lambda: sp.simulate(_net3(), [(0, 1, 2)], memory=1, message_bytes=1.0), "paths"),
     (lambda: sp.simulate(_net3(), [], memory=1, message_bytes=1.0), "paths"),
+    # non-integer counts: a TypeError deep inside, or used as fractional caps
+    (lambda: _sched(microbatches=2.0), "microbatches"),
+    (lambda: _sched(microbatches=True), "microbatches"),
+    (lambda: _sched(memory=2.5, microbatches=2), "memory"),
+    (lambda: _sched(stage_cap=7.5, microbatches=1), "stage_cap"),
+    (lambda: _sched(max_restarts=1.5), "max_restarts"),
+    (lambda: sp.simulate(_net3(), [(0, 1, 2, 0)], memory=1.5, message_bytes=1.0), "memory"),
 ])  # fmt: skip
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):

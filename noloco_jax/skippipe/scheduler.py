@@ -39,6 +39,7 @@ from typing import Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from noloco_jax import errors
 from noloco_jax.skippipe import simulator
 from noloco_jax.skippipe.network import Network
 from noloco_jax.skippipe.partition import Partition, stage_of_nodes
@@ -310,18 +311,13 @@ def _check(kind: str, partition: Partition, rules: PathRules, microbatches: int,
            stage_cap: int | None, time_limit_s: float, max_restarts: int) -> int:  # fmt: skip
     if kind not in SCHEDULES:
         raise ValueError(f"kind must be one of {SCHEDULES}, got {kind!r}")
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-    if memory < 1:
-        raise ValueError(f"memory must be >= 1, got {memory}")
+    for name, value in (("microbatches", microbatches), ("memory", memory),
+                        ("max_restarts", max_restarts)):  # fmt: skip
+        errors.check_int(name, value)
     if not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
-    if max_restarts < 1:
-        raise ValueError(f"max_restarts must be >= 1, got {max_restarts}")
     sizes = [len(p) for p in partition]
-    cap = max(sizes[1:]) * memory if stage_cap is None else stage_cap
-    if cap < 1:
-        raise ValueError(f"stage_cap must be >= 1, got {stage_cap}")
+    cap = max(sizes[1:]) * memory if stage_cap is None else errors.check_int("stage_cap", stage_cap)
     caps = [min(cap, n * memory) for n in sizes[1:]]
     heads, visits = sizes[0], rules.path_length - 1
     short = -_spare_visits(heads * microbatches, visits, caps)

@@ -25,6 +25,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from noloco_jax import errors
 from noloco_jax.skippipe.network import Network
 
 __all__ = ["TraceEvent", "SimResult", "simulate", "memory_from_trace"]
@@ -69,8 +70,7 @@ def _tasks(path: Sequence[int]) -> list[tuple[int, str]]:
 
 def _check(network: Network, paths: Sequence[Sequence[int]], memory: int,
            message_bytes: float) -> None:  # fmt: skip
-    if memory < 1:
-        raise ValueError(f"memory must be >= 1, got {memory}")
+    errors.check_int("memory", memory)
     if not message_bytes >= 0:
         raise ValueError(f"message_bytes must be >= 0, got {message_bytes}")
     if not paths:
