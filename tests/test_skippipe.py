@@ -261,6 +261,14 @@ def _part_edit(edit):
     (lambda: _sched(stage_cap=7.5, microbatches=1), "stage_cap"),
     (lambda: _sched(max_restarts=1.5), "max_restarts"),
     (lambda: sp.simulate(_net3(), [(0, 1, 2, 0)], memory=1.5, message_bytes=1.0), "memory"),
+    # message sizes: negative link times were optimised, inf gave an inf makespan
+    (lambda: sp.partition_nodes(_net3(), (1, 1, 1), message_bytes=-1e12), "message_bytes"),
+    (lambda: sp.partition_nodes(_net3(), (1, 1, 1), message_bytes=float("nan")), "message_bytes"),
+    (lambda: sp.full_pipeline_chains(_net3(), ((0,), (1,), (2,)), -1e12), "message_bytes"),
+    (lambda: sp.simulate(_net3(), [(0, 1, 0)], memory=1, message_bytes=float("inf")),
+     "message_bytes"),
+    (lambda: _net3().link_time(0, 1, -1e12), "num_bytes"),
+    (lambda: _net3().cost_matrix(-1e12), "num_bytes"),
 ])  # fmt: skip
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from noloco_jax.netsim import _checks
 from noloco_jax.netsim.links import Link, message_time
 
 __all__ = [
@@ -119,6 +120,7 @@ class Network:
 
     def link_time(self, src: int, dst: int, num_bytes: float) -> float:
         """Seconds to send ``num_bytes`` from ``src`` to ``dst`` (0 on the same node)."""
+        num_bytes = _checks.non_negative("num_bytes", num_bytes)
         if src == dst:
             return 0.0
         lat, bw = self.latency_s[src, dst], self.bytes_per_second[src, dst]
@@ -126,6 +128,7 @@ class Network:
 
     def cost_matrix(self, num_bytes: float) -> np.ndarray:
         """(N, N) link times for a message of ``num_bytes`` (zero diagonal)."""
+        num_bytes = _checks.non_negative("num_bytes", num_bytes)
         cost = message_time(num_bytes, self.latency_s, self.bytes_per_second) + self.overhead_s
         np.fill_diagonal(cost, 0.0)
         return cost

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from noloco_jax.netsim import _checks
 from noloco_jax.skippipe.network import Network
 
 __all__ = ["default_stage_sizes", "partition_nodes", "pipeline_cost", "stage_of_nodes"]
@@ -112,7 +113,7 @@ def partition_nodes(network: Network, stage_sizes: Sequence[int], *, message_byt
         raise ValueError(f"restarts must be >= 1, got {restarts}")
     if max_sweeps < 0:
         raise ValueError(f"max_sweeps must be >= 0, got {max_sweeps}")
-    cost = network.cost_matrix(message_bytes)
+    cost = network.cost_matrix(_checks.non_negative("message_bytes", message_bytes))
     rng = np.random.default_rng(seed)
     base = np.repeat(np.arange(len(sizes)), sizes)
     best = None

@@ -40,6 +40,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from noloco_jax import errors
+from noloco_jax.netsim import _checks
 from noloco_jax.skippipe import simulator
 from noloco_jax.skippipe.network import Network
 from noloco_jax.skippipe.partition import Partition, stage_of_nodes
@@ -270,7 +271,7 @@ def full_pipeline_chains(network: Network, partition: Partition,
     Returns:
       ``min(stage sizes)`` chains ``(stage-0 node, stage-1 node, ...)``.
     """
-    cost = network.cost_matrix(message_bytes)
+    cost = network.cost_matrix(_checks.non_negative("message_bytes", message_bytes))
     chains = [[n] for n in partition[0]]
     for nodes in partition[1:]:
         tails = [c[-1] for c in chains]

@@ -26,6 +26,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from noloco_jax import errors
+from noloco_jax.netsim import _checks
 from noloco_jax.skippipe.network import Network
 
 __all__ = ["TraceEvent", "SimResult", "simulate", "memory_from_trace"]
@@ -71,8 +72,7 @@ def _tasks(path: Sequence[int]) -> list[tuple[int, str]]:
 def _check(network: Network, paths: Sequence[Sequence[int]], memory: int,
            message_bytes: float) -> None:  # fmt: skip
     errors.check_int("memory", memory)
-    if not message_bytes >= 0:
-        raise ValueError(f"message_bytes must be >= 0, got {message_bytes}")
+    _checks.non_negative("message_bytes", message_bytes)
     if not paths:
         raise ValueError("paths must hold at least one microbatch path")
     for i, p in enumerate(paths):
