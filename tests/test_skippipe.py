@@ -269,6 +269,15 @@ def _part_edit(edit):
      "message_bytes"),
     (lambda: _net3().link_time(0, 1, -1e12), "num_bytes"),
     (lambda: _net3().cost_matrix(-1e12), "num_bytes"),
+    # infinite network values: accepted, then net.link raised or the makespan was inf
+    (lambda: sp.Network(("a", "b"), np.full((2, 2), np.inf), np.ones((2, 2)), np.ones(2)),
+     "latency_s"),
+    (lambda: sp.Network(("a", "b"), np.zeros((2, 2)), np.full((2, 2), np.inf), np.ones(2)),
+     "bytes_per_second"),
+    (lambda: sp.Network(("a", "b"), np.zeros((2, 2)), np.ones((2, 2)), np.array([1.0, np.inf])),
+     "compute_s"),
+    (lambda: sp.geo_distributed(4, overhead_s=float("inf")), "overhead_s"),
+    (lambda: sp.geo_distributed(4, forward_s=float("inf")), "forward_s"),
 ])  # fmt: skip
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):

@@ -96,16 +96,15 @@ class Network:
                 raise ValueError(f"{name} must have shape ({n}, {n}), got {value.shape}")
             object.__setattr__(self, name, value)
         off = ~np.eye(n, dtype=bool)
-        if not np.all(self.latency_s[off] >= 0):
-            raise ValueError("latency_s must be >= 0")
-        if not np.all(self.bytes_per_second[off] > 0):
-            raise ValueError("bytes_per_second must be > 0")
+        if not np.all((self.latency_s[off] >= 0) & np.isfinite(self.latency_s[off])):
+            raise ValueError("latency_s must be finite and >= 0")
+        if not np.all((self.bytes_per_second[off] > 0) & np.isfinite(self.bytes_per_second[off])):
+            raise ValueError("bytes_per_second must be finite and > 0")
         compute = np.asarray(self.compute_s, dtype=float)
-        if compute.shape != (n,) or not np.all(compute > 0):
-            raise ValueError(f"compute_s must be {n} values > 0 s, got {compute}")
+        if compute.shape != (n,) or not np.all((compute > 0) & np.isfinite(compute)):
+            raise ValueError(f"compute_s must be {n} finite values > 0 s, got {compute}")
         object.__setattr__(self, "compute_s", compute)
-        if not self.overhead_s >= 0:
-            raise ValueError(f"overhead_s must be >= 0, got {self.overhead_s}")
+        object.__setattr__(self, "overhead_s", _checks.non_negative("overhead_s", self.overhead_s))
 
     @property
     def num_nodes(self) -> int:
@@ -162,8 +161,7 @@ def region_link(a: str, b: str) -> Link:
 
 
 def _compute(num_nodes: int, forward_s: float, compute_spread: float, seed: int) -> np.ndarray:
-    if not forward_s > 0:
-        raise ValueError(f"forward_s must be > 0, got {forward_s}")
+    forward_s = _checks.positive("forward_s", forward_s)
     if not 0 <= compute_spread < 1:
         raise ValueError(f"compute_spread must be in [0, 1), got {compute_spread}")
     rng = np.random.default_rng(seed)
