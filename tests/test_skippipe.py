@@ -278,6 +278,8 @@ def _part_edit(edit):
      "compute_s"),
     (lambda: sp.geo_distributed(4, overhead_s=float("inf")), "overhead_s"),
     (lambda: sp.geo_distributed(4, forward_s=float("inf")), "forward_s"),
+    (lambda: sp.stage_of_nodes(((0, 2), (3,))), "partition"),  # was KeyError: 1
+    (lambda: sp.stage_of_nodes(((0, 1), (1, 2))), "partition"),  # was (0, 1, 1)
 ])  # fmt: skip
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):

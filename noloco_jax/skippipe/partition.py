@@ -126,6 +126,9 @@ def partition_nodes(network: Network, stage_sizes: Sequence[int], *, message_byt
 
 
 def stage_of_nodes(partition: Partition) -> tuple[int, ...]:
-    """Stage of each node, indexed by node id."""
-    out = {n: s for s, nodes in enumerate(partition) for n in nodes}
+    """Stage of each node, indexed by node id (nodes 0..N-1, each in exactly one stage)."""
+    out = {int(n): s for s, nodes in enumerate(partition) for n in nodes}
+    if sorted(int(n) for nodes in partition for n in nodes) != list(range(len(out))):
+        raise ValueError(f"partition must place each of the nodes 0..N-1 in exactly one stage, "
+                         f"got {partition}")  # fmt: skip
     return tuple(out[n] for n in range(len(out)))
