@@ -280,6 +280,15 @@ def _part_edit(edit):
     (lambda: sp.geo_distributed(4, forward_s=float("inf")), "forward_s"),
     (lambda: sp.stage_of_nodes(((0, 2), (3,))), "partition"),  # was KeyError: 1
     (lambda: sp.stage_of_nodes(((0, 1), (1, 2))), "partition"),  # was (0, 1, 1)
+    # non-integer counts (a TypeError, or float stage sizes) and node ids (-1: the last node)
+    (lambda: sp.partition_nodes(_net3(), (1, 1, 1), message_bytes=0, restarts=1.5), "restarts"),
+    (lambda: sp.partition_nodes(_net3(), (1, 1, 1), message_bytes=0, max_sweeps=0.5),
+     "max_sweeps"),
+    (lambda: sp.partition_nodes(_net3(), (1.5, 1, 1.5), message_bytes=0), "stage_sizes"),  # int()
+    (lambda: sp.default_stage_sizes(18.0, 4), "num_nodes"),
+    (lambda: sp.geo_distributed(4.0), "num_nodes"),
+    (lambda: _net3().link_time(-1, 0, 1.0), "src"),
+    (lambda: _net3().link(0, 3), "dst"),
 ])  # fmt: skip
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from noloco_jax import errors
 from noloco_jax.netsim import _checks
 from noloco_jax.skippipe.network import Network
 
@@ -36,10 +37,8 @@ def default_stage_sizes(num_nodes: int, num_stages: int) -> tuple[int, ...]:
     Returns:
       S sizes summing to N.
     """
-    if num_stages < 2:
-        raise ValueError(f"num_stages must be >= 2, got {num_stages}")
-    if num_nodes < num_stages:
-        raise ValueError(f"num_nodes must be >= num_stages={num_stages}, got {num_nodes}")
+    errors.check_int("num_stages", num_stages, 2)
+    errors.check_int("num_nodes", num_nodes, num_stages, None)
     base = num_nodes // num_stages
     return (num_nodes - base * (num_stages - 1),) + (base,) * (num_stages - 1)
 
@@ -104,15 +103,13 @@ def partition_nodes(network: Network, stage_sizes: Sequence[int], *, message_byt
     Returns:
       Node ids of each stage, each tuple sorted.
     """
-    sizes = [int(s) for s in stage_sizes]
-    if any(s < 1 for s in sizes) or len(sizes) < 2:
+    sizes = [errors.check_int(f"stage_sizes[{k}]", s) for k, s in enumerate(stage_sizes)]
+    if len(sizes) < 2:
         raise ValueError(f"stage_sizes must be >= 2 sizes, each >= 1, got {sizes}")
     if sum(sizes) != network.num_nodes:
         raise ValueError(f"stage_sizes must sum to num_nodes={network.num_nodes}, got {sum(sizes)}")
-    if restarts < 1:
-        raise ValueError(f"restarts must be >= 1, got {restarts}")
-    if max_sweeps < 0:
-        raise ValueError(f"max_sweeps must be >= 0, got {max_sweeps}")
+    errors.check_int("restarts", restarts)
+    errors.check_int("max_sweeps", max_sweeps, 0)
     cost = network.cost_matrix(_checks.non_negative("message_bytes", message_bytes))
     rng = np.random.default_rng(seed)
     base = np.repeat(np.arange(len(sizes)), sizes)
