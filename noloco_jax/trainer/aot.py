@@ -157,12 +157,7 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
     if program not in ("sync", "inner"):
         raise ValueError(f"program must be 'sync' or 'inner', got {program!r}.")
     s = settings
-    cfg = build.model_config(s, vocab_size)
-    model_vocab = s.model.vocab_size or cfg.vocab_size  # init_from: its config.json's
-    if model_vocab != vocab_size:  # the trainer refuses this pair (build.prepare_model)
-        raise ValueError(f"vocab_size={vocab_size} differs from the model's vocabulary of "
-                         f"{model_vocab} (config.model.vocab_size or init_from); give the "
-                         f"tokenizer's size, which the model must match.")  # fmt: skip
+    cfg = _model_config(s, vocab_size)
     graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
     spec, build_tx = build.optimizer_factory(s, params)
     reps, step_kwargs = build.topology(s, cfg, graphdef, build_tx)
@@ -184,6 +179,20 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
         tokens = (tokens,) * (delay + 1)
     state = abstract_state(reps, step_kwargs["tx"], params)
     return run.lower(state, tokens).compile()
+
+
+def _model_config(s: Any, vocab_size: int) -> Any:
+    """``build.model_config``, refusing a ``vocab_size`` that is not the model's, as the
+    trainer does (``build.prepare_model``)."""
+    from noloco_jax.trainer import build  # noqa: PLC0415 (build imports aot)
+
+    cfg = build.model_config(s, vocab_size)
+    model_vocab = s.model.vocab_size or cfg.vocab_size  # init_from: its config.json's
+    if model_vocab != vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} differs from the model's vocabulary of "
+                         f"{model_vocab} (config.model.vocab_size or init_from); give the "
+                         f"tokenizer's size, which the model must match.")  # fmt: skip
+    return cfg
 
 
 def step_memory(settings: Any, vocab_size: int, *, program: str = "sync") -> StepMemory:
