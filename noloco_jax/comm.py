@@ -333,6 +333,7 @@ def groups_for_round(
 
 def exchange_steps(group_size: int) -> int:
     """Buffers each replica sends (and receives) per exchanged tensor."""
+    errors.check_int("group_size", group_size, minimum=2)
     if group_size & (group_size - 1) == 0:
         return int(math.log2(group_size))
     return group_size - 1
@@ -1049,7 +1050,7 @@ def diloco_bytes_per_sync(
     Returns:
       Bytes sent per replica per sync (received bytes are equal).
     """
-    if num_replicas <= 1:
+    if errors.check_int("num_replicas", num_replicas) == 1:
         return 0.0
     if _same_as_leaves(params, exchange_dtype):
         return mean_bytes_per_replica(params, num_replicas)
@@ -1099,7 +1100,7 @@ def allreduce_bytes_per_replica(params: PyTree, num_replicas: int, *, dtype: Any
     Returns:
       Bytes sent per replica.
     """
-    if num_replicas <= 1:
+    if errors.check_int("num_replicas", num_replicas) == 1:
         return 0.0
     return 2.0 * (num_replicas - 1) / num_replicas * _tree_bytes(params, dtype)
 

@@ -162,6 +162,19 @@ def test_byte_helpers():
     assert comm.diloco_bytes_per_sync(half, 8, exchange_dtype=jnp.bfloat16) == 2 * 7 * 8 * 2
 
 
+@pytest.mark.parametrize("call,match", [
+    (lambda p: comm.noloco_bytes_per_sync(p, group_size=0), "group_size"),  # math domain error
+    (lambda p: comm.noloco_bytes_per_sync(p, group_size=1), "group_size"),  # 0 bytes
+    (lambda p: comm.diloco_bytes_per_sync(p, -1), "num_replicas"),  # 0.0
+    (lambda p: comm.allreduce_bytes_per_replica(p, 0), "num_replicas"),  # 0.0
+    (lambda p: comm.mean_bytes_per_replica(p, 2.5), "num_replicas"),  # 1.2 x the bytes
+])  # fmt: skip
+def test_byte_helpers_refuse_impossible_sizes(call, match):
+    """They answered a number (or died in math.log2) for groups of < 2 and replica counts < 1."""
+    with pytest.raises(ValueError, match=match):
+        call({"a": jnp.zeros((10, 10))})
+
+
 @pytest.mark.parametrize("backend", ["vmap", "shard_map"])
 def test_all_replica_mean_of_bfloat16_is_the_correctly_rounded_mean(backend):
     """A bfloat16 pmean rounded at every addition under vmap (2,118 of these 4,096 means were

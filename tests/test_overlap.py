@@ -13,6 +13,7 @@ import pytest
 from noloco_jax import (comm, diloco_outer, hlo, local_steps, models, noloco_outer, replicas,
                         restore_nonfinite)
 from noloco_jax.optim import fragments as frag
+from noloco_jax.optim.local_steps import check_delay
 from noloco_jax.trainer import build, grads, loop
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.step import TrainState, make_window_program, train_step
@@ -246,6 +247,16 @@ def test_a_replica_broken_inside_the_window_is_caught_at_the_merge():
 def test_bad_delay_and_mixing_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         local_steps(optax.sgd(0.1), noloco_outer(), H, **kwargs)
+
+
+@pytest.mark.parametrize("args,match", [((1, 4, 0), "fragments: must be an integer >= 1"),
+                                        ((0, 2.0, 1), "sync_every: must be an integer >= 1"),
+                                        ((0, 4, 2.0), "fragments: must be an integer >= 1")])
+def test_check_delay_refuses_a_bad_period(args, match):
+    """check_delay (public: the settings use it) divided by num_fragments before checking it:
+    a ZeroDivisionError for 0 fragments, and a float H or P was taken."""
+    with pytest.raises(ValueError, match=match):
+        check_delay(*args)
 
 
 def test_bad_phase_flags_are_refused():

@@ -301,6 +301,8 @@ def check_delay(delay: int, sync_every: int, num_fragments: int = 1, *, field: s
     Raises:
       UserError (a ``ValueError``): naming the value and the allowed range.
     """
+    errors.check_int(sync_field, sync_every)
+    errors.check_int(fragments_field, num_fragments)
     period = sync_every // num_fragments
     apart = f"{sync_field}={sync_every}" if num_fragments == 1 else \
         f"{sync_field} / {fragments_field} = {sync_every} / {num_fragments} = {period}"
