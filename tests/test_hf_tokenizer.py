@@ -73,3 +73,12 @@ def test_a_broken_tokenizer_config_names_the_file(tmp_path):
     (d / "tokenizer_config.json").write_text("{broken")
     with pytest.raises(ValueError, match=r"tokenizer_config\.json is not valid JSON"):
         HFTokenizer(d)
+
+
+@pytest.mark.parametrize("text", ['["eos"]', '{"eos_token": 5}', '{"eos_token": {"content": 5}}'])
+def test_a_tokenizer_config_of_the_wrong_shape_names_the_file(tmp_path, text):
+    """A list was an AttributeError, a number a TypeError inside tokenizers."""
+    d = _save(tmp_path)
+    (d / "tokenizer_config.json").write_text(text)
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json must be a JSON object"):
+        HFTokenizer(d)

@@ -66,10 +66,14 @@ class HFTokenizer:
         config = directory / "tokenizer_config.json"
         if config.is_file():
             try:
-                eos = json.loads(config.read_text()).get("eos_token")
+                fields = json.loads(config.read_text())
             except ValueError as err:
                 raise ValueError(f"{config} is not valid JSON ({err}); fix or remove it.") from err
+            eos = fields.get("eos_token") if isinstance(fields, dict) else None
             eos = eos.get("content") if isinstance(eos, dict) else eos
+            if not isinstance(fields, dict) or not isinstance(eos, (str, type(None))):
+                raise ValueError(f"{config} must be a JSON object whose eos_token is a string (or "
+                                 f"{{'content': string}}); fix or remove it.")  # fmt: skip
             if eos and self._tok.token_to_id(eos) is None:
                 raise ValueError(f"{config}'s eos_token {eos!r} is not in the vocabulary of "
                                  f"{str(self.path)!r}; fix tokenizer_config.json.")  # fmt: skip
