@@ -85,6 +85,16 @@ def test_check_path_closes_at_own_head():
     assert sp.check_path((2, 0, 3, 2), stage_of, rules)
 
 
+def test_check_path_reports_nodes_without_a_stage():
+    """A node outside stage_of was a KeyError (mapping) or, as -1 in a sequence, read the last
+    node's stage: (0, 2, -1, 0) passed as valid."""
+    rules = sp.PathRules(3, 3)
+    assert sp.check_path((0, 2, -1, 0), (0, 0, 1, 2), rules) == ["nodes [-1] have no stage in "
+                                                                  "stage_of"]  # fmt: skip
+    assert sp.check_path((0, 2, 7, 0), {0: 0, 2: 1, 3: 2}, rules) == [
+        "nodes [7] have no stage in stage_of"]  # fmt: skip
+
+
 def test_valid_stage_paths_enumeration():
     assert sp.valid_stage_paths(sp.PathRules(4, 3, allow_swaps=False)) == (
         (0, 1, 2), (0, 1, 3), (0, 2, 3))  # fmt: skip

@@ -141,6 +141,10 @@ def check_path(nodes: Sequence[int], stage_of: Mapping[int, int] | Sequence[int]
         out.append("does not end at the stage-0 node it started from")
     if head is not None and nodes[0] != head:
         out.append(f"starts at node {nodes[0]}, not at its own stage-0 node {head}")
+    known = stage_of.keys() if isinstance(stage_of, Mapping) else range(len(stage_of))
+    unknown = sorted({n for n in nodes if n not in known})  # a sequence would wrap -1 round
+    if unknown:
+        return out + [f"nodes {unknown} have no stage in stage_of"]
     stages = [stage_of[n] for n in nodes[:-1]]
     if stage_of[nodes[-1]] != 0:
         out.append("does not end at a stage-0 node")
