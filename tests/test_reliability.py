@@ -389,6 +389,20 @@ def test_second_trainer_on_a_workdir_is_refused(tmp_path, corpus_dir, data_dir):
     lock.release()
 
 
+def test_a_workdir_without_file_locks_warns_and_trains_unlocked(tmp_path, monkeypatch):
+    """flock's ENOLCK (Lustre without -o flock, some NFS) was a traceback: no run could start."""
+    import errno  # noqa: PLC0415
+    import fcntl  # noqa: PLC0415
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="cannot be locked .*No locks available.*without the"):
+        with WorkdirLock(tmp_path):
+            pass
+
+
 def test_lock_file_of_a_dead_process_is_taken_over(tmp_path):
     (tmp_path / ".lock").write_text("999999 on elsewhere\n")
     with WorkdirLock(tmp_path):

@@ -6,6 +6,7 @@ import fcntl
 import os
 import pathlib
 import socket
+import warnings
 
 from noloco_jax.errors import WorkdirLockedError
 
@@ -27,20 +28,29 @@ class WorkdirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Takes the lock or raises ``WorkdirLockedError`` naming the holder."""
+        """Takes the lock or raises ``WorkdirLockedError`` naming the holder; on a filesystem
+        without file locks it warns and goes on unlocked."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            self._refuse(fd)
+        except OSError as err:  # no flock on this filesystem (e.g. Lustre without -o flock)
             os.close(fd)
-            raise WorkdirLockedError(
-                f"--workdir {str(self.path.parent)!r} is in use by another trainer "
-                f"(pid {holder}); wait for it to finish, stop it, or use another --workdir."
-            ) from None
+            warnings.warn(f"--workdir {str(self.path.parent)!r} cannot be locked ({err}); "
+                          f"training without the one-trainer-per-workdir check.")  # fmt: skip
+            return
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
+
+    def _refuse(self, fd: int) -> None:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise WorkdirLockedError(
+            f"--workdir {str(self.path.parent)!r} is in use by another trainer "
+            f"(pid {holder}); wait for it to finish, stop it, or use another --workdir."
+        ) from None
 
     def release(self) -> None:
         if self._fd is None:
