@@ -101,12 +101,16 @@ def test_a_truncated_checkpoint_is_one_short_error(tmp_path, capfd):
     assert "Exception ignored" not in printed and "never retrieved" not in printed, printed[:2000]
 
 
-def test_load_run_refuses_a_damaged_checkpoint(tmp_path, finished_run):
+def test_load_run_refuses_a_damaged_checkpoint(tmp_path, finished_run, monkeypatch):
     s, finished = finished_run
     run = copy_run(finished, tmp_path / "run")
     _flip_array_bytes(run / "checkpoints" / "12")
+    closed = []
+    real_close = Checkpointer.close
+    monkeypatch.setattr(Checkpointer, "close", lambda self: closed.append(real_close(self)))
     with pytest.raises(CorruptCheckpointError, match="checkpoint 12"):
         load_run(s, run)
+    assert len(closed) == 1  # the checkpointer was left open when the restore raised
 
 
 def test_load_run_with_other_settings_names_them(finished_run):

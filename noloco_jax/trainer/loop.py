@@ -400,12 +400,14 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
     """(graphdef, replicated params, data) of a finished or interrupted run, for analysis."""
     run, target = build_run(settings)
     ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", keep=settings.keep_checkpoints)
-    step = ckpt.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints.")
-    check_loadable(ckpt.read_meta(step)["settings"], run.meta["settings"])  # not "corrupt"
-    restored, _ = ckpt.restore(step, target)
-    ckpt.close()
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints.")
+        check_loadable(ckpt.read_meta(step)["settings"], run.meta["settings"])  # not "corrupt"
+        restored, _ = ckpt.restore(step, target)
+    finally:  # its manager's threads and files, also when the checkpoint is refused
+        ckpt.close()
     return run.graphdef, restored.params, run.data
 
 
