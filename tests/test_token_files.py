@@ -278,3 +278,17 @@ def test_a_token_file_s_ids_are_range_checked_as_in_memory(tmp_path, ids):
                             seq_len=8)  # fmt: skip
     with pytest.raises(ValueError, match=rf"\[0, 2\*\*31 - 1\].*holds id {bad}"):
         data.eval_windows(TokenFile(tmp_path / "t.npy"), seq_len=8)
+
+
+def test_an_empty_token_file_is_read_as_an_empty_stream(tmp_path):
+    """An empty file's max_id is -1: the range check took it for a held id -1 ("holds id -1")
+    where an empty in-memory stream gives no windows."""
+    np.save(tmp_path / "t.npy", np.zeros(0, np.uint16))
+    empty = TokenFile(tmp_path / "t.npy")
+    assert data.eval_windows(empty, seq_len=8).shape == data.eval_windows([], seq_len=8).shape
+    kw = dict(num_replicas=1, batch_size=1, seq_len=8)
+    with pytest.raises(ValueError) as memory:
+        data.ReplicaBatcher(np.zeros(0, np.int32), **kw)
+    with pytest.raises(ValueError) as disk:
+        data.ReplicaBatcher(empty, **kw)
+    assert "holds id" not in str(disk.value) and str(disk.value) == str(memory.value)

@@ -91,8 +91,9 @@ def _as_stream(tokens: Any) -> np.ndarray | TokenFile:
     chunked pass, cached for ``digest``): its windows are read as int32."""
     if not isinstance(tokens, TokenFile):
         return _as_ids(tokens)
-    bad = tokens.min_id() if tokens.min_id() < 0 else tokens.max_id()
-    if bad < 0 or bad > np.iinfo(np.int32).max:
+    low, top = tokens.min_id(), tokens.max_id()  # an empty file: 0 and -1
+    if low < 0 or top > np.iinfo(np.int32).max:
+        bad = low if low < 0 else top
         raise ValueError(f"token ids must be in [0, 2**31 - 1], but {tokens.path} holds id {bad}.")
     return tokens
 
