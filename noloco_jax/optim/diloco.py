@@ -122,7 +122,8 @@ def diloco_outer(
         of the encoded values, summed in float32 in between
         (``comm.all_replica_mean_wire``); every replica gets the same mean,
         for 8-bit formats 1/4 + 1/256 of a float32 ring all-reduce's bytes
-        (plus padding to whole blocks).
+        (plus padding to whole blocks). A 1-byte float dtype (``jnp.float8_e4m3fn``: a
+        plain cast, no scales) is refused.
         The pseudo-gradient quantises well where the weights would not: it
         is the change of H inner steps, small and centred on zero, so a
         block's scale follows the size of the update rather than of the

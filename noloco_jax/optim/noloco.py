@@ -305,7 +305,8 @@ def noloco_outer(
         ``jnp.bfloat16`` halves the bytes of float32 params); local state keeps
         its dtype and sums run in at least float32. ``"int8"`` or
         ``"float8_e4m3fn"``: block-wise 8-bit codes with float32 scales
-        (``noloco_jax.quantize``), 1/4 + 1/256 of float32's bytes (0.254). What travels
+        (``noloco_jax.quantize``), 1/4 + 1/256 of float32's bytes (0.254); the 1-byte
+        dtype ``jnp.float8_e4m3fn`` (a plain cast, no scales) is refused. What travels
         is the fast weights theta (and phi when gamma != beta): a partner
         needs theta_j itself, and no reference short of theta_j is shared by
         the two (their phi differ), so differences cannot be sent instead.
