@@ -184,3 +184,19 @@ def test_step_memory_refuses_a_vocab_size_the_settings_contradict():
     with pytest.raises(ValueError, match="vocab_size=256 differs from the model's vocabulary "
                                          "of 512"):
         aot.step_memory(s, 256)
+
+
+def test_step_memory_refuses_an_init_from_vocabulary_the_tokenizer_contradicts(tmp_path):
+    """config.model.vocab_size=256 equal to the tokenizer's, but init_from's config.json has
+    512: the trainer refuses (hf_init); step_memory sized the 512-id model silently."""
+    import json  # noqa: PLC0415
+
+    from noloco_jax.models import hf  # noqa: PLC0415
+
+    cfg = models.get_preset("nano", vocab_size=512)
+    (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(cfg)))
+    s = st.from_config({"model": {"init_from": str(tmp_path), "vocab_size": 256},
+                        "num_replicas": 1})  # fmt: skip
+    with pytest.raises(ValueError, match="vocab_size=256 differs from the model's vocabulary "
+                                         "of 512"):
+        aot.step_memory(s, 256)

@@ -183,14 +183,16 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
 
 def _model_config(s: Any, vocab_size: int) -> Any:
     """``build.model_config``, refusing a ``vocab_size`` that is not the model's, as the
-    trainer does (``build.prepare_model``)."""
+    trainer does (``build.prepare_model``, ``hf_init.prepare_hf_model``): both
+    ``config.model.vocab_size`` (when set) and the built model's (``init_from``: its
+    config.json's) must equal it."""
     from noloco_jax.trainer import build  # noqa: PLC0415 (build imports aot)
 
     cfg = build.model_config(s, vocab_size)
-    model_vocab = s.model.vocab_size or cfg.vocab_size  # init_from: its config.json's
-    if model_vocab != vocab_size:
+    wrong = [v for v in (s.model.vocab_size, cfg.vocab_size) if v and v != vocab_size]
+    if wrong:  # (config.model.vocab_size = 0: unset)
         raise ValueError(f"vocab_size={vocab_size} differs from the model's vocabulary of "
-                         f"{model_vocab} (config.model.vocab_size or init_from); give the "
+                         f"{wrong[0]} (config.model.vocab_size or init_from); give the "
                          f"tokenizer's size, which the model must match.")  # fmt: skip
     return cfg
 
