@@ -196,6 +196,8 @@ def test_damaged_files_and_sizes_name_the_tensor(tmp_path):
     ([1, 2], "header is not a JSON object"),  # was TypeError
     ({"w": {"shape": [2], "data_offsets": [0, 8]}}, "entry 'w' is not a tensor's dtype"),
     ({"w": 5}, "entry 'w' is not a tensor's dtype"),  # was TypeError
+    ({"w": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}},
+     "unsupported dtype"),  # a list is unhashable: was TypeError
     ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}, "does not fit its bytes"),
 ])  # fmt: skip
 def test_a_malformed_safetensors_header_is_a_value_error(tmp_path, header, says):

@@ -102,7 +102,7 @@ def read_safetensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{path}: header entry {name!r} is not a tensor's dtype, shape and "
                              f"data_offsets ({err!r}).") from None  # fmt: skip
-        if kind not in _ST_DTYPES:
+        if not isinstance(kind, str) or kind not in _ST_DTYPES:  # a list is unhashable
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {kind}.")
         dtype = _ST_DTYPES[kind]
         fits = min(shape, default=0) >= 0 and 8 + n <= begin and end <= size
