@@ -173,6 +173,19 @@ class Replicas:
     mesh: jax.sharding.Mesh | None = None
     leaf_axes: Callable[[tuple, Any], tuple] | None = None
 
+    def __post_init__(self) -> None:
+        """Refuses a mesh whose replica axis is missing or not N long (replicas would be lost)."""
+        from noloco_jax import errors  # noqa: PLC0415
+
+        errors.check_int("num_replicas", self.num_replicas, 1)
+        if self.mesh is None:
+            return
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
+        if sizes.get(self.axis_name) != self.num_replicas:
+            raise errors.UserError(
+                f"Replicas: the mesh's {self.axis_name!r} axis (axis_name) must have "
+                f"num_replicas={self.num_replicas} devices, got mesh axes {sizes}.")
+
     @property
     def backend(self) -> str:
         return "vmap" if self.mesh is None else "shard_map"

@@ -118,3 +118,13 @@ def test_shard_map_names_reps_put_for_an_input_left_unplaced():
                        r"\(float32\[8,16\]\)\. Pass every per-replica input .* reps\.put"):
         mapped(x, jnp.ones((8, 16)))  # the batch was not put
     assert mapped(x, reps.put(jnp.ones((8, 16)))).shape == (8, 3)
+
+
+@pytest.mark.parametrize("num_replicas,axis_name", [(4, "replica"), (2, "r")])
+def test_a_mesh_whose_replica_axis_is_not_num_replicas_long_is_refused(num_replicas, axis_name):
+    # Replicas(4) on a 2-device replica axis ran replicas 0 and 2 only and returned 2 of 4.
+    mesh = jax.make_mesh((2,), ("replica",), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=rf"the mesh's '{axis_name}' axis \(axis_name\) must "
+                                         rf"have num_replicas={num_replicas} devices"):  # fmt: skip
+        replicas.Replicas(num_replicas, axis_name, mesh)
+    assert replicas.Replicas(2, mesh=mesh).backend == "shard_map"
