@@ -330,9 +330,14 @@ class Replicas:
         from noloco_jax.optim.local_steps import check_composition  # noqa: PLC0415
 
         init = self.map(tx.init)
-        # On a mesh, one compiled call: run op by op, shard_map dispatches every small
-        # operation of tx.init separately (5.7 s for the nano model on a replica x stage mesh).
-        state = (init if self.mesh is None else jax.jit(init))(params)
+        if self.mesh is not None:
+            # One compiled call: run op by op, shard_map dispatches every small operation
+            # of tx.init separately (5.7 s for the nano model on a replica x stage mesh). Its
+            # outputs are placed as put places them: the compiler would leave the moments
+            # whole on every device of a split replica.
+            places = jax.tree_util.tree_map_with_path(self._sharding, jax.eval_shape(init, params))
+            init = jax.jit(init, out_shardings=places)
+        state = init(params)
         check_composition(state)
         return state
 
@@ -346,18 +351,23 @@ class Replicas:
             return tree
 
         def place(path: tuple, x: Any) -> Any:
-            # Full-rank specs, as shard_map outputs carry them: P('r') and
-            # P('r', None) are different types on an explicit mesh and would
-            # make the first call compile twice.
-            shared = is_shared_leaf(x, path)
-            spec = P() if shared else self.spec(path, _drop(x, 1), full_rank=True)
-            sharding = NamedSharding(self.mesh, spec)
+            sharding = self._sharding(path, x)
             if jax.process_count() == 1:
                 return jax.device_put(x, sharding)
             host = np.asarray(x)
             return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
         return jax.tree_util.tree_map_with_path(place, tree)
+
+    def _sharding(self, path: tuple, x: Any) -> NamedSharding:
+        """Where ``put`` places a leaf of a replicated tree on the mesh.
+
+        Full-rank specs, as shard_map outputs carry them: P('r') and P('r', None) are
+        different types on an explicit mesh and would make the first call compile twice.
+        """
+        shared = is_shared_leaf(x, path)
+        return NamedSharding(self.mesh, P() if shared else
+                             self.spec(path, _drop(x, 1), full_rank=True))  # fmt: skip
 
 
 def _varying_scalar_error() -> ValueError:

@@ -175,6 +175,20 @@ def test_one_replica_split_over_devices_evaluates_and_checks_its_weights(mesh_sh
     assert all(np.asarray(v).tolist() == [True] for v in per_leaf)
 
 
+def test_init_places_the_optimizer_state_as_put_does_on_a_split_replica():
+    """reps.init split the params' slow weights but left the Adam moments and the outer
+    momentum whole on every device of a replica (F x T times their share)."""
+    reps = replicas.make_replicas(2, mesh_shape={"fsdp": 2, "tensor": 2})
+    params = reps.put(replicas.replicate(models.init_params(CFG, 0)[1], 2))
+    state = reps.init(local_steps(optax.adam(1e-2), noloco_outer(seed=1), H), params)
+    want = reps.put(jax.tree.map(np.asarray, state))
+    for (path, got), placed in zip(jax.tree_util.tree_flatten_with_path(state)[0],
+                                   jax.tree.leaves(want)):  # fmt: skip
+        assert got.sharding.is_equivalent_to(placed.sharding, got.ndim), (
+            jax.tree_util.keystr(path), got.sharding.spec, placed.sharding.spec)
+    mu = state.local_opt_state[0].mu["blocks"]["attn"]["wq"][...]
+    assert mu.addressable_shards[0].data.shape == (1, 2, 32, 2, 16)  # [1, L, D/F, H/T, Dh]
+
 def test_a_split_that_does_not_divide_is_refused():
     _, params = models.init_params(CFG, 0)  # D 64, 4 heads (4 key/value heads)
     sharding.check_divides(params, {"fsdp": 4, "tensor": 4})  # these divide
