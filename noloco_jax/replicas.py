@@ -442,6 +442,10 @@ def make_replicas(
                                f"sizes >= 1, got {mesh_shape!r}.")  # fmt: skip
     shape = {a: int(v) for a, v in shape.items()}
     per_replica = shape[sharding.FSDP] * shape[sharding.TENSOR]
+    if per_replica > 1 and axis_name in sharding.INTRA_AXES:
+        raise errors.UserError(f"axis_name={axis_name!r} is a mesh axis inside each replica "
+                               f"(mesh_shape={mesh_shape!r}); name the replica axis otherwise, "
+                               f"e.g. 'replica'.")  # fmt: skip
     all_devices = list(jax.devices() if devices is None else devices)
     need = num_replicas * per_replica
     chosen = backend

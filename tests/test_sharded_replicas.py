@@ -371,3 +371,12 @@ def test_bad_mesh_settings(corpus_dir, data_dir):
         _settings(corpus_dir, data_dir, 2, backend="vmap")
     with pytest.raises(ValueError, match="config.mesh.tensor"):
         _settings(corpus_dir, data_dir, 1, tensor=0)
+
+
+@pytest.mark.parametrize("axis_name", ["fsdp", "tensor"])
+def test_a_replica_axis_named_like_an_intra_replica_axis_is_refused(axis_name):
+    # Was accepted as a mesh with two axes of one name; the first reps.put died inside XLA.
+    with pytest.raises(ValueError, match=rf"axis_name='{axis_name}' is a mesh axis inside each "
+                                         rf"replica \(mesh_shape="):  # fmt: skip
+        replicas.make_replicas(2, axis_name=axis_name, mesh_shape={"fsdp": 2, "tensor": 2})
+    assert replicas.make_replicas(2, axis_name=axis_name).mesh.axis_names == (axis_name,)
