@@ -21,7 +21,7 @@ per-replica leaves are split over the mesh axis, one replica per device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -434,6 +434,9 @@ def make_replicas(
 
     errors.check_int("num_replicas", num_replicas, 1)
     errors.check_choice("backend", backend, ("auto", "vmap", "shard_map"))
+    if mesh_shape is not None and not isinstance(mesh_shape, Mapping):
+        raise errors.UserError(f"mesh_shape must be a dict such as {{'fsdp': 4, 'tensor': 2}}, "
+                               f"got {mesh_shape!r}.")  # fmt: skip
     shape = {a: (mesh_shape or {}).get(a, 1) for a in sharding.INTRA_AXES}
     unknown = sorted(set(mesh_shape or {}) - set(sharding.INTRA_AXES))
     if unknown or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
@@ -447,6 +450,9 @@ def make_replicas(
                                f"(mesh_shape={mesh_shape!r}); name the replica axis otherwise, "
                                f"e.g. 'replica'.")  # fmt: skip
     all_devices = list(jax.devices() if devices is None else devices)
+    if len(set(all_devices)) != len(all_devices):
+        raise errors.UserError(f"devices lists a device more than once: {all_devices!r}; give "
+                               f"each device once.")  # fmt: skip
     need = num_replicas * per_replica
     chosen = backend
     if backend == "auto":  # a split replica cannot be simulated: it needs its devices

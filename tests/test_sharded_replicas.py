@@ -210,6 +210,11 @@ def test_a_split_that_does_not_divide_is_refused():
     for bad in (2.7, 1.9, True, "2"):  # 2.7 and 1.9 were truncated to 2 and 1
         with pytest.raises(ValueError, match=r"with integer sizes >= 1, got \{'fsdp': "):
             replicas.make_replicas(2, mesh_shape={"fsdp": bad})
+    with pytest.raises(ValueError, match="mesh_shape must be a dict"):  # an AttributeError
+        replicas.make_replicas(2, mesh_shape=[("fsdp", 2)])
+    d = jax.devices()
+    with pytest.raises(ValueError, match="devices lists a device more than once"):  # was taken,
+        replicas.make_replicas(2, backend="shard_map", devices=[d[0], d[0]])  # then an assert
 
 
 class _FakeDevice:
