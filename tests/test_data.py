@@ -432,6 +432,24 @@ def test_sentencepiece_trains_on_paragraphs_longer_than_its_line_limit(tmp_path)
     assert max(len(p.encode()) for p in pieces) <= tokenizers._MAX_LINE_BYTES
 
 
+def test_sentencepiece_trains_on_long_lines_without_whitespace(tmp_path):
+    """A word over SentencePiece's line limit (CJK text has no spaces) stayed whole and was
+    skipped: a CJK corpus of one paragraph per line failed to train, a mixed one trained on
+    its other lines only. Such words are cut between characters."""
+    from noloco_jax.data import tokenizers  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    cjk = [chr(c) for c in range(0x4E00, 0x4E00 + 30)]
+    lines = ["".join(rng.choice(cjk, 2000)) for _ in range(4)]  # 6 kB each, no whitespace
+    tok = data.train_sentencepiece(lines, vocab_size=400, model_path=tmp_path / "m.model")
+    assert tok.decode(tok.encode(lines[0])) == lines[0]
+    assert len(tok.encode(lines[0])) < 2000  # merges learned from the CJK text
+    line = "ab " + "é" * 3000 + " cd"
+    pieces = tokenizers._split_long(line)
+    assert "".join(pieces) == line
+    assert max(len(p.encode()) for p in pieces) <= tokenizers._MAX_LINE_BYTES
+
+
 def test_sentencepiece_trained_locally_and_cached(tmp_path, monkeypatch):
     corpus = data.Corpus(train=TEXTS, validation=[], name="topics")
     tok = data.make_tokenizer("sentencepiece", corpus=corpus, vocab_size=300, cache_dir=tmp_path)

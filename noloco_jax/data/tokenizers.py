@@ -110,18 +110,39 @@ _SP_MAX_LINES = 2_000_000
 _MAX_LINE_BYTES = 4000
 
 
+def _nbytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _spans(line: str, start: int, end: int, limit: int) -> list[tuple[int, int]]:
+    """``line[start:end]`` as one span, or cut between characters into spans of at most
+    ``limit`` UTF-8 bytes when it is longer (a word over the limit: CJK text, a URL)."""
+    if _nbytes(line[start:end]) <= limit:
+        return [(start, end)]
+    spans, a, size = [], start, 0
+    for i in range(start, end):
+        n = _nbytes(line[i])
+        if size + n > limit:
+            spans.append((a, i))
+            a, size = i, 0
+        size += n
+    return spans + [(a, end)]
+
+
 def _split_long(line: str, limit: int = _MAX_LINE_BYTES) -> list[str]:
     """``line`` cut before whitespace into pieces of at most ``limit`` UTF-8 bytes (a word
-    longer than that stays whole); pieces never span whitespace in training anyway."""
-    if len(line.encode("utf-8", "surrogatepass")) <= limit:
+    longer than that is cut between characters); pieces never span whitespace in training
+    anyway."""
+    if _nbytes(line) <= limit:
         return [line]
     pieces, start, size = [], 0, 0
     for match in re.finditer(r"\s*\S+", line):
-        n = len(match.group().encode("utf-8", "surrogatepass"))
-        if size and size + n > limit:
-            pieces.append(line[start:match.start()])
-            start, size = match.start(), 0
-        size += n
+        for a, b in _spans(line, match.start(), match.end(), limit):
+            n = _nbytes(line[a:b])
+            if size and size + n > limit:
+                pieces.append(line[start:a])
+                start, size = a, 0
+            size += n
     pieces.append(line[start:])
     return [p for p in pieces if p.strip()]
 
@@ -269,8 +290,8 @@ def make_tokenizer(
         from noloco_jax.data.sources import default_data_dir, texts_digest  # noqa: PLC0415
 
         root = pathlib.Path(cache_dir) if cache_dir is not None else default_data_dir()
-        # v2: lines over 4000 bytes are split (SentencePiece skipped them)
-        key = f"{corpus.name}-{texts_digest(corpus.train)}-sp{vocab_size}v2.model"
+        # v2: lines over 4000 bytes are split (SentencePiece skipped them); v3: words too
+        key = f"{corpus.name}-{texts_digest(corpus.train)}-sp{vocab_size}v3.model"
         path = root / "tokenizers" / key
         return train_sentencepiece(corpus.train, vocab_size=vocab_size, model_path=path)
     if kind == "hf":
