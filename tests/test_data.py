@@ -108,6 +108,19 @@ def test_a_directory_skips_hidden_folders_as_a_glob_does(text_dir, tmp_path):
     assert sorted(c.train + c.validation) == sorted(TEXTS) and not set(c.train) & set(c.validation)
 
 
+def test_a_directory_reads_symlinked_folders_as_a_glob_does(text_dir, tmp_path):
+    """pathlib's rglob does not follow folder symlinks: a corpus folder of linked subfolders
+    dropped their files silently (the glob dir/**/*.txt read them)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "linked.txt").write_text("a linked document " * 20, encoding="utf-8")
+    (text_dir / "books").symlink_to(shared, target_is_directory=True)
+    (shared / "loop").symlink_to(text_dir, target_is_directory=True)  # each folder read once
+    files = sources._resolve_files(str(text_dir))
+    assert files == sources._resolve_files(str(text_dir / "**" / "*.txt"))
+    assert len(files) == len(TEXTS) + 1 and (shared / "linked.txt").resolve() in files
+
+
 def test_a_file_name_that_is_not_utf8_is_read(text_dir, tmp_path):
     """A name like b'caf\\xe9.txt' (Latin-1 on disk) crashed the files source with a
     UnicodeEncodeError that named no file."""

@@ -283,9 +283,8 @@ def _resolve_files(path: str) -> list[pathlib.Path]:
     if any(ch in path for ch in "*?[") and not p.exists():  # an existing path is taken literally
         files = [pathlib.Path(f) for f in glob_lib.glob(str(p), recursive=True)]
         what = "no files match the glob"
-    elif p.is_dir():  # as a glob would, skip hidden files and folders (.ipynb_checkpoints/)
-        files = [f for f in p.rglob("*.txt")
-                 if not any(part.startswith(".") for part in f.relative_to(p).parts)]
+    elif p.is_dir():
+        files = _txt_files_under(p)
         what = "the directory holds no .txt files outside hidden folders"
     elif p.is_file():
         files, what = [p], ""
@@ -294,6 +293,20 @@ def _resolve_files(path: str) -> list[pathlib.Path]:
     files = sorted({f.resolve() for f in files if f.is_file()})
     if not files:
         raise ValueError(f"the corpus at {path!r} is empty: {what}.")
+    return files
+
+
+def _txt_files_under(root: pathlib.Path) -> list[pathlib.Path]:
+    """Every ``*.txt`` below ``root``, through symlinked folders too (each real folder once), and
+    as a glob would, none in hidden files and folders (.ipynb_checkpoints/)."""
+    files, seen = [], set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        subfolders[:] = [] if real in seen else [s for s in subfolders if not s.startswith(".")]
+        if real not in seen:
+            files += [pathlib.Path(folder, n) for n in names
+                      if n.endswith(".txt") and not n.startswith(".")]  # fmt: skip
+        seen.add(real)
     return files
 
 
