@@ -121,6 +121,17 @@ def test_a_directory_reads_symlinked_folders_as_a_glob_does(text_dir, tmp_path):
     assert len(files) == len(TEXTS) + 1 and (shared / "linked.txt").resolve() in files
 
 
+def test_copies_of_a_file_go_to_one_split(text_dir, tmp_path):
+    """Files with the same text were drawn independently: one copy trained on, the other held
+    out, so validation measured text the model had seen."""
+    (text_dir / "doc00 (copy).txt").write_text(TEXTS[0], encoding="utf-8")
+    os.link(text_dir / "doc01.txt", text_dir / "doc01-link.txt")
+    for seed in range(2):
+        c = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path, seed=seed)
+        assert not set(c.train) & set(c.validation), seed
+        assert sorted(c.train + c.validation) == sorted([*TEXTS, TEXTS[0], TEXTS[1]])
+
+
 def test_a_file_name_that_is_not_utf8_is_read(text_dir, tmp_path):
     """A name like b'caf\\xe9.txt' (Latin-1 on disk) crashed the files source with a
     UnicodeEncodeError that named no file."""

@@ -323,24 +323,28 @@ def _files_fingerprint(
 
 
 def _split_files(docs: list[tuple[str, str]], fraction: float, seed: int):
-    """Held-out files: a seeded ``fraction`` of them (>= 1); one file: its last ``fraction``."""
+    """Held-out files: a seeded ``fraction`` of them (>= 1); one file: its last ``fraction``.
+    Files with the same text (copies, hard links) all go to one split; when all hold one
+    text, it is split as one file."""
     import numpy as np  # noqa: PLC0415
 
-    if len(docs) == 1:
+    texts = list(dict.fromkeys(text for _, text in docs))
+    if len(texts) == 1:
         title, text = docs[0]
         cut = int(round(len(text) * (1 - fraction)))
         return [(title, text[:cut])], [(title + "#validation", text[cut:])]
-    n_val = min(len(docs) - 1, max(1, round(len(docs) * fraction)))
-    val_idx = set(np.random.default_rng(seed).permutation(len(docs))[:n_val].tolist())
-    train = [d for i, d in enumerate(docs) if i not in val_idx]
-    validation = [d for i, d in enumerate(docs) if i in val_idx]
+    n_val = min(len(texts) - 1, max(1, round(len(texts) * fraction)))
+    held_out = {texts[i] for i in np.random.default_rng(seed).permutation(len(texts))[:n_val]}
+    train = [d for d in docs if d[1] not in held_out]
+    validation = [d for d in docs if d[1] in held_out]
     share = sum(len(text) for _, text in validation) / max(1, sum(len(text) for _, text in docs))
     if share > 2 * fraction:  # whole files: with few, unequal ones training may get little
         warnings.warn(
-            f"config.data.validation_fraction={fraction} holds out whole files: {n_val} of "
-            f"{len(docs)}, {100 * share:.1f} % of the text (the files drawn depend on "
-            f"config.seed). Split the text into more files of similar size, or give one file "
-            f"(its last {100 * fraction:g} % is then held out).", stacklevel=3)  # fmt: skip
+            f"config.data.validation_fraction={fraction} holds out whole files: "
+            f"{len(validation)} of {len(docs)}, {100 * share:.1f} % of the text (the files drawn "
+            f"depend on config.seed). Split the text into more files of similar size, or give "
+            f"one file (its last {100 * fraction:g} % is then held out).",
+            stacklevel=3)  # fmt: skip
     return train, validation
 
 
