@@ -247,6 +247,13 @@ def test_bad_source_arguments(tmp_path):
         data.load_corpus("tfds", data_dir=tmp_path)
 
 
+@pytest.mark.parametrize("bad", [2.5, "2", True, 0])
+def test_max_documents_must_be_a_positive_integer(tmp_path, bad):
+    """2.5 and '2' passed the check and crashed later with a TypeError naming no argument."""
+    with pytest.raises(ValueError, match=r"max_documents must be None or an integer >= 1"):
+        data.load_corpus("tfds", tfds_name="my_text", data_dir=tmp_path, max_documents=bad)
+
+
 def test_default_data_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("NOLOCO_DATA_DIR", str(tmp_path / "here"))
     assert data.default_data_dir() == tmp_path / "here"

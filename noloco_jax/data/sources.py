@@ -27,6 +27,7 @@ import fcntl
 import glob as glob_lib
 import hashlib
 import html
+import numbers
 import os
 import pathlib
 import re
@@ -510,7 +511,9 @@ def load_corpus(
     if source == "tfds":
         if not tfds_name:
             raise ValueError("source='tfds' needs tfds_name= (e.g. 'tiny_shakespeare').")
-        if max_documents is not None and (isinstance(max_documents, bool) or max_documents < 1):
-            raise ValueError(f"max_documents must be None or >= 1, got {max_documents!r}.")
+        whole = isinstance(max_documents, numbers.Integral) and not isinstance(max_documents, bool)
+        if max_documents is not None and (not whole or max_documents < 1):
+            raise ValueError(
+                f"max_documents must be None or an integer >= 1, got {max_documents!r}.")
         return _named_tfds(tfds_name, data_dir, max_documents)
     raise ValueError(f"source must be one of {list(SOURCES)}, got {source!r}.")
