@@ -295,6 +295,15 @@ def test_a_tfrecord_dataset_without_tensorflow_names_the_fix(tmp_path, monkeypat
         data.load_corpus("tfds", tfds_name="my_text", data_dir=tmp_path)
 
 
+def test_preparing_a_corpus_without_tensorflow_names_the_fix(text_dir, tmp_path, monkeypatch):
+    """Without the [tf] extra the first run died inside TFDS (ModuleNotFoundError or an
+    AttributeError) instead of saying what to install."""
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"needs TensorFlow .*pip install 'noloco-jax\[tf\]'"):
+        data.load_corpus("files", path=str(text_dir), data_dir=tmp_path / "data")
+    assert not list((tmp_path / "data").rglob("dataset_info.json"))  # nothing half-written
+
+
 def test_named_tfds_dataset_splits_and_features(tmp_path):
     _store_tfds(tmp_path, "with_test", {"train": TEXTS[:3], "test": TEXTS[3:5]})
     corpus = data.load_corpus("tfds", tfds_name="with_test", data_dir=tmp_path)

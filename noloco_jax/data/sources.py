@@ -125,6 +125,13 @@ def _store(name: str, splits: dict[str, list[tuple[str, str]]], data_dir: pathli
 
 
 def _write_tfds(name: str, splits: dict[str, list[tuple[str, str]]], data_dir: pathlib.Path) -> None:
+    try:  # TFDS writes through TensorFlow; reading the array_record files back does not need it
+        import tensorflow  # noqa: F401, PLC0415
+    except ImportError as err:
+        raise ValueError(
+            f"preparing the corpus {name!r} the first time needs TensorFlow (TFDS writes it): "
+            f"pip install 'noloco-jax[tf]' (or tensorflow-cpu); later runs read the prepared "
+            f"files without it.") from err  # fmt: skip
     import tensorflow_datasets as tfds  # noqa: PLC0415
 
     tfds.disable_progress_bar()
