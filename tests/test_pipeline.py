@@ -111,6 +111,21 @@ def test_stage_gradients_only_come_from_microbatches_routed_through_it(setup):
         assert {k for k in range(N) if emb[k]} == starts
 
 
+def test_routing_arrays_of_the_wrong_shape_are_refused(setup):
+    """A routing array whose micro-batch axis is not B was broadcast or clamped: every
+    micro-batch silently took micro-batch 0's route (or extra rows were ignored)."""
+    graphdef, params, tokens, pool, idx, perms = setup
+    with pytest.raises(ValueError, match=r"perms must have shape \[S - 1, B, N\]"):
+        pl.routed_losses(params, tokens, perms[:, :1], graphdef=graphdef, num_stages=S)
+    with pytest.raises(ValueError, match=r"perms must have shape"):
+        pl.routed_losses(params, tokens, perms[:, :, :2], graphdef=graphdef, num_stages=S)
+    one = jax.tree.map(lambda x: x[0], params)
+    for bad in (idx[:, :1], jnp.concatenate([idx, idx], axis=1), idx[None]):
+        for fn in (pl.routed_loss, pl.routed_loss_on_mesh):
+            with pytest.raises(ValueError, match=r"idx_Sm1xB must have shape \[S - 1, B\]"):
+                fn(one, tokens[0], bad, graphdef=graphdef, pool=pool, num_stages=S)
+
+
 def _mesh_reps():
     return replicas.Replicas(N, mesh=pl.make_pipeline_mesh(N, S), leaf_axes=pl.stage_leaf_axes)
 

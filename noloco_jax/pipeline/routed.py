@@ -52,6 +52,14 @@ def _route_gathered(x_BxD: jax.Array, idx_B: jax.Array, pool: np.ndarray, axis: 
     return lax.all_gather(x_BxD, axis)[src_B, jnp.arange(x_BxD.shape[0])]
 
 
+def _check_idx(idx_Sm1xB: jax.Array, num_stages: int, num_microbatches: int) -> None:
+    """A ValueError unless the routing indices are [S - 1, B] (JAX would clamp or broadcast)."""
+    want = (num_stages - 1, num_microbatches)
+    if tuple(idx_Sm1xB.shape) != want:
+        raise ValueError(f"idx_Sm1xB must have shape [S - 1, B] = {list(want)}, "
+                         f"got {list(idx_Sm1xB.shape)}.")  # fmt: skip
+
+
 def routed_loss(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Array, *, graphdef: Any,
                 pool: np.ndarray, num_stages: int, axis_name: str = REPLICA,
                 gather: bool = False) -> jax.Array:  # fmt: skip
@@ -75,6 +83,7 @@ def routed_loss(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Array, *, gr
       The scalar loss. Under ``vmap``/``shard_map`` over replicas, the gradient
       each replica receives is that of the sum of all replicas' losses.
     """
+    _check_idx(idx_Sm1xB, num_stages, tokens_BxT1.shape[0])
     model = nnx.merge(graphdef, params)
     num_layers = jax.tree.leaves(params["blocks"])[0].shape[0]
     pairs = lambda perm: [(k, int(perm[k])) for k in range(len(perm))]  # noqa: E731
@@ -98,6 +107,7 @@ def routed_loss_on_mesh(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Arra
       This device's share: its replica's loss on the last stage, 0 on the
       others (``lax.psum`` over "stage" gives the replica's loss).
     """
+    _check_idx(idx_Sm1xB, num_stages, tokens_BxT1.shape[0])
     stage = lax.axis_index(STAGE)
     model = nnx.merge(graphdef, params)
 

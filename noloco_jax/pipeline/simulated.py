@@ -53,8 +53,10 @@ def routed_losses(
     model = lambda p: nnx.merge(graphdef, p)  # noqa: E731
     num_layers = jax.tree.leaves(params["blocks"])[0].shape[1]
     stages = stage_layer_ids(num_layers, num_stages)
-    if perms.shape[0] != num_stages - 1:
-        raise ValueError(f"perms has {perms.shape[0]} boundaries, expected {num_stages - 1}.")
+    want = (num_stages - 1, tokens_NxBxT1.shape[1], tokens_NxBxT1.shape[0])
+    if tuple(perms.shape) != want:  # JAX would broadcast or clamp a mismatched micro-batch axis
+        raise ValueError(f"perms must have shape [S - 1, B, N] = {list(want)}, "
+                         f"got {list(perms.shape)}.")  # fmt: skip
     x = jax.vmap(lambda p, t: model(p).embed(t))(params, tokens_NxBxT1[..., :-1])
     y = tokens_NxBxT1[..., 1:]
     for s, ids in enumerate(stages):
