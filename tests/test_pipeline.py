@@ -42,6 +42,17 @@ def test_pool_and_draws_are_bijections_and_deterministic():
     assert all(sorted(p) == [0, 1, 2, 3] for p in perms.reshape(-1, 4).tolist())
 
 
+def test_permutation_pool_refuses_bools_floats_and_negative_seeds():
+    """True made a 1-replica pool (and hit 1's cache entry), pool_size=2.5 or True was used as
+    a bound, 2.0 replicas died in math.factorial with a TypeError, seed=-1 in NumPy unnamed."""
+    pl.permutation_pool(1), pl.permutation_pool(3, 1)  # cached entries True could have hit
+    for args, field in [((True,), "num_replicas"), ((2.0,), "num_replicas"),
+                        ((0,), "num_replicas"), ((3, 2.5), "pool_size"), ((3, True), "pool_size"),
+                        ((3, 0), "pool_size"), ((4, 8, -1), "seed")]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^{field}: must be an integer"):
+            pl.permutation_pool(*args)
+
+
 def test_route_boundary_moves_each_microbatch_to_its_destination():
     x = jnp.arange(N * B).reshape(N, B)
     perm = jnp.array([[1, 2, 3, 0], [0, 1, 2, 3], [3, 2, 1, 0]])  # [B, N]

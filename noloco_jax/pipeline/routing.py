@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from noloco_jax import errors
+
 __all__ = [
     "permutation_pool",
     "route_indices",
@@ -33,7 +35,6 @@ __all__ = [
 ]
 
 
-@functools.lru_cache(maxsize=32)
 def permutation_pool(num_replicas: int, pool_size: int = 64, seed: int = 0) -> np.ndarray:
     """Static bijections of the replicas, int32 [K, N]: ``pool[i, k]`` = destination of k.
 
@@ -44,11 +45,18 @@ def permutation_pool(num_replicas: int, pool_size: int = 64, seed: int = 0) -> n
 
     Returns:
       A read-only array with distinct rows; row 0 is the identity (fixed routing).
+
+    Raises:
+      UserError (a ``ValueError``): num_replicas or pool_size not an integer >= 1, or seed
+        not an integer >= 0 (checked before the cache, where True would hit 1's entry).
     """
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
-    if pool_size < 1:
-        raise ValueError(f"pool_size must be >= 1, got {pool_size}.")
+    return _permutation_pool(errors.check_int("num_replicas", num_replicas),
+                             errors.check_int("pool_size", pool_size),
+                             errors.check_int("seed", seed, minimum=0))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=32)
+def _permutation_pool(num_replicas: int, pool_size: int, seed: int) -> np.ndarray:
     if math.factorial(num_replicas) <= pool_size:
         pool = np.array(list(itertools.permutations(range(num_replicas))), np.int32)
     else:
