@@ -53,6 +53,13 @@ def test_permutation_pool_refuses_bools_floats_and_negative_seeds():
             pl.permutation_pool(*args)
 
 
+def test_route_indices_refuses_a_pool_size_below_one():
+    """pool_size <= 0 (or True) drew index 0 everywhere: the identity, fixed routing."""
+    for pool_size in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match=r"^pool_size: must be an integer >= 1"):
+            pl.route_indices(0, num_boundaries=2, num_microbatches=6, pool_size=pool_size, seed=0)
+
+
 def test_route_boundary_moves_each_microbatch_to_its_destination():
     x = jnp.arange(N * B).reshape(N, B)
     perm = jnp.array([[1, 2, 3, 0], [0, 1, 2, 3], [3, 2, 1, 0]])  # [B, N]

@@ -73,7 +73,12 @@ def route_indices(
     step: jax.typing.ArrayLike, *, num_boundaries: int, num_microbatches: int, pool_size: int,
     seed: int,
 ) -> jax.Array:  # fmt: skip
-    """Pool indices for one training step, int32 [S - 1, B] (traced, device-uniform)."""
+    """Pool indices for one training step, int32 [S - 1, B] (traced, device-uniform).
+
+    ``pool_size`` is the pool's length, an integer >= 1 (with 0 or less every index was 0, the
+    identity: fixed routing).
+    """
+    errors.check_int("pool_size", pool_size)
     key = jax.random.fold_in(jax.random.key(seed), jnp.asarray(step, jnp.uint32))
     shape = (num_boundaries, num_microbatches)
     return jax.random.randint(key, shape, 0, pool_size, dtype=jnp.int32)
