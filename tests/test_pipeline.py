@@ -255,6 +255,12 @@ def test_bad_stage_counts_and_meshes():
         pl.stage_layer_ids(2, 3)
     with pytest.raises(ValueError, match="needs 32 devices"):
         pl.make_pipeline_mesh(8, 4)
+    # 0 died with an IndexError, 2.0 with a TypeError, (-1, -2) in JAX unnamed, True made 1 x 2
+    for args, field in [((0, 2), "num_replicas"), ((2.0, 2), "num_replicas"),
+                        ((-1, -2), "num_replicas"), ((True, 2), "num_replicas"),
+                        ((2, 0), "num_stages")]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^{field}: must be an integer >= 1"):
+            pl.make_pipeline_mesh(*args)
 
 
 def test_nonfinite_guard_on_the_mesh_resets_every_stage_of_the_replica(setup):

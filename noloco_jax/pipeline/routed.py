@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from noloco_jax import errors
 from noloco_jax.models import cross_entropy
 from noloco_jax.pipeline.stages import stage_layer_ids
 
@@ -136,6 +137,8 @@ def stage_leaf_axes(path: tuple, local: Any) -> tuple[str, ...]:
 def make_pipeline_mesh(num_replicas: int, num_stages: int,
                        devices: Any = None) -> jax.sharding.Mesh:  # fmt: skip
     """A (replica, stage) mesh of N x S devices; a clear error when too few exist."""
+    errors.check_int("num_replicas", num_replicas)
+    errors.check_int("num_stages", num_stages)
     devices = list(jax.devices() if devices is None else devices)
     need = num_replicas * num_stages
     if len(devices) < need:
