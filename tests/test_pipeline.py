@@ -166,6 +166,21 @@ def _routed_grads(reps, graphdef, pool, idx, on_mesh, gather=False):
     return jax.jit(reps.map(one))
 
 
+def test_routed_loss_on_mesh_refuses_num_stages_other_than_the_stage_axis(setup):
+    """Device (r, s) is addressed as r * num_stages + s: with num_stages=1 on a 4 x 2 mesh the
+    loss came back silently (the routing and the last stage were those of a 1-stage pipeline)."""
+    graphdef, params, tokens, pool, idx, _ = setup
+    reps = _mesh_reps()
+
+    def one(p, tok):
+        return jax.lax.psum(pl.routed_loss_on_mesh(p, tok, idx[:0], graphdef=graphdef, pool=pool,
+                                                   num_stages=1), "stage")  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"^num_stages: must equal the mesh's 'stage' axis "
+                                         r"size 2, got 1\."):
+        jax.eval_shape(reps.map(one), reps.put(params), reps.put(tokens))
+
+
 @pytest.mark.parametrize("on_mesh, gather", [(False, False), (False, True), (True, False)])
 def test_per_replica_routing_equals_the_gather_simulation(setup, on_mesh, gather):
     """routed_loss (ppermute or gather over replicas, vmap) and routed_loss_on_mesh equal

@@ -109,6 +109,9 @@ def routed_loss_on_mesh(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Arra
       others (``lax.psum`` over "stage" gives the replica's loss).
     """
     _check_idx(idx_Sm1xB, num_stages, tokens_BxT1.shape[0])
+    mesh_stages = lax.axis_size(STAGE)  # the pairs address device (r, s) as r * S + s
+    errors.require(num_stages == mesh_stages, "num_stages", f"must equal the mesh's {STAGE!r} "
+                   f"axis size {mesh_stages}, got {num_stages}.")  # fmt: skip
     stage = lax.axis_index(STAGE)
     model = nnx.merge(graphdef, params)
 
