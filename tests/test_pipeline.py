@@ -182,6 +182,27 @@ def test_routed_loss_on_mesh_refuses_num_stages_other_than_the_stage_axis(setup)
 
 
 @pytest.mark.parametrize("on_mesh, gather", [(False, False), (False, True), (True, False)])
+def test_a_pool_for_another_number_of_replicas_is_refused(setup, on_mesh, gather):
+    """Bijections of 2 or 8 replicas on 4: the gather clamped the sources and returned a wrong
+    loss silently; ppermute died with a bare AssertionError."""
+    graphdef, params, tokens, *_ = setup
+    reps = _mesh_reps() if on_mesh else replicas.Replicas(N)
+    idx = jnp.ones((S - 1, B), jnp.int32)
+    for m in (2, 8):
+        pool = pl.permutation_pool(m, 24)
+
+        def one(p, tok, pool=pool):
+            if on_mesh:
+                return jax.lax.psum(pl.routed_loss_on_mesh(p, tok, idx, graphdef=graphdef,
+                                                           pool=pool, num_stages=S), "stage")
+            return pl.routed_loss(p, tok, idx, graphdef=graphdef, pool=pool, num_stages=S,
+                                  gather=gather)  # fmt: skip
+
+        with pytest.raises(ValueError, match=rf"^pool: must hold bijections of the {N} "):
+            jax.eval_shape(reps.map(one), reps.put(params), reps.put(tokens))
+
+
+@pytest.mark.parametrize("on_mesh, gather", [(False, False), (False, True), (True, False)])
 def test_per_replica_routing_equals_the_gather_simulation(setup, on_mesh, gather):
     """routed_loss (ppermute or gather over replicas, vmap) and routed_loss_on_mesh equal
     routed_losses."""

@@ -61,6 +61,14 @@ def _check_idx(idx_Sm1xB: jax.Array, num_stages: int, num_microbatches: int) -> 
                          f"got {list(idx_Sm1xB.shape)}.")  # fmt: skip
 
 
+def _check_pool(pool: np.ndarray, axis: str) -> None:
+    """A ValueError unless the pool's bijections are of the ``axis`` replicas (the gather
+    clamped out-of-range sources, giving a wrong loss silently)."""
+    n = lax.axis_size(axis)
+    errors.require(np.shape(pool)[-1] == n, "pool", f"must hold bijections of the {n} replicas "
+                   f"of axis {axis!r}, got shape {list(np.shape(pool))}.")  # fmt: skip
+
+
 def routed_loss(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Array, *, graphdef: Any,
                 pool: np.ndarray, num_stages: int, axis_name: str = REPLICA,
                 gather: bool = False) -> jax.Array:  # fmt: skip
@@ -85,6 +93,7 @@ def routed_loss(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Array, *, gr
       each replica receives is that of the sum of all replicas' losses.
     """
     _check_idx(idx_Sm1xB, num_stages, tokens_BxT1.shape[0])
+    _check_pool(pool, axis_name)
     model = nnx.merge(graphdef, params)
     num_layers = jax.tree.leaves(params["blocks"])[0].shape[0]
     pairs = lambda perm: [(k, int(perm[k])) for k in range(len(perm))]  # noqa: E731
@@ -112,6 +121,7 @@ def routed_loss_on_mesh(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Arra
     mesh_stages = lax.axis_size(STAGE)  # the pairs address device (r, s) as r * S + s
     errors.require(num_stages == mesh_stages, "num_stages", f"must equal the mesh's {STAGE!r} "
                    f"axis size {mesh_stages}, got {num_stages}.")  # fmt: skip
+    _check_pool(pool, REPLICA)
     stage = lax.axis_index(STAGE)
     model = nnx.merge(graphdef, params)
 
