@@ -76,7 +76,8 @@ def sync_report(
       group_size: NoLoCo group size n >= 2.
       gamma_equals_beta: NoLoCo with γ = β sends only the fast weights.
       exchange_bytes_per_param: NoLoCo's bytes per parameter on the wire
-        (``exchange_dtype``); ``None`` means ``bytes_per_param``.
+        (``exchange_dtype``); ``None`` means ``bytes_per_param``. 1 is the optimizer's
+        ``"int8"`` exchange, whose float32 scale per ``quantize.BLOCK`` values is counted.
       allreduce: "ring" or "tree", the all-reduce of data parallel and DiLoCo.
 
     Returns:
@@ -102,9 +103,9 @@ def sync_report(
     tree = _wire.params_tree(p, bpp)
     ar_bytes = comm.allreduce_bytes_per_replica(tree, n)
     ar_time = allreduce_time(allreduce, p * bpp, n, link)
-    nl_bytes = comm.noloco_bytes_per_sync(
+    nl_bytes = comm.noloco_bytes_per_sync(  # 1 byte: the "int8" codes with their block scales
         tree, group_size=group_size, gamma_equals_beta=gamma_equals_beta,
-        exchange_dtype=_wire.wire_dtype(xbpp),
+        exchange_dtype="int8" if xbpp == 1 else _wire.wire_dtype(xbpp),
     )
     nl_time = group_exchange_time(nl_bytes, link, group_size=group_size)
     return [
