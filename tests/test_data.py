@@ -450,8 +450,10 @@ def test_byte_tokenizer():
     assert tok.encode("a\x00b").tolist() == [97, 98]  # NUL is reserved for eos
     assert tok.decode([104, 105]) == "hi" and tok.decode([0xFF]) == "\ufffd"
     assert tok.decode(tok.encode("a\ud800b")) == "a\ufffdb"  # a lone surrogate (was "a?b")
-    with pytest.raises(ValueError, match="byte ids"):
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 255\], got 256\.\.256"):
         tok.decode([256])
+    with pytest.raises(ValueError, match="token ids must be integers"):  # was 'A'
+        tok.decode([65.7])
     with pytest.raises(ValueError, match="exactly 256"):
         data.make_tokenizer("byte", vocab_size=512)
     with pytest.raises(ValueError, match=r"kind must be one of \['byte', 'sentencepiece', 'hf'\]"):
@@ -516,6 +518,10 @@ def test_sentencepiece_trained_locally_and_cached(tmp_path, monkeypatch):
     retrained = data.train_sentencepiece(TEXTS, vocab_size=300, model_path=tmp_path / "b.model")
     assert retrained.name == tok.name
     assert tok.decode(tok.encode("a\udc80b")) == "a\ufffdb"  # was a RuntimeError from C++
+    with pytest.raises(ValueError, match="token ids must be integers"):  # 1.5 was dropped
+        tok.decode([1.5])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 299\]"):
+        tok.decode([300])
     with pytest.raises(ValueError, match="vocab_size"):
         data.train_sentencepiece(TEXTS, vocab_size=100, model_path=tmp_path / "x.model")
     with pytest.raises(ValueError, match="already holds a model with vocab_size=300"):

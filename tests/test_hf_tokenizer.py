@@ -82,3 +82,14 @@ def test_a_tokenizer_config_of_the_wrong_shape_names_the_file(tmp_path, text):
     (d / "tokenizer_config.json").write_text(text)
     with pytest.raises(ValueError, match=r"tokenizer_config\.json must be a JSON object"):
         HFTokenizer(d)
+
+
+def test_decode_refuses_float_and_out_of_vocabulary_ids(tmp_path):
+    """int(2.7) decoded as id 2, silently."""
+    tok = HFTokenizer(_save(tmp_path))
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        tok.decode([2.7])
+    with pytest.raises(ValueError, match=rf"token ids must be in \[0, {tok.vocab_size - 1}\]"):
+        tok.decode([tok.vocab_size])
+    assert tok.decode([2, 3]) == "the cat"
+

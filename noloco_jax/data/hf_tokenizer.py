@@ -9,6 +9,8 @@ from typing import Iterable
 
 import numpy as np
 
+from noloco_jax.data.tokenizers import decode_ids
+
 __all__ = ["HFTokenizer"]
 
 # End-of-document tokens tried, in order, when tokenizer_config.json names none.
@@ -94,7 +96,8 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; eos ids are dropped."""
-        return self._tok.decode([int(i) for i in ids if int(i) != self.eos_id])
+        arr = decode_ids(ids, self.vocab_size)
+        return self._tok.decode(arr[arr != self.eos_id].tolist())
 
 
 def _parse(tokenizer_cls: type, blob: bytes, file: pathlib.Path):

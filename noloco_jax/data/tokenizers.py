@@ -41,6 +41,19 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
+def decode_ids(ids: Iterable[int], vocab_size: int) -> np.ndarray:
+    """``ids`` as a flat int64 array, or a ``ValueError``: ids are integers in [0, vocab_size)
+    (a float id was truncated or dropped, an id past the vocabulary decoded as another)."""
+    arr = np.asarray(ids if hasattr(ids, "__array__") else list(ids))
+    if arr.size and not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
+        raise ValueError(f"token ids must be integers, got an array of dtype {arr.dtype}.")
+    arr = arr.astype(np.int64).ravel()
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size - 1}], got "
+                         f"{arr.min()}..{arr.max()}.")  # fmt: skip
+    return arr
+
+
 def _well_formed(text: str) -> str:
     """``text`` with each lone surrogate (not encodable as UTF-8) replaced by U+FFFD.
 
@@ -69,9 +82,7 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; eos ids are dropped, invalid UTF-8 becomes U+FFFD."""
-        arr = np.asarray(ids if hasattr(ids, "__array__") else list(ids), np.int64).ravel()
-        if arr.size and (arr.min() < 0 or arr.max() > 255):
-            raise ValueError(f"byte ids must be in [0, 255], got {arr.min()}..{arr.max()}.")
+        arr = decode_ids(ids, self.vocab_size)
         return arr[arr != self.eos_id].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
@@ -97,7 +108,8 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; eos ids are dropped."""
-        return self._sp.decode([int(i) for i in ids if int(i) != self.eos_id])
+        arr = decode_ids(ids, self.vocab_size)
+        return self._sp.decode(arr[arr != self.eos_id].tolist())
 
 
 _SP_SPECIALS = 2  # unk (never produced: byte fallback covers everything) and eos
