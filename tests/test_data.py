@@ -140,6 +140,13 @@ def test_a_file_name_that_is_not_utf8_is_read(text_dir, tmp_path):
     assert sorted(c.train + c.validation) == sorted([*TEXTS, "un caf\u00e9 " * 50])
 
 
+def test_a_utf8_byte_order_mark_is_not_text(text_dir, tmp_path):
+    """A file saved with a BOM began its document with U+FEFF (an 'empty' one was a document)."""
+    (text_dir / "bom.txt").write_bytes(b"\xef\xbb\xbf" + "with a mark ".encode() * 50)
+    c = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
+    assert sorted(c.train + c.validation) == sorted([*TEXTS, "with a mark " * 50])
+
+
 def test_a_file_copied_with_its_size_and_mtime_is_prepared_again(text_dir, tmp_path):
     """``cp -p`` or ``rsync -a`` of new text of the same size keeps (size, mtime): the stale
     prepared dataset was reused."""

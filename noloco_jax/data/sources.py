@@ -21,6 +21,7 @@ TensorFlow Datasets is imported lazily: importing this module is cheap.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import fcntl
@@ -372,6 +373,8 @@ def _read_text(f: pathlib.Path, encoding: str) -> str:
             f"valid {encoding}; it is not text in that encoding. Set config.data.encoding "
             f"(e.g. 'latin-1') or leave the file out."
         )
+    if codecs.lookup(encoding).name == "utf-8":  # a byte-order mark (Windows editors) is no text
+        text = text.removeprefix("\ufeff")
     return text
 
 
