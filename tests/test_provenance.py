@@ -262,3 +262,12 @@ def test_part_flag_is_checked():
     for bad in ("3/2", "0/2", "x", "1/2/3"):
         with pytest.raises(app.UsageError, match="--part"):
             parse("--part", bad)
+
+
+def test_a_field_the_old_config_lacks_differs_unless_it_is_the_default():
+    old = {"seed": 1, "fault": {}}  # recorded before fault.dropout_prob existed (default 0.0)
+    assert provenance.config_differences(old, {"seed": 1, "fault": {"dropout_prob": 0.0}}) == {}
+    diff = provenance.config_differences(old, {"seed": 1, "fault": {"dropout_prob": 0.25}})
+    assert list(diff) == ["fault.dropout_prob"]  # the old run trained with no dropout
+    assert diff["fault.dropout_prob"] == (provenance.ABSENT, 0.25)
+    assert provenance.config_differences({**old, "gone": 1}, old) == {}  # an option removed

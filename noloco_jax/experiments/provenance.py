@@ -21,7 +21,7 @@ from typing import Any
 from noloco_jax import defaults
 
 __all__ = ["OUTPUT_PATHS", "git_state", "version_label", "run_info", "config_differences",
-           "versions_of"]  # fmt: skip
+           "versions_of", "ABSENT"]  # fmt: skip
 
 # Paths (relative to the repository) whose changes do not count as a dirty tree.
 OUTPUT_PATHS = ("experiments/results", "experiments/figures", "experiments/RESULTS.md",
@@ -110,14 +110,30 @@ def _version(package: str) -> str | None:
         return None
 
 
-def config_differences(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
-    """Dotted fields present in both configs whose values differ: {field: (old, new)}.
+ABSENT = "(absent)"  # config_differences' old value of a field the old config lacks
 
-    A field only one of them has (an option added to the code since) is not a difference;
-    the commits recorded next to the configs tell those versions apart.
+
+def config_differences(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """Dotted fields whose values differ: {field: (old, new)}.
+
+    A field only ``new`` has (an option added to the code since ``old`` was recorded) is a
+    difference, ``(ABSENT, value)``, unless its value is the field's default, which the older
+    code behaved as; a field only ``old`` has (an option removed since) is not. The commits
+    recorded next to the configs tell those versions apart.
     """
     a, b = defaults.dotted(old), defaults.dotted(new)
-    return {k: (a[k], b[k]) for k in sorted(set(a) & set(b)) if a[k] != b[k]}
+    diff = {k: (a[k], b[k]) for k in set(a) & set(b) if a[k] != b[k]}
+    diff.update({k: (ABSENT, b[k]) for k in set(b) - set(a) if not _is_default(k, b[k])})
+    return dict(sorted(diff.items()))
+
+
+def _is_default(name: str, value: Any) -> bool:
+    """Whether ``value`` (as JSON keeps it) is the default of field ``name`` (False: no field)."""
+    try:
+        default = defaults.default(name)
+    except KeyError:
+        return False
+    return json.loads(json.dumps(default, default=repr)) == value
 
 
 def versions_of(results: dict) -> dict[str, list[str]]:
