@@ -271,3 +271,19 @@ def test_a_field_the_old_config_lacks_differs_unless_it_is_the_default():
     assert list(diff) == ["fault.dropout_prob"]  # the old run trained with no dropout
     assert diff["fault.dropout_prob"] == (provenance.ABSENT, 0.25)
     assert provenance.config_differences({**old, "gone": 1}, old) == {}  # an option removed
+
+
+def test_report_only_refuses_saved_metrics_of_another_config(monkeypatch, tmp_path):
+    monkeypatch.setattr(harness, "_train", _fake_train([]))
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path / "out")
+    runs = [harness.Run("a", {"seed": 1, "outer.gamma": 0.3})]
+    harness.write_outputs(opts, "g", harness.run_grid(CONFIG, runs, opts, runs_subdir="g"), "md")
+    again = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path / "out", report_only=True)
+    assert harness.run_grid(CONFIG, runs, again, runs_subdir="g")["a"]["eval"]  # same grid
+    changed = [harness.Run("a", {"seed": 1, "outer.gamma": 0.5})]  # as run_grid would refuse
+    with pytest.raises(ValueError, match=r"another config than this grid's \(outer.gamma: 0.3"):
+        harness.run_grid(CONFIG, changed, again, runs_subdir="g")
+    smoke = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path / "out",
+                            report_only=True, smoke=True)  # fmt: skip
+    with pytest.raises(ValueError, match="--smoke"):  # full-run numbers in a smoke report
+        harness.run_grid(CONFIG, runs, smoke, runs_subdir="g")

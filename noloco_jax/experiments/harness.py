@@ -212,6 +212,23 @@ def _saved_metrics(out_dir: pathlib.Path, names: list[str], runs: list[Run]) -> 
     return found
 
 
+def _check_saved_configs(found: dict, planned: list, out_dir: pathlib.Path) -> None:
+    """Refuses saved metrics (``--report_only``) of a run recorded with another config than
+    the grid's (a changed plan, a smoke run's json, other data); a run saved without its
+    config (made before run_info) is left to make_results, which flags it."""
+    for run, _, cfg, _ in planned:
+        saved = (found[run.name].get("run_info") or {}).get("config")
+        if not saved:
+            continue
+        diff = provenance.config_differences(saved, provenance.run_info(cfg, ROOT, {})["config"])
+        if diff:
+            shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+            raise errors.UserError(
+                f"--report_only: the metrics of run {run.name} saved in {out_dir} were trained "
+                f"with another config than this grid's ({shown}); give the flags that trained "
+                "it (--smoke, --data_path, ...) or train the grid again.")
+
+
 def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) -> dict:
     """The run_info.json a run keeps: the recorded one if it trained before (refused if its
     config differs from ``info``'s), else ``info``, written now if ``write`` (it is about to
@@ -277,7 +294,8 @@ def run_grid(
     ``run_info.json`` (commit, config, seeds) is written when it starts and checked against
     the grid's config whenever the run is met again. With ``opts.report_only`` nothing is
     trained: the metrics saved by an earlier full run (``<out_dir>/<name>.json``, ``name``
-    defaulting to ``runs_subdir``) are returned instead.
+    defaulting to ``runs_subdir``) are returned instead, refused for a run saved with
+    another config than the grid's.
 
     Args:
       config: the config file every run starts from.
@@ -297,7 +315,9 @@ def run_grid(
         ``run_info.json`` (made before runs recorded it).
     """
     if opts.report_only:
-        return _saved_metrics(opts.out_dir, [name or runs_subdir, runs_subdir], runs)
+        found = _saved_metrics(opts.out_dir, [name or runs_subdir, runs_subdir], runs)
+        _check_saved_configs(found, plan_grid(config, runs, opts, runs_subdir), opts.out_dir)
+        return found
     planned = plan_grid(config, runs, opts, runs_subdir)
     if opts.dry_run:
         for run, workdir, cfg, done in planned:
