@@ -295,6 +295,9 @@ def make_domains(
         raise ValueError(f"domains: unknown {unknown}; valid: {sorted(SOURCES)}.")
     if set(training) & set(held_out):
         raise ValueError(f"domains: {sorted(set(training) & set(held_out))} both trained and held out.")
+    repeated = sorted({n for n in training + held_out if (training + held_out).count(n) > 1})
+    if repeated:  # a repeat would be trained, scored and tiered as two domains
+        raise ValueError(f"domains: {repeated} named more than once; name each domain once.")
     if not isinstance(num_chars, int) or num_chars < 1000:
         raise ValueError(f"num_chars must be an integer >= 1000, got {num_chars!r}.")
     cache: dict[str, dict[str, str]] = {}
