@@ -37,6 +37,11 @@ def _hetero_gap(ppl: dict, domain: str, rule: str) -> float:
     return abs(float(np.log(best / ppl[HOMO][domain][rule])))
 
 
+def _design(run: dict) -> dict[str, dict[str, list[str]]]:
+    """{ensemble: {domain: sorted rules}} of one seed's entry."""
+    return {e: {d: sorted(rules) for d, rules in ds.items()} for e, ds in run["ppl"].items()}
+
+
 def compare(before: dict, after: dict) -> dict[str, dict[str, float]]:
     """Noise against signal per weighting rule; see the module docstring.
 
@@ -49,7 +54,7 @@ def compare(before: dict, after: dict) -> dict[str, dict[str, float]]:
       "trained"}}``; the first two are fractions (0.03 = 3 %).
 
     Raises:
-      UserError: the runs differ in seeds, ensembles or domains.
+      UserError: the runs differ in seeds, ensembles, domains or rules.
     """
     if sorted(before["seeds"]) != sorted(after["seeds"]):
         raise UserError(f"seeds: the runs have {sorted(before['seeds'])} and "
@@ -57,9 +62,9 @@ def compare(before: dict, after: dict) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for seed in sorted(before["seeds"]):
         a, b = before["seeds"][seed], after["seeds"][seed]
-        if sorted(a["ppl"]) != sorted(b["ppl"]) or sorted(a["ppl"][HOMO]) != sorted(b["ppl"][HOMO]):
-            raise UserError(f"seed {seed}: the runs differ in ensembles or domains; compare "
-                            "runs of the same design.")
+        if _design(a) != _design(b):
+            raise UserError(f"seed {seed}: the runs differ in ensembles, domains or rules; "
+                            "compare runs of the same design.")
         domains = sorted(a["ppl"][HOMO])
         tier_moves = sum(a["tiers"][d] != b["tiers"].get(d) for d in a["tiers"])  # rule-free
         for rule in sorted(a["ppl"][HOMO][domains[0]]):

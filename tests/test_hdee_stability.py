@@ -46,6 +46,16 @@ def test_compare_refuses_runs_of_other_seeds_or_domains():
     del other["seeds"]["0"]["ppl"]["M_Ho-I_Ho"]["b"]
     with pytest.raises(UserError, match="domains"):
         compare(BEFORE, other)
+    # A rule or a domain only one run has was a KeyError (a traceback), in either order.
+    fewer = json.loads(json.dumps(BEFORE))
+    del fewer["seeds"]["0"]["ppl"]["M_He-I_Ho"]["b"]["r"]
+    for x, y in ((AFTER, fewer), (fewer, AFTER)):
+        with pytest.raises(UserError, match="differ in ensembles, domains or rules"):
+            compare(x, y)
+    fewer = json.loads(json.dumps(BEFORE))
+    del fewer["seeds"]["0"]["ppl"]["M_Ho-I_He"]["b"]
+    with pytest.raises(UserError, match="differ in ensembles, domains or rules"):
+        compare(fewer, AFTER)
 
 
 def test_cli_prints_table_and_missing_file_exits_2(tmp_path):
