@@ -208,6 +208,11 @@ def test_ngram_reference_model_measures_difficulty():
                                   jnp.zeros((1, 2, 3))), "targets_WxT"),
     (lambda: ev.rule_perplexities(jnp.zeros((1, 2, 3, 4)), jnp.zeros((2, 3), int),
                                   jnp.zeros((2, 2, 3))), "logp_dev_KxWxT"),
+    # No windows (a split shorter than seq_len + 1): NaN for every rule, or a prior_K error.
+    (lambda: ev.rule_perplexities(jnp.zeros((1, 0, 3, 4)), jnp.zeros((0, 3), int),
+                                  jnp.zeros((1, 2, 3))), "logp_test_KxWxTxV must hold W >= 1"),
+    (lambda: ev.rule_perplexities(jnp.zeros((1, 2, 3, 4)), jnp.zeros((2, 3), int),
+                                  jnp.zeros((1, 0, 3))), r"logp_dev_KxWxT must be \[K=1, W >= 1"),
     (lambda: ex.plan_ensemble("big", {"a": "easy"}, 10, 2), "kind"),
     (lambda: ex.plan_ensemble("M_Ho-I_He", {"a": "easy"}, 10, 10), "delta"),
     (lambda: ex.size_config(CFG, "XL", WIDTHS), "size"),

@@ -38,9 +38,12 @@ def rule_perplexities(
     k, w, t = logp_test_KxWxTxV.shape[:3]
     if targets_WxT.shape != (w, t):
         raise ValueError(f"targets_WxT must have shape {(w, t)}, got {tuple(targets_WxT.shape)}.")
-    if logp_dev_KxWxT.ndim != 3 or logp_dev_KxWxT.shape[0] != k:
-        raise ValueError(f"logp_dev_KxWxT must be [K={k}, W, T], got "
+    if logp_dev_KxWxT.ndim != 3 or logp_dev_KxWxT.shape[0] != k or logp_dev_KxWxT.shape[1] < 1:
+        raise ValueError(f"logp_dev_KxWxT must be [K={k}, W >= 1, T], got "
                          f"{tuple(logp_dev_KxWxT.shape)}.")  # fmt: skip
+    if w < 1:  # the mean over no tokens is NaN, for every rule
+        raise ValueError(f"logp_test_KxWxTxV must hold W >= 1 test windows, got "
+                         f"{tuple(logp_test_KxWxTxV.shape)} (a split shorter than seq_len + 1?).")
     idx = jnp.broadcast_to(targets_WxT[None, ..., None], (k, w, t, 1)).astype(jnp.int32)
     test = jnp.take_along_axis(logp_test_KxWxTxV, idx, axis=-1)[..., 0]
     prior = ensemble.estimate_prior(logp_dev_KxWxT)
