@@ -218,6 +218,10 @@ def test_ngram_reference_model_measures_difficulty():
     (lambda: ex.size_config(CFG, "XL", WIDTHS), "size"),
     (lambda: _group([np.arange(100)], [0]), "steps_K"),
     (lambda: _group([np.arange(10)], [1]), "streams"),
+    # Ids outside the vocabulary trained silently (negative ids wrap; larger ones give NaN).
+    (lambda: _group([np.arange(100), -np.arange(100)], [1, 1]),
+     r"streams\[1\] must hold token ids in \[0, 256\).*from -99 to 0"),
+    (lambda: _group([np.arange(200, 300)], [1]), r"streams\[0\] must hold token ids in \[0, 256\)"),
     # A model the stack lacks was a clamped copy of the last one; NaN difficulties misordered
     # the tiers; an unknown tier was a KeyError; a float budget was truncated.
     (lambda: ex.train_group(*_one_model(), [np.arange(100)] * 2, [2, 2], batch=2, seq_len=8,

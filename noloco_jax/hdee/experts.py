@@ -104,6 +104,22 @@ def _draw_windows(stream: np.ndarray, key: jax.Array, steps: int, batch: int,
     return np.asarray(stream, np.int32)[starts[..., None] + np.arange(seq_len + 1)]
 
 
+def _vocab_size(graphdef: Any, params_K: Any) -> int:
+    """The models' vocabulary size, from the shape of their logits (nothing is computed)."""
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), params_K)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda p: models.apply(graphdef, p, tokens), one).shape[-1]
+
+
+def _check_ids(streams: list[np.ndarray], vocab: int) -> None:
+    """Token ids outside [0, vocab) would train silently: negative ids wrap, larger give NaN."""
+    for i, s in enumerate(streams):
+        lo, hi = int(np.min(s)), int(np.max(s))
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"streams[{i}] must hold token ids in [0, {vocab}) (the models' "
+                             f"vocabulary), got ids from {lo} to {hi}.")  # fmt: skip
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "optim"))
 def _train_replicas(params_K: Any, windows_KxSxBxT1: jax.Array, *, graphdef: Any,
                     optim: OptimSettings) -> tuple[Any, jax.Array]:  # fmt: skip
@@ -173,6 +189,7 @@ def train_group(
     if min(lengths) < seq_len + 2:
         raise ValueError(f"streams: every stream needs more than seq_len + 1 = {seq_len + 1} "
                          f"tokens, got lengths {lengths}.")  # fmt: skip
+    _check_ids(streams, _vocab_size(graphdef, params_K))
     optim = OptimSettings(learning_rate=float(learning_rate), warmup_steps=warmup,
                           min_lr_ratio=0.1, clip_norm=1.0)  # fmt: skip
     keys = jax.random.split(jax.random.key(seed), k)
