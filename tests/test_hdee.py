@@ -215,6 +215,11 @@ def test_ngram_reference_model_measures_difficulty():
                                   jnp.zeros((1, 0, 3))), r"logp_dev_KxWxT must be \[K=1, W >= 1"),
     (lambda: ex.plan_ensemble("big", {"a": "easy"}, 10, 2), "kind"),
     (lambda: ex.plan_ensemble("M_Ho-I_He", {"a": "easy"}, 10, 10), "delta"),
+    # A bool or float delta or steps was planned (True as 1, 2.5 as fractional step budgets).
+    (lambda: ex.plan_ensemble("M_Ho-I_He", {"a": "easy"}, 10, True), "delta: must be an integer"),
+    (lambda: ex.plan_ensemble("M_Ho-I_He", {"a": "easy"}, 10, 2.5), "delta: must be an integer"),
+    (lambda: ex.plan_ensemble("M_Ho-I_He", {"a": "easy"}, 10.0, 2), "steps: must be an integer"),
+    (lambda: ex.plan_ensemble("M_Ho-I_Ho", {"a": "easy"}, 0, 0), "steps: must be an integer >= 1"),
     (lambda: ex.size_config(CFG, "XL", WIDTHS), "size"),
     (lambda: _group([np.arange(100)], [0]), "steps_K"),
     (lambda: _group([np.arange(10)], [1]), "streams"),

@@ -59,8 +59,9 @@ def plan_ensemble(kind: str, tiers: dict[str, str], steps: int, delta: int) -> l
     """The experts of ensemble ``kind`` for ``tiers`` ({domain: easy|medium|hard})."""
     if kind not in ENSEMBLES:
         raise ValueError(f"kind must be one of {ENSEMBLES}, got {kind!r}.")
-    if not 0 <= delta < steps:
-        raise ValueError(f"delta must be in [0, steps={steps}), got {delta!r}.")
+    errors.check_int("steps", steps)
+    errors.check_int("delta", delta, minimum=0, maximum=steps - 1,
+                     maximum_text=f"steps - 1 = {steps - 1}")  # fmt: skip
     by_tier = {"easy": -1, "medium": 0, "hard": 1}
     unknown = {d: t for d, t in tiers.items() if t not in by_tier}
     if unknown:
