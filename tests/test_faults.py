@@ -233,3 +233,35 @@ def test_dropout_prob_range(bad):
         noloco_outer(dropout_prob=bad)
     with pytest.raises(ValueError, match="dropout_prob"):
         diloco_outer(dropout_prob=bad)
+
+
+@pytest.mark.parametrize("outer", [{}, {"delay": 1, "sync_every": 4},
+                                   {"exchange_dtype": "int8", "error_feedback": True}])
+def test_diloco_resync_absent_also_resyncs_a_replica_the_guard_caught(outer):
+    """fault.resync_absent: a replica the non-finite guard leaves out (active=False) takes the
+    round's shared step as a dropped-out one does. local_steps kept its old slow weights and
+    momentum, so its slow weights stayed apart for good (resync_absent changed nothing)."""
+    from noloco_jax.trainer.optimizer import build_optimizer  # noqa: PLC0415
+    from noloco_jax.trainer.settings import FaultSettings, OptimSettings, OuterSettings  # noqa
+
+    num, o = 4, OuterSettings(**{"sync_every": 2, "momentum": 0.3, **outer})
+    tx = build_optimizer("diloco", OptimSettings(warmup_steps=0), o, num_steps=10,
+                         num_replicas=num, fault=FaultSettings(resync_absent=True))
+    reps = replicas.make_replicas(num, backend="vmap")
+    params = replicas.replicate(random_tree(jax.random.key(9)), num)
+    state = reps.init(tx, params)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return restore_nonfinite(optax.apply_updates(p, u), s), s
+
+    step = jax.jit(reps.map(step))
+    for t in range(2 * o.sync_every):  # replica 0 breaks before the first round's sync
+        if t == o.sync_every - o.delay - 1:
+            params = jax.tree.map(lambda x: x.at[0].set(jnp.nan), params)
+        params, state = step(params, state, random_tree(jax.random.key(20 + t), num))
+    found = state[-1]
+    np.testing.assert_array_equal(found.nonfinite_resets, [1.0, 0.0, 0.0, 0.0])
+    for tree in (found.slow_params, found.outer_state.sgd_state):  # one set, momentum too
+        for x in jax.tree.leaves(tree):
+            np.testing.assert_array_equal(x, np.broadcast_to(x[1], x.shape))

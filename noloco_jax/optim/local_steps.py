@@ -385,6 +385,7 @@ def local_steps(
     fragments: Any = None,
     delay: int = 0,
     mixing: float = 1.0,
+    resync_caught: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Runs ``inner`` every step and ``outer`` every ``sync_every`` steps.
 
@@ -398,8 +399,9 @@ def local_steps(
       nonfinite_guard: at each sync, a replica whose fast weights are not all
         finite is passed to ``outer`` as ``active=False`` (it then sends nothing
         its partners use, so it cannot poison them), keeps its last slow
-        weights and outer state, restarts its inner optimizer from a fresh
-        state (Adam's moments and count, so its bias correction starts over;
+        weights and outer state (unless ``resync_caught``), restarts its inner
+        optimizer from a fresh state (Adam's moments and count, so its bias
+        correction starts over;
         a learning-rate schedule's position, ``optax.scale_by_schedule`` or
         ``optax.inject_hyperparams``, is kept, so it does not warm up again)
         and counts the event in ``nonfinite_resets``. Its returned update is
@@ -434,6 +436,11 @@ def local_steps(
         that the merge keeps: theta <- phi_new + m (theta_t - theta_s).
         1 (the default) keeps all of it, which to first order gives the
         weights the update without delay would have; 0 restarts from phi_new.
+      resync_caught: with ``nonfinite_guard``, a caught replica takes the step
+        ``outer`` gives an inactive replica and its new outer state instead of
+        keeping its own (``diloco_outer(resync_absent=True)``: the round's shared
+        step, so the slow weights stay one set); it still restarts its inner
+        optimizer and lands on the new slow weights.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` acting on the model params
@@ -476,6 +483,7 @@ def local_steps(
     if slow_dtype is not None and not jnp.issubdtype(slow_dtype, jnp.floating):
         raise ValueError(f"slow_dtype must be None or a float dtype, got {slow_dtype!r}.")
     errors.check_bool("nonfinite_guard", nonfinite_guard)
+    errors.check_bool("resync_caught", resync_caught)
     if not isinstance(check_phase, bool) and check_phase != "count":  # `in` took 1 and 0.0
         raise ValueError(f"check_phase must be True, False or 'count', got {check_phase!r}.")
     accumulators = _check_accumulation(inner, sync_every)
@@ -489,7 +497,8 @@ def local_steps(
     mixing = check_mixing(mixing)
     inner = optax.with_extra_args_support(inner)
     outer = optax.with_extra_args_support(outer)
-    rules = _Rules(inner, outer, nonfinite_guard, guard_axis_name, fragments, mixing)
+    rules = _Rules(inner, outer, nonfinite_guard, guard_axis_name, fragments, mixing,
+                   resync_caught)
 
     def init_fn(params: optax.Params) -> LocalStepsState:
         if spec is not None:
@@ -575,9 +584,9 @@ class _Rules:
     """
 
     def __init__(self, inner: Any, outer: Any, guard: bool, guard_axis: Any, fragments: Any,
-                 mixing: float) -> None:  # fmt: skip
+                 mixing: float, resync_caught: bool = False) -> None:  # fmt: skip
         self.inner, self.outer, self.guard, self.guard_axis = inner, outer, guard, guard_axis
-        self.fragments, self.mixing = fragments, mixing
+        self.fragments, self.mixing, self.resync_caught = fragments, mixing, resync_caught
 
     def view(self, tree: Any, p: int | None) -> Any:
         return tree if p is None else frag.take(tree, self.fragments, p)
@@ -643,10 +652,11 @@ class _Rules:
             safe_grad = optax.tree.where(ok, outer_grad, optax.tree.zeros_like(outer_grad))
             delta, new_outer = self.outer.update(safe_grad, outer_state, slow_p, active=ok,
                                                  **stream)  # fmt: skip
-            new_slow = optax.tree.where(ok, optax.apply_updates(slow_p, delta), slow_p)
+            take = jnp.logical_or(ok, self.resync_caught)  # the caught one's step, or its own
+            new_slow = optax.tree.where(take, optax.apply_updates(slow_p, delta), slow_p)
             # A cond, not a select, so no step copies the outer state (BENCHMARKS.md).
             new_outer, outer_state = _same_varying_axes(new_outer, outer_state)
-            kept = lax.cond(ok, lambda: new_outer, lambda: outer_state)
+            kept = lax.cond(take, lambda: new_outer, lambda: outer_state)
             outer_state = _counters_from(new_outer, kept)
             local_opt_state, resets = self.reset_inner(ok, self.merge(slow, new_slow, p), params,
                                                        local_opt_state, resets)  # fmt: skip

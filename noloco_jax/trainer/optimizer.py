@@ -101,6 +101,7 @@ def build_optimizer(
     return optax.chain(clip, local_steps(inner, out, outer.sync_every, nonfinite_guard=guard,
                                          guard_axis_name=guard_axis, fragments=fragment_spec,
                                          delay=outer.delay, mixing=outer.mixing,
+                                         resync_caught=method == "diloco" and fault.resync_absent,
                                          check_phase="count"))  # fmt: skip
 
 
