@@ -752,6 +752,23 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
         assert settings_lib.warnings_for(fine) == []
 
 
+def test_exchange_settings_of_a_lone_replica_are_warned(corpus_dir, data_dir):  # noqa: F811
+    # One replica has no partner: NoLoCo and DiLoCo return its own weights, so an 8-bit
+    # exchange, drop-outs or gamma did nothing, silently (the runs were bit-identical).
+    lone = dict(num_replicas=1, global_batch_size=2)
+    for method in ("noloco", "diloco"):
+        s = _settings(corpus_dir, data_dir, method=method, **lone, fault={"dropout_prob": 0.3},
+                      outer={"exchange_dtype": "int8", "error_feedback": True})
+        assert settings_lib.warnings_for(s) == [
+            "config.outer.exchange_dtype='int8', config.outer.error_feedback=True, "
+            "config.fault.dropout_prob=0.3 ignored with num_replicas=1: a lone replica exchanges "
+            "nothing (no partner, no drop-out, no 8-bit message); use num_replicas >= 2 to train "
+            "with them."]
+    assert settings_lib.warnings_for(_settings(corpus_dir, data_dir, **lone)) == []
+    pair = _settings(corpus_dir, data_dir, outer={"exchange_dtype": "int8", "gamma": 0.3})
+    assert settings_lib.warnings_for(pair) == []
+
+
 # --- 10. memory -------------------------------------------------------------------------
 
 

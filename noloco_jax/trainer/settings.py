@@ -451,11 +451,30 @@ def warnings_for(s: TrainSettings) -> list[str]:
                    f"(config.mesh): this exchange packs the replica into one flat message, so each "
                    f"device sends {'all of it' if s.method == 'diloco' else 'twice its share'}, "
                    f"not 1/(fsdp x tensor); {keeps} keeps the split.")  # fmt: skip
+    out += _lone_replica_warnings(s)
     window = parse_profile_steps(s.profile_steps)
     if window is not None and window[0] >= s.num_steps:
         out.append(f"config.profile_steps={s.profile_steps!r} starts at or after num_steps="
                    f"{s.num_steps}: no trace will be written.")
     return out
+
+
+# What only acts on the exchange between replicas: a single replica has no partner.
+_EXCHANGE_FIELDS = ("outer.exchange_dtype", "outer.error_feedback", "outer.gamma",
+                    "fault.dropout_prob", "fault.resync_absent")
+
+
+def _lone_replica_warnings(s: TrainSettings) -> list[str]:
+    """NoLoCo / DiLoCo with one replica: exchange settings that do nothing (silent before)."""
+    if s.num_replicas > 1 or s.method not in ROUND_METHODS:
+        return []
+    values = {f: getattr(getattr(s, f.split(".")[0]), f.split(".")[1]) for f in _EXCHANGE_FIELDS}
+    given = [f"config.{f}={v!r}" for f, v in values.items() if v != defaults.default(f)]
+    if not given:
+        return []
+    return [f"{', '.join(given)} ignored with num_replicas=1: a lone replica exchanges nothing "
+            f"(no partner, no drop-out, no 8-bit message); use num_replicas >= 2 to train "
+            f"with {'them' if len(given) > 1 else 'it'}."]
 
 
 def _is_codec(name: Any) -> bool:
