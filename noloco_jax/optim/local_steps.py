@@ -652,7 +652,7 @@ class _Rules:
             safe_grad = optax.tree.where(ok, outer_grad, optax.tree.zeros_like(outer_grad))
             delta, new_outer = self.outer.update(safe_grad, outer_state, slow_p, active=ok,
                                                  **stream)  # fmt: skip
-            take = jnp.logical_or(ok, self.resync_caught)  # the caught one's step, or its own
+            take = jnp.ones_like(ok) if self.resync_caught else ok  # the outer's step or its own
             new_slow = optax.tree.where(take, optax.apply_updates(slow_p, delta), slow_p)
             # A cond, not a select, so no step copies the outer state (BENCHMARKS.md).
             new_outer, outer_state = _same_varying_axes(new_outer, outer_state)
