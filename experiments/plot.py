@@ -38,13 +38,19 @@ def last_per_step(records: list[dict]) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def _lone(recs: list[dict]) -> str | None:
+    """A marker for a line of one point (a run with one record), which no line draws."""
+    return "o" if len(recs) == 1 else None
+
+
 def plot_runs(workdirs: list[pathlib.Path], out: pathlib.Path) -> pathlib.Path:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
     for workdir in workdirs:
         path = workdir / "metrics.jsonl"
         for ax, (kind, key, title) in zip(axes, PANELS):
             recs = [r for r in last_per_step(read_jsonl(path, kind)) if key in r]
-            ax.plot([r["step"] for r in recs], [r[key] for r in recs], label=workdir.name)
+            ax.plot([r["step"] for r in recs], [r[key] for r in recs], label=workdir.name,
+                    marker=_lone(recs))  # fmt: skip
             ax.set_title(title)
             ax.set_xlabel("step")
     axes[1].set_yscale("log")
@@ -69,7 +75,7 @@ def plot_replicas(workdir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
         for i in range(max((len(r[key]) for r in recs), default=0)):
             have = [r for r in recs if i < len(r[key])]
             ax.plot([r["step"] for r in have], [r[key][i] for r in have], label=f"replica {i}",
-                    lw=1)  # fmt: skip
+                    lw=1, marker=_lone(have))  # fmt: skip
         ax.set_title(title)
         ax.set_xlabel("step")
     if len(axes[0].lines) <= 16:

@@ -265,3 +265,21 @@ def test_a_new_session_hides_what_an_abandoned_one_logged_past_its_start(tmp_pat
     assert [(r["step"], r["train_loss"]) for r in train] == [(4, 5.0), (6, 4.0)]
     events = read_jsonl(tmp_path / "metrics.jsonl", "event")
     assert [r["event"] for r in events] == ["nonfinite_reset", "corrupt_checkpoint"]
+
+
+def test_plot_draws_a_run_with_one_record(tmp_path):
+    """A line of one point has no segment: without a marker, a run with one eval record (or
+    a replica in one record) drew an empty panel."""
+    import json  # noqa: PLC0415
+
+    import matplotlib.image as mpimg  # noqa: PLC0415
+
+    from experiments.plot import plot_runs  # noqa: PLC0415
+
+    recs = [{"step": 0, "kind": "eval", "val_ppl": 20.0, "replica_spread": 0.1},
+            {"step": 2, "kind": "train", "train_loss": 3.0}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    img = mpimg.imread(plot_runs([tmp_path], tmp_path / "c.png"))[..., :3]
+    c0 = np.array([0x1F, 0x77, 0xB4]) / 255  # the first line's colour
+    eval_panels = img[:, img.shape[1] // 3:]  # no legend there: a C0 pixel is the record
+    assert (np.abs(eval_panels - c0).max(-1) < 0.1).sum() > 0
