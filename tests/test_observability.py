@@ -283,3 +283,28 @@ def test_plot_draws_a_run_with_one_record(tmp_path):
     c0 = np.array([0x1F, 0x77, 0xB4]) / 255  # the first line's colour
     eval_panels = img[:, img.shape[1] // 3:]  # no legend there: a C0 pixel is the record
     assert (np.abs(eval_panels - c0).max(-1) < 0.1).sum() > 0
+
+
+def test_tensorboard_gets_per_replica_scalars(tmp_path):
+    """Per-replica lists reached metrics.jsonl and W&B (<kind>/<name>/r<i>) but not
+    TensorBoard, which took only int and float values."""
+    scalars = {}
+
+    class Recorder:
+        def add_scalar(self, tag, value, step):
+            scalars[tag] = (value, step)
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    class Writer(MetricWriter):
+        def _open_tensorboard(self):
+            self._tb = Recorder()
+
+    writer = Writer(tmp_path)
+    writer.write(2, "train", {"train_loss": 3.0, "train_loss_per_replica": [3.0, float("nan")]})
+    writer.close()
+    assert scalars == {"train/train_loss": (3.0, 2), "train/train_loss_per_replica/r0": (3.0, 2)}

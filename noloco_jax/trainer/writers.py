@@ -77,8 +77,12 @@ class MetricWriter:
         self._jsonl.flush()
         if self._tb is not None:
             for k, v in clean.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(f"{kind}/{k}", v, step)
+                # A per-replica list goes as <kind>/<name>/r<i>, as W&B has it.
+                named = ({f"{kind}/{k}/r{i}": x for i, x in enumerate(v)}
+                         if isinstance(v, list) else {f"{kind}/{k}": v})  # fmt: skip
+                for tag, x in named.items():
+                    if isinstance(x, (int, float)) and math.isfinite(x):
+                        self._tb.add_scalar(tag, x, step)
             self._tb.flush()
         for sink in self._sinks:
             sink.write(step, kind, clean)
