@@ -13,7 +13,7 @@ import jax.extend as jex
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from noloco_jax import comm, diloco_outer, local_steps, noloco_outer, replicas
+from noloco_jax import comm, data_parallel, diloco_outer, local_steps, noloco_outer, replicas
 from noloco_jax.optim.local_steps import check_composition
 from noloco_jax.optim.noloco import INJECT_STATIC_ARGS
 from tests.helpers import random_tree, step_fn
@@ -744,3 +744,29 @@ def test_the_readme_api_example_runs_as_written_over_8_devices():
     exec(compile(block, "README.md", "exec"), scope)  # noqa: S102
     assert scope["reps"].backend == "shard_map"
     assert scope["params"]["w"].shape == (8, 5, 1) and np.isfinite(scope["params"]["w"]).all()
+
+
+def test_the_readme_nnx_recipes_start_identical_replicas():
+    """README's two Flax NNX recipes, run as written with data_parallel: the replicas start
+    from one set of weights and stay one model (split keys once started them apart, and data
+    parallel and DiLoCo never brought them together)."""
+    import pathlib  # noqa: PLC0415
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    vmap_block = text.split("**Flax NNX.**", 1)[1].split("```python\n", 1)[1].split("```")[0]
+    mesh_block = text.split("**Flax NNX, one replica per device", 1)[1]
+    mesh_block = mesh_block.split("```python\n", 1)[1].split("```")[0]
+    x = jax.random.normal(jax.random.key(1), (3, N, 5, 3))
+    base = {"jax": jax, "jnp": jnp, "nnx": nnx, "replicas": replicas, "N": N,
+            "Model": _Linear, "tx": data_parallel(optax.adam(1e-2)),
+            "loss_fn": lambda m, b: (m(b) ** 2).mean()}  # fmt: skip
+    scope = dict(base)
+    exec(compile(vmap_block, "README.md", "exec"), scope)  # noqa: S102
+    for b in x:
+        scope["train_step"](scope["model"], scope["optimizer"], b)
+    k = np.asarray(scope["model"].linear.kernel[...])
+    assert np.ptp(k, axis=0).max() == 0.0 and np.ptp(k) > 0
+    scope = dict(base, batches=list(x))
+    exec(compile(mesh_block, "README.md", "exec"), scope)  # noqa: S102
+    k = np.asarray(scope["model"].linear.kernel[...])
+    assert np.ptp(k, axis=0).max() == 0.0 and np.ptp(k) > 0
