@@ -333,7 +333,7 @@ def groups_for_round(
 
 def exchange_steps(group_size: int) -> int:
     """Buffers each replica sends (and receives) per exchanged tensor."""
-    errors.check_int("group_size", group_size, minimum=2)
+    check_group_size(None, group_size)
     if group_size & (group_size - 1) == 0:
         return int(math.log2(group_size))
     return group_size - 1

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from noloco_jax import errors, replicas
+from noloco_jax import comm, errors, replicas
 from noloco_jax.optim.local_steps import local_steps
 
 __all__ = ["QuadraticRun", "simulate_quadratic", "gamma_bounds"]
@@ -38,7 +38,8 @@ def gamma_bounds(momentum: float, group_size: int) -> tuple[float, float]:
         formula divides by n - 1).
     """
     momentum = errors.check_number("momentum", momentum, 0, 1, open_high=True)
-    n = errors.check_int("group_size", group_size, 2)
+    comm.check_group_size(None, group_size)  # the group-size rule (N is not known here)
+    n = group_size
     lower = momentum * (n / (2 * (n - 1))) ** 0.5
     upper = (n * (2 + momentum**2) / (2 * (n - 1))) ** 0.5
     return lower, upper
