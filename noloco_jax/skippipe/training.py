@@ -195,7 +195,7 @@ def skip_value_and_grad(
     On steps where ``step % full_every == 0`` the full model is trained instead (``lax.cond``
     on the shared step: only one branch runs).
     """
-    cfg.check_model(nnx.merge(graphdef, params).cfg.num_layers)
+    cfg.check_model(jax.tree.leaves(params["blocks"])[0].shape[0])  # stacked [L, ...] blocks
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), step),
                              lax.axis_index(axis_name))  # fmt: skip
     paths = sample_stage_paths(key, num_stages=cfg.num_stages, path_length=cfg.path_length,
