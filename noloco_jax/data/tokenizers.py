@@ -45,7 +45,7 @@ def decode_ids(ids: Iterable[int], vocab_size: int) -> np.ndarray:
     """``ids`` as a flat int64 array, or a ``ValueError``: ids are integers in [0, vocab_size)
     (a float id was truncated or dropped, an id past the vocabulary decoded as another)."""
     arr = np.asarray(ids if hasattr(ids, "__array__") else list(ids))
-    if arr.size and not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):  # bool is not an integer dtype
         raise ValueError(f"token ids must be integers, got an array of dtype {arr.dtype}.")
     arr = arr.astype(np.int64).ravel()
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):

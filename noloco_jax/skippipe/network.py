@@ -112,13 +112,13 @@ class Network:
         """Number of nodes N."""
         return len(self.locations)
 
-    def _check_nodes(self, src: int, dst: int) -> None:
+    def _check_node_ids(self, src: int, dst: int) -> None:
         for name, node in (("src", src), ("dst", dst)):  # -1 would index the last node
             errors.check_int(name, node, 0, self.num_nodes - 1)
 
     def link(self, src: int, dst: int) -> Link:
         """The link from node ``src`` to node ``dst`` (two different nodes)."""
-        self._check_nodes(src, dst)
+        self._check_node_ids(src, dst)
         if src == dst:
             raise ValueError(f"src and dst must be different nodes, got {src} twice")
         return Link(self.bytes_per_second[src, dst], self.latency_s[src, dst])
@@ -126,7 +126,7 @@ class Network:
     def link_time(self, src: int, dst: int, num_bytes: float) -> float:
         """Seconds to send ``num_bytes`` from ``src`` to ``dst`` (0 on the same node)."""
         num_bytes = _checks.non_negative("num_bytes", num_bytes)
-        self._check_nodes(src, dst)
+        self._check_node_ids(src, dst)
         if src == dst:
             return 0.0
         lat, bw = self.latency_s[src, dst], self.bytes_per_second[src, dst]
