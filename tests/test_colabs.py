@@ -78,6 +78,14 @@ def _check_own_loop(nb) -> None:
 # ---------------------------------------------------------------- the first cell: setup
 
 
+def test_readme_quotes_the_jax_pin_of_setup_cfg():
+    """colabs/README.md said an installed jax is replaced outside >=0.10.2,<0.11 while
+    setup.cfg pins <0.12 (and keeps Colab's 0.11): the cell's pip follows setup.cfg."""
+    pin = re.search(r"^\s+(jax>=[^\s]+)$", (ROOT / "setup.cfg").read_text(), re.M).group(1)
+    quoted = re.findall(r"`(jax>=[^`]+)`", (ROOT / "colabs" / "README.md").read_text())
+    assert quoted == [pin], (quoted, pin)
+
+
 def _first_cell(path=ROOT / "colabs" / "quickstart.ipynb") -> str:
     nb = nbformat.read(path, as_version=4)
     return next(c.source for c in nb.cells if c.cell_type == "code")
