@@ -11,9 +11,10 @@ ensemble has the lowest perplexity (the paper: 20 of 21).
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -23,7 +24,8 @@ from experiments import options
 from noloco_jax import models
 from noloco_jax.data import ByteTokenizer
 from noloco_jax.data.batches import eval_windows
-from noloco_jax.experiments import harness, stats
+from noloco_jax.errors import UserError
+from noloco_jax.experiments import harness, provenance, stats
 from noloco_jax.hdee import (ENSEMBLES, RULES, assign_tiers, compute, difficulty_bits_per_byte,
                              make_domains, ngram_bits_per_byte, plan_ensemble, posterior_weight_on,
                              rule_perplexities, size_config, token_logprobs, train_group)  # fmt: skip
@@ -285,12 +287,26 @@ def report(results: dict, c, opts: harness.Options) -> str:
     )
 
 
+def check_saved_settings(results: dict, c: Any, path: Any) -> None:
+    """Refuses (``--report_only``) an hdee.json made with other settings than ``c``: the report
+    states c's steps, batch and difficulty measure next to the saved numbers, and records c."""
+    saved = (results.get("_provenance") or {}).get("config")
+    if not saved:
+        return
+    diff = provenance.config_differences(saved, json.loads(json.dumps(c.to_dict(), default=repr)))
+    if diff:
+        shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+        raise UserError(f"--report_only: {path} was made with other settings than these "
+                        f"({shown}); give the flags that made it (--smoke) or run it again.")
+
+
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
     opts = options.grid_options()
     c = _settings(opts.smoke)
     if opts.report_only:  # re-write the report from a finished run's hdee.json
         results = options.read_json("out_dir", opts.out_dir / "hdee.json")
+        check_saved_settings(results, c, opts.out_dir / "hdee.json")
         harness.write_outputs(opts, "hdee", results, report(results, c, opts), config=c)
         return
     names = (SMOKE_DOMAINS if opts.smoke else {})  # the smoke run needs no Shakespeare

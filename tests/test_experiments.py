@@ -178,6 +178,15 @@ def test_hdee_smoke(tmp_path):
     assert set(seed["ppl"]) == {"M_Ho-I_Ho", "M_Ho-I_He", "M_He-I_Ho"}
     md = (tmp_path / "hdee.md").read_text()
     assert "python -m experiments.hdee --smoke" in md and "heterogeneous lowest" in md
+    # --report_only without --smoke wrote "T = 150 steps, delta = 75, 16 x 64 tokens" above
+    # the smoke run's numbers (and recorded those settings as the json's config).
+    from noloco_jax.errors import UserError  # noqa: PLC0415
+
+    with pytest.raises(UserError, match="steps: 4 -> 150"):
+        run_main(hdee, "--report_only", "--out_dir", str(tmp_path))
+    assert (tmp_path / "hdee.md").read_text() == md
+    run_main(hdee, "--smoke", "--report_only", "--out_dir", str(tmp_path))
+    assert "T = 4 steps" in (tmp_path / "hdee.md").read_text()
 
 
 def test_reruns_write_to_experiments_runs_unless_published(tmp_path, monkeypatch):
