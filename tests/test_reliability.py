@@ -124,6 +124,20 @@ def test_load_run_with_other_settings_names_them(finished_run):
     load_run(dataclasses.replace(s, num_steps=s.num_steps - 4, optim=optim), finished)
 
 
+def test_load_run_refuses_a_weight_decay_turned_on_or_off():
+    """Weight decay 0 -> 0.1 turns Adam into AdamW, another state tree: load_run passed the
+    settings check and then called the checkpoint corrupt (a tree-structure mismatch)."""
+    def settings(decay):
+        return settings_lib.TrainSettings(
+            optim=settings_lib.OptimSettings(weight_decay=decay)).to_dict()
+
+    for old, new in ((0.0, 0.1), (0.1, 0.0)):
+        with pytest.raises(ValueError, match=rf"cannot load the run: .*optim.weight_decay: "
+                                             rf"{old} -> {new}"):  # fmt: skip
+            settings_lib.check_loadable(settings(old), settings(new))
+    settings_lib.check_loadable(settings(0.1), settings(0.2))  # AdamW either way: same arrays
+
+
 def test_a_signal_during_the_last_chunk_lets_the_run_finish(tmp_path, finished_run, monkeypatch,
                                                            capsys):  # fmt: skip
     s, finished = finished_run

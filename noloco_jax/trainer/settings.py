@@ -586,9 +586,13 @@ _SHAPING = ("method", "num_replicas", "num_stages", "seed", "model.", "data.", "
 def check_loadable(saved: dict, current: dict) -> None:
     """Refuses to load a checkpoint for analysis with settings that shape its arrays or data
     (the schedule, rates and run length may differ: an extended run loads with its first
-    config)."""
-    changes = {k: v for k, v in _changes(*_dotted_pair(saved, current)).items()
-               if k.startswith(_SHAPING)}  # fmt: skip
+    config). A weight decay may change, but not to or from 0: it picks AdamW or Adam, whose
+    states differ."""
+    a, b = _dotted_pair(saved, current)
+    changes = {k: v for k, v in _changes(a, b).items() if k.startswith(_SHAPING)}
+    decay = "optim.weight_decay"
+    if (a[decay] > 0) != (b[decay] > 0):
+        changes[decay] = (a[decay], b[decay])
     if changes:
         raise ValueError(f"cannot load the run: its checkpoint was written with other settings "
                          f"that shape its arrays or data ({_detail(changes)}); pass the run's own.")
