@@ -847,3 +847,15 @@ def test_extended_run_equals_one_planned_that_long(tmp_path, corpus_dir, data_di
     train_and_evaluate(_settings(corpus_dir, data_dir, **flat), tmp_path / "a", progress=False)
     train_and_evaluate(_settings(corpus_dir, data_dir, **flat), tmp_path / "b", progress=False)
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
+
+
+def test_load_run_of_a_path_without_a_run_leaves_it_alone(tmp_path, finished_run):
+    """load_run made <path>/checkpoints for a mistyped path (after preparing the whole run),
+    and a path that is a file gave a bare NotADirectoryError from orbax."""
+    s, _ = finished_run
+    afile = tmp_path / "metrics.jsonl"
+    afile.write_text("{}\n")
+    for path, what in ((tmp_path / "typo", "has no checkpoints/"), (afile, "is a file")):
+        with pytest.raises(FileNotFoundError, match=f"no checkpoint under .*: it {what}"):
+            load_run(s, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]

@@ -397,18 +397,33 @@ def _evaluate(ses: _Session, state: TrainState, step: int, resized_from: int | N
 
 
 def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any, Any, DataBundle]:
-    """(graphdef, replicated params, data) of a finished or interrupted run, for analysis."""
+    """(graphdef, replicated params, data) of a finished or interrupted run, for analysis.
+
+    Reads only: a ``workdir`` without checkpoints raises ``FileNotFoundError`` and is left
+    as it was (no directory is made).
+    """
+    directory = _checkpoint_dir(workdir)
     run, target = build_run(settings)
-    ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", keep=settings.keep_checkpoints)
+    ckpt = Checkpointer(directory, keep=settings.keep_checkpoints)
     try:
         step = ckpt.latest_step()
         if step is None:
-            raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints.")
+            raise FileNotFoundError(f"no checkpoint under {directory}.")
         check_loadable(ckpt.read_meta(step)["settings"], run.meta["settings"])  # not "corrupt"
         restored, _ = ckpt.restore(step, target)
     finally:  # its manager's threads and files, also when the checkpoint is refused
         ckpt.close()
     return run.graphdef, restored.params, run.data
+
+
+def _checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
+    """``workdir``'s checkpoint directory, checked before any work (and never created)."""
+    workdir = pathlib.Path(workdir)
+    if not (workdir / "checkpoints").is_dir():
+        what = "is a file" if workdir.is_file() else "has no checkpoints/ directory"
+        raise FileNotFoundError(f"no checkpoint under {workdir}: it {what}; pass the workdir "
+                                f"the run was trained in.")  # fmt: skip
+    return workdir / "checkpoints"
 
 
 def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
