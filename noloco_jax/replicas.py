@@ -349,6 +349,7 @@ class Replicas:
         """
         if self.mesh is None:
             return tree
+        self._check_divides(tree)
 
         def place(path: tuple, x: Any) -> Any:
             sharding = self._sharding(path, x)
@@ -358,6 +359,17 @@ class Replicas:
             return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
         return jax.tree_util.tree_map_with_path(place, tree)
+
+    def _check_divides(self, tree: PyTree) -> None:
+        """Refuses a leaf the intra-replica axes do not divide, naming it (``check_divides``);
+        the placement failed with JAX's error, which names neither the leaf nor the fix."""
+        from noloco_jax import sharding  # noqa: PLC0415
+
+        if self.leaf_axes is not sharding.intra_replica_axes:
+            return
+        local = jax.tree_util.tree_map_with_path(
+            lambda p, x: x if is_shared_leaf(x, p) else _drop(x, 1), tree)
+        sharding.check_divides(local, dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)))
 
     def _sharding(self, path: tuple, x: Any) -> NamedSharding:
         """Where ``put`` places a leaf of a replicated tree on the mesh.
