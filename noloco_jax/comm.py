@@ -69,6 +69,7 @@ __all__ = [
     "all_true",
     "group_mean",
     "group_mean_codec",
+    "is_plain_all_reduce",
     "varying_axes",
     "all_replica_mean",
     "all_replica_mean_wire",
@@ -806,7 +807,7 @@ def all_replica_mean(
     correctly rounded mean, the same under ``vmap`` and ``shard_map`` (a sum in
     bfloat16 would round at every addition, differently on each backend).
     """
-    if not _same_as_leaves(tree, exchange_dtype):
+    if not is_plain_all_reduce(tree, exchange_dtype):
         return all_replica_mean_wire(tree, axis_name, exchange_dtype, weight,
                                      absent_takes_mean=absent_takes_mean)[0]  # fmt: skip
     present = None if weight is None else weight > 0
@@ -828,7 +829,7 @@ def _sum_dtype(dtype: Any) -> Any:
     return _accum_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
-def _same_as_leaves(tree: PyTree, exchange_dtype: Any) -> bool:
+def is_plain_all_reduce(tree: PyTree, exchange_dtype: Any) -> bool:
     """Whether ``exchange_dtype`` asks for the plain all-reduce: None, or every leaf's own dtype
     when that is at least float32 wide (a 16-bit wire goes through ``all_replica_mean_wire``,
     which sends 16 bits and sums them in float32)."""
@@ -1052,7 +1053,7 @@ def diloco_bytes_per_sync(
     """
     if errors.check_int("num_replicas", num_replicas) == 1:
         return 0.0
-    if _same_as_leaves(params, exchange_dtype):
+    if is_plain_all_reduce(params, exchange_dtype):
         return mean_bytes_per_replica(params, num_replicas)
     n = tree_num_elements(params)
     unit = _wire_unit(num_replicas, exchange_dtype)

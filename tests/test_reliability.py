@@ -751,16 +751,16 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
     # Measured (tests/test_sharded_memory.py, README): these exchanges do not split.
     split = {"mesh": {"fsdp": 2}, "backend": "shard_map", "num_replicas": 2}
     diloco_keeps = 'exchange_dtype="" (an all-reduce)'
-    for method, wire, what, keeps, param_dtype in (
-            ("diloco", "bfloat16", "all of it", diloco_keeps, "float32"),
-            ("diloco", "bfloat16", "all of it", diloco_keeps, "bfloat16"),  # 16 bits: a wire too
-            ("noloco", "int8", "twice its share", "bfloat16", "float32")):  # fmt: skip
+    for method, wire, keeps, param_dtype in (
+            ("diloco", "bfloat16", diloco_keeps, "float32"),
+            ("diloco", "bfloat16", diloco_keeps, "bfloat16"),  # 16 bits: a wire too
+            ("noloco", "int8", "bfloat16", "float32")):  # fmt: skip
         packed = _settings(corpus_dir, data_dir, method=method, **split,
                            outer={"exchange_dtype": wire}, model={"param_dtype": param_dtype})
         assert settings_lib.warnings_for(packed) == [
             f"config.outer.exchange_dtype={wire!r} with a split replica (config.mesh): this "
-            f"exchange packs the replica into one flat message, so each device sends "
-            f"{what}, not 1/(fsdp x tensor); {keeps} keeps the split."]
+            f"exchange packs the replica into one flat message, so each of its 2 devices sends "
+            f"all of it, not 1/(fsdp x tensor); {keeps} keeps the split."]
     for method, wire in (("noloco", "bfloat16"), ("diloco", ""), ("diloco", "float32")):
         fine = _settings(corpus_dir, data_dir, method=method, **split, outer={"exchange_dtype": wire})
         assert settings_lib.warnings_for(fine) == []

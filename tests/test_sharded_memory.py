@@ -84,6 +84,31 @@ def test_noloco_sync_sends_a_quarter_per_device_on_a_split_of_four(exchange, ite
     assert abs(sent[(2, 2)] * 4 / sent[(1, 1)] - 1) <= 0.1, sent
 
 
+@pytest.mark.parametrize("method, exchange", [("noloco", "int8"), ("diloco", "bfloat16")])
+def test_packed_exchanges_send_the_whole_replica_from_every_device_and_are_counted_so(
+        method, exchange):  # fmt: skip
+    """An 8-bit NoLoCo message and DiLoCo's 16-bit wire pack the replica into one flat
+    vector, so on a split of four each device sends the whole replica's message. The
+    trainer's ``bytes_sent_per_replica`` counted it once, a quarter of what the replica sent."""
+    from noloco_jax.trainer import optimizer  # noqa: PLC0415
+
+    _, params = jax.eval_shape(lambda: models.init_params(
+        models.get_preset("mini", vocab_size=VOCAB), 0))  # fmt: skip
+    for fsdp, tensor in ((1, 1), (2, 2)):
+        s = _settings(2, fsdp, tensor, method=method, outer={"exchange_dtype": exchange,
+                                                             "sync_every": 1})  # fmt: skip
+        compiled = aot.compile_program(s, VOCAB, program="sync")
+        crossing = hlo.crossing_bytes(hlo.collective_ops(compiled.as_text()),
+                                      aot.device_replicas(compiled))  # fmt: skip
+        per_replica = optimizer.bytes_sent(method, s.outer, params, num_replicas=2, steps=1,
+                                           fault=s.fault, devices_per_replica=fsdp * tensor)
+        # A permute's operand leaves whole; of an all-to-all's and all-gather's N shards
+        # (N = 2), the device's own stays (test_exchange8.py).
+        sent = sum(crossing.values()) * (1 if method == "noloco" else 0.5)
+        assert optimizer.packs_replica(method, exchange, params)
+        assert sent * fsdp * tensor == per_replica, (crossing, per_replica)
+
+
 @pytest.mark.slow  # the trainer's own check (its guard sends presence flags) is in the default run
 def test_noloco_with_presence_flags_on_a_split_replica_equals_the_simulation(monkeypatch):
     """Drop-outs make every message carry a presence flag; each leaf still travels alone."""

@@ -90,7 +90,7 @@ def _counted_at(meta: dict, step: int, run: Run) -> tuple[int, int, float]:
                                                                 s.outer.group_size))
     return step, step * old["global_batch_size"] * old["data"]["seq_len"], optim_lib.bytes_sent(
         s.method, outer, run.params0, num_replicas=old["num_replicas"], steps=step,
-        fault=s.fault)  # fmt: skip
+        fault=s.fault, devices_per_replica=s.mesh.fsdp * s.mesh.tensor)  # fmt: skip
 
 
 def _report_resize(run: Run, writer: MetricWriter, step: int) -> None:
@@ -521,7 +521,8 @@ def _counts(run: Run, step: int) -> dict[str, Any]:
 
     def sent_by(steps: int) -> float:
         return optim_lib.bytes_sent(s.method, s.outer, run.params0, num_replicas=s.num_replicas,
-                                    steps=steps, fault=s.fault, stage_copies=copies)  # fmt: skip
+                                    steps=steps, fault=s.fault, stage_copies=copies,
+                                    devices_per_replica=s.mesh.fsdp * s.mesh.tensor)  # fmt: skip
 
     before = sent_by(since)  # a run never resized: exactly the direct count
     return {"tokens_seen": tokens + (step - since) * s.global_batch_size * s.data.seq_len,

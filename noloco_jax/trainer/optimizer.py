@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from noloco_jax import comm
+from noloco_jax import comm, quantize
 from noloco_jax.errors import check_choice
 from noloco_jax.optim.fragments import by_layer_blocks, take
 from noloco_jax.optim import (
@@ -24,7 +24,8 @@ from noloco_jax.pipeline.routed import stage_leaf_axes
 from noloco_jax.pipeline.stages import clip_by_stage_norm
 from noloco_jax.trainer.settings import METHODS, FaultSettings, OptimSettings, OuterSettings
 
-__all__ = ["learning_rate_schedule", "inner_optimizer", "build_optimizer", "bytes_sent"]
+__all__ = ["learning_rate_schedule", "inner_optimizer", "build_optimizer", "bytes_sent",
+           "packs_replica"]
 
 AXIS = "replica"
 
@@ -130,6 +131,7 @@ def bytes_sent(
     steps: int,
     fault: FaultSettings = FaultSettings(),
     stage_copies: int = 1,
+    devices_per_replica: int = 1,
 ) -> float:
     """Bytes one replica has sent after ``steps`` inner steps.
 
@@ -141,10 +143,14 @@ def bytes_sent(
     ``stage_copies``: on a (replica, stage) mesh of S stages each of a replica's S devices
     sends two messages: its 1/S of the blocks, and its own copy of the other leaves
     (embedding, head, final norm).
+    ``devices_per_replica``: F x T of a replica split over ``mesh.fsdp`` x ``mesh.tensor``
+    devices. Each device sends its own shard, except where the exchange packs the whole
+    replica into one flat message (``packs_replica``): then every device sends all of it.
     """
     if stage_copies > 1:
         once = functools.partial(bytes_sent, method, outer, num_replicas=num_replicas,
-                                 steps=steps, fault=fault)  # fmt: skip
+                                 steps=steps, fault=fault,
+                                 devices_per_replica=devices_per_replica)  # fmt: skip
         local = _stage_local(params, stage_copies)
         if method == "noloco":  # one message per kind of leaf (split over stages or not)
             return stage_copies * sum(once(_kind(local, split)) for split in (True, False))
@@ -154,6 +160,8 @@ def bytes_sent(
     if method == "dp":
         return steps * comm.mean_bytes_per_replica(params, num_replicas)
     per_sync = functools.partial(_sync_bytes, method, outer, num_replicas, fault)
+    if devices_per_replica > 1 and packs_replica(method, outer.exchange_dtype, params):
+        per_sync = lambda tree, once=per_sync: devices_per_replica * once(tree)  # noqa: E731
     frags, h = outer.fragments, outer.sync_every
     spec = by_layer_blocks(params, frags) if frags > 1 else None
     total = 0.0
@@ -163,6 +171,17 @@ def bytes_sent(
         total += sent * per_sync(params if spec is None else
                                  jax.eval_shape(lambda x, p=p: take(x, spec, p), params))
     return float(total)
+
+
+def packs_replica(method: str, exchange_dtype: str, params: Any) -> bool:
+    """Whether the exchange sends the whole replica as one flat message: an 8-bit format
+    (its scale blocks span leaves), or DiLoCo with any wire dtype but the leaves' own float32
+    (its all-to-all cuts one flat vector into N shards). On a replica split over F x T devices,
+    each of them then sends all of that message, not its 1/(F x T)."""
+    wire = _exchange_dtype(exchange_dtype)
+    if method == "diloco":
+        return not comm.is_plain_all_reduce(params, wire)
+    return method == "noloco" and quantize.is_codec(wire)
 
 
 def _sync_bytes(method: str, outer: OuterSettings, num_replicas: int, fault: FaultSettings,
