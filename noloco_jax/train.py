@@ -154,7 +154,7 @@ def _fit_warmup(config: Any, explicit: bool, saved: Any = None) -> None:
 
 def _saved_run_length(workdir: Any) -> tuple[int, int] | None:
     """(optim.warmup_steps, num_steps) of ``workdir``'s newest checkpoint; None if unreadable."""
-    directory = pathlib.Path(str(workdir or "")) / "checkpoints"
+    directory = pathlib.Path(str(workdir or "")).expanduser() / "checkpoints"
     if not str(workdir or "").strip() or not directory.is_dir():
         return None
     from noloco_jax import errors  # noqa: PLC0415

@@ -158,6 +158,21 @@ def test_workdir_not_writable(tmp_path, corpus_dir, data_dir):  # noqa: F811
     s = tiny_settings(corpus_dir, data_dir)
     with pytest.raises(ValueError, match="--workdir .*a_file/run.* is not writable"):
         train_and_evaluate(s, blocker / "run", progress=False)
+    with pytest.raises(ValueError, match="--workdir .*a_file' is a file, not a directory"):
+        train_and_evaluate(s, blocker, progress=False)  # was "[Errno 17] File exists"
+
+
+def test_a_workdir_under_the_home_directory_is_expanded(tmp_path, monkeypatch):
+    """``--workdir=~/runs/x``: no shell expands a tilde after '=', and the run went into a
+    folder named '~' under the current directory (load_run looked there too)."""
+    from noloco_jax.trainer.loop import _checkpoint_dir, _writable_workdir  # noqa: PLC0415
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert _writable_workdir("~/runs/x") == tmp_path / "home" / "runs" / "x"
+    assert not (tmp_path / "~").exists()
+    (tmp_path / "home" / "runs" / "x" / "checkpoints").mkdir()
+    assert _checkpoint_dir("~/runs/x") == tmp_path / "home" / "runs" / "x" / "checkpoints"
 
 
 def _probe_many(workdir: str, times: int) -> int:

@@ -418,7 +418,7 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
 
 def _checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
     """``workdir``'s checkpoint directory, checked before any work (and never created)."""
-    workdir = pathlib.Path(workdir)
+    workdir = pathlib.Path(workdir).expanduser()
     if not (workdir / "checkpoints").is_dir():
         what = "is a file" if workdir.is_file() else "has no checkpoints/ directory"
         raise FileNotFoundError(f"no checkpoint under {workdir}: it {what}; pass the workdir "
@@ -430,7 +430,10 @@ def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
     if not str(workdir).strip():  # Path("") is the current directory
         raise UserError("--workdir is empty; name the run's directory, e.g. "
                         "--workdir=runs/my_run.")  # fmt: skip
-    workdir = pathlib.Path(workdir)
+    workdir = pathlib.Path(workdir).expanduser()  # --workdir=~/runs/x: no shell expands it
+    if workdir.exists() and not workdir.is_dir():
+        raise UserError(f"--workdir {str(workdir)!r} is a file, not a directory; name a new "
+                        f"or existing directory.")  # fmt: skip
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         probe = workdir / f".write_probe.{jax.process_index()}.{os.getpid()}"  # one per process
