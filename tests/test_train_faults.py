@@ -32,6 +32,21 @@ def test_injected_nan_is_caught_reset_and_logged(tmp_path, corpus_dir, data_dir)
     assert last["val_ppl"] < 100  # training went on: nothing else was poisoned
 
 
+def test_fast_weights_left_non_finite_after_the_last_sync_are_warned(
+        tmp_path, corpus_dir, data_dir, capsys):  # noqa: F811 (fmt: skip)
+    # Replica 1 goes NaN before update 5; syncs every 4, so the run's last step (5) has no
+    # sync to repair it: the run ends, its checkpoint holds finite slow weights (the guard's
+    # check), and its NaN fast weights were saved without a word.
+    s = tiny_settings(corpus_dir, data_dir, num_steps=5, log_every=1, eval_every=5,
+                      checkpoint_every=5, outer={"sync_every": 4},
+                      fault={"inject_nan_step": 4, "inject_nan_replica": 1})  # fmt: skip
+    last = train_and_evaluate(s, tmp_path, progress=False)
+    assert last["step"] == 5 and not np.isfinite(last["val_ppl"])
+    out = capsys.readouterr().out
+    assert "WARNING: the fast weights of replica(s) [1] are non-finite at the last step 5" in out
+    assert Checkpointer(tmp_path / "checkpoints").latest_step() == 5
+
+
 @pytest.mark.slow  # the guard's positive case is test_injected_nan_is_caught_reset_and_logged
 def test_without_guard_nan_spreads(tmp_path, corpus_dir, data_dir):  # noqa: F811
     from noloco_jax.errors import TrainingDivergedError  # noqa: PLC0415

@@ -96,6 +96,21 @@ class Escalation:
             self._fail(step, f"the {which} of replica(s) {np.flatnonzero(~ok).tolist()} are "
                              f"non-finite at step {step}")  # fmt: skip
 
+    def unrepaired(self, state: TrainState, step: int) -> str | None:
+        """A warning when, at the run's last step, some replica's fast weights are non-finite:
+        the guard repairs them at a sync, and none is left (the last step is not a sync step)."""
+        if not self.active:
+            return None
+        ok = np.stack([np.asarray(replicas.to_host(v))
+                       for v in per_replica_finite(state.params)]).all(0)  # fmt: skip
+        if ok.all():
+            return None
+        return (f"the fast weights of replica(s) {np.flatnonzero(~ok).tolist()} are non-finite "
+                f"at the last step {step}, after the last sync: no sync is left to repair them, "
+                f"so their evaluation is NaN. Their slow weights are finite and checkpointed; "
+                f"resuming with a larger num_steps repairs them at the next sync (a num_steps "
+                f"that is a multiple of outer.sync_every ends on a sync).")
+
     def _fail(self, step: int, what: str) -> None:
         s = self._settings
         o = s.optim

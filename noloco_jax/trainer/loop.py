@@ -274,6 +274,9 @@ def _after_chunk(ses: _Session, state: TrainState, synced: list | None, step: in
     stopping = _stop_agreed(ses.stop) is not None
     if step % s.checkpoint_every == 0 or step == s.num_steps or stopping:
         ses.guard.check_savable(state, step)
+        unrepaired = ses.guard.unrepaired(state, step) if step == s.num_steps else None
+        if unrepaired and ses.writer.enabled:
+            ses.bar.write(f"WARNING: {unrepaired}")
         _report_saves(ses, wait=True)  # orbax waits for the previous save here anyway
         counted = {k: ses.last[k] for k in ("tokens_seen", "bytes_sent_per_replica")}
         ses.ckpt.save(step, state, {**ses.run.meta, "counted": counted,
