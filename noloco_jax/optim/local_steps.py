@@ -191,6 +191,22 @@ def _same_varying_axes(a: Any, b: Any) -> tuple[Any, Any]:
     return jax.tree.map(cast, a, want), jax.tree.map(cast, b, want)
 
 
+def _pinned(new_slow: Any) -> Any:
+    """phi_new as stored, in its own dtype, for the params to land on.
+
+    XLA (excess precision allowed, its default) computes 16-bit arithmetic in
+    float32 and dropped the narrowing cast of phi_new's last add together with
+    the widening cast of the landing: with ``slow_dtype=jnp.bfloat16`` and
+    float32 params, vmap and one-device replicas landed on phi before its
+    bfloat16 rounding (up to half a bf16 ulp off the slow weights), a replica
+    split over devices on phi itself. The barrier keeps the rounding (a no-op
+    for slow weights as wide as the params' updates).
+    """
+    if all(jnp.dtype(s.dtype).itemsize >= 4 for s in jax.tree.leaves(new_slow)):
+        return new_slow
+    return lax.optimization_barrier(new_slow)
+
+
 def _landing(new_slow: Any, params: Any, updates: Any) -> Any:
     """Updates that move each float param onto phi (rounded to its dtype).
 
@@ -660,6 +676,7 @@ class _Rules:
             outer_state = _counters_from(new_outer, kept)
             local_opt_state, resets = self.reset_inner(ok, self.merge(slow, new_slow, p), params,
                                                        local_opt_state, resets)  # fmt: skip
+        new_slow = _pinned(new_slow)
         if p is not None:
             outer_state = tuple(outer_state if q == p else o for q, o in enumerate(outer_states))
         return theta, new_slow, outer_state, local_opt_state, resets, ok
