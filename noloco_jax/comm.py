@@ -567,9 +567,26 @@ def _replica_split_by_compiler() -> bool:
     return bool(mesh.manual_axes) and bool(mesh.auto_axes)
 
 
+def _as_stored(leaves: list) -> list:
+    """``leaves`` rounded to their own dtypes, as they travel.
+
+    XLA (excess precision allowed, its default) computes 16-bit arithmetic in
+    float32 and dropped the rounding of a bf16 leaf's last op on its way into
+    the float32 accumulation, but not on its way into the message: under vmap
+    and on one-device replicas a member added its own value unrounded and its
+    partner's rounded, so the two members of a group of bf16 leaves (NoLoCo's
+    theta with ``slow_dtype=jnp.bfloat16``) disagreed on their mean in most
+    elements. The barrier keeps the rounding (nothing to do for 4-byte leaves).
+    """
+    if all(jnp.dtype(x.dtype).itemsize >= 4 for x in leaves):
+        return leaves
+    return list(lax.optimization_barrier(list(leaves)))
+
+
 def _group_sums(leaves: list, wires: list, axis_name: str, pool: np.ndarray,
                 index: jax.typing.ArrayLike) -> list:  # fmt: skip
     """Sums of ``leaves`` over this replica's group, in accumulation dtypes, in one message."""
+    leaves = _as_stored(leaves)
     if _own_value_travels(pool.shape[-1]):
         # All leaves travel in one message per step, encoded before the switch;
         # the branches hold only the collectives, and what arrives is added in
