@@ -117,7 +117,7 @@ def report(rows: list[dict], opts: harness.Options) -> str:
               "" if "diff" not in r else f"{r['diff']:+.4f} vs {r['baseline']}",
               "" if "p" not in r else f"{r['p']:.3f}",
               "" if "better" not in r else f"{r['better']}/{r['n']}"] for r in rows]  # fmt: skip
-    cmd = "python -m experiments.comm_quality" + (" --smoke" if opts.smoke else "")
+    cmd = options.command("experiments.comm_quality")
     return (
         "## Communication options: quality in miniature (issue 21)\n\n"
         f"```bash\n{cmd}\n```\n\n"

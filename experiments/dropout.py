@@ -69,7 +69,7 @@ def report(results: dict, opts: harness.Options) -> str:
         rows.append(["DiLoCo (wait)", p, _metric(base, period, "val_ppl"),
                      _metric(base, period, "val_ppl_avg_model"),
                      base["eval"][-1]["replica_spread"], f"{slow:.2f}"])  # fmt: skip
-    cmd = "python -m experiments.dropout" + (" --smoke" if opts.smoke else "")
+    cmd = options.command("experiments.dropout")
     return (
         "## Replica drop-out: NoLoCo steps alone, DiLoCo must skip or wait\n\n"
         f"```bash\n{cmd}\n```\n\n"

@@ -221,7 +221,7 @@ def report(results: dict, c, opts: harness.Options) -> str:
               for k in ENSEMBLES}  # fmt: skip
     seed_ppl = {n: statistics.mean(r["seed_model_ppl"][n] for r in runs) for n in names}
     seed_bpb = {n: statistics.mean(r["seed_model_dev_bpb"][n] for r in runs) for n in names}
-    cmd = "python -m experiments.hdee" + (" --smoke" if opts.smoke else "")
+    cmd = options.command("experiments.hdee")
     diff_rows = [[n, f"{difficulty['zlib'][n]:.2f}", f"{difficulty['ngram'][n]:.2f}",
                   f"{seed_bpb[n]:.2f}", tier_label(n), f"{seed_ppl[n]:.3f}"]
                  for n in names]  # fmt: skip

@@ -15,8 +15,9 @@ import glob
 import json
 import os
 import pathlib
+import shlex
 import sys
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 from absl import app, flags, logging
 
@@ -64,6 +65,59 @@ old_spellings("out_dir", "runs_dir", "data_path", "data_dir", "report_only", "dr
 OUT_FLAGS = ("smoke", "out_dir", "publish")
 GRID_FLAGS = (*OUT_FLAGS, "jobs", "runs_dir", "data_path", "data_dir", "report_only", "part",
               "dry_run")
+
+
+# Flags that say only where a run writes or reads its caches, how its runs are spread over
+# processes or calls, or that it trains nothing: they change no number of a report, so the
+# command a report shows (``command``) leaves them out, and no machine's paths reach the
+# published pages. Every other flag a script defines changes what it computes or shows.
+NOT_IN_COMMAND = frozenset({"out_dir", "publish", "runs_dir", "data_dir", "jobs", "part",
+                            "dry_run", "report_only", "fig_dir", "worker"})  # fmt: skip
+
+
+def command(module: str, *, values: Mapping[str, Any] | None = None,
+            leave_out: Iterable[str] = ()) -> str:  # fmt: skip
+    """The command that makes this run's report again: ``python -m module`` and its flags.
+
+    Every flag of the experiment scripts (``experiments.*``, or the script run as ``python
+    -m``) given on the command line with a value other than its default, except those of
+    ``NOT_IN_COMMAND`` and ``leave_out``; as ``--name=value`` (``--name`` / ``--noname`` for a
+    boolean, one ``--name=value`` per value of a repeatable flag), values shell-quoted,
+    ``--smoke`` first and then by name.
+
+    Args:
+      module: the script, e.g. ``experiments.bench.compile_scale``.
+      values: flags to show with this value whether given or not (e.g. a path shown relative
+        to the checkout, or a flag the report's table needs whatever was given); None leaves
+        the flag out.
+      leave_out: more flags that change nothing the report shows.
+
+    Returns:
+      The command, one line.
+    """
+    values = dict(values or {})
+    skip = NOT_IN_COMMAND | set(leave_out)
+    main = sys.argv[0] if sys.argv else ""
+    words: dict[str, list[str]] = {}
+    for name in flags.FLAGS:
+        flag = flags.FLAGS[name]
+        where = flags.FLAGS.find_module_defining_flag(name) or ""
+        if (flag.name != name or name in skip or name in values or not flag.present
+                or flag.value == flag.default
+                or not (where.startswith("experiments.") or where == main)):
+            continue  # an alias or short name, not a script's, or not given
+        if isinstance(flag, flags.BooleanFlag):
+            words[name] = [f"--{'' if flag.value else 'no'}{name}"]
+        else:
+            words[name] = [f"--{name}={shlex.quote(line.partition('=')[2])}"
+                           for line in flag.serialize().splitlines()]  # fmt: skip
+    for name, value in values.items():
+        if value is True or value is False:
+            words[name] = [f"--{'' if value else 'no'}{name}"]
+        elif value is not None:
+            words[name] = [f"--{name}={shlex.quote(str(value))}"]
+    order = sorted(words, key=lambda name: (name != "smoke", name))
+    return " ".join(["python -m", module, *(w for name in order for w in words[name])])
 
 
 def _folder(flag: str, path: pathlib.Path) -> pathlib.Path:

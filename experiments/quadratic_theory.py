@@ -68,7 +68,7 @@ def main(argv: Sequence[str]) -> None:
         rec = _run(c, None, 2, w)
         records.append(rec)
         lr_rows.append([w, rec["spread_q4"], rec["spread_q4"] / w])
-    cmd = "python -m experiments.quadratic_theory" + (" --smoke" if opts.smoke else "")
+    cmd = options.command("experiments.quadratic_theory")
     md = (
         "## NoLoCo on the noisy quadratic: the theory's gamma range, observed\n\n"
         f"```bash\n{cmd}\n```\n\n"

@@ -106,7 +106,7 @@ def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
         f"{label}: log ratio {ratios[f'test_{key}']['mean']:+.4f} ± "
         f"{ratios[f'test_{key}']['sd']:.4f}, p = {ratios[f'test_{key}']['p']:.3g}"
         for key, label in (("replica_spread", "weight std"), ("val_ppl", "validation PPL")))
-    cmd = "python -m experiments.routing_ablation" + (" --smoke" if opts.smoke else "")
+    cmd = options.command("experiments.routing_ablation")
     md = (
         "## Random vs fixed routing between pipeline stages (Fig. 4) and PP = 2 vs PP = 1\n\n"
         f"```bash\n{cmd}\n```\n\n"

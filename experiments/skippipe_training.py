@@ -191,7 +191,7 @@ def report(results: dict, runs: list[harness.Run], opts: harness.Options
     rows, equal = _equal_time(results, runs, times)
     subsets = 2 if opts.smoke else 8
     rob, robustness = _robustness(runs, results, opts, subsets, stored.get("robustness", {}))
-    cmd = "python -m experiments.skippipe_training" + (" --smoke" if opts.smoke else "")
+    cmd = options.command("experiments.skippipe_training")
     md = (
         "## SkipPipe in miniature: training with skipped stages\n\n"
         f"```bash\n{cmd}\n```\n\n"

@@ -90,7 +90,7 @@ def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
     fig.tight_layout()
     path = harness.save_figure(fig, harness.figure_path(opts, "spread_vs_lr"))
     plt.close(fig)
-    cmd = "python -m experiments.spread_vs_lr" + (" --smoke" if opts.smoke else "")
+    cmd = options.command("experiments.spread_vs_lr")
     noloco = [v["mid_partial_lr"] for k, v in out.items()
               if k.startswith("noloco") and "mid_partial_lr" in v]  # fmt: skip
     summary = (f"NoLoCo runs, partial r (lr | step) on mid-round evaluations: from "

@@ -80,7 +80,7 @@ def _shown(r: dict) -> bool:
     return r["num_replicas"] in (8, 1024) and r["exchange"] in ("float32", "int8")
 
 
-def markdown(table: list[dict]) -> str:
+def markdown(table: list[dict], command: str = COMMAND) -> str:
     head = ("| model | link | method | P | tau | wire | burst (MB) | sync (s) | stall share | "
             "hidden above (Gbit/s) |\n|---|---|---|---|---|---|---|---|---|---|\n")  # fmt: skip
     body = "".join(
@@ -88,7 +88,7 @@ def markdown(table: list[dict]) -> str:
         f"| {r['exchange']} | {r['bytes_per_sync'] / 1e6:.1f} | {r['sync_time_s']:.3g} | "
         f"{100 * r['comm_fraction']:.2f} % | {_fmt_gbps(r['hidden_above_bytes_per_s'])} |\n"
         for r in table if _shown(r))
-    return (f"### Streaming, overlap and 8-bit exchange in the network model\n\n`{COMMAND}` — "
+    return (f"### Streaming, overlap and 8-bit exchange in the network model\n\n`{command}` — "
             f"H = 50, NoLoCo n = 2, DiLoCo a ring all-reduce over N, float32 params; assumed compute per inner step: "
             f"{', '.join(f'{k} {v} s' for k, v in STEP_S.items())}. Burst = bytes one replica "
             "sends per sync (one fragment). 'hidden above' = the link bandwidth above which an "
@@ -128,15 +128,16 @@ def run(*, smoke: bool, out_dir: pathlib.Path) -> list[dict]:
       The table's rows.
     """
     table = rows(smoke)
+    command = COMMAND + (" --smoke" if smoke else "")
     publishing = out_dir.resolve() == harness.RESULTS.resolve()
     fig_path = (harness.FIGURES if publishing else out_dir) / "streaming_netsim.png"
     fig = plot(table)
     harness.save_figure(fig, fig_path)
     plt.close(fig)
     rel = "../figures/" if publishing else ""
-    md = markdown(table) + f"\n![stall share]({rel}{fig_path.name})\n"
+    md = markdown(table, command) + f"\n![stall share]({rel}{fig_path.name})\n"
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"command": COMMAND, "rows": table, "_provenance": harness.provenance_entry()}
+    results = {"command": command, "rows": table, "_provenance": harness.provenance_entry()}
     (out_dir / "streaming_netsim.json").write_text(json.dumps(results, indent=1, sort_keys=True))
     (out_dir / "streaming_netsim.md").write_text(md)
     print(f"wrote {out_dir / 'streaming_netsim.json'} and {out_dir / 'streaming_netsim.md'}",

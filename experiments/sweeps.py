@@ -109,7 +109,7 @@ def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
     fig.tight_layout()
     path = harness.save_figure(fig, harness.figure_path(opts, "sweeps"))
     plt.close(fig)
-    cmd = "python -m experiments.sweeps" + (" --smoke" if opts.smoke else "")
+    cmd = options.command("experiments.sweeps")
     md = (
         "## Beyond the paper: gamma, group size and sync period\n\n"
         f"```bash\n{cmd}\n```\n\n"

@@ -33,7 +33,7 @@ def main(argv: Sequence[str]) -> None:
                                  name="table2")  # fmt: skip
     if results is None:
         return
-    analysis, md = report(results, opts)
+    analysis, md = report(results, opts, options.command("experiments.table2"))
     harness.write_outputs(opts, "table2", {**results, "_analysis": analysis}, md)
 
 

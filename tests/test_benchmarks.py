@@ -35,6 +35,22 @@ def test_benchmark_smoke(script, tmp_path):
     assert md.count("|") > 10
 
 
+def test_benchmark_report_shows_the_flags_that_made_its_table(tmp_path):
+    """The page's command carried --smoke only, so a table made with --ns=2 showed a command
+    that makes the N = 8, 16 table; the output folder stays off the page."""
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.bench.compile_scale", "--smoke", "--ns=2",
+         "--out_dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    md = (tmp_path / "bench_compile_scale.md").read_text()
+    assert [r["N"] for r in json.loads((tmp_path / "bench_compile_scale.json").read_text())[
+        "rows"]] == [2]
+    assert "`python -m experiments.bench.compile_scale --smoke --ns=2` — " in md
+    assert str(tmp_path) not in md and "out_dir" not in md
+
+
 @pytest.mark.slow
 def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     out = subprocess.run(

@@ -347,6 +347,40 @@ def test_smoke_with_publish_is_refused_before_any_script_runs():
     assert proc.returncode != 0 and "--smoke with --publish would overwrite" in proc.stderr
 
 
+_COMMANDS = """
+import json, sys
+from absl import flags
+from experiments import options
+import experiments.bench.compile_scale, experiments.bench.comm_volume
+flags.FLAGS(['prog', *json.loads(sys.argv[1])])
+print(json.dumps([options.command('experiments.bench.compile_scale'),
+                  options.command('experiments.table2'),
+                  options.command('experiments.bench.comm_volume', values={'sections': 'split'})]))
+"""
+
+
+def test_report_command_keeps_result_flags_and_leaves_out_where_to_write():
+    """A report's command carried --smoke only: a page made with --ns or --replicas showed a
+    command that makes another table. Now every flag given that changes the numbers, as
+    --name=value, --smoke first then by name; flags that say where to write or how to spread
+    the runs stay out (no machine's paths on the published pages), as do defaults given."""
+    argv = ["--ns=8,16", "--label=new code", "--shard-map", "--smoke", "--out_dir=/tmp/mine",
+            "--runs_dir=/tmp/runs", "--data_dir=/tmp/tfds", "--jobs=1", "--part=1/2",
+            "--dry_run", "--report_only", "--verbosity=1", "--no_traffic=false",
+            "--data_path=my corpus", "--splits=2x2", "--replicas=8,16,32,64"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _COMMANDS, json.dumps(argv)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scale, table2, split = json.loads(proc.stdout.strip().splitlines()[-1])
+    rest = "--splits=2x2"  # the flags of every script this process imported
+    assert scale == ("python -m experiments.bench.compile_scale --smoke --data_path='my corpus' "
+                     f"--label='new code' --ns=8,16 --shard_map {rest}")
+    assert table2.startswith("python -m experiments.table2 --smoke --data_path='my corpus' ")
+    assert split.endswith("--sections=split --shard_map --splits=2x2")
+    for command in (scale, table2, split):
+        assert "/tmp" not in command and "jobs" not in command and "part" not in command
+
+
 # One process imports JAX and the package once, then forks a child per case that runs the
 # script as ``python -m`` would (runpy), so each case costs its script's own imports only.
 _FORKED = """

@@ -43,7 +43,7 @@ def main(argv: Sequence[str]) -> None:
         results["cases"][preset] = {**got, "optax_over_fused": ratio}
         rows.append([preset, f"{got['optax'] / 1e9:.4f}", f"{got['fused'] / 1e9:.4f}",
                      f"{ratio:.3f}"])  # fmt: skip
-    cmd = "python -m experiments.bench.clip_traffic" + (" --smoke" if smoke else "")
+    cmd = options.command("experiments.bench.clip_traffic")
     md = (f"### Clipping: optax vs fused\n\n`{cmd}` — bytes accessed by one compiled trainer "
           "step (XLA cost analysis), clipped Adam with each clip.\n\n"
           + common.md_table(["model", "optax clip (GB)", "fused clip (GB)", "optax / fused"],

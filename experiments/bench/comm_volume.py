@@ -139,7 +139,8 @@ def split_table(sizes: list[str], methods: list[str], splits: list[tuple[int, in
                 table.append([preset, method, f"{fsdp} x {tensor}", f"{r['bytes'] / 1e6:.1f}",
                               f"{r['bytes'] * fsdp * tensor / whole:.4f}", kinds])  # fmt: skip
                 print(table[-1], flush=True)
-    cmd = "python -m experiments.bench.comm_volume" + (" --smoke" if smoke else " --sections=split")
+    cmd = options.command("experiments.bench.comm_volume",
+                          values={} if smoke else {"sections": "split"})  # this table alone
     md = (f"### Bytes per device per sync between replicas, whole vs split replicas\n\n`{cmd}` "
           f"(commit {common.git_commit()}) — the trainer's sync program (noloco_jax.trainer.aot: "
           "the paper's settings, float32 params, Adam, guard on) for N = 2 replicas, each whole "
@@ -184,7 +185,7 @@ def replica_table(sizes: list[str], ns: list[int], extrapolate: list[int], vocab
             for n in extrapolate:
                 _add_row(rows, results, preset, num, n, name, seen[-1], f"{n} (HLO at {ns[-1]})")
         per_device.clear()
-    cmd = "python -m experiments.bench.comm_volume" + (" --smoke" if smoke else "")
+    cmd = options.command("experiments.bench.comm_volume")
     md = (f"### Communication per replica per sync, read from compiled HLO\n\n`{cmd}` — bytes of "
           "the collectives in one sync branch of the compiled outer update (shard_map over N "
           "simulated CPU devices, abstract paper-size params); all-reduce operands converted to "

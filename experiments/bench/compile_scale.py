@@ -163,12 +163,11 @@ def main(argv: Sequence[str]) -> None:
         rows.append(_row(rec, old_rec, baseline is not None))
     if not (smoke or NO_TRAFFIC.value or shard_map):
         results["traffic"] = traffic()
-    cmd = "python -m experiments.bench.compile_scale" + (" --smoke" if smoke else "")
-    cmd += " --shard_map" if shard_map else ""
+    shown = None
     if BASELINE.value:
         base = pathlib.Path(BASELINE.value).resolve()
         shown = base.relative_to(common.ROOT) if base.is_relative_to(common.ROOT) else base
-        cmd += f" --label '{label}' --baseline {shown}"
+    cmd = options.command("experiments.bench.compile_scale", values={"baseline": shown})
     header = ["N"]
     if baseline is not None:
         old_label = old.get("label", "baseline")

@@ -93,7 +93,7 @@ def main(argv: Sequence[str]) -> None:
             kinds = " + ".join(f"{k} {v / 1e6:.2f} MB" for k, v in hlo_bytes.items())
             rows.append([n, name, kinds, f"{sent / 1e6:.2f}", f"{sent / f32:.4f}",
                          f"{internet:.3g}"])  # fmt: skip
-    cmd = "python -m experiments.bench.diloco_exchange" + (" --smoke" if smoke else "")
+    cmd = options.command("experiments.bench.diloco_exchange")
     md = (f"### DiLoCo bytes per sync by exchange dtype, from compiled HLO\n\n`{cmd}` — "
           f"{preset} model, {num / 1e6:.1f}M float32 params (abstract), one replica per "
           "simulated CPU device. 'HLO operands': the collectives' buffer sizes in the compiled "

@@ -99,7 +99,7 @@ def main(argv: Sequence[str]) -> None:
                                 "per_replica_speed_vs_plain": rel})  # fmt: skip
         rows.append([method, round(tok_s), f"{100 * mfu:.1f} %" if mfu else "n/a", f"{rel:.3f}"])
     gpu = jax.default_backend() == "gpu"
-    cmd = "python -m experiments.bench.gpu" + (" --smoke" if smoke else "")
+    cmd = options.command("experiments.bench.gpu")
     title = "Accelerator throughput and MFU" + ("" if gpu else " (not a GPU: a dry run)")
     md = (f"### {title}\n\n`{cmd}` — {env['device']}, jax {env['jax']}; {preset} model, bf16 "
           f"compute, {n} replicas x {b} x {t} tokens per step, chunks of H = {h} steps "

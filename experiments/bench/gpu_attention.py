@@ -77,7 +77,7 @@ def main(argv: Sequence[str]) -> None:
                                     "cudnn_calls": calls[case, name],
                                     "speed_vs_xla_choice": rel})  # fmt: skip
             rows.append([case, name, calls[case, name], f"{ms:.2f}", f"{rel:.2f}"])
-    cmd = "python -m experiments.bench.gpu_attention" + (" --smoke" if smoke else "")
+    cmd = options.command("experiments.bench.gpu_attention")
     env = results["env"]
     md = (f"### Attention kernel in the compiled step\n\n`{cmd}` — {env['device']}, jax "
           f"{env['jax']}; {preset} model, bf16 compute, {b} x {t} tokens per replica, loss and "

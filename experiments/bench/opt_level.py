@@ -121,8 +121,7 @@ def main(argv: Sequence[str]) -> None:
     env = common.environment()
     results = {"env": env, "commit": env["commit"], "steps": STEPS, "runs": runs}
     rows = [_row(level, runs[level], runs["default"]) for level in LEVELS]
-    cmd = "python -m experiments.bench.opt_level" + (" --smoke" if options.SMOKE.value else
-                                                     f" --reps {reps}")  # fmt: skip
+    cmd = options.command("experiments.bench.opt_level")
     md = (f"### Compile flags of the test suite: XLA:CPU's defaults vs LLVM at level 0, the older "
           f"fusion emitters and one codegen part\n\n"
           f"`{cmd}` — the tests' shared NoLoCo run (nano, 4 vmap replicas, H = 6, {STEPS} steps, "

@@ -166,7 +166,7 @@ def main(argv: Sequence[str]) -> None:
         r, res = traffic_case(preset, vocab, n, b, t, h if preset != "small" else 50)
         traffic_rows += r
         results["traffic"][preset] = res
-    cmd = "python -m experiments.bench.overhead" + (" --smoke" if smoke else "")
+    cmd = options.command("experiments.bench.overhead")
     desc = "; ".join(
         f"{c[0]}: {c[2]} vmap replica(s), {c[3]} x {c[4]} tokens per replica, chunks of {c[5]} "
         "fused steps" for c in cases)  # fmt: skip

@@ -87,8 +87,7 @@ def main(argv: Sequence[str]) -> None:
               f"{np.median(r['times']['gather']):.2f}",
               f"{np.median(r['times']['ppermute']) / np.median(r['times']['gather']):.1f}",
               f"{r['max_abs_diff']:.1e}"] for r in rows]  # fmt: skip
-    cmd = "python -m experiments.bench.routing_compile" + (" --smoke" if smoke else
-                                                           f" --reps {reps}")  # fmt: skip
+    cmd = options.command("experiments.bench.routing_compile")
     md = (f"### Compile time of the simulated routed pipeline\n\n`{cmd}` — loss and gradient of "
           f"N = {N} vmapped replicas, S = {S} stages (nano, 2 layers), routed with one ppermute "
           f"per pool entry (a switch per micro-batch) or with one gather per boundary; lower + "

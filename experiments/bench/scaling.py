@@ -58,7 +58,7 @@ def main(argv: Sequence[str]) -> None:
         results["rows"].append(rec)
         rows.append([n, 1e3 * step, round(tok), round(tok / n), f"{step / (base * n):.2f}",
                      f"{peak / 2**20:.0f}"])  # fmt: skip
-    cmd = "python -m experiments.bench.scaling" + (" --smoke" if smoke else "")
+    cmd = options.command("experiments.bench.scaling")
     md = (f"### Simulation scaling (vmap replicas on one CPU)\n\n`{cmd}` — {preset} model, NoLoCo "
           f"H = {k}, {b} x {t} tokens per replica per step, median of {reps} chunks of {k} steps "
           f"({results['env']['device']}, {results['env']['num_devices']} visible devices, 2 cores)."

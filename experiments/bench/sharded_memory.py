@@ -178,7 +178,7 @@ def main(argv: Sequence[str]) -> None:
     max_split = min(jax.device_count(), 4 if smoke else jax.device_count())
     state = _state_rows(sizes, vocab, seq_len, ((1, 1), (2, 2)) if smoke else STATE_SPLITS)
     fits = _fit_rows(sizes, vocab, seq_len, max_split)
-    cmd = "python -m experiments.bench.sharded_memory" + (" --smoke" if smoke else "")
+    cmd = options.command("experiments.bench.sharded_memory")
     env = common.environment()
     results = {"env": env, "commit": env["commit"], "state": state,
                "fit": fits, "usable": USABLE.value, "chips": CHIPS}  # fmt: skip

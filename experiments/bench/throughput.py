@@ -134,9 +134,7 @@ def main(argv: Sequence[str]) -> None:
                          round(tok["hand-written"]), round(tok[name]), f"{ratio:.3f}",
                          f"{paired['median']:.3f} ({paired['q25']:.3f}-{paired['q75']:.3f})"])
         results["rows"].append(rec)
-    cmd = " ".join(["python -m experiments.bench.throughput", *(["--smoke"] if smoke else []),
-                    *(f"--case {c}" for c in CASES.value or []),
-                    *([f"--dtype {DTYPE.value}"] if DTYPE.value != "float32" else [])])
+    cmd = options.command("experiments.bench.throughput")
     md = (f"### Training-step throughput vs a hand-written JAX Adam loop\n\n`{cmd}` — one replica, "
           f"fused chunks of steps, interleaved repetitions ({results['env']['device']}, "
           f"{DTYPE.value} compute; 'small' uses a 32k vocabulary). 'ratio' divides the medians; "

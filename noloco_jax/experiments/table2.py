@@ -10,6 +10,7 @@ DiLoCo's sync steps and those mid-round as two series.
 from __future__ import annotations
 
 import math
+import shlex
 import statistics
 from typing import Any
 
@@ -170,8 +171,12 @@ def _test_rows(analysis: dict) -> list[list[Any]]:
     return rows
 
 
-def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
-    """The report of a finished grid: (analysis for the json, markdown)."""
+def report(results: dict, opts: harness.Options, command: str | None = None) -> tuple[dict, str]:
+    """The report of a finished grid: (analysis for the json, markdown).
+
+    ``command`` is the one the page shows (the script passes the flags it was given); by
+    default ``python -m experiments.table2``, with ``--smoke`` and ``--data_path`` from ``opts``.
+    """
     analysis = analyse(results)
     sizes = [int(n) for n in analysis["sizes"]]
     curves = {n: rel_diff_series(results, n) for n in sizes}
@@ -185,7 +190,9 @@ def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
                                     for m in METHODS])  # fmt: skip
         gaps.append([f"N = {n}"] + [f"{100 * size['dp_gap'][m]:+.1f} %" if m in size["dp_gap"]
                                     else "–" for m in OUTER])  # fmt: skip
-    cmd = "python -m experiments.table2" + (" --smoke" if opts.smoke else "")
+    cmd = command or " ".join(
+        ["python -m experiments.table2", *(["--smoke"] if opts.smoke else []),
+         *([f"--data_path={shlex.quote(opts.data_path)}"] if opts.data_path else [])])
     r = plan.REGIME
     md = (
         "## Table 2 in miniature: DP vs DiLoCo vs NoLoCo\n\n"
