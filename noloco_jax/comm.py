@@ -818,13 +818,18 @@ def all_replica_mean(
     present ones and an absent replica keeps its own value, or with
     ``absent_takes_mean`` gets their mean too (zeros when none is present). With an
     ``exchange_dtype`` other than the leaves' own float32 (``jnp.bfloat16``,
-    ``"int8"``, ``"float8_e4m3fn"``) the mean is ``all_replica_mean_wire``'s.
+    ``"int8"``, ``"float8_e4m3fn"``) the mean is ``all_replica_mean_wire``'s; on a
+    replica the compiler splits, a plain float wire sends each leaf alone in its own shape
+    (the same numbers), so each device sends its share rather than the whole replica.
     Otherwise it is an all-reduce that sums in at least float32 and returns each
     leaf's dtype: a bfloat16 leaf travels as float32 and comes back as its
     correctly rounded mean, the same under ``vmap`` and ``shard_map`` (a sum in
     bfloat16 would round at every addition, differently on each backend).
     """
     if not is_plain_all_reduce(tree, exchange_dtype):
+        if not quantize.is_codec(exchange_dtype) and _replica_split_by_compiler():
+            return _all_replica_mean_by_leaf(tree, axis_name, exchange_dtype, weight,
+                                             absent_takes_mean)  # fmt: skip
         return all_replica_mean_wire(tree, axis_name, exchange_dtype, weight,
                                      absent_takes_mean=absent_takes_mean)[0]  # fmt: skip
     present = None if weight is None else weight > 0
@@ -947,6 +952,79 @@ def _all_replica_mean_wire(tree: PyTree, axis_name: str, wire: Any, weight: jax.
     return tuple(jax.tree.unflatten(treedef, o) for o in outs)
 
 
+def _cut_axis(shape: tuple, num: int) -> int | None:
+    """The last axis of ``shape`` that ``num`` divides; None when none does."""
+    return next((k for k in reversed(range(len(shape))) if shape[k] % num == 0), None)
+
+
+def _in_replica_order(own: jax.Array, sent: Any, axis_name: str, num: int) -> list:
+    """What replicas 0..N-1 hold: ``own`` here, ``sent(s)`` from replica p - s, sent by a
+    shift of s (p: this replica). A collective-permute keeps a split array split inside
+    the replica, where an all-to-all or all-gather over the replicas gathers it first."""
+    terms = [own] + [lax.ppermute(sent(s), axis_name, [(i, (i + s) % num) for i in range(num)])
+                     for s in range(1, num)]  # fmt: skip
+    p = lax.axis_index(axis_name)
+    return [lax.select_n((p - q) % num, *terms) for q in range(num)]
+
+
+def _leaf_mean_wire(x: jax.Array, axis_name: str, wire: Any, present: jax.Array | None,
+                    count: jax.Array) -> jax.Array:  # fmt: skip
+    """Float32 mean of one leaf over a plain float wire, sent in the leaf's own shape.
+
+    The leaf is cut into N parts along the last axis N divides (padded on its last axis
+    when none does): element i of that axis is in part i mod N, which replica i mod N
+    sums. Each element's mean is the one ``all_replica_mean_wire`` computes (the sum in
+    replica order of the wire-rounded values, divided by ``count``, rounded to the wire),
+    whichever part it falls in; the bytes are its all-to-all's and all-gather's.
+    """
+    num = axis_size(axis_name)
+    v = x.astype(jnp.float32).reshape(x.shape or (1,))
+    if present is not None:  # an absent replica contributes nothing, not even NaN
+        v = jnp.where(present, v, jnp.zeros_like(v))
+    k = _cut_axis(v.shape, num)
+    if k is None:
+        k = v.ndim - 1
+        v = jnp.pad(v, [(0, 0)] * k + [(0, -v.shape[k] % num)])
+    parts = v.reshape(v.shape[:k] + (v.shape[k] // num, num) + v.shape[k + 1 :])
+    bits = lax.bitcast_convert_type(parts.astype(wire), _uint_of(wire))
+    mine = lax.axis_index(axis_name)
+
+    def part(s: int) -> jax.Array:  # the part replica p + s sums
+        return lax.dynamic_index_in_dim(bits, (mine + s) % num, k + 1, keepdims=False)
+
+    terms = _in_replica_order(part(0), part, axis_name, num)
+    mean = jnp.sum(jnp.stack([_from_wire(t, wire, 0) for t in terms]), axis=0) / count
+    bits = lax.bitcast_convert_type(mean.astype(wire), _uint_of(wire))
+    means = jnp.stack(_in_replica_order(bits, lambda s: bits, axis_name, num), axis=k + 1)
+    last = x.shape[-1] if x.ndim else 1
+    return _from_wire(means, wire, 0).reshape(v.shape)[..., :last].reshape(x.shape)
+
+
+def _all_replica_mean_by_leaf(tree: PyTree, axis_name: str, wire: Any, weight: jax.Array | None,
+                              absent_takes_mean: bool) -> PyTree:  # fmt: skip
+    """``all_replica_mean_wire``'s mean over a plain float wire, each leaf sent alone.
+
+    On a replica the compiler splits, one flat message of all leaves made every device
+    of the replica gather and send the whole of it; a leaf in its own shape stays split.
+    The numbers are the same, element by element (``_leaf_mean_wire``).
+    """
+    if axis_size(axis_name) == 1 or any(not jnp.issubdtype(x.dtype, jnp.inexact)
+                                        for x in jax.tree.leaves(tree)):  # fmt: skip
+        return all_replica_mean_wire(tree, axis_name, wire, weight,
+                                     absent_takes_mean=absent_takes_mean)[0]  # fmt: skip
+    present = None if weight is None else weight > 0
+    count = jnp.asarray(float(axis_size(axis_name)), jnp.float32)
+    if present is not None:  # the presence flags travel once, as float32
+        flags = lax.all_gather(present.astype(jnp.float32), axis_name)
+        count = jnp.maximum(jnp.sum(flags), 1.0)
+
+    def leaf(x: jax.Array) -> jax.Array:
+        m = _leaf_mean_wire(x, axis_name, wire, present, count).astype(x.dtype)
+        return m if present is None or absent_takes_mean else jnp.where(present, m, x)
+
+    return jax.tree.map(leaf, tree)
+
+
 def all_replica_mean_wire(
     tree: PyTree, axis_name: str, exchange_dtype: Any, weight: jax.Array | None = None,
     *, absent_takes_mean: bool = False,
@@ -1057,7 +1135,9 @@ def diloco_bytes_per_sync(
     leaves' n values are padded to N shards of S values (S a multiple of
     ``quantize.BLOCK`` for 8-bit formats), and each replica sends 2 (N - 1)
     encoded shards, plus the float32 presence flag with each of the N - 1
-    all-to-all messages when ``with_presence``.
+    all-to-all messages when ``with_presence``. On a split replica a plain float
+    wire sends leaf by leaf, each padded alone (nothing where N divides one of
+    its axes), so the count there is close rather than exact.
 
     Args:
       params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).

@@ -748,21 +748,21 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
     assert settings_lib.warnings_for(frozen) == [
         "config.outer.learning_rate=0: the slow weights never move and every sync puts the "
         "replicas back on them, so the run learns nothing."]
-    # Measured (tests/test_sharded_memory.py, README): these exchanges do not split.
+    # Measured (tests/test_sharded_memory.py, README): 8-bit exchanges do not split.
     split = {"mesh": {"fsdp": 2}, "backend": "shard_map", "num_replicas": 2}
-    diloco_keeps = 'exchange_dtype="" (an all-reduce)'
-    for method, wire, keeps, param_dtype in (
-            ("diloco", "bfloat16", diloco_keeps, "float32"),
-            ("diloco", "bfloat16", diloco_keeps, "bfloat16"),  # 16 bits: a wire too
-            ("noloco", "int8", "bfloat16", "float32")):  # fmt: skip
+    for method, wire in (("diloco", "int8"), ("noloco", "int8"), ("diloco", "float8_e4m3fn")):
         packed = _settings(corpus_dir, data_dir, method=method, **split,
-                           outer={"exchange_dtype": wire}, model={"param_dtype": param_dtype})
+                           outer={"exchange_dtype": wire})  # fmt: skip
         assert settings_lib.warnings_for(packed) == [
             f"config.outer.exchange_dtype={wire!r} with a split replica (config.mesh): this "
             f"exchange packs the replica into one flat message, so each of its 2 devices sends "
-            f"all of it, not 1/(fsdp x tensor); {keeps} keeps the split."]
-    for method, wire in (("noloco", "bfloat16"), ("diloco", ""), ("diloco", "float32")):
-        fine = _settings(corpus_dir, data_dir, method=method, **split, outer={"exchange_dtype": wire})
+            f"all of it, not 1/(fsdp x tensor); bfloat16 keeps the split."]
+    for method, wire, param_dtype in (
+            ("noloco", "bfloat16", "float32"), ("diloco", "", "float32"),
+            ("diloco", "float32", "float32"), ("diloco", "bfloat16", "float32"),
+            ("diloco", "bfloat16", "bfloat16")):  # DiLoCo's 16-bit wire sends leaf by leaf
+        fine = _settings(corpus_dir, data_dir, method=method, **split,
+                         outer={"exchange_dtype": wire}, model={"param_dtype": param_dtype})
         assert settings_lib.warnings_for(fine) == []
 
 

@@ -84,28 +84,56 @@ def test_noloco_sync_sends_a_quarter_per_device_on_a_split_of_four(exchange, ite
     assert abs(sent[(2, 2)] * 4 / sent[(1, 1)] - 1) <= 0.1, sent
 
 
-@pytest.mark.parametrize("method, exchange", [("noloco", "int8"), ("diloco", "bfloat16")])
-def test_packed_exchanges_send_the_whole_replica_from_every_device_and_are_counted_so(
-        method, exchange):  # fmt: skip
-    """An 8-bit NoLoCo message and DiLoCo's 16-bit wire pack the replica into one flat
-    vector, so on a split of four each device sends the whole replica's message. The
-    trainer's ``bytes_sent_per_replica`` counted it once, a quarter of what the replica sent."""
+def _sync_bytes(method, exchange, fsdp, tensor):
+    """Crossing bytes per device of the compiled sync, and the trainer's count per replica."""
     from noloco_jax.trainer import optimizer  # noqa: PLC0415
 
     _, params = jax.eval_shape(lambda: models.init_params(
         models.get_preset("mini", vocab_size=VOCAB), 0))  # fmt: skip
+    s = _settings(2, fsdp, tensor, method=method, outer={"exchange_dtype": exchange,
+                                                         "sync_every": 1})  # fmt: skip
+    compiled = aot.compile_program(s, VOCAB, program="sync")
+    crossing = hlo.crossing_bytes(hlo.collective_ops(compiled.as_text()),
+                                  aot.device_replicas(compiled))  # fmt: skip
+    counted = optimizer.bytes_sent(method, s.outer, params, num_replicas=2, steps=1,
+                                   fault=s.fault, devices_per_replica=fsdp * tensor)
+    return crossing, counted
+
+
+def test_diloco_bfloat16_wire_sends_a_quarter_per_device_on_a_split_of_four():
+    """DiLoCo's 16-bit wire packed all leaves into one flat vector for its all-to-all and
+    all-gather; on a split of four the compiler gathered it, and every device sent the whole
+    replica's message (19,996,804 bytes here, as on a whole replica). Leaf by leaf, each in
+    its own shape, a device sends its quarter (5,005,444), and the trainer counts the
+    replica's bytes once."""
+    from noloco_jax.trainer import optimizer  # noqa: PLC0415
+
+    assert not optimizer.packs_replica("diloco", "bfloat16")
+    whole, counted = _sync_bytes("diloco", "bfloat16", 1, 1)
+    split, counted_split = _sync_bytes("diloco", "bfloat16", 2, 2)
+    assert counted_split == counted
+    # Of an all-to-all's and all-gather's N shards (N = 2) the device's own stays; a
+    # permute's operand leaves whole. The split all-gather carries the presence flags.
+    assert sum(whole.values()) * 0.5 == counted, whole
+    assert set(split) == {"collective-permute", "all-gather"} and split["all-gather"] == 8
+    sent = split["collective-permute"] + split["all-gather"] * 0.5
+    assert abs(sent * 4 / counted - 1) <= 0.01, (sent, counted)
+
+
+@pytest.mark.parametrize("method, exchange", [("noloco", "int8"), ("diloco", "int8")])
+def test_packed_exchanges_send_the_whole_replica_from_every_device_and_are_counted_so(
+        method, exchange):  # fmt: skip
+    """An 8-bit message packs the replica into one flat vector (its scale blocks span
+    leaves), so on a split of four each device sends the whole replica's message. The
+    trainer's ``bytes_sent_per_replica`` counted it once, a quarter of what the replica sent."""
+    from noloco_jax.trainer import optimizer  # noqa: PLC0415
+
+    assert optimizer.packs_replica(method, exchange)
     for fsdp, tensor in ((1, 1), (2, 2)):
-        s = _settings(2, fsdp, tensor, method=method, outer={"exchange_dtype": exchange,
-                                                             "sync_every": 1})  # fmt: skip
-        compiled = aot.compile_program(s, VOCAB, program="sync")
-        crossing = hlo.crossing_bytes(hlo.collective_ops(compiled.as_text()),
-                                      aot.device_replicas(compiled))  # fmt: skip
-        per_replica = optimizer.bytes_sent(method, s.outer, params, num_replicas=2, steps=1,
-                                           fault=s.fault, devices_per_replica=fsdp * tensor)
+        crossing, per_replica = _sync_bytes(method, exchange, fsdp, tensor)
         # A permute's operand leaves whole; of an all-to-all's and all-gather's N shards
         # (N = 2), the device's own stays (test_exchange8.py).
         sent = sum(crossing.values()) * (1 if method == "noloco" else 0.5)
-        assert optimizer.packs_replica(method, exchange, params)
         assert sent * fsdp * tensor == per_replica, (crossing, per_replica)
 
 

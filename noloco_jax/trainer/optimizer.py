@@ -160,7 +160,7 @@ def bytes_sent(
     if method == "dp":
         return steps * comm.mean_bytes_per_replica(params, num_replicas)
     per_sync = functools.partial(_sync_bytes, method, outer, num_replicas, fault)
-    if devices_per_replica > 1 and packs_replica(method, outer.exchange_dtype, params):
+    if devices_per_replica > 1 and packs_replica(method, outer.exchange_dtype):
         per_sync = lambda tree, once=per_sync: devices_per_replica * once(tree)  # noqa: E731
     frags, h = outer.fragments, outer.sync_every
     spec = by_layer_blocks(params, frags) if frags > 1 else None
@@ -173,15 +173,12 @@ def bytes_sent(
     return float(total)
 
 
-def packs_replica(method: str, exchange_dtype: str, params: Any) -> bool:
+def packs_replica(method: str, exchange_dtype: str) -> bool:
     """Whether the exchange sends the whole replica as one flat message: an 8-bit format
-    (its scale blocks span leaves), or DiLoCo with any wire dtype but the leaves' own float32
-    (its all-to-all cuts one flat vector into N shards). On a replica split over F x T devices,
-    each of them then sends all of that message, not its 1/(F x T)."""
-    wire = _exchange_dtype(exchange_dtype)
-    if method == "diloco":
-        return not comm.is_plain_all_reduce(params, wire)
-    return method == "noloco" and quantize.is_codec(wire)
+    of NoLoCo or DiLoCo (its scale blocks span leaves). On a replica split over F x T
+    devices, each of them then sends all of that message, not its 1/(F x T). DiLoCo's
+    16-bit wire sends each leaf alone there (``comm.all_replica_mean``), so it splits."""
+    return method in ("noloco", "diloco") and quantize.is_codec(_exchange_dtype(exchange_dtype))
 
 
 def _sync_bytes(method: str, outer: OuterSettings, num_replicas: int, fault: FaultSettings,

@@ -442,15 +442,12 @@ def warnings_for(s: TrainSettings) -> list[str]:
     if s.method in ROUND_METHODS and s.outer.learning_rate == 0:
         out.append("config.outer.learning_rate=0: the slow weights never move and every sync "
                    "puts the replicas back on them, so the run learns nothing.")
-    wire = s.outer.exchange_dtype  # DiLoCo: float32 on float32 phi is a plain all-reduce
-    plain = wire == "" or wire == s.model.param_dtype == "float32"
-    packed = quantize.is_codec(wire) or (s.method == "diloco" and not plain)
+    packed = s.method in ROUND_METHODS and quantize.is_codec(s.outer.exchange_dtype)
     if packed and s.mesh.fsdp * s.mesh.tensor > 1:  # optimizer.packs_replica, from settings
-        keeps = 'exchange_dtype="" (an all-reduce)' if s.method == "diloco" else "bfloat16"
         out.append(f"config.outer.exchange_dtype={s.outer.exchange_dtype!r} with a split replica "
                    f"(config.mesh): this exchange packs the replica into one flat message, so "
                    f"each of its {s.mesh.fsdp * s.mesh.tensor} devices sends all of it, not "
-                   f"1/(fsdp x tensor); {keeps} keeps the split.")  # fmt: skip
+                   f"1/(fsdp x tensor); bfloat16 keeps the split.")  # fmt: skip
     out += _lone_replica_warnings(s)
     window = parse_profile_steps(s.profile_steps)
     if window is not None and window[0] >= s.num_steps:
