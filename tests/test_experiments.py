@@ -315,6 +315,10 @@ USER_ERRORS = [
      "--replicas: --smoke sets its own"),  # the flag was silently replaced
     ("experiments.pilot_cost", ["--smoke", "--presets=small"], "pilot_cost: error: --presets: "
      "--smoke sets its own"),
+    ("experiments.bench.gpu", ["--smoke", "--batch=4", "--reps=2"], "gpu: error: --batch "
+     "--reps: --smoke sets its own"),  # ignored, yet shown in the page's command
+    ("experiments.bench.diloco_exchange", ["--smoke", "--replicas=8"], "diloco_exchange: error: "
+     "--replicas: --smoke sets its own"),
     ("experiments.bench.sharded_memory", ["--devices=0"], "sharded_memory: error: flag "
      "--devices=0"),  # a RuntimeError traceback from the CPU backend
     ("experiments.pilot_cost", ["--lengths=a,b"], "pilot_cost: error: flag --lengths=['a', "

@@ -68,6 +68,7 @@ def _sent(ops: list[hlo.CollectiveOp], n: int) -> float:
 
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
+    options.smoke_sets("replicas")
     smoke = options.SMOKE.value
     preset, vocab = ("nano", 256) if smoke else ("small", 128002)
     ns = [2, 4] if smoke else [int(x) for x in REPLICAS.value]

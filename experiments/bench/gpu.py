@@ -73,6 +73,7 @@ def _chunk_fn(method: str, graphdef, params, n: int, h: int):
 
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
+    options.smoke_sets("batch", "seq_len", "sync_every", "replicas", "reps")
     smoke = options.SMOKE.value
     preset, vocab = ("nano", 256) if smoke else ("small", 32000)
     b, t, h, n = ((2, 32, 4, 2) if smoke else

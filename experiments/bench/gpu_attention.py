@@ -53,6 +53,7 @@ def cudnn_attention_calls(hlo_text: str) -> int:
 
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
+    options.smoke_sets("reps")
     smoke = options.SMOKE.value
     preset, vocab, b, t = ("nano", 256, 2, 32) if smoke else ("small", 32000, 8, 1024)
     cfg = models.get_preset(preset, vocab_size=vocab, max_seq_len=max(t, 64), dtype="bfloat16")

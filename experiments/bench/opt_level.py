@@ -112,6 +112,7 @@ def main(argv: Sequence[str]) -> None:
     if WORKER.value:
         return _train_once(pathlib.Path(WORKER.value))
     options.start(argv)
+    options.smoke_sets("reps")
     reps = 1 if options.SMOKE.value else REPS.value
     runs: dict[str, list[dict]] = {level: [] for level in LEVELS}
     with tempfile.TemporaryDirectory() as tmp:
