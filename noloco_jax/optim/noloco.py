@@ -295,7 +295,9 @@ def noloco_outer(
         noisy quadratic it is the spread's stability limit only at alpha = 0.5, n = 2
         (``quadratic.gamma_bounds``).
         A gamma of its own needs a constant beta: with a schedule it is
-        refused, and an injected beta must not change between rounds.
+        refused, and an injected beta must not change between rounds nor be 0
+        (the update is beta times a pseudo-gradient holding gamma / beta, so a
+        round with beta = 0 drops the pull; a constant 0 with a gamma is refused).
       group_size: n, replicas per group (paper: 2); must divide the number of
         replicas on the axis (a lone replica, N = 1, needs no group).
       axis_name: the replica axis bound by ``jax.vmap`` or ``jax.shard_map``;
@@ -317,6 +319,9 @@ def noloco_outer(
       dropout_prob: each replica misses each outer round with this probability
         (``comm.presence_mask``, deterministic from ``seed``): it takes a
         local-only step and its partners average without it. Nothing blocks.
+        The draw depends on the round only, not on ``stream``: with streaming
+        fragments a replica absent in round r misses every fragment's exchange
+        of round r (an outage, not independent message losses).
       error_feedback: with an 8-bit ``exchange_dtype``, each replica adds
         the residual of its last message to the next (kept in the state), so
         quantisation errors do not accumulate over rounds.
