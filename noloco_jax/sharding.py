@@ -19,7 +19,7 @@ NoLoCo and DiLoCo stay unchanged: their collectives run over the "replica"
 axis only, so each device exchanges its own shard with the devices holding
 the same shard in the partner replicas. The 8-bit exchanges of NoLoCo and
 DiLoCo pack the replica into one flat message instead, and each device then
-sends all of it (``trainer.optimizer.packs_replica``).
+sends all of it (``trainer.settings.packs_replica``).
 """
 
 from __future__ import annotations

@@ -106,9 +106,7 @@ def test_diloco_bfloat16_wire_sends_a_quarter_per_device_on_a_split_of_four():
     replica's message (19,996,804 bytes here, as on a whole replica). Leaf by leaf, each in
     its own shape, a device sends its quarter (5,005,444), and the trainer counts the
     replica's bytes once."""
-    from noloco_jax.trainer import optimizer  # noqa: PLC0415
-
-    assert not optimizer.packs_replica("diloco", "bfloat16")
+    assert not st.packs_replica("diloco", "bfloat16")
     whole, counted = _sync_bytes("diloco", "bfloat16", 1, 1)
     split, counted_split = _sync_bytes("diloco", "bfloat16", 2, 2)
     assert counted_split == counted
@@ -126,9 +124,7 @@ def test_packed_exchanges_send_the_whole_replica_from_every_device_and_are_count
     """An 8-bit message packs the replica into one flat vector (its scale blocks span
     leaves), so on a split of four each device sends the whole replica's message. The
     trainer's ``bytes_sent_per_replica`` counted it once, a quarter of what the replica sent."""
-    from noloco_jax.trainer import optimizer  # noqa: PLC0415
-
-    assert optimizer.packs_replica(method, exchange)
+    assert st.packs_replica(method, exchange)
     for fsdp, tensor in ((1, 1), (2, 2)):
         crossing, per_replica = _sync_bytes(method, exchange, fsdp, tensor)
         # A permute's operand leaves whole; of an all-to-all's and all-gather's N shards

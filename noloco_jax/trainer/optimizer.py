@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from noloco_jax import comm, quantize
+from noloco_jax import comm
 from noloco_jax.errors import check_choice
 from noloco_jax.optim.fragments import by_layer_blocks, take
 from noloco_jax.optim import (
@@ -22,10 +22,10 @@ from noloco_jax.optim import (
 from noloco_jax.pipeline.routed import STAGE as STAGE_AXIS
 from noloco_jax.pipeline.routed import stage_leaf_axes
 from noloco_jax.pipeline.stages import clip_by_stage_norm
-from noloco_jax.trainer.settings import METHODS, FaultSettings, OptimSettings, OuterSettings
+from noloco_jax.trainer.settings import (METHODS, FaultSettings, OptimSettings, OuterSettings,
+                                         packs_replica)
 
-__all__ = ["learning_rate_schedule", "inner_optimizer", "build_optimizer", "bytes_sent",
-           "packs_replica"]
+__all__ = ["learning_rate_schedule", "inner_optimizer", "build_optimizer", "bytes_sent"]
 
 AXIS = "replica"
 
@@ -171,14 +171,6 @@ def bytes_sent(
         total += sent * per_sync(params if spec is None else
                                  jax.eval_shape(lambda x, p=p: take(x, spec, p), params))
     return float(total)
-
-
-def packs_replica(method: str, exchange_dtype: str) -> bool:
-    """Whether the exchange sends the whole replica as one flat message: an 8-bit format
-    of NoLoCo or DiLoCo (its scale blocks span leaves). On a replica split over F x T
-    devices, each of them then sends all of that message, not its 1/(F x T). DiLoCo's
-    16-bit wire sends each leaf alone there (``comm.all_replica_mean``), so it splits."""
-    return method in ("noloco", "diloco") and quantize.is_codec(_exchange_dtype(exchange_dtype))
 
 
 def _sync_bytes(method: str, outer: OuterSettings, num_replicas: int, fault: FaultSettings,

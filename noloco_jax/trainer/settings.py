@@ -423,6 +423,14 @@ def parse_profile_steps(text: Any) -> tuple[int, int] | None:
     return a, b
 
 
+def packs_replica(method: str, exchange_dtype: str) -> bool:
+    """Whether the exchange sends the whole replica as one flat message: an 8-bit format
+    of NoLoCo or DiLoCo (its scale blocks span leaves). On a replica split over F x T
+    devices, each of them then sends all of that message, not its 1/(F x T). DiLoCo's
+    16-bit wire sends each leaf alone there (``comm.all_replica_mean``), so it splits."""
+    return method in ROUND_METHODS and quantize.is_codec(exchange_dtype)
+
+
 def warnings_for(s: TrainSettings) -> list[str]:
     """Valid but suspicious settings, one line each (the trainer prints them at start)."""
     out = []
@@ -442,8 +450,7 @@ def warnings_for(s: TrainSettings) -> list[str]:
     if s.method in ROUND_METHODS and s.outer.learning_rate == 0:
         out.append("config.outer.learning_rate=0: the slow weights never move and every sync "
                    "puts the replicas back on them, so the run learns nothing.")
-    packed = s.method in ROUND_METHODS and quantize.is_codec(s.outer.exchange_dtype)
-    if packed and s.mesh.fsdp * s.mesh.tensor > 1:  # optimizer.packs_replica, from settings
+    if packs_replica(s.method, s.outer.exchange_dtype) and s.mesh.fsdp * s.mesh.tensor > 1:
         out.append(f"config.outer.exchange_dtype={s.outer.exchange_dtype!r} with a split replica "
                    f"(config.mesh): this exchange packs the replica into one flat message, so "
                    f"each of its {s.mesh.fsdp * s.mesh.tensor} devices sends all of it, not "
