@@ -248,6 +248,8 @@ def test_metadata_without_settings_is_corrupt_and_no_silent_restart(tmp_path, fi
         data = json.loads(meta.read_text())
         drop(data)
         meta.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpointError, match=r"checkpoint 12: its metadata lacks"):
+        load_run(s, run)  # was a bare KeyError / passed the check unread
     with pytest.raises(UserError, match=r"no readable checkpoint.*move the \*\.corrupt"):
         train_and_evaluate(s, run, progress=False)
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == [

@@ -412,7 +412,7 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
         step = ckpt.latest_step()
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {directory}.")
-        check_loadable(ckpt.read_meta(step)["settings"], run.meta["settings"])  # not "corrupt"
+        check_loadable(_checked_meta(ckpt, step)["settings"], run.meta["settings"])  # not "corrupt"
         restored, _ = ckpt.restore(step, target)
     finally:  # its manager's threads and files, also when the checkpoint is refused
         ckpt.close()
