@@ -268,6 +268,19 @@ def test_an_awkward_number_of_eval_windows_is_padded_not_run_one_by_one():
     assert got["val_ppl_avg_model"] == pytest.approx(float(np.exp(each.mean())), rel=1e-6)
 
 
+def test_an_evaluator_of_no_windows_says_why():
+    """A validation split shorter than one window (eval_windows gives none) died in
+    eval_layout with "max() arg is an empty sequence"."""
+    from noloco_jax import data, models, replicas  # noqa: PLC0415
+    from noloco_jax.trainer import evaluate  # noqa: PLC0415
+
+    graphdef, _ = models.init_params(models.get_preset("nano", vocab_size=256), 0)
+    windows = data.eval_windows(np.arange(10), seq_len=16)
+    assert windows.shape == (0, 17)
+    with pytest.raises(ValueError, match="at least one validation window.*fewer than seq_len"):
+        evaluate.make_evaluator(replicas.Replicas(2), graphdef, windows)
+
+
 @pytest.mark.parametrize("stop_at", [-3, 2.5, True, "4"])
 def test_stop_at_must_be_an_integer_of_at_least_0(tmp_path, corpus_dir, data_dir, stop_at):
     """-3 trained nothing and returned as if done; 2.5 trained, then died with a TypeError in

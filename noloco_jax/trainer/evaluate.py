@@ -59,6 +59,12 @@ def make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) 
         on_host = make_evaluator(replicas.Replicas(reps.num_replicas), graphdef, windows)
         return lambda params: on_host(jax.tree.map(replicas.to_host, params))  # all processes
     n, num = reps.num_replicas, len(windows)
+    if num == 0:  # eval_layout's max() of no divisors said only "empty sequence"
+        raise ValueError(
+            f"make_evaluator needs at least one validation window, got windows of shape "
+            f"{tuple(np.shape(windows))}: the validation stream holds fewer than seq_len + 1 "
+            f"tokens (eval_windows returns no window then); use more validation data or a "
+            f"shorter seq_len.")  # fmt: skip
     batch, padded = eval_layout(num)
     windows = np.concatenate([windows, windows[: padded - num]])  # padding dropped below
     token_losses = functools.partial(eval_token_losses, graphdef=graphdef, batch_size=batch)
