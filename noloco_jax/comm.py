@@ -913,7 +913,14 @@ def _shard_mean(rows: jax.Array, axis_name: str, wire: Any, present: jax.Array |
     else:
         flags = _from_words(received[:, width:].reshape(-1), jnp.float32, num)
         count = jnp.maximum(jnp.sum(flags), 1.0)
-    return jnp.sum(values, axis=0) / count, count
+    return _over_count(jnp.sum(values, axis=0), count, present), count
+
+
+def _over_count(total: jax.Array, count: jax.Array, present: jax.Array | None) -> jax.Array:
+    """``total / count`` as both wire paths compute it. A present count is traced, and XLA
+    turned the flat path's division by it into a product with its reciprocal (a split
+    replica's by-leaf path kept the division): written so, both give the same bits."""
+    return total / count if present is None else total * (1.0 / count)
 
 
 def _all_replica_mean_wire(tree: PyTree, axis_name: str, wire: Any, weight: jax.Array | None,
@@ -993,7 +1000,8 @@ def _leaf_mean_wire(x: jax.Array, axis_name: str, wire: Any, present: jax.Array 
         return lax.dynamic_index_in_dim(bits, (mine + s) % num, k + 1, keepdims=False)
 
     terms = _in_replica_order(part(0), part, axis_name, num)
-    mean = jnp.sum(jnp.stack([_from_wire(t, wire, 0) for t in terms]), axis=0) / count
+    mean = _over_count(jnp.sum(jnp.stack([_from_wire(t, wire, 0) for t in terms]), axis=0),
+                       count, present)  # fmt: skip
     bits = lax.bitcast_convert_type(mean.astype(wire), _uint_of(wire))
     means = jnp.stack(_in_replica_order(bits, lambda s: bits, axis_name, num), axis=k + 1)
     last = x.shape[-1] if x.ndim else 1
