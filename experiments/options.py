@@ -121,7 +121,9 @@ def command(module: str, *, values: Mapping[str, Any] | None = None,
 
 
 def _folder(flag: str, path: pathlib.Path) -> pathlib.Path:
-    """``path``, refused now (not after the runs) when it or a folder above it is a file."""
+    """``path`` with ``~`` expanded (no shell expands it after ``--flag=``), refused now (not
+    after the runs) when it or a folder above it is a file."""
+    path = path.expanduser()
     for folder in (path, *path.parents):
         if folder.exists():
             if not folder.is_dir():

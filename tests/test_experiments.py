@@ -4,6 +4,7 @@ script of experiments/ starts as ``python -m experiments.NAME`` with working ``-
 import importlib
 import json
 import math
+import os
 import pathlib
 import shutil
 import subprocess
@@ -349,6 +350,18 @@ def test_smoke_with_publish_is_refused_before_any_script_runs():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode != 0 and "--smoke with --publish would overwrite" in proc.stderr
+
+
+def test_out_and_runs_dirs_expand_a_tilde(tmp_path):
+    """--out_dir=~/pages: no shell expands a tilde after '=', so the pages went into a folder
+    named '~' under the current directory (as --workdir did before 6018be7)."""
+    code = ("from absl import flags\nfrom experiments import options\n"
+            "flags.FLAGS(['prog', '--out_dir=~/pages', '--runs_dir=~/runs'])\n"
+            "print(options.out_dir(), options.grid_options().runs_dir)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "HOME": str(tmp_path)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(tmp_path / "pages"), str(tmp_path / "runs")]
 
 
 _COMMANDS = """
