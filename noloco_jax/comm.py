@@ -964,14 +964,19 @@ def _cut_axis(shape: tuple, num: int) -> int | None:
     return next((k for k in reversed(range(len(shape))) if shape[k] % num == 0), None)
 
 
-def _in_replica_order(own: jax.Array, sent: Any, axis_name: str, num: int) -> list:
-    """What replicas 0..N-1 hold: ``own`` here, ``sent(s)`` from replica p - s, sent by a
-    shift of s (p: this replica). A collective-permute keeps a split array split inside
-    the replica, where an all-to-all or all-gather over the replicas gathers it first."""
+def _in_replica_order(own: jax.Array, sent: Any, axis_name: str, num: int) -> jax.Array:
+    """[N, ...]: what replicas 0..N-1 hold: ``own`` here, ``sent(s)`` from replica p - s,
+    sent by a shift of s (p: this replica). A collective-permute keeps a split array split
+    inside the replica, where an all-to-all or all-gather over the replicas gathers it first.
+
+    Shift s arrived from replica (p - s) mod N, so replica order is the shifts reversed and
+    rotated: one slice of them written twice, not N selects of N operands.
+    """
     terms = [own] + [lax.ppermute(sent(s), axis_name, [(i, (i + s) % num) for i in range(num)])
                      for s in range(1, num)]  # fmt: skip
-    p = lax.axis_index(axis_name)
-    return [lax.select_n((p - q) % num, *terms) for q in range(num)]
+    backwards = jnp.stack(terms[::-1] * 2)  # row j: the shift (N - 1 - j) mod N
+    start = num - 1 - lax.axis_index(axis_name)
+    return lax.dynamic_slice_in_dim(backwards, start, num, axis=0)
 
 
 def _leaf_mean_wire(x: jax.Array, axis_name: str, wire: Any, present: jax.Array | None,
@@ -1000,10 +1005,9 @@ def _leaf_mean_wire(x: jax.Array, axis_name: str, wire: Any, present: jax.Array 
         return lax.dynamic_index_in_dim(bits, (mine + s) % num, k + 1, keepdims=False)
 
     terms = _in_replica_order(part(0), part, axis_name, num)
-    mean = _over_count(jnp.sum(jnp.stack([_from_wire(t, wire, 0) for t in terms]), axis=0),
-                       count, present)  # fmt: skip
+    mean = _over_count(jnp.sum(_from_wire(terms, wire, 0), axis=0), count, present)
     bits = lax.bitcast_convert_type(mean.astype(wire), _uint_of(wire))
-    means = jnp.stack(_in_replica_order(bits, lambda s: bits, axis_name, num), axis=k + 1)
+    means = jnp.moveaxis(_in_replica_order(bits, lambda s: bits, axis_name, num), 0, k + 1)
     last = x.shape[-1] if x.ndim else 1
     return _from_wire(means, wire, 0).reshape(v.shape)[..., :last].reshape(x.shape)
 
