@@ -225,3 +225,22 @@ def test_a_bug_on_one_process_exits_it_at_once_with_its_traceback(tmp_path, corp
     text = logs[0].read_text()
     assert procs[0].returncode == 1, text[-3000:]
     assert "Traceback" in text and "IsADirectoryError" in text
+
+
+@pytest.mark.multiprocess
+def test_processes_with_unequal_device_counts_are_refused_clearly(tmp_path, corpus_and_data):
+    """3 + 1 devices: JAX's multi-process gathers and orbax's barriers need the same number of
+    devices on every process; both processes died in orbax's first barrier with "cannot reshape
+    array of size 4 into shape (2,3)", reported as a user error."""
+    port, flags = _free_port(), ["--config.num_replicas=4", "--config.num_steps=2"]
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    procs = [subprocess.Popen(_cmd(*corpus_and_data, tmp_path / "run", *flags,
+                                   *_distributed(2, i, port)),
+                              env=_env(devices), stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for i, (log, devices) in enumerate(zip(logs, (3, 1)))]  # fmt: skip
+    _wait_all(procs, timeout=120)
+    text = logs[0].read_text()
+    assert procs[0].returncode == 2, text[-3000:]
+    assert "hold different numbers of devices (process 0: 3, process 1: 1)" in text, text[-3000:]
+    assert "cannot reshape" not in text
+    assert procs[1].returncode != 0

@@ -153,6 +153,7 @@ def train_and_evaluate(
     """
     if stop_at is not None:  # a float died in the batcher after training, -1 did nothing
         check_int("stop_at", stop_at, minimum=0)
+    _check_equal_processes()
     workdir = _writable_workdir(workdir)
     check_sinks(settings)
     check_delay_windows(settings, stop_at)  # no run stops inside an overlap window
@@ -164,6 +165,28 @@ def train_and_evaluate(
             return _train(settings, workdir, stop_at, progress, stop)
     finally:
         lock.release()
+
+
+def _check_equal_processes() -> None:
+    """Refuses processes that hold different numbers of devices, before the first collective.
+
+    JAX's multi-process helpers (``process_allgather``, ``sync_global_devices``), which orbax
+    and the trainer use, lay the devices out as processes x devices per process: with 3 + 1
+    devices every process died in orbax's first barrier with "cannot reshape array of size 4
+    into shape (2,3)".
+    """
+    if jax.process_count() == 1:
+        return
+    counts: dict[int, int] = {}
+    for d in jax.devices():
+        counts[d.process_index] = counts.get(d.process_index, 0) + 1
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items())[:8])
+        raise UserError(
+            f"the {len(counts)} processes hold different numbers of devices ({shown}); JAX's "
+            f"multi-process runtime (its barriers and gathers, orbax's checkpoints) needs the "
+            f"same number on every process. Give each process as many devices (on CPU: the "
+            f"same XLA_FLAGS=--xla_force_host_platform_device_count).")
 
 
 def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, progress: bool,
