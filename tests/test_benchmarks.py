@@ -37,7 +37,7 @@ def test_benchmark_smoke(script, tmp_path):
     results = json.loads((tmp_path / f"bench_{script}.json").read_text())
     md = (tmp_path / f"bench_{script}.md").read_text()
     command = " ".join([f"python -m experiments.bench.{script} --smoke", *extra])
-    assert results["env"]["jax"] and f"`{command}` — " in md, md[:500]
+    assert results["env"]["jax"] and f"`{command}`" in md, md[:500]  # exactly these flags
     assert str(tmp_path) not in md and "out_dir" not in md
     assert results["env"]["commit"]  # the checkout's short hash ("unknown" without .git)
     assert md.count("|") > 10
