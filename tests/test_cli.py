@@ -637,6 +637,24 @@ def train_config(variant):
 # ---------------------------------------------------------------- the progress bar
 
 
+def test_other_processes_print_nothing(capsys):
+    """In a multi-process run every process printed the evaluation lines and the resize and
+    corrupt-checkpoint messages; process 0 speaks for all (its writer is the enabled one)."""
+    import types  # noqa: PLC0415
+
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+    from noloco_jax.trainer.writers import Progress  # noqa: PLC0415
+
+    Progress(False, total=10, initial=0, silent=True).write("step 4  val ppl 9.0")
+    writer = types.SimpleNamespace(enabled=False, write=lambda *a: None)
+    run = types.SimpleNamespace(resized_from=4, settings=types.SimpleNamespace(num_replicas=8))
+    loop._report_resize(run, writer, 12)
+    assert capsys.readouterr().out == ""
+    writer.enabled = True
+    loop._report_resize(run, writer, 12)
+    assert capsys.readouterr().out == "resized from 4 to 8 replicas at step 12\n"
+
+
 def test_progress_bar_says_compiling_until_the_first_chunk_and_lines_go_above_it():
     from noloco_jax.trainer.writers import Progress  # noqa: PLC0415
 

@@ -97,7 +97,8 @@ def _report_resize(run: Run, writer: MetricWriter, step: int) -> None:
     if run.resized_from is not None:
         message = (f"resized from {run.resized_from} to {run.settings.num_replicas} replicas "
                    f"at step {step}")  # fmt: skip
-        print(message, flush=True)
+        if writer.enabled:  # process 0 speaks for all
+            print(message, flush=True)
         writer.write(step, "event", {"event": "resize", "detail": message})
 
 
@@ -115,7 +116,8 @@ def _set_aside(ckpt: Checkpointer, writer: MetricWriter, step: int, err: Excepti
     moved = ckpt.quarantine(step)
     message = (f"checkpoint at step {step} is unreadable ({type(err).__name__}: "
                f"{str(err)[:200]}); moved to {moved.name}, trying the previous one")
-    print(f"WARNING: {message}", flush=True)
+    if writer.enabled:  # process 0 speaks for all
+        print(f"WARNING: {message}", flush=True)
     writer.write(step, "event", {"event": "corrupt_checkpoint", "detail": message})
 
 
@@ -209,7 +211,7 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
             writer.close()
             return _already_finished(workdir, step, verbose=first)
         _report_resize(run, writer, step)
-        bar = Progress(progress and first, settings.num_steps, step)
+        bar = Progress(progress and first, settings.num_steps, step, silent=not first)
         session = _Session(run, ckpt, writer, bar, health.Escalation(run, state, ckpt), stop,
                            array_bytes=sum(x.nbytes for x in jax.tree.leaves(state)))
         end = settings.num_steps if stop_at is None else min(stop_at, settings.num_steps)

@@ -112,12 +112,16 @@ class Progress:
       total: the run's last step.
       initial: the step the run starts (or resumes) at.
       file: the stream of the bar and the lines (default: the bar on stderr, lines on stdout).
+      silent: print nothing at all (the other processes of a multi-process run: process 0
+        speaks for them).
     """
 
     COMPILING = "compiling…"
 
-    def __init__(self, enabled: bool, total: int, initial: int, file: Any = None) -> None:
+    def __init__(self, enabled: bool, total: int, initial: int, file: Any = None,
+                 silent: bool = False) -> None:  # fmt: skip
         self._bar = None
+        self._silent = silent
         self._compiling = True
         self._file = file
         self._total = total
@@ -135,6 +139,8 @@ class Progress:
 
     def write(self, line: str) -> None:
         """Prints ``line`` above the bar (or alone without one)."""
+        if self._silent:
+            return
         if self._bar is None:
             print(line, flush=True)
         else:
