@@ -155,6 +155,19 @@ def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
         make_sinks(s, tmp_path)
 
 
+def test_each_process_of_a_multi_process_run_profiles_into_its_own_folder(monkeypatch, tmp_path):
+    """Two processes on one host wrote <profile>/plugins/profile/<time>/<host>.xplane.pb, the
+    same file when they started in the same second: one trace was lost."""
+    import jax  # noqa: PLC0415
+
+    from noloco_jax.trainer.observability import Profiler  # noqa: PLC0415
+
+    assert Profiler("2:4", tmp_path).directory == tmp_path / "profile"
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert Profiler("2:4", tmp_path).directory == tmp_path / "profile" / "process_1"
+
+
 @pytest.mark.parametrize("bad", ["5", "4:2", "a:b", "1:2:3", "-1:3", 7])
 def test_bad_profile_steps(tmp_path, bad):
     with pytest.raises(ValueError, match="config.profile_steps: must be 'A:B'"):

@@ -113,12 +113,16 @@ class Profiler:
 
     Steps are fused in chunks of ``log_every``, so the trace covers whole chunks: it starts
     before the first chunk that contains a step >= A and stops after the chunk that reaches
-    B. The trace lands in ``workdir/profile`` (TensorBoard's profile plugin reads it).
+    B. The trace lands in ``workdir/profile`` (TensorBoard's profile plugin reads it); in a
+    run of several processes, each writes its own ``workdir/profile/process_<i>`` (on one
+    host, or a shared filesystem, their traces had the same file name and one was lost).
     """
 
     def __init__(self, profile_steps: str, workdir: str | pathlib.Path) -> None:
         self._window = parse_profile_steps(profile_steps)
         self.directory = pathlib.Path(workdir) / "profile"
+        if jax.process_count() > 1:
+            self.directory /= f"process_{jax.process_index()}"
         self._active = False
 
     def before_chunk(self, step: int, end: int) -> None:
