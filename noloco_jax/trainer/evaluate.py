@@ -41,6 +41,18 @@ def eval_layout(num_windows: int, limit: int = 16) -> tuple[int, int]:
     return (best, num_windows) if best >= most // 2 else (limit, -(-num_windows // limit) * limit)
 
 
+def _check_windows(windows: np.ndarray) -> int:
+    """How many validation windows there are; at least one (eval_layout's max() of no
+    divisors said only "empty sequence")."""
+    if len(windows) == 0:
+        raise ValueError(
+            f"make_evaluator needs at least one validation window, got windows of shape "
+            f"{tuple(np.shape(windows))}: the validation stream holds fewer than seq_len + 1 "
+            f"tokens (eval_windows returns no window then); use more validation data or a "
+            f"shorter seq_len.")  # fmt: skip
+    return len(windows)
+
+
 def make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) -> Callable:
     """``evaluate(params) -> metrics`` over ``windows`` for the N replicas of ``reps``.
 
@@ -58,13 +70,7 @@ def make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) 
     if reps.manual_axes - {reps.axis_name}:  # stages split by hand: evaluate a host copy
         on_host = make_evaluator(replicas.Replicas(reps.num_replicas), graphdef, windows)
         return lambda params: on_host(jax.tree.map(replicas.to_host, params))  # all processes
-    n, num = reps.num_replicas, len(windows)
-    if num == 0:  # eval_layout's max() of no divisors said only "empty sequence"
-        raise ValueError(
-            f"make_evaluator needs at least one validation window, got windows of shape "
-            f"{tuple(np.shape(windows))}: the validation stream holds fewer than seq_len + 1 "
-            f"tokens (eval_windows returns no window then); use more validation data or a "
-            f"shorter seq_len.")  # fmt: skip
+    n, num = reps.num_replicas, _check_windows(windows)
     batch, padded = eval_layout(num)
     windows = np.concatenate([windows, windows[: padded - num]])  # padding dropped below
     token_losses = functools.partial(eval_token_losses, graphdef=graphdef, batch_size=batch)
