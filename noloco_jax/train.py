@@ -98,7 +98,8 @@ def main(argv: list[str]) -> None:
                 saved=_saved_run_length(flags.FLAGS.workdir))
     settings = from_config(config)
     last = train_and_evaluate(settings, flags.FLAGS.workdir, progress=flags.FLAGS.progress)
-    print(json.dumps(dict(last), indent=1, sort_keys=True))
+    if _first_process():
+        print(json.dumps(dict(last), indent=1, sort_keys=True))
 
 
 def _check_trainer_config(config: Any) -> None:
@@ -147,9 +148,17 @@ def _fit_warmup(config: Any, explicit: bool, saved: Any = None) -> None:
     ratio = defaults.default("optim.warmup_steps") / defaults.default("num_steps")
     fitted = min(steps - 1, max(1, int(steps * ratio)))  # a one-step run: no warmup
     config.optim.warmup_steps = fitted
-    print(f"note: optim.warmup_steps={warmup} does not fit num_steps={steps}; warming up for "
-          f"{fitted} steps ({ratio:.0%} of the run, as the defaults). Set "
-          f"--config.optim.warmup_steps to choose.", file=sys.stderr)  # fmt: skip
+    if _first_process():  # every process fits the same way; one says so
+        print(f"note: optim.warmup_steps={warmup} does not fit num_steps={steps}; warming up "
+              f"for {fitted} steps ({ratio:.0%} of the run, as the defaults). Set "
+              f"--config.optim.warmup_steps to choose.", file=sys.stderr)  # fmt: skip
+
+
+def _first_process() -> bool:
+    """Whether this is process 0 of the run (the one that prints for all)."""
+    import jax  # noqa: PLC0415
+
+    return jax.process_index() == 0
 
 
 def _saved_run_length(workdir: Any) -> tuple[int, int] | None:

@@ -510,6 +510,17 @@ def test_an_inherited_warmup_is_fitted_to_a_shorter_run_with_a_note(finished_run
     assert meta["settings"]["optim"]["warmup_steps"] == 1
 
 
+def test_only_process_0_prints_the_fitted_warmup_note(capsys, monkeypatch):
+    """Every process of a multi-process run printed it (and the final metrics)."""
+    import jax  # noqa: PLC0415
+
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    config = common.get_config()
+    config.num_steps = 25
+    train._fit_warmup(config, explicit=False)
+    assert config.optim.warmup_steps == 2 and capsys.readouterr().err == ""  # fitted, silently
+
+
 @pytest.mark.parametrize("steps,expected", [(25, 2), (400, 40), (50, 5), (5, 1), (2, 1),
                                             (1, 0)])
 def test_fit_warmup_keeps_the_defaults_ratio(steps, expected, capsys):
