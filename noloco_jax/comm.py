@@ -69,7 +69,7 @@ __all__ = [
     "all_true",
     "group_mean",
     "group_mean_codec",
-    "is_plain_all_reduce",
+    "as_stored",
     "varying_axes",
     "all_replica_mean",
     "all_replica_mean_wire",
@@ -567,8 +567,8 @@ def _replica_split_by_compiler() -> bool:
     return bool(mesh.manual_axes) and bool(mesh.auto_axes)
 
 
-def _as_stored(leaves: list) -> list:
-    """``leaves`` rounded to their own dtypes, as they travel.
+def as_stored(tree: PyTree) -> PyTree:
+    """``tree``'s narrow float leaves (bfloat16, float16) held as stored, in their own dtypes.
 
     XLA (excess precision allowed, its default) computes 16-bit arithmetic in
     float32 and dropped the rounding of a bf16 leaf's last op on its way into
@@ -583,23 +583,29 @@ def _as_stored(leaves: list) -> list:
     the bf16 ops in float32 without their roundings through a barrier on the
     values, so the simulation's data-parallel mean of bf16 gradients differed from a
     split replica's in ~45 % of the elements (1 bf16 ulp).
+
+    Args:
+      tree: any pytree of arrays (other leaves pass through untouched).
+
+    Returns:
+      ``tree`` with the same values, its 16-bit float leaves pinned to their stored bits.
     """
+    leaves, treedef = jax.tree.flatten(tree)
     narrow = [i for i, x in enumerate(leaves)
               if jnp.issubdtype(x.dtype, jnp.inexact) and jnp.dtype(x.dtype).itemsize < 4]
     if not narrow:
-        return leaves
+        return tree
     bits = lax.optimization_barrier(
         [lax.bitcast_convert_type(leaves[i], _uint_of(leaves[i].dtype)) for i in narrow])
-    out = list(leaves)
     for i, b in zip(narrow, bits):
-        out[i] = lax.bitcast_convert_type(b, leaves[i].dtype)
-    return out
+        leaves[i] = lax.bitcast_convert_type(b, leaves[i].dtype)
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _group_sums(leaves: list, wires: list, axis_name: str, pool: np.ndarray,
                 index: jax.typing.ArrayLike) -> list:  # fmt: skip
     """Sums of ``leaves`` over this replica's group, in accumulation dtypes, in one message."""
-    leaves = _as_stored(leaves)
+    leaves = as_stored(leaves)
     if _own_value_travels(pool.shape[-1]):
         # All leaves travel in one message per step, encoded before the switch;
         # the branches hold only the collectives, and what arrives is added in
@@ -839,7 +845,7 @@ def all_replica_mean(
     correctly rounded mean, the same under ``vmap`` and ``shard_map`` (a sum in
     bfloat16 would round at every addition, differently on each backend).
     """
-    if not is_plain_all_reduce(tree, exchange_dtype):
+    if not _same_as_leaves(tree, exchange_dtype):
         if not quantize.is_codec(exchange_dtype) and _replica_split_by_compiler():
             return _all_replica_mean_by_leaf(tree, axis_name, exchange_dtype, weight,
                                              absent_takes_mean)  # fmt: skip
@@ -849,8 +855,7 @@ def all_replica_mean(
     count = None if weight is None else lax.psum(present.astype(jnp.float32), axis_name)
     # A bf16 leaf fresh from bf16 arithmetic (a gradient) is summed as stored: XLA kept its
     # last op unrounded into the float32 sum on whole replicas, not on split ones.
-    leaves, treedef = jax.tree.flatten(tree)
-    tree = jax.tree.unflatten(treedef, _as_stored(leaves))
+    tree = as_stored(tree)
 
     def leaf(x: jax.Array) -> jax.Array:
         wide = x.astype(_sum_dtype(x.dtype))
@@ -868,7 +873,7 @@ def _sum_dtype(dtype: Any) -> Any:
     return _accum_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
-def is_plain_all_reduce(tree: PyTree, exchange_dtype: Any) -> bool:
+def _same_as_leaves(tree: PyTree, exchange_dtype: Any) -> bool:
     """Whether ``exchange_dtype`` asks for the plain all-reduce: None, or every leaf's own dtype
     when that is at least float32 wide (a 16-bit wire goes through ``all_replica_mean_wire``,
     which sends 16 bits and sums them in float32)."""
@@ -1179,7 +1184,7 @@ def diloco_bytes_per_sync(
     """
     if errors.check_int("num_replicas", num_replicas) == 1:
         return 0.0
-    if is_plain_all_reduce(params, exchange_dtype):
+    if _same_as_leaves(params, exchange_dtype):
         return mean_bytes_per_replica(params, num_replicas)
     n = tree_num_elements(params)
     unit = _wire_unit(num_replicas, exchange_dtype)

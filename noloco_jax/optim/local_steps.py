@@ -199,12 +199,10 @@ def _pinned(new_slow: Any) -> Any:
     the widening cast of the landing: with ``slow_dtype=jnp.bfloat16`` and
     float32 params, vmap and one-device replicas landed on phi before its
     bfloat16 rounding (up to half a bf16 ulp off the slow weights), a replica
-    split over devices on phi itself. The barrier keeps the rounding (a no-op
-    for slow weights as wide as the params' updates).
+    split over devices on phi itself. ``comm.as_stored`` keeps the rounding (a
+    no-op for slow weights as wide as the params' updates).
     """
-    if all(jnp.dtype(s.dtype).itemsize >= 4 for s in jax.tree.leaves(new_slow)):
-        return new_slow
-    return lax.optimization_barrier(new_slow)
+    return comm.as_stored(new_slow)
 
 
 def _landing(new_slow: Any, params: Any, updates: Any) -> Any:
