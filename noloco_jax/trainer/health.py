@@ -89,8 +89,7 @@ class Escalation:
         """Raises instead of checkpointing weights the guard will not put back."""
         found = find_local_steps_state(state.opt_state)
         tree = found.slow_params if (self.active and found is not None) else state.params
-        per_leaf = [np.asarray(replicas.to_host(v)) for v in per_replica_finite(tree)]
-        ok = np.stack(per_leaf).all(0)
+        ok = _finite_replicas(tree)
         if not ok.all():
             which = "slow weights" if tree is not state.params else "weights"
             self._fail(step, f"the {which} of replica(s) {np.flatnonzero(~ok).tolist()} are "
@@ -101,8 +100,7 @@ class Escalation:
         the guard repairs them at a sync, and none is left (the last step is not a sync step)."""
         if not self.active:
             return None
-        ok = np.stack([np.asarray(replicas.to_host(v))
-                       for v in per_replica_finite(state.params)]).all(0)  # fmt: skip
+        ok = _finite_replicas(state.params)
         if ok.all():
             return None
         return (f"the fast weights of replica(s) {np.flatnonzero(~ok).tolist()} are non-finite "
@@ -151,6 +149,11 @@ def reset_counts(state: TrainState) -> jax.Array | None:
 def _per_replica(counts: Any, num_replicas: int) -> np.ndarray:
     counts = np.asarray(replicas.to_host(counts), np.float64)
     return counts.reshape(num_replicas, -1).max(1)
+
+
+def _finite_replicas(tree: Any) -> np.ndarray:
+    """[N] bool on the host: replica i's float leaves of ``tree`` are all finite."""
+    return np.stack([np.asarray(replicas.to_host(v)) for v in per_replica_finite(tree)]).all(0)
 
 
 @jax.jit

@@ -300,7 +300,7 @@ def _after_chunk(ses: _Session, state: TrainState, synced: list | None, step: in
     if step % s.checkpoint_every == 0 or step == s.num_steps or stopping:
         ses.guard.check_savable(state, step)
         unrepaired = ses.guard.unrepaired(state, step) if step == s.num_steps else None
-        if unrepaired and ses.writer.enabled:
+        if unrepaired:  # every process checks (a gather); the bar prints on process 0 only
             ses.bar.write(f"WARNING: {unrepaired}")
         _report_saves(ses, wait=True)  # orbax waits for the previous save here anyway
         counted = {k: ses.last[k] for k in ("tokens_seen", "bytes_sent_per_replica")}
