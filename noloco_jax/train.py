@@ -88,6 +88,9 @@ def main(argv: list[str]) -> None:
     del argv
     if not flags.FLAGS["verbosity"].present:  # orbax/TFDS log every file at INFO
         logging.set_verbosity(logging.WARNING)
+    from noloco_jax import determinism  # noqa: PLC0415
+
+    determinism.request(flags.FLAGS.config.get("deterministic", True))  # before JAX's backend
     _maybe_initialize_distributed()
     from noloco_jax.trainer import from_config  # noqa: PLC0415
     from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415

@@ -98,6 +98,9 @@ def test_first_cell_is_the_same_runnable_python_in_every_colab():
     ast.parse(cell)  # plain Python: no shell (!) or magic (%) lines
     assert "<" not in cell.replace("<=", "") and "!" not in cell.replace("!=", "")
     assert "sys.path" not in cell  # imports resolve from the repository root, as python -m
+    # GPU runs of one seed agree only if XLA's deterministic ops are asked for before JAX
+    # starts; the first cell is the only place a notebook can do that.
+    assert "\ndeterminism.request(True)" in cell
 
 
 def _setup_functions(monkeypatch, installed: bool, tensorflow: bool) -> tuple[dict, list]:

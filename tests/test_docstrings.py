@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-from noloco_jax import comm, metrics, replicas
+from noloco_jax import comm, determinism, metrics, replicas
 from noloco_jax.experiments import stats
 from noloco_jax.trainer import aot
 
@@ -13,7 +13,7 @@ _OPTIM = [importlib.import_module(f"noloco_jax.optim.{m}")
           for m in ("local_steps", "noloco", "diloco", "clipping", "fragments")]  # fmt: skip
 
 
-@pytest.mark.parametrize("module", [*_OPTIM, comm, replicas, metrics, stats, aot],
+@pytest.mark.parametrize("module", [*_OPTIM, comm, replicas, metrics, stats, aot, determinism],
                          ids=lambda m: m.__name__)  # fmt: skip
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)

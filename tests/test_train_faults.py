@@ -5,6 +5,7 @@ import multiprocessing
 import numpy as np
 import pytest
 
+from noloco_jax import determinism
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
@@ -33,7 +34,11 @@ def test_injected_nan_is_caught_reset_and_logged(tmp_path, corpus_dir, data_dir)
 
 
 def test_fast_weights_left_non_finite_after_the_last_sync_are_warned(
-        tmp_path, corpus_dir, data_dir, capsys):  # noqa: F811 (fmt: skip)
+        tmp_path, corpus_dir, data_dir, capsys, monkeypatch):  # noqa: F811 (fmt: skip)
+    # The run also stands for a GPU whose JAX started without deterministic ops (the trainer
+    # cannot set the flag once the backend runs): its first lines say so.
+    monkeypatch.setattr(determinism, "_platform", lambda: "gpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     # Replica 1 goes NaN before update 5; syncs every 4, so the run's last step (5) has no
     # sync to repair it: the run ends, its checkpoint holds finite slow weights (the guard's
     # check), and its NaN fast weights were saved without a word.
@@ -44,6 +49,8 @@ def test_fast_weights_left_non_finite_after_the_last_sync_are_warned(
     assert last["step"] == 5 and not np.isfinite(last["val_ppl"])
     out = capsys.readouterr().out
     assert "WARNING: the fast weights of replica(s) [1] are non-finite at the last step 5" in out
+    assert (f"WARNING: config.deterministic=True, but JAX started its GPU backend without "
+            f"{determinism.FLAG}=true") in out
     assert Checkpointer(tmp_path / "checkpoints").latest_step() == 5
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from ml_collections import config_dict
 
-from noloco_jax import errors
+from noloco_jax import determinism, errors
 from noloco_jax.experiments import provenance
 from noloco_jax.trainer.writers import read_jsonl
 
@@ -150,7 +150,9 @@ def _train(config: config_dict.ConfigDict, workdir: pathlib.Path) -> None:
     from noloco_jax.trainer import from_config  # noqa: PLC0415
     from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
 
-    train_and_evaluate(from_config(config), workdir, progress=False)
+    settings = from_config(config)
+    determinism.request(settings.deterministic)  # in effect in a worker whose JAX has not started
+    train_and_evaluate(settings, workdir, progress=False)
 
 
 def _train_logged(config: config_dict.ConfigDict, workdir: pathlib.Path,

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from noloco_jax import replicas
+from noloco_jax import determinism, replicas
 from noloco_jax.errors import CorruptCheckpointError, UserError, check_int
 from noloco_jax.data.token_files import sharded_batches
 from noloco_jax.trainer import health
@@ -195,7 +195,8 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
            stop: types.SimpleNamespace) -> dict[str, Any]:
     ckpt = Checkpointer(workdir / "checkpoints", keep=settings.keep_checkpoints, probe=True)
     first = jax.process_index() == 0
-    for line in warnings_for(settings) if first else ():
+    lines = [*warnings_for(settings), *filter(None, [determinism.warning(settings.deterministic)])]
+    for line in lines if first else ():
         print(f"WARNING: {line}", flush=True)
     writer = bar = None
     profiler = Profiler(settings.profile_steps, workdir)

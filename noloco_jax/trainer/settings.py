@@ -36,7 +36,7 @@ MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overfl
 RESUMABLE = frozenset(
     {"backend", "mesh.fsdp", "mesh.tensor", "eval_every", "checkpoint_every", "keep_checkpoints",
      "data.eval_windows", "data.data_dir", "profile_steps", "log.wandb", "log.wandb_project",
-     "log.wandb_run_name", "allow_resize", "model.remat"}
+     "log.wandb_run_name", "allow_resize", "model.remat", "deterministic"}
 )  # fmt: skip
 
 _SECTIONS: dict[str, type] = {}  # section name -> its settings class, in GROUPS order
@@ -175,6 +175,7 @@ class TrainSettings:
     keep_checkpoints: int
     profile_steps: str
     allow_resize: bool
+    deterministic: bool
     model: ModelSettings
     data: DataSettings
     optim: OptimSettings

@@ -1,0 +1,86 @@
+"""config.deterministic: XLA's deterministic GPU ops, requested before JAX starts its backend."""
+
+import os
+
+import pytest
+
+from noloco_jax import determinism, train
+from noloco_jax.errors import UserError
+from noloco_jax.experiments import harness
+from tests.test_cli import nano_argv, run_cli
+
+FLAG = determinism.FLAG
+DEVICES = "--xla_force_host_platform_device_count=8"
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("", f"{FLAG}=true"),
+    (DEVICES, f"{DEVICES} {FLAG}=true"),
+    (f"{DEVICES} {FLAG}", f"{DEVICES} {FLAG}"),  # a bare bool flag is true
+    (f"{FLAG}=1 {DEVICES}", f"{FLAG}=1 {DEVICES}"),
+    (f"{FLAG}=false {FLAG}=true", f"{FLAG}=false {FLAG}=true"),  # the last one wins
+    (f"{FLAG}_extra=1", f"{FLAG}_extra=1 {FLAG}=true"),  # another flag, not this one
+])  # fmt: skip
+def test_deterministic_adds_the_flag_once(given, expected):
+    assert determinism.xla_flags(True, given) == expected
+
+
+@pytest.mark.parametrize("given", ["", DEVICES, f"{FLAG}=false", f"{FLAG}=true"])
+def test_not_deterministic_leaves_xla_flags_as_given(given):
+    assert determinism.xla_flags(False, given) == given
+
+
+@pytest.mark.parametrize("given, pattern", [
+    (f"{DEVICES} {FLAG}=false", r"config\.deterministic=True but XLA_FLAGS sets .*=false: drop"),
+    (f"{FLAG}=yes", r"XLA_FLAGS sets --xla_gpu_deterministic_ops='yes'; use true or false"),
+])  # fmt: skip
+def test_a_contradicting_or_bad_xla_flag_is_refused(given, pattern):
+    with pytest.raises(UserError, match=pattern):
+        determinism.xla_flags(True, given)
+
+
+@pytest.mark.parametrize("deterministic, platform, given, warned", [
+    (True, "gpu", DEVICES, True),
+    (True, "gpu", f"{FLAG}=false", True),
+    (True, "gpu", f"{FLAG}=true", False),
+    (True, "cpu", "", False),  # CPUs and TPUs are deterministic without it
+    (True, "tpu", "", False),
+    (False, "gpu", "", False),
+])  # fmt: skip
+def test_unmet_only_on_a_gpu_without_the_flag(deterministic, platform, given, warned):
+    why = determinism.unmet(deterministic, platform, given)
+    assert (why is not None) == warned
+    if warned:
+        assert "config.deterministic=True" in why and f"XLA_FLAGS='{FLAG}=true'" in why
+
+
+def test_the_cli_requests_it_before_jax_starts_a_backend(tmp_path, corpus_dir, data_dir,
+                                                         capsys, monkeypatch):  # fmt: skip
+    # --num_processes without a coordinator stops right after the request, before any
+    # training; the CLI's request is what puts the flag into this process's XLA_FLAGS.
+    stop = ["--num_processes=2", "--process_id=0"]
+    monkeypatch.setenv("XLA_FLAGS", DEVICES)
+    code, _ = run_cli(nano_argv(tmp_path / "a", corpus_dir, data_dir, *stop), capsys)
+    assert code == train.USAGE_ERROR_EXIT and os.environ["XLA_FLAGS"] == f"{DEVICES} {FLAG}=true"
+    monkeypatch.setenv("XLA_FLAGS", DEVICES)
+    off = ["--config.deterministic=False", *stop]
+    code, _ = run_cli(nano_argv(tmp_path / "b", corpus_dir, data_dir, *off), capsys)
+    assert code == train.USAGE_ERROR_EXIT and os.environ["XLA_FLAGS"] == DEVICES
+    monkeypatch.setenv("XLA_FLAGS", f"{DEVICES} {FLAG}=false")
+    code, err = run_cli(nano_argv(tmp_path / "c", corpus_dir, data_dir), capsys)
+    assert code == train.USAGE_ERROR_EXIT and "config.deterministic=True but XLA_FLAGS" in err
+    assert not (tmp_path / "c").exists()  # refused before anything was made
+
+
+def test_the_harness_requests_it_in_each_run(monkeypatch):
+    # A worker process of experiments' grids starts JAX inside ``_train``: the request must
+    # come first there, from the run's own config.
+    from configs import common  # noqa: PLC0415
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    seen = []
+    monkeypatch.setattr(loop, "train_and_evaluate",
+                        lambda *a, **k: seen.append(os.environ["XLA_FLAGS"]))  # fmt: skip
+    monkeypatch.setenv("XLA_FLAGS", DEVICES)
+    harness._train(common.get_config(), "unused")
+    assert seen == [f"{DEVICES} {FLAG}=true"]
