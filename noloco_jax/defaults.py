@@ -115,6 +115,10 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("optim.weight_decay", 0.0, "0 = Adam (the paper); > 0 = AdamW."),
     ("optim.clip_norm", 1.0,
      "Per-replica global-norm clipping before any averaging (the reference code); 0 = off."),
+    # The gradient is the whole batch's either way (to float rounding); a larger k holds fewer
+    # activations at once. With the plain model only (no pipeline stages, no stage skipping).
+    ("optim.micro_batches", 1,
+     "Gradient accumulation: each replica's batch in k slices, one after another; 1 = off."),
     ("outer.sync_every", 50, "H: inner steps per outer step (paper: 50 NoLoCo, 100 DiLoCo)."),
     ("outer.learning_rate", 0.7, "beta, the outer learning rate (paper: 0.7)."),
     ("outer.momentum", 0.5, "alpha, the outer momentum (paper: 0.5 NoLoCo, 0.3 DiLoCo)."),

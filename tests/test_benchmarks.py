@@ -21,6 +21,7 @@ EXTRA_FLAGS = {"compile_scale": ["--ns=8,16"]}
     pytest.param("overhead", marks=pytest.mark.slow), "comm_volume",
     pytest.param("scaling", marks=pytest.mark.slow), "throughput", "clip_traffic",
     "compile_scale", "diloco_exchange", pytest.param("sharded_memory", marks=pytest.mark.slow),
+    "micro_batches",
     pytest.param("opt_level", marks=pytest.mark.slow),
     pytest.param("gpu_attention", marks=pytest.mark.slow),
     pytest.param("routing_compile", marks=pytest.mark.slow),

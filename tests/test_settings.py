@@ -122,6 +122,13 @@ def _tiny(**overrides):
         ({"num_stages": 2, "outer.exchange_dtype": "int8"},
          "config.outer.exchange_dtype: an 8-bit exchange with pipeline stages"),
         ({"skip.num_stages": 2, "skip.path_length": 3}, "config.skip.path_length"),
+        ({"optim.micro_batches": 0}, "config.optim.micro_batches"),
+        ({"optim.micro_batches": 3}, "config.optim.micro_batches: must divide each replica's "
+         "batch, global_batch_size / num_replicas = 4, got 3"),
+        ({"optim.micro_batches": 2, "num_stages": 2}, "config.optim.micro_batches: gradient "
+         "accumulation works with the plain model only"),
+        ({"optim.micro_batches": 2, "skip.num_stages": 2, "skip.path_length": 1},
+         "config.optim.micro_batches: gradient accumulation works with the plain model only"),
     ],
 )
 def test_bad_settings_name_the_field(overrides, field):

@@ -183,7 +183,8 @@ class TrainerChunk:
 
 def paper_settings(size: str, method: str = "noloco", *, num_replicas: int = 1,
                    batch_per_replica: int = 1, seq_len: int = 1024, fsdp: int = 1,
-                   tensor: int = 1, remat: bool = False) -> Any:  # fmt: skip
+                   tensor: int = 1, remat: bool = False, micro_batches: int = 1
+                   ) -> Any:  # fmt: skip
     """The trainer's settings of a paper run (configs/paper.py) on split replicas.
 
     Args:
@@ -196,6 +197,7 @@ def paper_settings(size: str, method: str = "noloco", *, num_replicas: int = 1,
       fsdp: F, devices each replica's weights split over.
       tensor: T, devices its heads and MLP split over.
       remat: recompute activations in the backward pass.
+      micro_batches: slices of the batch per step (gradient accumulation).
 
     Returns:
       Validated ``TrainSettings`` with ``backend="shard_map"``.
@@ -207,4 +209,5 @@ def paper_settings(size: str, method: str = "noloco", *, num_replicas: int = 1,
     c.model.preset, c.backend = size, "shard_map"
     c.global_batch_size, c.data.seq_len = batch_per_replica * num_replicas, seq_len
     c.mesh.fsdp, c.mesh.tensor, c.model.remat = fsdp, tensor, remat
+    c.optim.micro_batches = micro_batches
     return st.from_config(c)

@@ -316,6 +316,7 @@ def topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
     if s.num_stages == 1:
         skip = _skip_config(s, cfg.num_layers)
         grads_fn = grads.plain(graphdef) if skip is None else grads.skipping(graphdef, skip)
+        grads_fn = grads.accumulated(grads_fn, s.optim.micro_batches)
         split = {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor}
         return replicas.make_replicas(s.num_replicas, backend=s.backend, mesh_shape=split), {
             **kwargs, "grads_fn": grads_fn}

@@ -7,7 +7,9 @@ communication as collectives over named axes:
 * ``skipping``: every sequence through a random subset of stages (SkipPipe);
 * ``routed``: a pipeline with random routing between replicas, simulated
   (each replica holds all its stages; routing over "replica");
-* ``routed_on_mesh``: the same on a ``(replica, stage)`` device mesh.
+* ``routed_on_mesh``: the same on a ``(replica, stage)`` device mesh;
+
+and ``accumulated`` wraps one to take the batch in micro-batches (gradient accumulation).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -25,7 +28,7 @@ from noloco_jax.pipeline.routed import REPLICA, STAGE
 from noloco_jax.skippipe.training import SkipConfig, skip_value_and_grad
 from noloco_jax.trainer.step import GradsFn, loss_fn
 
-__all__ = ["plain", "skipping", "routed", "routed_on_mesh", "per_stage"]
+__all__ = ["plain", "skipping", "routed", "routed_on_mesh", "per_stage", "accumulated"]
 
 
 def plain(graphdef: Any) -> GradsFn:
@@ -35,6 +38,48 @@ def plain(graphdef: Any) -> GradsFn:
         return jax.value_and_grad(loss_fn)(params, tokens, graphdef=graphdef)
 
     return grads_fn
+
+
+def accumulated(grads_fn: GradsFn, micro_batches: int) -> GradsFn:
+    """``grads_fn`` over ``micro_batches`` slices of the batch, one after another.
+
+    Gradient accumulation: the loss and gradients are the means over the slices, which for a
+    mean loss over equal slices are the whole batch's (to float rounding), while only one
+    slice's activations are alive at a time. Slice ``i`` holds rows ``i, i + k, i + 2k, ...``,
+    so on a replica split over devices every device keeps its own rows. Sums run in float32
+    and the gradients come back in their own dtype.
+
+    Args:
+      grads_fn: a per-replica ``grads_fn`` whose gradients do not depend on the row index
+        (``plain``); 1 returns it unchanged.
+      micro_batches: k >= 1, a divisor of the batch.
+
+    Returns:
+      A ``grads_fn`` with the same signature.
+    """
+    if micro_batches == 1:
+        return grads_fn
+
+    def fn(params: Any, tokens: jax.Array, step: jax.Array):
+        rows = tokens.shape[0] // micro_batches
+        slices = tokens.reshape(rows, micro_batches, *tokens.shape[1:]).swapaxes(0, 1)
+
+        def add(total: Any, tokens_slice: jax.Array) -> tuple[Any, None]:
+            loss, grads = grads_fn(params, tokens_slice, step)
+            return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, (loss, grads)), None
+
+        # zeros_like keeps the params' replica axis (under shard_map), as the sums must.
+        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, _wide(p.dtype)), params)
+        loss0 = jnp.zeros_like(jax.tree.leaves(params)[0], jnp.float32, shape=())
+        (loss, grads), _ = lax.scan(add, (loss0, zeros), slices)
+        grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads, params)
+        return loss / micro_batches, grads
+
+    return fn
+
+
+def _wide(dtype: Any) -> Any:
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def skipping(graphdef: Any, cfg: SkipConfig) -> GradsFn:

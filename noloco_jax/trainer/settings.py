@@ -36,7 +36,7 @@ MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overfl
 RESUMABLE = frozenset(
     {"backend", "mesh.fsdp", "mesh.tensor", "eval_every", "checkpoint_every", "keep_checkpoints",
      "data.eval_windows", "data.data_dir", "profile_steps", "log.wandb", "log.wandb_project",
-     "log.wandb_run_name", "allow_resize", "model.remat", "deterministic"}
+     "log.wandb_run_name", "allow_resize", "model.remat", "deterministic", "optim.micro_batches"}
 )  # fmt: skip
 
 _SECTIONS: dict[str, type] = {}  # section name -> its settings class, in GROUPS order
@@ -108,6 +108,7 @@ class OptimSettings:
     eps: float
     weight_decay: float
     clip_norm: float
+    micro_batches: int
 
 
 @_table_defaults("outer")
@@ -213,6 +214,7 @@ def validate(s: TrainSettings) -> TrainSettings:
     _validate_model(s)
     _validate_data(s)
     _validate_optim(s.optim, s.num_steps)
+    _check_micro_batches(s)
     _validate_outer(s.outer, s.method, s.num_replicas)
     require(s.outer.fragments == 1 or (s.num_stages == 1 and s.method in ROUND_METHODS),
             "config.outer.fragments", "streaming fragments need method noloco or diloco and "
@@ -522,6 +524,18 @@ def _validate_optim(o: OptimSettings, num_steps: int) -> None:
     # (an unused embedding row) gets 0 / 0 = NaN on the first step.
     require(o.eps > 0, "config.optim.eps", f"must be > 0 (Adam divides by sqrt(v) + eps), got "
             f"{o.eps!r}; the usual value is 1e-8.")
+
+
+def _check_micro_batches(s: TrainSettings) -> None:
+    k = s.optim.micro_batches
+    check_int("config.optim.micro_batches", k, minimum=1)
+    require(s.batch_per_replica % k == 0, "config.optim.micro_batches",
+            f"must divide each replica's batch, global_batch_size / num_replicas = "
+            f"{s.batch_per_replica}, got {k}.")  # fmt: skip
+    require(k == 1 or (s.num_stages == 1 and s.skip.num_stages == 0), "config.optim.micro_batches",
+            f"gradient accumulation works with the plain model only (num_stages=1, "
+            f"skip.num_stages=0), got num_stages={s.num_stages}, skip.num_stages="
+            f"{s.skip.num_stages}; leave it at 1.")  # fmt: skip
 
 
 def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:

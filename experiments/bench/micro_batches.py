@@ -1,0 +1,135 @@
+"""Gradient accumulation: bytes per device and speed with k micro-batches per step.
+
+    python -m experiments.bench.micro_batches [--smoke] [--sizes small,medium,large]
+
+1. Memory: the trainer's NoLoCo sync program for each paper size at the paper's batch per
+   replica (sequences of 1024 tokens), one device per replica, with the batch taken in
+   k = 1, 8 and batch slices (``config.optim.micro_batches``; k = batch is one sequence per
+   slice), activations recomputed or not; compiled with abstract inputs
+   (``noloco_jax.trainer.aot.step_memory``), nothing allocated. Whether it fits an H100 and
+   a TPU v5e chip using ``--usable`` of it.
+2. Speed: the tiny model's loss and gradients on 16 sequences of 128 tokens, whole and in
+   k = 2, 4, 16 slices, timed side by side and interleaved on this machine; the ratio to the
+   whole batch (XLA:CPU here; a GPU or TPU is another measurement).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+
+from experiments import options
+from experiments.bench import common
+from noloco_jax import models
+from noloco_jax.models.presets import preset_names
+
+SIZES = flags.DEFINE_list("sizes", ["small", "medium", "large"], "Paper model sizes.")
+flags.register_validator("sizes", lambda v: bool(v) and set(v) <= set(preset_names()),
+                         message=f"takes model presets, comma-separated: {preset_names()}")
+USABLE = flags.DEFINE_float(
+    "usable", 0.9, "Fraction of a chip's memory a program may use (the runtime keeps some).")
+flags.register_validator("usable", lambda v: 0 < v <= 1, message="takes a fraction in (0, 1]")
+REPS = flags.DEFINE_integer("reps", 30, "Timed repetitions of each variant.", lower_bound=1)
+for _name in options.OUT_FLAGS:
+    flags.declare_key_flag(_name)
+
+VOCAB = 128_002  # the reference code's Llama-3 vocabulary
+BATCH = {"small": 64, "medium": 64, "large": 128, "nano": 4}  # as bench.sharded_memory
+CHIPS = {"H100 (80 GiB)": 80 * 2**30, "TPU v5e (16 GiB)": 16 * 2**30}
+_GB = 1e9
+
+
+def memory_rows(sizes: list[str], vocab: int, seq_len: int) -> list[dict]:
+    """The sync program's ``StepMemory`` per size, remat and k (one device per replica)."""
+    from noloco_jax.trainer import aot  # noqa: PLC0415
+
+    rows = []
+    for size in sizes:
+        batch = BATCH[size]
+        for remat in (False, True):
+            for k in sorted({1, min(8, batch), batch}):
+                t0 = time.perf_counter()
+                s = common.paper_settings(size, batch_per_replica=batch, seq_len=seq_len,
+                                          remat=remat, micro_batches=k)  # fmt: skip
+                m = aot.step_memory(s, vocab, program="sync")
+                rows.append({"size": size, "batch": batch, "remat": remat, "k": k,
+                             "state": m.state, "temp": m.temp, "peak": m.peak,
+                             "compile_s": time.perf_counter() - t0})  # fmt: skip
+                print(_brief(rows[-1]), flush=True)
+    return rows
+
+
+def _brief(r: dict) -> str:
+    return (f"{r['size']} B={r['batch']} remat={r['remat']} k={r['k']}: state "
+            f"{r['state'] / _GB:.2f} GB, scratch {r['temp'] / _GB:.2f} GB, footprint "
+            f"{r['peak'] / _GB:.2f} GB ({r['compile_s']:.0f} s)")  # fmt: skip
+
+
+def speed_rows(preset: str, batch: int, seq_len: int, ks: Sequence[int], reps: int) -> list[dict]:
+    """Seconds per loss-and-gradient call, whole batch and k slices, interleaved."""
+    from noloco_jax.trainer import grads  # noqa: PLC0415
+
+    cfg = models.get_preset(preset, vocab_size=256)
+    graphdef, params = models.init_params(cfg, 0)
+    tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1), 0, 256)
+    step = jnp.int32(0)
+    fns = {k: jax.jit(grads.accumulated(grads.plain(graphdef), k)) for k in (1, *ks)}
+    times = common.interleaved(
+        {f"k={k}": functools.partial(fn, params, tokens, step) for k, fn in fns.items()}, reps)
+    return [{"k": k, **common.summary(times[f"k={k}"]),
+             "ratio": common.ratio(times, f"k={k}", "k=1"),
+             "paired": common.paired_ratios(times, f"k={k}", "k=1")} for k in fns]  # fmt: skip
+
+
+def _fits(peak: int) -> list[str]:
+    return ["yes" if peak <= cap * USABLE.value else "no" for cap in CHIPS.values()]
+
+
+def _markdown(cmd: str, commit: str, mem: list[dict], speed: list[dict], shape: str) -> str:
+    mem_rows = [[r["size"], r["batch"], "on" if r["remat"] else "off", r["k"],
+                 r["batch"] // r["k"], f"{r['state'] / _GB:.2f}", f"{r['temp'] / _GB:.2f}",
+                 f"{r['peak'] / _GB:.2f}", *_fits(r["peak"])] for r in mem]  # fmt: skip
+    speed_table = [[r["k"], f"{r['median_s'] * 1e3:.2f}", f"{r['ratio']:.3f}",
+                    f"{r['paired']['median']:.3f} ({r['paired']['q25']:.3f}–"
+                    f"{r['paired']['q75']:.3f})"] for r in speed]  # fmt: skip
+    return (
+        f"### Gradient accumulation: bytes per device and speed\n\n`{cmd}` (commit {commit}).\n\n"
+        "Footprint per device of the trainer's NoLoCo sync program, one device per replica, "
+        "at the paper's batch per replica (configs/paper.py: float32 params, bfloat16 compute, "
+        "Adam, 1024-token sequences), the batch taken in k slices "
+        "(`config.optim.micro_batches`), compiled with abstract inputs on XLA:CPU "
+        f"(`aot.step_memory`). GB = 10^9 bytes; 'fits' uses {USABLE.value:.0%} of the chip.\n\n"
+        + common.md_table(["model", "batch", "remat", "k", "sequences per slice", "state GB",
+                           "scratch GB", "footprint GB", *(f"fits {c}" for c in CHIPS)],
+                          mem_rows)  # fmt: skip
+        + f"\nSpeed on this machine (XLA:CPU), {shape}: milliseconds per loss-and-gradient "
+        "call, and its ratio to the whole batch (medians; paired: per round, median and IQR).\n\n"
+        + common.md_table(["k", "ms", "vs whole (medians)", "vs whole (paired)"], speed_table))
+
+
+def main(argv: Sequence[str]) -> None:
+    options.start(argv)
+    options.smoke_sets("sizes", "reps")
+    smoke = options.SMOKE.value
+    sizes = ["nano"] if smoke else SIZES.value
+    vocab, seq_len = (256, 64) if smoke else (VOCAB, 1024)
+    mem = memory_rows(sizes, vocab, seq_len)
+    batch, seq, preset = (4, 32, "nano") if smoke else (16, 128, "tiny")
+    ks = (2, 4) if smoke else (2, 4, 16)
+    speed = speed_rows(preset, batch, seq, ks, 3 if smoke else REPS.value)
+    shape = f"the {preset} model, {batch} sequences of {seq} tokens"
+    env = common.environment()
+    results = {"env": env, "commit": env["commit"], "memory": mem, "speed": speed,
+               "usable": USABLE.value, "chips": CHIPS, "speed_shape": shape}  # fmt: skip
+    cmd = options.command("experiments.bench.micro_batches")
+    common.write("bench_micro_batches", results,
+                 _markdown(cmd, results["commit"], mem, speed, shape), options.out_dir())
+
+
+if __name__ == "__main__":
+    options.run(main)
