@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from noloco_jax import errors
+
 __all__ = ["FORMATS", "BLOCK", "encode", "decode", "roundtrip", "wire_bytes", "is_codec"]
 
 BLOCK = 256
@@ -40,14 +42,22 @@ def is_codec(wire: Any) -> bool:
     return isinstance(wire, str) and wire in FORMATS
 
 
+def _format(fmt: Any) -> tuple[Any, float]:
+    """The code dtype and largest code of ``fmt``; a ``ValueError`` naming it otherwise."""
+    errors.require(is_codec(fmt), "fmt", f"must be one of {sorted(FORMATS)}, got {fmt!r}.")
+    return FORMATS[fmt]
+
+
 def _blocks(x: jax.Array) -> tuple[jax.Array, int]:
+    errors.require(jnp.ndim(x) == 1, "x", f"must be a flat (1-D) buffer, got shape "
+                   f"{jnp.shape(x)}; pass x.reshape(-1).")  # fmt: skip
     n = x.shape[0]
     pad = (-n) % BLOCK
     return jnp.pad(x.astype(jnp.float32), (0, pad)).reshape(-1, BLOCK), n
 
 
 def _codes(x: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array, int]:
-    dtype, top = FORMATS[fmt]
+    dtype, top = _format(fmt)
     blocks, n = _blocks(x)
     absmax = jnp.max(jnp.abs(blocks), axis=1)
     # An all-zero block gets scale 1; a block with a NaN keeps a NaN scale, so it arrives
@@ -70,7 +80,10 @@ def encode(x: jax.Array, fmt: str) -> jax.Array:
 
 def decode(buf: jax.Array, n: int, fmt: str) -> jax.Array:
     """The float32 values of an ``encode``d buffer of ``n`` values."""
-    dtype, _ = FORMATS[fmt]
+    dtype, _ = _format(fmt)
+    errors.require(jnp.shape(buf) == (wire_bytes(n),), "buf", f"must be the flat "
+                   f"{wire_bytes(n)} bytes of an encoded message of n={n} values, got shape "
+                   f"{jnp.shape(buf)}.")  # fmt: skip
     num_blocks = -(-n // BLOCK)
     padded = jnp.pad(buf[:n], (0, num_blocks * BLOCK - n))
     codes = lax.bitcast_convert_type(padded, dtype).reshape(num_blocks, BLOCK)

@@ -80,3 +80,22 @@ def test_error_feedback_keeps_the_accumulated_error_bounded():
     half_step = 1.0 / 127 / 2
     assert drift_fb.max() <= half_step * 1.01  # bounded by the residual: the test's bound
     assert drift_plain[-1] > 50 * half_step  # without feedback the error accumulates
+
+
+@pytest.mark.parametrize("shape", [(3, 4), ()])
+def test_a_buffer_that_is_not_flat_is_refused(shape):
+    # A 2-D x was padded on both axes and came back as shape[0] wrong values; a scalar raised
+    # an IndexError.
+    x = jnp.ones(shape)
+    for call in (qz.encode, qz.roundtrip):
+        with pytest.raises(ValueError, match="x: must be a flat"):
+            call(x, "int8")
+
+
+def test_an_unknown_format_or_a_buffer_of_the_wrong_size_is_refused():
+    with pytest.raises(ValueError, match=r"fmt: must be one of \['float8_e4m3fn', 'int8'\]"):
+        qz.encode(jnp.ones(4), "int4")
+    with pytest.raises(ValueError, match="fmt: must be one of"):
+        qz.decode(qz.encode(jnp.ones(4), "int8"), 4, "int4")
+    with pytest.raises(ValueError, match="buf: must be the flat 9 bytes"):
+        qz.decode(qz.encode(jnp.ones(4), "int8"), 5, "int8")  # n does not match the message
