@@ -733,6 +733,8 @@ def _group_mean_codec(
     leaves, treedef = jax.tree.flatten(tree)
     if any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
         raise ValueError(f"exchange_dtype={fmt!r} sends float leaves only.")
+    if not leaves:  # nothing to send (as group_mean's other wires)
+        return tree, tree, tree
     present = None if weight is None else weight > 0
     if present is not None:
         leaves = [jnp.where(present, x, jnp.zeros_like(x)) for x in leaves]

@@ -68,6 +68,21 @@ def test_the_group_agrees_on_one_mean_close_to_the_exact_one(n, num):
         np.testing.assert_allclose(x, y, atol=2 * 4.0 / 127)  # a few quantisation steps
 
 
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_params_without_float_leaves_send_nothing_with_8_bit_exchange(fmt):
+    # The codec joined no leaves into one vector: "Need at least one array to concatenate",
+    # where every other exchange_dtype returns the empty tree.
+    pool = comm.partition_pool(N, 2, 0)
+    out = jax.vmap(lambda w: comm.group_mean({}, "replica", pool, 0, fmt, w),
+                   axis_name="replica")(jnp.ones(N))  # fmt: skip
+    assert out == {}
+    tx = noloco_outer(exchange_dtype=fmt, error_feedback=True)
+    reps = replicas.make_replicas(N, backend="vmap")
+    phi = {"count": jnp.arange(3 * N, dtype=jnp.int32).reshape(N, 3)}
+    delta, _ = reps.map(tx.update)(phi, reps.init(tx, phi), phi)
+    np.testing.assert_array_equal(delta["count"], 0)  # integer leaves are not moved
+
+
 def test_absent_replicas_with_8_bit_exchange():
     values = _tree(N, seed=2)
     values = jax.tree.map(lambda x: x.at[1].set(jnp.nan), values)
