@@ -288,6 +288,8 @@ def test_bad_exchange_settings(factory):
         factory(exchange_dtype=jnp.int8)
     with pytest.raises(ValueError, match="error_feedback needs an 8-bit exchange_dtype"):
         factory(exchange_dtype=jnp.bfloat16, error_feedback=True)
+    with pytest.raises(ValueError, match="error_feedback: must be True or False, got 'False'"):
+        factory(exchange_dtype="int8", error_feedback="False")  # was truthy: feedback on
 
 
 @pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])

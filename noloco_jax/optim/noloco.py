@@ -123,6 +123,7 @@ def check_error_feedback(error_feedback: bool, exchange_dtype: Any, *,
       field: the name the message gives ``error_feedback``.
       dtype_field: the name the message gives ``exchange_dtype``.
     """
+    errors.check_bool(field, error_feedback)
     if error_feedback and not quantize.is_codec(exchange_dtype):
         raise errors.UserError(
             f"{field} needs an 8-bit {dtype_field} ({', '.join(quantize.FORMATS)}), got "
