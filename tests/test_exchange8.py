@@ -290,6 +290,9 @@ def test_bad_exchange_settings(factory):
         factory(exchange_dtype=jnp.bfloat16, error_feedback=True)
     with pytest.raises(ValueError, match="error_feedback: must be True or False, got 'False'"):
         factory(exchange_dtype="int8", error_feedback="False")  # was truthy: feedback on
+    if not jax.config.jax_enable_x64:  # float64 was taken; NoLoCo's step then crashed
+        with pytest.raises(ValueError, match="exchange_dtype: float64 needs jax_enable_x64"):
+            factory(exchange_dtype=jnp.float64)
 
 
 @pytest.mark.parametrize("factory", [noloco_outer, diloco_outer])

@@ -212,6 +212,9 @@ def check_exchange_dtype(exchange_dtype: Any) -> None:
                    f"has no scale (values past its range arrive as NaN or inf); pass the name "
                    f"'float8_e4m3fn' or 'int8' for block-scaled 8-bit codes, got "
                    f"{exchange_dtype!r}.")  # fmt: skip
+    errors.require(jax.dtypes.canonicalize_dtype(dtype) == dtype, "exchange_dtype",
+                   f"{dtype} needs jax_enable_x64 (JAX holds it as "
+                   f"{jax.dtypes.canonicalize_dtype(dtype)}), got {exchange_dtype!r}.")  # fmt: skip
 
 
 INJECT_STATIC_ARGS = ("group_size", "seed", "dropout_prob", "pool_size", "exchange_dtype",
