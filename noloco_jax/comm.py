@@ -1123,6 +1123,12 @@ def _tree_bytes(tree: PyTree, dtype: Any) -> int:
     )
 
 
+def _sent_leaves(params: PyTree) -> list:
+    """The leaves an outer step sends: the float ones (integer buffers are neither sent nor
+    moved, ``noloco_outer``'s and ``diloco_outer``'s ``float_leaves``)."""
+    return [x for x in jax.tree.leaves(params) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+
+
 def noloco_bytes_per_sync(
     params: PyTree,
     *,
@@ -1138,7 +1144,8 @@ def noloco_bytes_per_sync(
     ``exchange_steps(group_size)`` messages.
 
     Args:
-      params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
+      params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``); only its float
+        leaves travel.
       group_size: n.
       gamma_equals_beta: whether ``gamma`` is ``None`` (or equal to beta).
       exchange_dtype: dtype on the wire; ``None`` means the leaves' dtypes;
@@ -1150,6 +1157,7 @@ def noloco_bytes_per_sync(
     Returns:
       Bytes sent per replica per sync (received bytes are equal).
     """
+    params = _sent_leaves(params)
     tensors = 1 if gamma_equals_beta else 2
     flag = 4 if with_presence else 0
     if quantize.is_codec(exchange_dtype):  # one message of all values, with block scales
@@ -1176,7 +1184,8 @@ def diloco_bytes_per_sync(
     its axes), so the count there is close rather than exact.
 
     Args:
-      params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
+      params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``); only its float
+        leaves travel.
       num_replicas: N.
       exchange_dtype: as ``diloco_outer``'s.
       with_presence: drop-out or the non-finite guard enabled.
@@ -1186,6 +1195,7 @@ def diloco_bytes_per_sync(
     """
     if errors.check_int("num_replicas", num_replicas) == 1:
         return 0.0
+    params = _sent_leaves(params)
     if _same_as_leaves(params, exchange_dtype):
         return mean_bytes_per_replica(params, num_replicas)
     n = tree_num_elements(params)

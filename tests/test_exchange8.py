@@ -48,6 +48,24 @@ def test_sync_step_sends_a_quarter_of_float32_plus_scales(fmt, guard):
     assert want / comm.noloco_bytes_per_sync(single) < 0.27
 
 
+@pytest.mark.parametrize("fmt", [None, jnp.bfloat16, "int8"])
+def test_byte_counts_leave_out_integer_leaves_which_never_travel(fmt):
+    # They were counted (int8: 1536 bytes per NoLoCo sync for the 1016 that the HLO sends).
+    with_int = {**_tree(), "step": jnp.zeros((512,), jnp.int32)}
+    assert comm.noloco_bytes_per_sync(with_int, exchange_dtype=fmt) == \
+        comm.noloco_bytes_per_sync(_tree(), exchange_dtype=fmt)
+    assert comm.diloco_bytes_per_sync(with_int, N, exchange_dtype=fmt) == \
+        comm.diloco_bytes_per_sync(_tree(), N, exchange_dtype=fmt)
+    if fmt == "int8":  # and the compiled step sends what is counted
+        tx = local_steps(optax.sgd(0.1), noloco_outer(exchange_dtype=fmt), 5)
+        reps = replicas.make_replicas(N, backend="shard_map")
+        params = reps.put({**_tree(N), "step": jnp.zeros((N, 512), jnp.int32)})
+        f = jax.jit(reps.map(lambda g, s, p: tx.update(g, s, p, sync_step=True)))
+        text = hlo.compiled_text(f, params, reps.init(tx, params), params)
+        sent = set(hlo.bytes_by_computation(text, "collective-permute").values())
+        assert sent == {comm.noloco_bytes_per_sync(with_int, exchange_dtype=fmt)}
+
+
 # What users compile with: the suite's fast-compile flags hid a disagreement (a member's own
 # message was folded back into its unrounded values; the others decoded its bytes).
 OPTIMIZED = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
