@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from noloco_jax import hlo, models
+from noloco_jax.errors import UserError
 from noloco_jax.trainer import aot
 from noloco_jax.trainer import settings as st
 
@@ -249,3 +250,12 @@ def test_step_memory_refuses_an_init_from_vocabulary_the_tokenizer_contradicts(t
     with pytest.raises(ValueError, match="vocab_size=256 differs from the model's vocabulary "
                                          "of 512"):
         aot.step_memory(s, 256)
+
+
+def test_step_memory_refuses_a_split_that_does_not_divide_the_model():
+    """The trainer refuses mesh.tensor=3 on nano's 4 heads (sharding.check_divides);
+    step_memory raised jax's IndivisibleError about a NamedSharding instead."""
+    s = _settings(2, 1, 3, model={"preset": "nano"})
+    with pytest.raises(UserError, match=r"mesh\.tensor=3 does not divide dim 2 of "
+                                        r"\['blocks'\]\['attn'\]\['wk'\]"):
+        aot.step_memory(s, VOCAB)

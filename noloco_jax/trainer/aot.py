@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from noloco_jax import models, replicas
+from noloco_jax import models, replicas, sharding
 from noloco_jax.trainer.settings import ROUND_METHODS
 from noloco_jax.trainer.step import TrainState
 
@@ -148,17 +148,17 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
       The ``jax.stages.Compiled`` program (``memory_analysis()``, ``as_text()``).
 
     Raises:
-      ValueError: ``program`` is not "sync" or "inner", or ``vocab_size`` is not the model's
-        (``config.model.vocab_size`` when set, the ``init_from`` config's): the trainer
-        refuses that pair.
+      ValueError: ``program`` is not "sync" or "inner", ``vocab_size`` is not the model's
+        (``config.model.vocab_size`` when set, the ``init_from`` config's), or
+        ``config.mesh.fsdp`` / ``config.mesh.tensor`` does not divide the dims it splits:
+        the trainer refuses these too.
     """
     from noloco_jax.trainer import build  # noqa: PLC0415 (build imports aot)
 
     if program not in ("sync", "inner"):
         raise ValueError(f"program must be 'sync' or 'inner', got {program!r}.")
     s = settings
-    cfg = _model_config(s, vocab_size)
-    graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
+    cfg, graphdef, params = _abstract_model(s, vocab_size)
     spec, build_tx = build.optimizer_factory(s, params)
     reps, step_kwargs = build.topology(s, cfg, graphdef, build_tx)
     inner, sync = build.run_programs(s, reps, step_kwargs, spec)
@@ -179,6 +179,15 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
         tokens = (tokens,) * (delay + 1)
     state = abstract_state(reps, step_kwargs["tx"], params)
     return run.lower(state, tokens).compile()
+
+
+def _abstract_model(s: Any, vocab_size: int) -> tuple[Any, Any, Any]:
+    """(config, graphdef, abstract params) of the model, refusing what the trainer refuses:
+    a ``vocab_size`` that is not the model's, a mesh split that does not divide its dims."""
+    cfg = _model_config(s, vocab_size)
+    graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
+    sharding.check_divides(params, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
+    return cfg, graphdef, params
 
 
 def _model_config(s: Any, vocab_size: int) -> Any:
