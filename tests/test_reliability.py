@@ -809,6 +809,22 @@ def test_memory_estimate_counts_params_and_optimizer_state():
     assert memory.state_bytes_per_device(params, adam, num_replicas=4, backend="vmap") == 4 * one
 
 
+@pytest.mark.parametrize("kwargs, field", [
+    ({"num_replicas": 0, "backend": "vmap"}, "num_replicas"),  # was 0 bytes
+    ({"num_replicas": -4, "backend": "vmap"}, "num_replicas"),  # was negative
+    ({"num_replicas": 4, "backend": "auto"}, "backend"),  # was counted as one replica
+    ({"num_replicas": 1, "backend": "shard_map", "num_stages": 0}, "num_stages"),
+])
+def test_memory_estimate_refuses_bad_arguments(kwargs, field):
+    import optax
+
+    from noloco_jax.trainer import memory
+
+    params = {"w": jax.ShapeDtypeStruct((1000,), jnp.float32)}
+    with pytest.raises(ValueError, match=f"^{field}: must be"):
+        memory.state_bytes_per_device(params, optax.adam(1e-3), **kwargs)
+
+
 def test_memory_estimate_splits_only_the_blocks_and_only_on_the_stage_mesh(monkeypatch):
     import optax
 

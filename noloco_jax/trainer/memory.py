@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from noloco_jax.errors import UserError
+from noloco_jax.errors import UserError, check_choice, check_int
 
 __all__ = ["state_bytes_per_device", "available_bytes", "check_fits"]
 
@@ -29,8 +29,16 @@ def state_bytes_per_device(abstract_params: Any, tx: Any, *, num_replicas: int,
 
     Returns:
       A lower bound: gradients and activations come on top.
+
+    Raises:
+      ValueError: ``num_replicas`` or ``num_stages`` is not an integer >= 1, or ``backend``
+        is not "vmap" or "shard_map".
     """
     from noloco_jax.pipeline.routed import stage_leaf_axes  # noqa: PLC0415
+
+    check_int("num_replicas", num_replicas)
+    check_int("num_stages", num_stages)
+    check_choice("backend", backend, ("vmap", "shard_map"))
 
     def share(path: tuple, x: Any) -> int:  # the blocks split over the stages, the rest not
         n = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
