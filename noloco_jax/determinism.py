@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 from noloco_jax.errors import UserError
 
@@ -68,8 +69,15 @@ def xla_flags(deterministic: bool, flags_text: str) -> str:
 
 
 def request(deterministic: bool) -> None:
-    """Puts ``config.deterministic`` into ``XLA_FLAGS``; effective if no GPU backend has started."""
-    os.environ["XLA_FLAGS"] = xla_flags(deterministic, os.environ.get("XLA_FLAGS", ""))
+    """Puts ``config.deterministic`` into ``XLA_FLAGS`` if JAX has started no backend yet.
+
+    XLA reads ``XLA_FLAGS`` once, when the first backend starts; after that the variable is
+    left as it is (a contradicting flag is still refused), so ``warning`` still sees that the
+    flag is missing and says so.
+    """
+    flags_text = xla_flags(deterministic, os.environ.get("XLA_FLAGS", ""))
+    if not _backend_started():
+        os.environ["XLA_FLAGS"] = flags_text
 
 
 def unmet(deterministic: bool, platform: str, flags_text: str) -> str | None:
@@ -85,6 +93,14 @@ def unmet(deterministic: bool, platform: str, flags_text: str) -> str | None:
 def warning(deterministic: bool) -> str | None:
     """``unmet`` for this process: its JAX backend and ``XLA_FLAGS``."""
     return unmet(deterministic, _platform(), os.environ.get("XLA_FLAGS", ""))
+
+
+def _backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge  # noqa: PLC0415
+
+    return xla_bridge.backends_are_initialized()
 
 
 def _platform() -> str:

@@ -59,6 +59,7 @@ def test_the_cli_requests_it_before_jax_starts_a_backend(tmp_path, corpus_dir, d
     # --num_processes without a coordinator stops right after the request, before any
     # training; the CLI's request is what puts the flag into this process's XLA_FLAGS.
     stop = ["--num_processes=2", "--process_id=0"]
+    monkeypatch.setattr(determinism, "_backend_started", lambda: False)  # as in a fresh process
     monkeypatch.setenv("XLA_FLAGS", DEVICES)
     code, _ = run_cli(nano_argv(tmp_path / "a", corpus_dir, data_dir, *stop), capsys)
     assert code == train.USAGE_ERROR_EXIT and os.environ["XLA_FLAGS"] == f"{DEVICES} {FLAG}=true"
@@ -79,8 +80,25 @@ def test_the_harness_requests_it_in_each_run(monkeypatch):
     from noloco_jax.trainer import loop  # noqa: PLC0415
 
     seen = []
+    monkeypatch.setattr(determinism, "_backend_started", lambda: False)  # as in a fresh worker
     monkeypatch.setattr(loop, "train_and_evaluate",
                         lambda *a, **k: seen.append(os.environ["XLA_FLAGS"]))  # fmt: skip
     monkeypatch.setenv("XLA_FLAGS", DEVICES)
     harness._train(common.get_config(), "unused")
     assert seen == [f"{DEVICES} {FLAG}=true"]
+
+
+def test_a_request_after_the_backend_started_leaves_xla_flags_so_the_trainer_warns(monkeypatch):
+    # XLA read XLA_FLAGS when the backend started: adding the flag now would change nothing
+    # but would silence the warning (a --config file that called jax.device_count(), say).
+    import jax  # noqa: PLC0415
+
+    jax.devices()
+    monkeypatch.setenv("XLA_FLAGS", DEVICES)
+    determinism.request(True)
+    assert os.environ["XLA_FLAGS"] == DEVICES
+    monkeypatch.setattr(determinism, "_platform", lambda: "gpu")
+    assert "started its GPU backend without" in determinism.warning(True)
+    monkeypatch.setenv("XLA_FLAGS", f"{DEVICES} {FLAG}=false")
+    with pytest.raises(UserError, match="config.deterministic=True but XLA_FLAGS"):
+        determinism.request(True)  # a contradiction is still refused
