@@ -34,6 +34,8 @@ def _flag_value(flags_text: str) -> bool | None:
     if not values:
         return None
     value = values[-1].lower()
+    if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+        value = value[1:-1]  # XLA takes quoted values: --flag="true"
     if value not in _TRUE + _FALSE:
         raise UserError(f"XLA_FLAGS sets {FLAG}={values[-1]!r}; use true or false.")
     return value in _TRUE

@@ -20,6 +20,8 @@ DEVICES = "--xla_force_host_platform_device_count=8"
     (f"{FLAG}=1 {DEVICES}", f"{FLAG}=1 {DEVICES}"),
     (f"{FLAG}=false {FLAG}=true", f"{FLAG}=false {FLAG}=true"),  # the last one wins
     (f"{FLAG}_extra=1", f"{FLAG}_extra=1 {FLAG}=true"),  # another flag, not this one
+    (f'{FLAG}="true"', f'{FLAG}="true"'),  # XLA takes quoted values
+    (f"{FLAG}='1'", f"{FLAG}='1'"),
 ])  # fmt: skip
 def test_deterministic_adds_the_flag_once(given, expected):
     assert determinism.xla_flags(True, given) == expected
@@ -33,6 +35,7 @@ def test_not_deterministic_leaves_xla_flags_as_given(given):
 @pytest.mark.parametrize("given, pattern", [
     (f"{DEVICES} {FLAG}=false", r"config\.deterministic=True but XLA_FLAGS sets .*=false: drop"),
     (f"{FLAG}=yes", r"XLA_FLAGS sets --xla_gpu_deterministic_ops='yes'; use true or false"),
+    (f'{FLAG}="false"', r"config\.deterministic=True but XLA_FLAGS sets .*=false: drop"),
 ])  # fmt: skip
 def test_a_contradicting_or_bad_xla_flag_is_refused(given, pattern):
     with pytest.raises(UserError, match=pattern):
