@@ -16,6 +16,7 @@ has already used a GPU gets the trainer's warning (``unmet``) with the fix.
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import sys
 
@@ -30,7 +31,7 @@ _TRUE, _FALSE = ("true", "1", ""), ("false", "0")
 
 def _flag_value(flags_text: str) -> bool | None:
     """The flag's value in an ``XLA_FLAGS`` text (the last one wins), None when absent."""
-    values = _SET.findall(flags_text)
+    values = _SET.findall(_flags_in(flags_text))
     if not values:
         return None
     value = values[-1].lower()
@@ -39,6 +40,20 @@ def _flag_value(flags_text: str) -> bool | None:
     if value not in _TRUE + _FALSE:
         raise UserError(f"XLA_FLAGS sets {FLAG}={values[-1]!r}; use true or false.")
     return value in _TRUE
+
+
+def _flags_in(flags_text: str) -> str:
+    """The flags of an ``XLA_FLAGS`` value: XLA reads one that does not start with '-' as the
+    name of a file of flags."""
+    if not flags_text.strip() or flags_text.lstrip().startswith("-"):
+        return flags_text
+    try:
+        return pathlib.Path(flags_text).read_text()
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"XLA_FLAGS={flags_text!r} does not start with '-', so XLA reads it as "
+            f"the name of a file of flags, which cannot be read: {err}"
+        ) from None
 
 
 def xla_flags(deterministic: bool, flags_text: str) -> str:
@@ -51,7 +66,8 @@ def xla_flags(deterministic: bool, flags_text: str) -> str:
 
     Returns:
       ``flags_text`` with ``FLAG=true`` appended when ``deterministic`` and it does not name
-      the flag; otherwise ``flags_text`` unchanged.
+      the flag (when ``flags_text`` names a file of flags, as XLA allows: the file's flags
+      with it appended); otherwise ``flags_text`` unchanged.
 
     Raises:
       UserError: ``deterministic`` but ``XLA_FLAGS`` sets the flag to false.
@@ -64,7 +80,7 @@ def xla_flags(deterministic: bool, flags_text: str) -> str:
     if not deterministic or given:
         return flags_text
     if given is None:
-        return f"{flags_text} {FLAG}=true".strip()
+        return f"{_flags_in(flags_text)} {FLAG}=true".strip()
     raise UserError(
         f"config.deterministic=True but XLA_FLAGS sets {FLAG}=false: drop the flag from "
         f"XLA_FLAGS or set config.deterministic=False.")  # fmt: skip

@@ -105,3 +105,21 @@ def test_a_request_after_the_backend_started_leaves_xla_flags_so_the_trainer_war
     monkeypatch.setenv("XLA_FLAGS", f"{DEVICES} {FLAG}=false")
     with pytest.raises(UserError, match="config.deterministic=True but XLA_FLAGS"):
         determinism.request(True)  # a contradiction is still refused
+
+
+def test_xla_flags_naming_a_file_of_flags(tmp_path):
+    # XLA reads an XLA_FLAGS that does not start with '-' as a file of flags; appending to
+    # the name made XLA abort ("Could not open file ... to read flags").
+    path = tmp_path / "xla.flags"
+    path.write_text(f"{DEVICES}\n")
+    assert determinism.xla_flags(True, str(path)) == f"{DEVICES}\n {FLAG}=true"
+    assert determinism.xla_flags(False, str(path)) == str(path)
+    path.write_text(f"{FLAG}=false\n")
+    with pytest.raises(UserError, match="config.deterministic=True but XLA_FLAGS"):
+        determinism.xla_flags(True, str(path))
+    assert determinism.unmet(True, "gpu", str(path)) is not None
+    path.write_text(f"{FLAG}=true\n")
+    assert determinism.unmet(True, "gpu", str(path)) is None
+    assert determinism.xla_flags(True, str(path)) == str(path)
+    with pytest.raises(UserError, match="XLA reads it as the name of a file of flags"):
+        determinism.xla_flags(True, str(tmp_path / "missing"))
