@@ -114,11 +114,16 @@ def warning(deterministic: bool) -> str | None:
 
 
 def _backend_started() -> bool:
+    """Whether JAX has started a backend (JAX has no public call for it; a JAX without the
+    private one counts as not started, which is this module's behaviour before it asked)."""
     if "jax" not in sys.modules:
         return False
-    from jax._src import xla_bridge  # noqa: PLC0415
+    try:
+        from jax._src import xla_bridge  # noqa: PLC0415
 
-    return xla_bridge.backends_are_initialized()
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return False
 
 
 def _platform() -> str:

@@ -750,6 +750,13 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
     assert settings_lib.warnings_for(frozen) == [
         "config.outer.learning_rate=0: the slow weights never move and every sync puts the "
         "replicas back on them, so the run learns nothing."]
+    # A slice that fsdp does not divide is computed whole on every device of the replica.
+    for k, warned in ((2, True), (1, False)):  # 4 sequences per replica: 2 per slice at k = 2
+        s = _settings(corpus_dir, data_dir, global_batch_size=8, backend="shard_map",
+                      mesh={"fsdp": 4}, num_replicas=2, optim={"micro_batches": k})  # fmt: skip
+        got = settings_lib.warnings_for(s)
+        assert bool(got) == warned, got
+        assert not warned or "micro_batches=2 leaves 2 sequence(s) per slice, which " in got[0]
     # Measured (tests/test_sharded_memory.py, README): 8-bit exchanges do not split.
     split = {"mesh": {"fsdp": 2}, "backend": "shard_map", "num_replicas": 2}
     for method, wire in (("diloco", "int8"), ("noloco", "int8"), ("diloco", "float8_e4m3fn")):

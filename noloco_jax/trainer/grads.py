@@ -46,8 +46,9 @@ def accumulated(grads_fn: GradsFn, micro_batches: int) -> GradsFn:
     Gradient accumulation: the loss and gradients are the means over the slices, which for a
     mean loss over equal slices are the whole batch's (to float rounding), while only one
     slice's activations are alive at a time. Slice ``i`` holds rows ``i, i + k, i + 2k, ...``,
-    so on a replica split over devices every device keeps its own rows. Sums run in float32
-    and the gradients come back in their own dtype.
+    so on a replica split over devices every device keeps its own rows (when ``mesh.fsdp``
+    divides the rows of a slice; the settings warn otherwise). Sums run in float32 and the
+    gradients come back in their own dtype.
 
     Args:
       grads_fn: a per-replica ``grads_fn`` whose gradients do not depend on the row index

@@ -458,6 +458,12 @@ def warnings_for(s: TrainSettings) -> list[str]:
                    f"(config.mesh): this exchange packs the replica into one flat message, so "
                    f"each of its {s.mesh.fsdp * s.mesh.tensor} devices sends all of it, not "
                    f"1/(fsdp x tensor); bfloat16 keeps the split.")  # fmt: skip
+    rows, fsdp = s.batch_per_replica // s.optim.micro_batches, s.mesh.fsdp
+    if s.optim.micro_batches > 1 and rows % fsdp:
+        out.append(f"config.optim.micro_batches={s.optim.micro_batches} leaves {rows} "
+                   f"sequence(s) per slice, which mesh.fsdp={fsdp} does not divide: every device "
+                   f"of a replica computes whole slices; choose micro_batches so that fsdp divides "
+                   f"global_batch_size / num_replicas / micro_batches.")  # fmt: skip
     out += _lone_replica_warnings(s)
     window = parse_profile_steps(s.profile_steps)
     if window is not None and window[0] >= s.num_steps:
