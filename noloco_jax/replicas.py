@@ -506,17 +506,28 @@ def make_replicas(
             f"{len(all_devices) // per_replica} (config.num_replicas) to use every device.")
     slices = _across_slices(devs, (num_replicas, *shape.values()))
     if per_replica == 1:
-        mesh = (jax.make_mesh((num_replicas,), (axis_name,), devices=devs) if slices is None else
-                jax.sharding.Mesh(slices.reshape(-1), (axis_name,),
-                                  axis_types=(jax.sharding.AxisType.Explicit,)))  # fmt: skip
+        explicit = (jax.sharding.AxisType.Explicit,)
+        mesh = (_topology_mesh(devs, (num_replicas,), (axis_name,), explicit) if slices is None
+                else jax.sharding.Mesh(slices.reshape(-1), (axis_name,), axis_types=explicit))
         return Replicas(num_replicas, axis_name, mesh)
     auto = jax.sharding.AxisType.Auto
     types = (jax.sharding.AxisType.Explicit, auto, auto)
     names, dims = (axis_name, *shape), (num_replicas, *shape.values())
     grid = _whole_replicas_per_process(devs, dims) if slices is None else slices
-    mesh = (jax.make_mesh(dims, names, axis_types=types, devices=devs) if grid is None
+    mesh = (_topology_mesh(devs, dims, names, types) if grid is None
             else jax.sharding.Mesh(grid, names, axis_types=types))  # fmt: skip
     return Replicas(num_replicas, axis_name, mesh, leaf_axes=sharding.intra_replica_axes)
+
+
+def _topology_mesh(devices: np.ndarray, dims: tuple[int, ...], names: tuple[str, ...],
+                   types: tuple) -> jax.sharding.Mesh:  # fmt: skip
+    """``jax.make_mesh`` (devices in the topology's order), or the devices in their given order
+    where it refuses them: on a TPU, some of a slice's chips that are no whole block of it
+    (3 of a v5e-4's 2 x 2; JAX then fails an assertion)."""
+    try:
+        return jax.make_mesh(dims, names, axis_types=types, devices=devices)
+    except (AssertionError, ValueError):
+        return jax.sharding.Mesh(devices.reshape(dims), names, axis_types=types)
 
 
 def _across_slices(devices: np.ndarray, dims: tuple[int, ...]) -> np.ndarray | None:

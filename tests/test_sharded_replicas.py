@@ -359,6 +359,19 @@ def test_replicas_are_dealt_over_tpu_slices_each_inside_one():
         replicas.make_replicas(1, devices=devs, mesh_shape={"fsdp": 32})
 
 
+
+def test_replicas_on_part_of_a_tpu_slice_that_is_no_block_of_it():
+    """3 replicas on a v5e-4 (2 x 2 chips): the first 3 chips leave a hole in the block and
+    jax.make_mesh's TPU code failed an assertion; the devices are used in their order."""
+    chips = []
+    for i in range(4):
+        chip = _FakeTpu(i)
+        chip.coords = (i % 2, i // 2, 0)
+        chips.append(chip)
+    for n, split in ((3, None), (1, {"fsdp": 3})):
+        grid = replicas.make_replicas(n, devices=chips, mesh_shape=split).mesh.devices
+        assert [d.id for d in grid.flat] == [0, 1, 2]
+
 # ---------------------------------------------------------------- the trainer on split replicas
 
 
