@@ -496,7 +496,7 @@ def make_replicas(
             f"{need} devices are needed, {len(all_devices)} are visible. Use fewer replicas or a "
             f"smaller split (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={need})."
         )
-    devs = np.asarray(all_devices[:need])
+    devs = np.asarray(_first_devices(all_devices, need, num_replicas))
     idle = sorted(set(processes) - {getattr(d, "process_index", 0) for d in devs})
     if idle:
         raise errors.UserError(
@@ -548,10 +548,27 @@ def _across_slices(devices: np.ndarray, dims: tuple[int, ...]) -> np.ndarray | N
             f"num_replicas={dims[0]} must be a multiple of the {count} TPU slices its devices "
             f"come from (config.num_replicas): each slice holds the same number of replicas.")
     per_slice = (dims[0] // count, *dims[1:])
-    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (count, *[1] * (len(dims) - 1)),
-                                                devices=list(devices),
-                                                allow_split_physical_axes=True)  # fmt: skip
+    try:
+        grid = mesh_utils.create_hybrid_device_mesh(per_slice, (count, *[1] * (len(dims) - 1)),
+                                                    devices=list(devices),
+                                                    allow_split_physical_axes=True)  # fmt: skip
+    except (AssertionError, ValueError):  # part of each slice, no block of it: the given order
+        key = lambda d: getattr(d, "slice_index", 0)  # noqa: E731
+        grid = np.asarray(sorted(devices, key=key), dtype=object)
     return np.asarray(grid).reshape(dims)
+
+
+def _first_devices(devices: list, need: int, num_replicas: int) -> list:
+    """The first ``need`` devices; over several TPU slices the first ``need / slices`` of each
+    (``_across_slices`` gives every slice the same number of replicas; the first ``need`` of
+    all could fill one slice and leave another part-filled or empty)."""
+    slices: dict[int, list] = {}
+    for d in devices:
+        slices.setdefault(getattr(d, "slice_index", 0), []).append(d)
+    share = need // len(slices)
+    if len(slices) == 1 or num_replicas % len(slices) or min(map(len, slices.values())) < share:
+        return devices[:need]
+    return [d for s in slices.values() for d in s[:share]]
 
 
 def _whole_replicas_per_process(devices: np.ndarray, dims: tuple[int, ...]) -> np.ndarray | None:

@@ -372,6 +372,21 @@ def test_replicas_on_part_of_a_tpu_slice_that_is_no_block_of_it():
         grid = replicas.make_replicas(n, devices=chips, mesh_shape=split).mesh.devices
         assert [d.id for d in grid.flat] == [0, 1, 2]
 
+
+def test_fewer_replicas_than_devices_are_dealt_over_tpu_slices():
+    """Two v5e-4 slices (2 x 2 chips, one host each): 6 replicas took the first 6 chips (4 + 2)
+    and mesh_utils failed ("Number of devices 4 must equal the product of mesh_shape (3, 1,
+    1)"); 2 replicas left the second slice's host idle. Each slice now holds N / 2."""
+    chips = []
+    for i in range(8):
+        chip = _FakeTpu(i)
+        chip.process_index, chip.slice_index, chip.coords = i // 4, i // 4, (i % 2, i % 4 // 2, 0)
+        chips.append(chip)
+    for n, split in ((6, None), (2, None), (2, {"fsdp": 2})):
+        grid = replicas.make_replicas(n, devices=chips, mesh_shape=split).mesh.devices
+        slices = [{d.slice_index for d in np.ravel(r)} for r in grid]
+        assert slices == [{0}] * (n // 2) + [{1}] * (n // 2), (n, slices)
+
 # ---------------------------------------------------------------- the trainer on split replicas
 
 
