@@ -852,6 +852,27 @@ def test_memory_estimate_splits_only_the_blocks_and_only_on_the_stage_mesh(monke
     assert seen[0] == seen[1]  # was halved by num_stages, so a run that cannot fit passed
 
 
+
+def test_an_accelerator_without_allocator_statistics_is_not_measured_by_host_ram(monkeypatch):
+    """A GPU whose memory_stats() gives nothing (a PJRT plugin without them) was checked against
+    the host's free RAM ("CPU devices share it"): a state that fits the GPU was refused."""
+    from noloco_jax.trainer import memory
+
+    class Gpu:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return None
+
+    monkeypatch.setattr(memory, "_host_available", lambda: 1 << 30)  # 1 GiB of host RAM
+    cpu = jax.local_devices()
+    monkeypatch.setattr(jax, "local_devices", lambda: [Gpu()])
+    assert memory.available_bytes(Gpu())[0] is None
+    memory.check_fits(2 << 30, 1, preset="small", backend="shard_map")  # was refused
+    monkeypatch.setattr(jax, "local_devices", lambda: cpu)
+    with pytest.raises(UserError, match=r"needs at least 2\.0 GiB .* 1\.0 GiB free"):
+        memory.check_fits(1 << 30, 2, preset="small", backend="shard_map")  # CPU still checked
+
 def test_extending_num_steps_is_allowed_only_for_a_constant_schedule():
     def settings(num_steps, ratio):
         return settings_lib.TrainSettings(

@@ -50,14 +50,18 @@ def state_bytes_per_device(abstract_params: Any, tx: Any, *, num_replicas: int,
     return per_replica * (num_replicas if backend == "vmap" else 1)
 
 
-def available_bytes(device: Any) -> tuple[int, str]:
-    """(free bytes, what was measured) for ``device``: its allocator, or the host's free RAM."""
+def available_bytes(device: Any) -> tuple[int | None, str]:
+    """(free bytes, what was measured) for ``device``: its allocator, or for a CPU device the
+    host's free RAM; ``None`` for an accelerator without allocator statistics (the host's RAM
+    says nothing of its memory)."""
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - a backend without allocator statistics
         stats = None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), str(device)
+    if device.platform != "cpu":
+        return None, str(device)
     return _host_available(), "the host's available memory (CPU devices share it)"
 
 
@@ -85,7 +89,7 @@ def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str)
     device = jax.local_devices()[0]  # this process's (multi-process: others are not addressable)
     free, where = available_bytes(device)
     need = per_device * (devices_used if device.platform == "cpu" else 1)
-    if need <= free:
+    if free is None or need <= free:  # None: unknown; XLA reports running out itself
         return
     raise UserError(
         f"the training state needs at least {need / _GIB:.1f} GiB ({per_device / _GIB:.1f} GiB "
