@@ -751,8 +751,9 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
         "config.outer.learning_rate=0: the slow weights never move and every sync puts the "
         "replicas back on them, so the run learns nothing."]
     # A slice that fsdp does not divide is computed whole on every device of the replica.
-    for k, warned in ((2, True), (1, False)):  # 4 sequences per replica: 2 per slice at k = 2
-        s = _settings(corpus_dir, data_dir, global_batch_size=8, backend="shard_map",
+    # Not when fsdp divides no slice count (6 sequences over fsdp 4): no k would help.
+    for batch, k, warned in ((8, 2, True), (8, 1, False), (12, 2, False)):
+        s = _settings(corpus_dir, data_dir, global_batch_size=batch, backend="shard_map",
                       mesh={"fsdp": 4}, num_replicas=2, optim={"micro_batches": k})  # fmt: skip
         got = settings_lib.warnings_for(s)
         assert bool(got) == warned, got

@@ -459,7 +459,7 @@ def warnings_for(s: TrainSettings) -> list[str]:
                    f"each of its {s.mesh.fsdp * s.mesh.tensor} devices sends all of it, not "
                    f"1/(fsdp x tensor); bfloat16 keeps the split.")  # fmt: skip
     rows, fsdp = s.batch_per_replica // s.optim.micro_batches, s.mesh.fsdp
-    if s.optim.micro_batches > 1 and rows % fsdp:
+    if s.optim.micro_batches > 1 and rows % fsdp and s.batch_per_replica % fsdp == 0:
         out.append(f"config.optim.micro_batches={s.optim.micro_batches} leaves {rows} "
                    f"sequence(s) per slice, which mesh.fsdp={fsdp} does not divide: every device "
                    f"of a replica computes whole slices; choose micro_batches so that fsdp divides "
