@@ -14,8 +14,10 @@ WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away"]
 TEXT = " ".join(WORDS * 100)  # 1,000 words, one id each
 
 
-def _save(directory, *, truncation=None, padding=None, gap=False, eos_config=None):
-    """A word-level tokenizer.json (ids: [UNK] 0, [PAD] 1, the words, then "</s>" and "<e2>")."""
+def _save(directory, *, truncation=None, padding=None, gap=False, eos_config=None, bos=None):
+    """A word-level tokenizer.json (ids: [UNK] 0, [PAD] 1, the words, then "</s>" and "<e2>");
+    ``bos``: "template" or "sequence" saves a post-processor that puts "<e2>" (13) first, alone
+    or inside a Sequence with a byte-level processor (as Llama 3's)."""
     directory.mkdir(parents=True, exist_ok=True)
     vocab = {"[UNK]": 0, "[PAD]": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
     if gap:  # an added token after a gap in the ids, as in cl100k-style vocabularies
@@ -27,6 +29,11 @@ def _save(directory, *, truncation=None, padding=None, gap=False, eos_config=Non
         tok.enable_truncation(max_length=truncation)
     if padding:
         tok.enable_padding(length=padding, pad_id=1, pad_token="[PAD]")
+    if bos:
+        template = tokenizers.processors.TemplateProcessing(
+            single="<e2> $A", pair="<e2> $A <e2> $B", special_tokens=[("<e2>", 13)])
+        tok.post_processor = template if bos == "template" else tokenizers.processors.Sequence(
+            [tokenizers.processors.ByteLevel(trim_offsets=False), template])  # fmt: skip
     tok.save(str(directory / "tokenizer.json"))
     if eos_config:
         (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_config}))
@@ -93,3 +100,18 @@ def test_decode_refuses_float_and_out_of_vocabulary_ids(tmp_path):
         tok.decode([tok.vocab_size])
     assert tok.decode([2, 3]) == "the cat"
 
+
+
+@pytest.mark.parametrize("bos", ["template", "sequence"])
+def test_documents_start_with_the_token_the_tokenizer_puts_first(tmp_path, bos):
+    """A Llama tokenizer's post-processor puts <s> (or <|begin_of_text|>) first; the streams
+    started documents without it, unlike the text a model from init_from was trained on."""
+    from noloco_jax.data.batches import tokenize_documents  # noqa: PLC0415
+
+    plain = HFTokenizer(_save(tmp_path / "plain", eos_config="</s>"))
+    tok = HFTokenizer(_save(tmp_path / bos, eos_config="</s>", bos=bos))
+    assert (plain.bos_id, tok.bos_id) == (None, 13) and tok.name != plain.name
+    stream = tokenize_documents(["the cat", "a dog ran"], tok).tolist()
+    assert stream == [13, 2, 3, 12, 13, 7, 8, 9, 12]  # <e2> the cat </s> <e2> a dog ran </s>
+    assert tokenize_documents(["the cat"], plain).tolist() == [2, 3, 12]  # unchanged
+    assert tok.decode(stream) == plain.decode([2, 3, 12, 7, 8, 9]) == "the cat a dog ran"

@@ -22,7 +22,11 @@ class HFTokenizer:
 
     The end-of-document id is ``eos_token`` of ``DIR/tokenizer_config.json`` when present (it
     must be in the vocabulary), else the first of ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>``,
-    ``<|eot_id|>`` in the vocabulary. ``name`` ("hf" + a hash of tokenizer.json) keys caches.
+    ``<|eot_id|>`` in the vocabulary. ``bos_id`` is the token the tokenizer's saved
+    post-processor puts first (Llama's ``<s>`` / ``<|begin_of_text|>``), or None: the data
+    pipeline starts each document with it, as the model saw text in pretraining (a Llama
+    started from ``model.init_from`` scores text without it worse). ``name`` ("hf" + a hash of
+    tokenizer.json and both ids) keys caches.
 
     Args:
       path: the directory holding ``tokenizer.json``, or that file itself.
@@ -59,9 +63,11 @@ class HFTokenizer:
         # Largest id + 1: added tokens may sit after a gap in the ids (then the count is less).
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         self.eos_id = self._find_eos(file.parent)
-        # v3: no truncation or padding (v2: special-token text encoded as text); the eos id
-        # from tokenizer_config.json separates the documents, so it is part of the key.
-        self.name = "hf" + hashlib.sha256(blob + f"v3:{self.eos_id}".encode()).hexdigest()[:12]
+        self.bos_id = _template_bos(json.loads(blob))
+        # v4: documents start with bos_id when the tokenizer puts one first (v3: no truncation
+        # or padding; v2: special-token text encoded as text); eos and bos shape the streams.
+        key = f"v4:{self.eos_id}:{self.bos_id}".encode()
+        self.name = "hf" + hashlib.sha256(blob + key).hexdigest()[:12]
 
     def _find_eos(self, directory: pathlib.Path) -> int:
         names = list(_EOS_CANDIDATES)
@@ -95,9 +101,28 @@ class HFTokenizer:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of ``ids``; eos ids are dropped."""
+        """Text of ``ids``; eos and bos ids are dropped."""
         arr = decode_ids(ids, self.vocab_size)
-        return self._tok.decode(arr[arr != self.eos_id].tolist())
+        drop = [self.eos_id] if self.bos_id is None else [self.eos_id, self.bos_id]
+        return self._tok.decode(arr[~np.isin(arr, drop)].tolist())
+
+
+def _template_bos(spec: dict) -> int | None:
+    """The id a saved ``TemplateProcessing`` post-processor puts before a single sequence (a
+    Llama tokenizer's ``<s>`` or ``<|begin_of_text|>``), looking inside a ``Sequence`` of
+    processors; None when there is none (GPT-2's byte-level processor adds nothing)."""
+    post = spec.get("post_processor") if isinstance(spec, dict) else None
+    if not isinstance(post, dict):
+        return None
+    if post.get("type") == "Sequence":
+        found = [_template_bos({"post_processor": p}) for p in post.get("processors", [])]
+        return next((f for f in found if f is not None), None)
+    single = post.get("single") if post.get("type") == "TemplateProcessing" else None
+    first = single[0] if single else None
+    if not (isinstance(first, dict) and "SpecialToken" in first):
+        return None
+    ids = post.get("special_tokens", {}).get(first["SpecialToken"]["id"], {}).get("ids")
+    return int(ids[0]) if ids else None
 
 
 def _parse(tokenizer_cls: type, blob: bytes, file: pathlib.Path):
