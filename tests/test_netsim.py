@@ -155,6 +155,16 @@ def test_report_bytes_are_the_optimizers_bytes(bpp, xbpp, group_size, gamma_equa
     )  # a plain int8 cast, as this compared with before, is refused by noloco_outer
 
 
+@pytest.mark.parametrize("xbpp,want", [(None, 10**6 + 4 * math.ceil(10**6 / 256)), (2, 2e6)])
+def test_report_noloco_bytes_with_one_byte_params(xbpp, want):
+    # bytes_per_param=1 used to build an int8 params tree, whose leaves comm does not count
+    # (only float leaves travel): NoLoCo sent 0 bytes in one latency.
+    by = {r["method"]: r for r in netsim.sync_report(
+        10**6, 8, LINK, step_time_s=0.1, bytes_per_param=1, exchange_bytes_per_param=xbpp)}
+    assert by["noloco"]["bytes_per_sync"] == want
+    assert by["noloco"]["sync_time_s"] == pytest.approx(0.01 + want / 1.25e8)
+
+
 def test_comm_fraction_in_unit_interval_and_noloco_below_diloco_over_internet():
     for link in (netsim.DATACENTER, netsim.INTERNET):
         for n in (8, 1024):

@@ -103,8 +103,10 @@ def sync_report(
     tree = _wire.params_tree(p, bpp)
     ar_bytes = comm.allreduce_bytes_per_replica(tree, n)
     ar_time = allreduce_time(allreduce, p * bpp, n, link)
-    nl_bytes = comm.noloco_bytes_per_sync(  # 1 byte: the "int8" codes with their block scales
-        tree, group_size=group_size, gamma_equals_beta=gamma_equals_beta,
+    # The optimizer's params are float (comm counts only float leaves, so a 1-byte int8 tree
+    # would send nothing); the wire dtype alone sets the bytes. 1 byte: "int8" codes + scales.
+    nl_bytes = comm.noloco_bytes_per_sync(
+        _wire.params_tree(p, 4), group_size=group_size, gamma_equals_beta=gamma_equals_beta,
         exchange_dtype="int8" if xbpp == 1 else _wire.wire_dtype(xbpp),
     )
     nl_time = group_exchange_time(nl_bytes, link, group_size=group_size)
