@@ -253,6 +253,8 @@ BAD_CALLS = [
     ("latency_s", lambda: netsim.Link(1.0, -1.0)),
     ("gbit_per_s", lambda: netsim.Link.from_gbit_ms(0.0, 1.0)),
     ("latency_ms", lambda: netsim.Link.from_gbit_ms(1.0, -1.0)),
+    ("num_bytes", lambda: LINK.message_time(-1.0)),
+    ("num_bytes", lambda: LINK.message_time(float("nan"))),
     ("num_bytes", lambda: netsim.ring_allreduce_time(-1.0, 8, LINK)),
     ("num_replicas", lambda: netsim.ring_allreduce_time(1.0, 1, LINK)),
     ("num_bytes", lambda: netsim.tree_allreduce_time(-1.0, 8, LINK)),

@@ -71,7 +71,8 @@ class Link:
         return cls(bytes_per_second=gbit_per_s * 1e9 / 8.0, latency_s=latency_ms / 1e3)
 
     def message_time(self, num_bytes: float) -> float:
-        """Seconds to send one message of ``num_bytes`` over this link."""
+        """Seconds to send one message of ``num_bytes`` (a finite number >= 0) over this link."""
+        num_bytes = _checks.non_negative("num_bytes", num_bytes)
         return message_time(num_bytes, self.latency_s, self.bytes_per_second)
 
     def describe(self) -> str:
