@@ -9,8 +9,9 @@ bfloat16 (``experiments/results/gpu_determinism_h100.md``). CPUs and TPUs are de
 either way and ignore the flag.
 
 The flag is read when JAX starts its GPU backend, so it must be in ``XLA_FLAGS`` before then:
-``noloco-train``, the experiment harness and the colabs call ``request`` first; a script that
-has already used a GPU gets the trainer's warning (``unmet``) with the fix.
+``noloco-train`` and the experiment harness call ``request`` first (the colabs' first cell
+sets the flag itself, before the package is importable); a script that has already used a
+GPU gets the trainer's warning (``unmet``) with the fix.
 """
 
 from __future__ import annotations
