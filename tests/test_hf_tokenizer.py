@@ -115,3 +115,14 @@ def test_documents_start_with_the_token_the_tokenizer_puts_first(tmp_path, bos):
     assert stream == [13, 2, 3, 12, 13, 7, 8, 9, 12]  # <e2> the cat </s> <e2> a dog ran </s>
     assert tokenize_documents(["the cat"], plain).tolist() == [2, 3, 12]  # unchanged
     assert tok.decode(stream) == plain.decode([2, 3, 12, 7, 8, 9]) == "the cat a dog ran"
+
+
+def test_a_first_token_outside_the_vocabulary_is_refused(tmp_path):
+    """The eos id must be in the vocabulary; the post-processor's first id was not checked and
+    failed later in the token cache as 'token ids must lie in [0, 14), got [2, 99]'."""
+    _save(tmp_path, eos_config="</s>", bos="template")
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["post_processor"]["special_tokens"]["<e2>"]["ids"] = [99]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="post-processor puts id 99 first"):
+        HFTokenizer(tmp_path)

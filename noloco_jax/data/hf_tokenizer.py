@@ -34,7 +34,8 @@ class HFTokenizer:
     Raises:
       FileNotFoundError: no tokenizer.json there.
       ImportError: the ``tokenizers`` package is missing (``pip install 'noloco-jax[hf]'``).
-      ValueError: no end-of-document token can be found, or the configured one is unknown.
+      ValueError: no end-of-document token can be found, or the configured one is unknown, or
+        the post-processor puts an id outside the vocabulary first.
     """
 
     def __init__(self, path: str | pathlib.Path):
@@ -64,6 +65,9 @@ class HFTokenizer:
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         self.eos_id = self._find_eos(file.parent)
         self.bos_id = _template_bos(json.loads(blob))
+        if self.bos_id is not None and not 0 <= self.bos_id < self.vocab_size:
+            raise ValueError(f"{str(file)!r}'s post-processor puts id {self.bos_id} first, outside "
+                             f"its vocabulary of {self.vocab_size}; fix its special_tokens.")
         # v4: documents start with bos_id when the tokenizer puts one first (v3: no truncation
         # or padding; v2: special-token text encoded as text); eos and bos shape the streams.
         key = f"v4:{self.eos_id}:{self.bos_id}".encode()
