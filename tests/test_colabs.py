@@ -98,6 +98,11 @@ def test_first_cell_is_the_same_runnable_python_in_every_colab():
     ast.parse(cell)  # plain Python: no shell (!) or magic (%) lines
     assert "<" not in cell.replace("<=", "") and "!" not in cell.replace("!=", "")
     assert "sys.path" not in cell  # imports resolve from the repository root, as python -m
+    # A fresh install cannot import the package in the process that installed it (810b4a7).
+    nodes = list(ast.walk(ast.parse(cell)))
+    imported = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module for n in nodes if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in imported if m and m.split(".")[0] == "noloco_jax"], imported
 
 
 def _setup_functions(monkeypatch, installed: bool, tensorflow: bool) -> tuple[dict, list]:
