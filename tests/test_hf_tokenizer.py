@@ -14,7 +14,8 @@ WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away"]
 TEXT = " ".join(WORDS * 100)  # 1,000 words, one id each
 
 
-def _save(directory, *, truncation=None, padding=None, gap=False, eos_config=None, bos=None):
+def _save(directory, *, truncation=None, padding=None, gap=False, eos_config=None, bos=None,
+          add_bos=None):
     """A word-level tokenizer.json (ids: [UNK] 0, [PAD] 1, the words, then "</s>" and "<e2>");
     ``bos``: "template" or "sequence" saves a post-processor that puts "<e2>" (13) first, alone
     or inside a Sequence with a byte-level processor (as Llama 3's)."""
@@ -36,7 +37,10 @@ def _save(directory, *, truncation=None, padding=None, gap=False, eos_config=Non
             [tokenizers.processors.ByteLevel(trim_offsets=False), template])  # fmt: skip
     tok.save(str(directory / "tokenizer.json"))
     if eos_config:
-        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_config}))
+        fields = {"eos_token": eos_config}
+        if add_bos is not None:
+            fields["add_bos_token"] = add_bos
+        (directory / "tokenizer_config.json").write_text(json.dumps(fields))
     return directory
 
 
@@ -126,3 +130,12 @@ def test_a_first_token_outside_the_vocabulary_is_refused(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="post-processor puts id 99 first"):
         HFTokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("add_bos, expected", [(False, None), (True, 13)])
+def test_add_bos_token_false_in_the_config_wins_over_the_post_processor(tmp_path, add_bos,
+                                                                       expected):  # fmt: skip
+    """transformers rebuilds a Llama tokenizer's post-processor from add_bos_token; the streams
+    started with <s> although the config turned it off."""
+    tok = HFTokenizer(_save(tmp_path, eos_config="</s>", bos="template", add_bos=add_bos))
+    assert tok.bos_id == expected

@@ -23,7 +23,8 @@ class HFTokenizer:
     The end-of-document id is ``eos_token`` of ``DIR/tokenizer_config.json`` when present (it
     must be in the vocabulary), else the first of ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>``,
     ``<|eot_id|>`` in the vocabulary. ``bos_id`` is the token the tokenizer's saved
-    post-processor puts first (Llama's ``<s>`` / ``<|begin_of_text|>``), or None: the data
+    post-processor puts first (Llama's ``<s>`` / ``<|begin_of_text|>``), or None (also when
+    ``tokenizer_config.json`` says ``add_bos_token: false``): the data
     pipeline starts each document with it, as the model saw text in pretraining (a Llama
     started from ``model.init_from`` scores text without it worse). ``name`` ("hf" + a hash of
     tokenizer.json and both ids) keys caches.
@@ -64,7 +65,9 @@ class HFTokenizer:
         # Largest id + 1: added tokens may sit after a gap in the ids (then the count is less).
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         self.eos_id = self._find_eos(file.parent)
-        self.bos_id = _template_bos(json.loads(blob))
+        # tokenizer_config.json's add_bos_token=false wins, as transformers rebuilds the
+        # post-processor from it (Llama, Gemma).
+        self.bos_id = None if _bos_turned_off(file.parent) else _template_bos(json.loads(blob))
         if self.bos_id is not None and not 0 <= self.bos_id < self.vocab_size:
             raise ValueError(f"{str(file)!r}'s post-processor puts id {self.bos_id} first, outside "
                              f"its vocabulary of {self.vocab_size}; fix its special_tokens.")
@@ -109,6 +112,13 @@ class HFTokenizer:
         arr = decode_ids(ids, self.vocab_size)
         drop = [self.eos_id] if self.bos_id is None else [self.eos_id, self.bos_id]
         return self._tok.decode(arr[~np.isin(arr, drop)].tolist())
+
+
+def _bos_turned_off(directory: pathlib.Path) -> bool:
+    """Whether ``directory/tokenizer_config.json`` says ``add_bos_token: false`` (``_find_eos``
+    has checked that the file, if there, is a JSON object)."""
+    config = directory / "tokenizer_config.json"
+    return config.is_file() and json.loads(config.read_text()).get("add_bos_token") is False
 
 
 def _template_bos(spec: dict) -> int | None:
