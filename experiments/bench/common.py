@@ -181,6 +181,13 @@ class TrainerChunk:
         return max(mems, key=lambda m: m.temp_size_in_bytes + m.output_size_in_bytes)
 
 
+PAPER_VOCAB = 128_002  # the reference code's Llama-3 vocabulary
+# Sequences per replica per step in the paper's runs: global batch / DP of Table 2 (small:
+# 0.5M tokens over 8 replicas; medium: 1M over 16; large: 2M over 16), 1024 tokens each.
+PAPER_BATCH = {"small": 64, "medium": 64, "large": 128, "nano": 4}
+CHIPS = {"H100 (80 GiB)": 80 * 2**30, "TPU v5e (16 GiB)": 16 * 2**30}  # memory a run must fit
+
+
 def paper_settings(size: str, method: str = "noloco", *, num_replicas: int = 1,
                    batch_per_replica: int = 1, seq_len: int = 1024, fsdp: int = 1,
                    tensor: int = 1, remat: bool = False, micro_batches: int = 1

@@ -38,9 +38,7 @@ REPS = flags.DEFINE_integer("reps", 30, "Timed repetitions of each variant.", lo
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
 
-VOCAB = 128_002  # the reference code's Llama-3 vocabulary
-BATCH = {"small": 64, "medium": 64, "large": 128, "nano": 4}  # as bench.sharded_memory
-CHIPS = {"H100 (80 GiB)": 80 * 2**30, "TPU v5e (16 GiB)": 16 * 2**30}
+VOCAB, BATCH, CHIPS = common.PAPER_VOCAB, common.PAPER_BATCH, common.CHIPS
 _GB = 1e9
 
 

@@ -41,11 +41,7 @@ flags.register_validator("usable", lambda v: 0 < v <= 1, message="takes a fracti
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
 
-VOCAB = 128_002  # the reference code's Llama-3 vocabulary
-# Sequences per replica per step in the paper's runs: global batch / DP of Table 2 (small:
-# 0.5M tokens over 8 replicas; medium: 1M over 16; large: 2M over 16), 1024 tokens each.
-BATCH = {"small": 64, "medium": 64, "large": 128, "nano": 4}
-CHIPS = {"H100 (80 GiB)": 80 * 2**30, "TPU v5e (16 GiB)": 16 * 2**30}
+VOCAB, BATCH, CHIPS = common.PAPER_VOCAB, common.PAPER_BATCH, common.CHIPS
 STATE_SPLITS = ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2))
 _GB = 1e9
 
