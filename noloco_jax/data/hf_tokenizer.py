@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -64,10 +64,12 @@ class HFTokenizer:
         self.path = file
         # Largest id + 1: added tokens may sit after a gap in the ids (then the count is less).
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
-        self.eos_id = self._find_eos(file.parent)
+        config = file.parent / "tokenizer_config.json"
+        fields = _read_config(config)
+        self.eos_id = self._find_eos(config, fields)
         # tokenizer_config.json's add_bos_token=false wins, as transformers rebuilds the
         # post-processor from it (Llama, Gemma).
-        self.bos_id = None if _bos_turned_off(file.parent) else _template_bos(json.loads(blob))
+        self.bos_id = None if _bos_turned_off(fields) else _template_bos(json.loads(blob))
         if self.bos_id is not None and not 0 <= self.bos_id < self.vocab_size:
             raise ValueError(f"{str(file)!r}'s post-processor puts id {self.bos_id} first, outside "
                              f"its vocabulary of {self.vocab_size}; fix its special_tokens.")
@@ -76,14 +78,9 @@ class HFTokenizer:
         key = f"v4:{self.eos_id}:{self.bos_id}".encode()
         self.name = "hf" + hashlib.sha256(blob + key).hexdigest()[:12]
 
-    def _find_eos(self, directory: pathlib.Path) -> int:
+    def _find_eos(self, config: pathlib.Path, fields: Any) -> int:
         names = list(_EOS_CANDIDATES)
-        config = directory / "tokenizer_config.json"
-        if config.is_file():
-            try:
-                fields = json.loads(config.read_text())
-            except ValueError as err:
-                raise ValueError(f"{config} is not valid JSON ({err}); fix or remove it.") from err
+        if fields is not None:
             eos = fields.get("eos_token") if isinstance(fields, dict) else None
             eos = eos.get("content") if isinstance(eos, dict) else eos
             if not isinstance(fields, dict) or not isinstance(eos, (str, type(None))):
@@ -114,11 +111,19 @@ class HFTokenizer:
         return self._tok.decode(arr[~np.isin(arr, drop)].tolist())
 
 
-def _bos_turned_off(directory: pathlib.Path) -> bool:
-    """Whether ``directory/tokenizer_config.json`` says ``add_bos_token: false`` (``_find_eos``
-    has checked that the file, if there, is a JSON object)."""
-    config = directory / "tokenizer_config.json"
-    return config.is_file() and json.loads(config.read_text()).get("add_bos_token") is False
+def _read_config(config: pathlib.Path) -> Any:
+    """The parsed ``tokenizer_config.json`` (any JSON value), or None when there is none."""
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text())
+    except ValueError as err:
+        raise ValueError(f"{config} is not valid JSON ({err}); fix or remove it.") from err
+
+
+def _bos_turned_off(fields: Any) -> bool:
+    """Whether the parsed tokenizer_config.json says ``add_bos_token: false``."""
+    return isinstance(fields, dict) and fields.get("add_bos_token") is False
 
 
 def _template_bos(spec: dict) -> int | None:
