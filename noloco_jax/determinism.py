@@ -30,9 +30,9 @@ _SET = re.compile(rf"(?:^|\s){FLAG}(?:=(\S*))?(?=\s|$)")
 _TRUE, _FALSE = ("true", "1", ""), ("false", "0")
 
 
-def _flag_value(flags_text: str) -> bool | None:
-    """The flag's value in an ``XLA_FLAGS`` text (the last one wins), None when absent."""
-    values = _SET.findall(_flags_in(flags_text))
+def _flag_value(flags: str) -> bool | None:
+    """The flag's value in ``flags`` (``_flags_in``'s text; the last one wins), None when absent."""
+    values = _SET.findall(flags)
     if not values:
         return None
     value = values[-1].lower()
@@ -77,11 +77,12 @@ def xla_flags(deterministic: bool, flags_text: str) -> str:
       >>> xla_flags(True, "--xla_force_host_platform_device_count=8")
       '--xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true'
     """
-    given = _flag_value(flags_text)
+    flags = _flags_in(flags_text)
+    given = _flag_value(flags)
     if not deterministic or given:
         return flags_text
     if given is None:
-        return f"{_flags_in(flags_text)} {FLAG}=true".strip()
+        return f"{flags} {FLAG}=true".strip()
     raise UserError(
         f"config.deterministic=True but XLA_FLAGS sets {FLAG}=false: drop the flag from "
         f"XLA_FLAGS or set config.deterministic=False.")  # fmt: skip
@@ -101,7 +102,7 @@ def request(deterministic: bool) -> None:
 
 def unmet(deterministic: bool, platform: str, flags_text: str) -> str | None:
     """Why a run asked to be deterministic will not be (a GPU without the flag), else None."""
-    if not deterministic or platform != "gpu" or _flag_value(flags_text):
+    if not deterministic or platform != "gpu" or _flag_value(_flags_in(flags_text)):
         return None
     return (f"config.deterministic=True, but JAX started its GPU backend without {FLAG}=true, "
             "so runs of one seed will differ (the GPU sums in any order). Set "
