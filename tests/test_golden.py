@@ -125,5 +125,16 @@ def test_golden_losses(name, flag_set, records):
         np.testing.assert_allclose(got["train_loss_per_replica"][step], losses, rtol=2.0**-23)
 
 
+def test_the_pipeline_on_the_stage_mesh_trains_like_the_simulation(records):
+    """4 replicas x 2 stages on 8 devices against the vmap simulation, read from the records
+    above (so the two runs train once): every replica's loss and the perplexities."""
+    sim, mesh = records["pipelined_sim"], records["pipelined_mesh"]
+    assert mesh["train_loss_per_replica"].keys() == sim["train_loss_per_replica"].keys()
+    for step, losses in sim["train_loss_per_replica"].items():
+        np.testing.assert_allclose(mesh["train_loss_per_replica"][step], losses, rtol=1e-5)
+    for key in ("val_ppl", "val_ppl_avg_model"):
+        assert mesh[key].keys() == sim[key].keys()
+        np.testing.assert_allclose(list(mesh[key].values()), list(sim[key].values()), rtol=1e-5)
+
 if __name__ == "__main__":  # the fixture's subprocess: CORPUS_DIR DATA_DIR OUT_DIR
     _train_all(*map(pathlib.Path, sys.argv[1:4]))

@@ -234,16 +234,6 @@ def test_fixed_routing_without_clipping_equals_no_pipeline(tmp_path, corpus_dir,
     np.testing.assert_allclose(_losses(tmp_path / "piped"), _losses(tmp_path / "flat"), rtol=1e-5)
 
 
-def test_pipeline_on_a_device_mesh_trains_like_the_simulation(tmp_path, corpus_dir, data_dir):
-    losses = {}
-    for backend in ("vmap", "shard_map"):  # 4 replicas x 2 stages = 8 devices
-        s = tiny_settings(corpus_dir, data_dir, num_stages=2, backend=backend, num_steps=4,
-                          checkpoint_every=4)  # fmt: skip
-        train_and_evaluate(s, tmp_path / backend, progress=False)
-        losses[backend] = _losses(tmp_path / backend)
-    np.testing.assert_allclose(losses["shard_map"], losses["vmap"], rtol=1e-5)
-
-
 def test_stages_must_divide_layers(tmp_path, corpus_dir, data_dir):
     s = tiny_settings(corpus_dir, data_dir, num_stages=3)
     with pytest.raises(ValueError, match="num_stages=3 must divide the model's 2 layers"):
