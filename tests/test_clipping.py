@@ -52,6 +52,21 @@ def test_bad_max_norm(bad):
         clip_by_global_norm_fused(bad)
 
 
+@pytest.mark.parametrize("bad", [np.float32(0.0), np.float64(-1.0), np.array([1.0, 2.0])])
+def test_bad_numpy_max_norm(bad):
+    with pytest.raises(ValueError, match="max_norm must be a number > 0"):
+        clip_by_global_norm_fused(bad)
+
+
+def test_injected_and_numpy_max_norm_clip_as_a_python_number():
+    g = {"w": jnp.array([3.0, 4.0])}
+    want, _ = clip_by_global_norm_fused(1.0).update(g, optax.EmptyState())
+    injected = optax.inject_hyperparams(clip_by_global_norm_fused)(max_norm=1.0)
+    for tx in (injected, clip_by_global_norm_fused(np.float32(1.0))):
+        got, _ = tx.update(g, tx.init(g))
+        np.testing.assert_array_equal(got["w"], want["w"])
+
+
 def _weight_sized_buffers(clip):
     """Weight-shaped buffers an update of clip + Adam + apply writes, compiled."""
     params = {"a": jnp.ones((96, 80)), "b": jnp.ones((80, 72))}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from noloco_jax.optim.trees import float_leaves, is_float
@@ -14,8 +16,16 @@ __all__ = ["clip_by_global_norm_fused"]
 
 
 def check_max_norm(max_norm: Any) -> None:
-    """A ``ValueError`` unless ``max_norm`` is a number > 0 (not a bool; NaN fails ``> 0``)."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+    """A ``ValueError`` unless ``max_norm`` is a number > 0 (not a bool; NaN fails ``> 0``).
+
+    A JAX array (``optax.inject_hyperparams`` passes one) is a value on the device that a
+    Python check cannot see, and passes; a NumPy scalar is checked as a number.
+    """
+    if isinstance(max_norm, jax.Array):
+        return
+    value = max_norm.item() if isinstance(max_norm, (np.ndarray, np.generic)) \
+        and np.ndim(max_norm) == 0 else max_norm  # fmt: skip
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}.")
 
 
@@ -28,7 +38,8 @@ def clip_by_global_norm_fused(max_norm: float) -> optax.GradientTransformation:
     (experiments/BENCHMARKS.md, "Compiler notes").
 
     Args:
-      max_norm: the largest global norm let through (> 0).
+      max_norm: the largest global norm let through (> 0); a number, or a JAX array
+        (``optax.inject_hyperparams``).
 
     Returns:
       A stateless ``optax.GradientTransformation``.
