@@ -46,6 +46,14 @@ def test_keeps_dtypes():
     assert out["w"].dtype == jnp.bfloat16
 
 
+def test_bfloat16_norm_is_summed_in_float32():
+    # 600 leaves of 1: a bfloat16 sum of squares stalls at 256 (norm 16, not 24.5)
+    g = {f"l{i:03d}": jnp.ones((1,), jnp.bfloat16) for i in range(600)}
+    out, _ = clip_by_global_norm_fused(1.0).update(g, optax.EmptyState())
+    want = np.asarray(jnp.asarray(1.0 / np.sqrt(600.0), jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(out["l000"]), [want])
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "1"])
 def test_bad_max_norm(bad):
     with pytest.raises(ValueError, match="max_norm must be a number > 0"):

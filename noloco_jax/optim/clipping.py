@@ -33,7 +33,8 @@ def clip_by_global_norm_fused(max_norm: float) -> optax.GradientTransformation:
     """Scales the updates by ``min(1, max_norm / ||updates||)``.
 
     The same clipping as ``optax.clip_by_global_norm`` (equal when the norm is at
-    most ``max_norm``, equal up to rounding otherwise), written as one scalar
+    most ``max_norm``, equal up to rounding otherwise; the norm of 16-bit updates is
+    summed in float32, where optax sums it in their dtype), written as one scalar
     factor times the updates, which saves a pass over the gradients per step
     (experiments/BENCHMARKS.md, "Compiler notes").
 
@@ -60,7 +61,10 @@ def clip_by_global_norm_fused(max_norm: float) -> optax.GradientTransformation:
         updates: optax.Updates, state: optax.EmptyState, params: Any = None
     ) -> tuple[optax.Updates, optax.EmptyState]:
         del params
-        norm = optax.tree.norm(float_leaves(updates))  # integer leaves: neither counted nor scaled
+        # Squares summed in at least float32 (clip_by_stage_norm's too): in bfloat16 the sum
+        # stalls at 256, so the norm read low. Integer leaves: neither counted nor scaled.
+        norm = optax.tree.norm(jax.tree.map(
+            lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), float_leaves(updates)))
         scale = jnp.minimum(1.0, max_norm / norm)  # norm 0 -> inf -> 1; NaN stays NaN
         return jax.tree.map(lambda g: (g * scale).astype(g.dtype) if is_float(g) else g,
                             updates), state  # fmt: skip
