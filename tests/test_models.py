@@ -362,3 +362,26 @@ def test_causal_attention_matches_naive_softmax():
     probs = jax.nn.softmax(jnp.where(mask_1x1xTxT, scores_BxNxTxT, -jnp.inf), axis=-1)
     expected = jnp.einsum("bnts,bsnh->btnh", probs, v)
     np.testing.assert_allclose(causal_attention(q, k, v), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("builds", [True, False])
+def test_causal_attention_falls_back_when_cudnn_fails_to_compile(monkeypatch, builds):
+    """cuDNN may refuse a graph only when XLA compiles it (no engine for it); the fallback
+    caught trace-time errors only, so the whole step failed to compile. CPU stand-in: a
+    "cuDNN" kernel that traces but has no implementation to compile."""
+    real, used = jax.nn.dot_product_attention, []
+
+    def attention(q, k, v, *, is_causal, implementation=None):
+        if implementation == "cudnn":
+            used.append(q.shape)
+            if not builds:
+                out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+                return jax.ffi.ffi_call("__cudnn$fmha_not_buildable", out)(q, k, v)
+        return real(q, k, v, is_causal=is_causal)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", attention)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q, k, v = jax.random.normal(jax.random.key(11), (3, 1, 5 + builds, 2, 8), jnp.bfloat16)
+    got = jax.jit(causal_attention)(q, k, v)
+    np.testing.assert_array_equal(got, real(q, k, v, is_causal=True))
+    assert len(used) == (2 if builds else 1)  # probed, then used by the step where it builds

@@ -86,7 +86,9 @@ def causal_attention(
 
     ``dot_product_attention`` with no ``implementation`` always uses the XLA kernel, which
     materialises [B, N, T, T] scores. On GPU with bf16 inputs we ask for cuDNN flash attention
-    instead, and fall back to XLA when cuDNN rejects the shapes or is missing.
+    instead, and fall back to XLA when cuDNN rejects the shapes or is missing: when tracing
+    it, or when XLA compiles it (cuDNN builds its graph only then, forward and backward, so
+    ``_cudnn_compiles`` compiles it once per shape on its own first).
 
     Args:
       q_BxTxNxH: queries (RoPE applied).
@@ -97,13 +99,33 @@ def causal_attention(
       o_BxTxNxH, in the input dtype.
     """
     if q_BxTxNxH.dtype == jnp.bfloat16 and jax.default_backend() == "gpu":
-        try:
-            return jax.nn.dot_product_attention(
-                q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation="cudnn"
-            )
-        except (NotImplementedError, RuntimeError, ValueError):
-            pass  # unsupported head dim, GPU or cuDNN version: use the XLA kernel
+        shapes = (q_BxTxNxH.shape, k_BxTxNxH.shape, v_BxTxNxH.shape)
+        if _cudnn_compiles(shapes, jnp.dtype(q_BxTxNxH.dtype).name):
+            return _cudnn_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH)
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True)
+
+
+def _cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+@functools.cache
+def _cudnn_compiles(shapes: tuple[tuple[int, ...], ...], dtype: str) -> bool:
+    """Whether cuDNN attention traces and compiles, with its gradient, for these shapes.
+
+    A refusal at compile time (no cuDNN engine for the graph) would otherwise escape the
+    fallback: it comes when the whole step compiles. A failure only the partitioned step
+    has (a layout cuDNN's partitioner refuses) is not seen here.
+    """
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return _cudnn_attention(q, k, v).astype(jnp.float32).sum()
+
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    try:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    except (NotImplementedError, RuntimeError, ValueError):
+        return False  # unsupported head dim, GPU or cuDNN version: use the XLA kernel
+    return True
 
 
 class RMSNorm(nnx.Module):
