@@ -31,7 +31,7 @@ _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveOp:
-    """One collective instruction: its kind, enclosing computation and bytes."""
+    """One collective instruction: its kind, the computation that runs it and its bytes."""
 
     kind: str
     computation: str
@@ -89,22 +89,53 @@ def _shape_bytes(shape_text: str, kind: str, is_start: bool) -> int:
 
 
 def collective_ops(hlo_text: str) -> list[CollectiveOp]:
-    """Every collective instruction in an HLO module's text."""
-    ops = []
-    computation, in_entry = "", False
+    """Every collective instruction in an HLO module's text.
+
+    A collective inside an async wrapper that XLA prints unsugared (``async-start(...),
+    calls=%wrapper``, e.g. a group of several collectives) counts in the computation whose
+    ``async-start`` runs it, as the sugared form (``reduce-scatter-start``) does.
+    """
+    runner, entry = _async_runners(hlo_text)
+    ops, computation = [], ""
     for line in hlo_text.splitlines():
         if line and not line[0].isspace():
             m = _HEADER.match(line)
             if m:
-                computation, in_entry = m.group(1), line.startswith("ENTRY")
+                computation = runner.get(m.group(1), m.group(1))
             continue
         m = _INSTR.match(line)
         if m:
             shape_text, kind, start = m.groups()
             nbytes = _shape_bytes(shape_text, kind, bool(start))
-            ops.append(CollectiveOp(kind, computation, nbytes, in_entry, source_target_pairs(line),
-                                    replica_groups(line)))  # fmt: skip
+            ops.append(CollectiveOp(kind, computation, nbytes, computation == entry,
+                                    source_target_pairs(line), replica_groups(line)))  # fmt: skip
     return ops
+
+
+_ASYNC_CALLS = re.compile(r"\sasync-start\(.*\bcalls=%?([\w.\-]+)")
+
+
+def _async_runners(hlo_text: str) -> tuple[dict[str, str], str]:
+    """{async-wrapped computation: the computation whose async-start runs it (through any
+    nesting)} and the entry computation's name."""
+    caller, computation, entry = {}, "", ""
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():
+            m = _HEADER.match(line)
+            computation = m.group(1) if m else computation
+            entry = computation if m and line.startswith("ENTRY") else entry
+            continue
+        m = _ASYNC_CALLS.search(line)
+        if m:
+            caller[m.group(1)] = computation
+    runner = {}
+    for wrapped, outer in caller.items():
+        seen = {wrapped}
+        while outer in caller and outer not in seen:
+            seen.add(outer)
+            outer = caller[outer]
+        runner[wrapped] = outer
+    return runner, entry
 
 
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")

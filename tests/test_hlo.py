@@ -73,3 +73,22 @@ def test_async_all_to_all_and_combined_permute_count_as_their_synchronous_forms(
     got = [(op.kind, op.bytes) for op in hlo.collective_ops(text)]
     assert got == [("all-to-all", 4000), ("all-to-all", 4000), ("collective-permute", 6000),
                    ("reduce-scatter", 2000)]  # fmt: skip
+
+
+def test_collectives_of_an_unsugared_async_wrapper_count_where_it_runs():
+    """XLA prints a wrapper of several collectives (a collectives group) as ``async-start(...),
+    calls=%group``: its collectives counted in %group, so a switch branch's bytes were split
+    over its groups and an entry's collectives were not ``in_entry``."""
+    cps = ("  %{0} = (f32[{1}]{{0}}, f32[{1}]{{0}}, u32[], u32[]) collective-permute-start("
+           "f32[{1}]{{0}} %p), source_target_pairs={{{{0,1}},{{1,0}}}}\n"
+           "  %{0}.d = f32[{1}]{{0}} collective-permute-done(%{0})\n")
+    start = "  %s{0} = ((f32[{1}]{{0}}), f32[{1}]{{0}}) async-start(f32[{1}]{{0}} %x), calls=%g{0}\n"
+    text = ""
+    for g, n in ((1, 1000), (2, 500)):  # two groups of two permutes
+        text += (f"%g{g} (p: f32[{n}]) -> f32[{n}] {{\n  %p = f32[{n}]{{0}} parameter(0)\n"
+                 + cps.format(f"a{g}", n) + cps.format(f"b{g}", n) + f"  ROOT %r = tuple(%b{g}.d)\n}}\n\n")
+    text += ("%branch (x: f32[1000]) -> f32[1000] {\n" + start.format(1, 1000)
+             + start.format(2, 500) + "  ROOT %d = f32[1000]{0} async-done(%s1)\n}\n\n")
+    assert hlo.bytes_by_computation(text, "collective-permute") == {"branch": 12000}
+    entry = text.replace("%branch (", "ENTRY %main (")
+    assert [(op.computation, op.in_entry) for op in hlo.collective_ops(entry)] == [("main", True)] * 4
