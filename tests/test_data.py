@@ -693,6 +693,17 @@ def test_eval_windows_spread_over_the_stream():
             data.eval_windows(bad, seq_len=10)
 
 
+@pytest.mark.parametrize("shape", [(20, 2), ()])
+def test_eval_windows_refuse_a_stream_that_is_not_1d(shape):
+    """A 2-D array was cut along its first axis into [W, T + 1, 2] windows; a 0-D one raised
+    a TypeError (len() of unsized object). The batcher already refused both."""
+    bad = np.arange(int(np.prod(shape))).reshape(shape)
+    with pytest.raises(ValueError, match=r"tokens must be a 1-D stream, got shape"):
+        data.eval_windows(bad, seq_len=4)
+    with pytest.raises(ValueError, match=r"tokens must be a 1-D stream, got shape"):
+        data.ReplicaBatcher(bad, num_replicas=1, batch_size=1, seq_len=4)
+
+
 def test_importing_the_package_does_not_import_tensorflow():
     code = "import sys, noloco_jax.data; assert 'tensorflow' not in sys.modules, 'TF imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

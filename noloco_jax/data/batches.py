@@ -91,10 +91,13 @@ def _as_ids(tokens: Any) -> np.ndarray:
 
 
 def _as_stream(tokens: Any) -> np.ndarray | TokenFile:
-    """``_as_ids`` of an in-memory stream; a ``TokenFile`` after the same range check (one
+    """``_as_ids`` of an in-memory 1-D stream; a ``TokenFile`` after the same range check (one
     chunked pass, cached for ``digest``): its windows are read as int32."""
     if not isinstance(tokens, TokenFile):
-        return _as_ids(tokens)
+        ids = _as_ids(tokens)
+        if ids.ndim != 1:  # eval_windows read rows of a 2-D array as tokens
+            raise ValueError(f"tokens must be a 1-D stream, got shape {ids.shape}.")
+        return ids
     low, top = tokens.min_id(), tokens.max_id()  # an empty file: 0 and -1
     if low < 0 or top > np.iinfo(np.int32).max:
         bad = low if low < 0 else top
@@ -135,8 +138,6 @@ class ReplicaBatcher:
         self.tokens = _as_stream(tokens)
         self.num_replicas, self.batch_size, self.seq_len, self.seed = (
             num_replicas, batch_size, seq_len, seed)  # fmt: skip
-        if self.tokens.ndim != 1:
-            raise ValueError(f"tokens must be a 1-D stream, got shape {self.tokens.shape}.")
         self.num_windows = max(len(self.tokens) - 1, 0) // seq_len
         self.steps_per_epoch = self.num_windows // num_replicas // batch_size
         self.windows_per_replica = self.steps_per_epoch * batch_size
