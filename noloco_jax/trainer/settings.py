@@ -10,7 +10,6 @@ fragments, drop-out, ...) is the one function of the module that needs it.
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import functools
 import math
@@ -18,6 +17,7 @@ import os
 from typing import Any, Callable
 
 from noloco_jax import comm, defaults, quantize
+from noloco_jax.data.sources import is_text_encoding
 from noloco_jax.data.tokenizers import SP_RESERVED
 from noloco_jax.errors import UserError, check_bool, check_choice, check_int, check_number, require
 from noloco_jax.optim.fragments import check_fragments
@@ -385,7 +385,7 @@ def _validate_data(s: TrainSettings) -> None:
     require(d.tokenizer == "hf" or not d.tokenizer_path, "config.data.tokenizer_path",
             f"applies to data.tokenizer='hf' only, got data.tokenizer={d.tokenizer!r} (it would "
             f"be ignored); add --config.data.tokenizer=hf.")  # fmt: skip
-    require(_is_codec(d.encoding), "config.data.encoding",
+    require(is_text_encoding(d.encoding), "config.data.encoding",
             f"must be a text encoding Python knows (e.g. 'utf-8', 'latin-1'), got "
             f"{d.encoding!r}.")  # fmt: skip
     check_int("config.data.seq_len", d.seq_len)
@@ -488,14 +488,6 @@ def _lone_replica_warnings(s: TrainSettings) -> list[str]:
     return [f"{', '.join(given)} ignored with num_replicas=1: a lone replica exchanges nothing "
             f"(no partner, no drop-out, no 8-bit message); use num_replicas >= 2 to train "
             f"with {'them' if len(given) > 1 else 'it'}."]
-
-
-def _is_codec(name: Any) -> bool:
-    """A text encoding (bytes to str): 'base64', 'hex' or 'zlib' are codecs but not encodings."""
-    try:
-        return isinstance(name, str) and getattr(codecs.lookup(name), "_is_text_encoding", True)
-    except LookupError:
-        return False
 
 
 def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
