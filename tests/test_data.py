@@ -147,6 +147,17 @@ def test_a_utf8_byte_order_mark_is_not_text(text_dir, tmp_path):
     assert sorted(c.train + c.validation) == sorted([*TEXTS, "with a mark " * 50])
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"])
+def test_a_byte_order_mark_is_not_text_in_utf16_or_utf32_either(text_dir, tmp_path, encoding):
+    """Notepad's "Unicode" (UTF-16 LE with a BOM) read with encoding='utf-16-le' began its
+    document with U+FEFF; only 'utf-8' dropped it ('utf-16' and 'utf-32' drop it themselves)."""
+    for f in text_dir.iterdir():
+        f.write_bytes(f.read_text(encoding="utf-8").encode(encoding))
+    (text_dir / "bom.txt").write_bytes(("\ufeff" + "with a mark " * 50).encode(encoding))
+    c = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path, encoding=encoding)
+    assert sorted(c.train + c.validation) == sorted([*TEXTS, "with a mark " * 50])
+
+
 def test_a_file_copied_with_its_size_and_mtime_is_prepared_again(text_dir, tmp_path):
     """``cp -p`` or ``rsync -a`` of new text of the same size keeps (size, mtime): the stale
     prepared dataset was reused."""

@@ -371,6 +371,9 @@ def is_text_encoding(name: Any) -> bool:
 # Share of a file's bytes that may be undecodable (a stray byte in a big file) before
 # the file is refused as not being text in the configured encoding.
 MAX_UNDECODABLE = 0.001
+# Codecs that keep a leading byte-order mark as a U+FEFF character ('utf-16', 'utf-32' and
+# 'utf-8-sig' drop it themselves).
+_BOM_KEPT = ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
 
 
 def _read_text(f: pathlib.Path, encoding: str) -> str:
@@ -384,7 +387,7 @@ def _read_text(f: pathlib.Path, encoding: str) -> str:
             f"valid {encoding}; it is not text in that encoding. Set config.data.encoding "
             f"(e.g. 'latin-1') or leave the file out."
         )
-    if codecs.lookup(encoding).name == "utf-8":  # a byte-order mark (Windows editors) is no text
+    if codecs.lookup(encoding).name in _BOM_KEPT:  # a byte-order mark (Windows editors) is no text
         text = text.removeprefix("\ufeff")
     return text
 
