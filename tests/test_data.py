@@ -158,6 +158,19 @@ def test_a_byte_order_mark_is_not_text_in_utf16_or_utf32_either(text_dir, tmp_pa
     assert sorted(c.train + c.validation) == sorted([*TEXTS, "with a mark " * 50])
 
 
+@pytest.mark.parametrize("encoding, raw", [("utf-7", b"a +2AA- b "),
+                                           ("unicode_escape", b"a \\ud800 b ")])
+def test_a_lone_surrogate_in_a_file_is_read_as_a_replacement_character(text_dir, tmp_path,
+                                                                          encoding, raw):
+    """An encoding that decodes to a lone surrogate crashed preparing the corpus: TFDS's
+    RuntimeError (UnicodeEncodeError serializing `text`). The tokenizers read it as U+FFFD."""
+    for f in text_dir.iterdir():
+        f.write_bytes(f.read_text(encoding="utf-8").encode(encoding))
+    (text_dir / "lone.txt").write_bytes(raw * 50)
+    c = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path, encoding=encoding)
+    assert sorted(c.train + c.validation) == sorted([*TEXTS, "a \ufffd b " * 50])
+
+
 def test_a_file_copied_with_its_size_and_mtime_is_prepared_again(text_dir, tmp_path):
     """``cp -p`` or ``rsync -a`` of new text of the same size keeps (size, mtime): the stale
     prepared dataset was reused."""

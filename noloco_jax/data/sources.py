@@ -39,6 +39,7 @@ import urllib.request
 import warnings
 from typing import Any, Iterable
 
+from noloco_jax.data.tokenizers import _well_formed
 from noloco_jax.errors import check_int, require
 
 try:
@@ -377,7 +378,8 @@ _BOM_KEPT = ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
 
 
 def _read_text(f: pathlib.Path, encoding: str) -> str:
-    """``f`` decoded; raises ``ValueError`` when too many bytes are not ``encoding``."""
+    """``f`` decoded, a lone surrogate ('utf-7', 'unicode_escape') as U+FFFD, which UTF-8 (and so
+    TFDS) can hold; raises ``ValueError`` when too many bytes are not ``encoding``."""
     raw = f.read_bytes()
     text = raw.decode(encoding, errors="replace")
     bad = text.count("\ufffd") - raw.decode(encoding, errors="ignore").count("\ufffd")
@@ -389,7 +391,7 @@ def _read_text(f: pathlib.Path, encoding: str) -> str:
         )
     if codecs.lookup(encoding).name in _BOM_KEPT:  # a byte-order mark (Windows editors) is no text
         text = text.removeprefix("\ufeff")
-    return text
+    return _well_formed(text)
 
 
 def _title(f: pathlib.Path) -> str:
