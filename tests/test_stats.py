@@ -143,6 +143,20 @@ def test_partial_correlation_by_hand():
         stats.partial_correlation([1, 2, 3], [1, 2, 3], [1, 2, 3])
 
 
+def test_a_series_the_control_explains_has_no_partial_correlation():
+    """A constant lr, or one affine in the step, leaves float-rounding residuals (~1e-19) once
+    the step is regressed out; they were correlated as data (r = 0.54, p = 0.016 here)."""
+    step = np.arange(25, 1001, 50.0)
+    spread = np.random.default_rng(30).normal(size=20)
+    for lr in (3e-3 * (1 - step / 2000), np.full(20, 3e-3), 0.1 + 0 * step):
+        for control in (step, 1e9 + step):  # a large offset: the fit stays well conditioned
+            out = stats.partial_correlation(spread, lr, control)
+            assert math.isnan(out["r"]) and math.isnan(out["p"]), (lr[:2], control[0], out)
+            assert math.isnan(stats.partial_correlation(lr, spread, control)["r"])
+    assert math.isnan(stats.pearson([0.1] * 3, [1, 2, 3]))  # std 1.4e-17, was r = 0.0
+    assert stats.pearson([1e6, 1e6 + 1e-3, 1e6 + 3e-3], [1, 2, 3]) > 0.9  # small but real
+
+
 def test_partial_correlation_separates_a_time_trend_from_the_lr():
     """Fig. 3B's null: a spread that only drifts with time correlates with a decaying lr, but
     not once the step is regressed out; a spread that follows the lr keeps its correlation."""

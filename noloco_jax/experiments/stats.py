@@ -185,16 +185,27 @@ def split_by_phase(steps: Sequence[int], values: Sequence[float], period: int
     return [p for p in pts if p[0] % period == 0], [p for p in pts if p[0] % period]
 
 
+# A series whose std is at most this fraction of its largest value varies by float rounding
+# only: [0.1] * 3 has std 1.4e-17, an lr exactly affine in the step residuals of ~1e-19.
+_ROUNDING = 1e-12
+
+
+def _flat(v: np.ndarray, scale: np.ndarray) -> bool:
+    """Whether ``v`` varies by no more than the rounding of numbers as large as ``scale``."""
+    return bool(v.std() <= _ROUNDING * np.abs(scale).max(initial=0.0))
+
+
 def pearson(x: Sequence[float], y: Sequence[float]) -> float:
-    """Pearson correlation (nan when a series is constant)."""
+    """Pearson correlation (nan when a series is constant, up to float rounding)."""
     x, y = np.asarray(x, float), np.asarray(y, float)
-    sx, sy = x.std(), y.std()
-    if sx == 0 or sy == 0:
+    if _flat(x, x) or _flat(y, y):
         return float("nan")
-    return float(np.mean((x - x.mean()) * (y - y.mean())) / (sx * sy))
+    return float(np.mean((x - x.mean()) * (y - y.mean())) / (x.std() * y.std()))
 
 
 def _residuals(y: np.ndarray, controls: np.ndarray) -> np.ndarray:
+    controls = np.asarray(controls, float)
+    controls = controls - controls.mean(0)  # the same fit, better conditioned (step 1e9 + t)
     design = np.column_stack([np.ones(len(y)), controls])
     coef, *_ = np.linalg.lstsq(design, y, rcond=None)
     return y - design @ coef
@@ -216,14 +227,17 @@ def partial_correlation(x: Sequence[float], y: Sequence[float], control: Sequenc
 
     Returns:
       ``r`` (partial), ``p`` (two-sided), ``n``, and the plain correlations ``r_xy``,
-      ``r_xc``, ``r_yc``.
+      ``r_xc``, ``r_yc``. ``r`` and ``p`` are nan when ``control`` explains ``x`` or ``y``
+      fully (a constant series, or one affine in the control: only rounding is left).
     """
     x, y, c = (np.asarray(v, float) for v in (x, y, control))
     n = len(x)
     if not n == len(y) == len(c) or n < 4:
         raise ValueError(f"partial_correlation needs three equally long series of >= 4 points, "
                          f"got {len(x)}, {len(y)}, {len(c)}.")  # fmt: skip
-    r = pearson(_residuals(x, c), _residuals(y, c))
+    rx, ry = _residuals(x, c), _residuals(y, c)
+    # a series the control explains fully leaves rounding residuals: no correlation is defined
+    r = float("nan") if _flat(rx, x) or _flat(ry, y) else pearson(rx, ry)
     if math.isnan(r):
         p = float("nan")
     elif abs(r) >= 1:
