@@ -193,6 +193,24 @@ def test_binomial_power_by_hand():
     assert all(stats.binomial_power(m, 2 / 3, 20 / 21, 0.05)["power"] < 0.8 for m in range(1, n))
 
 
+@pytest.mark.parametrize("call,field", [
+    (lambda: stats.binomial_power(9, 2 / 3, 20 / 21, 5), "alpha"),  # 5 %: was power 1.0
+    (lambda: stats.binomial_power(9, 2 / 3, 20 / 21, 0.0), "alpha"),
+    (lambda: stats.binomial_power(9, 1.5, 20 / 21, 0.05), "p0"),  # was power 0.0
+    (lambda: stats.binomial_power(9, 2 / 3, 1.3, 0.05), "p1"),  # was power nan
+    (lambda: stats.binomial_power(-1, 2 / 3, 20 / 21, 0.05), "n"),
+    (lambda: stats.domains_for_power(2 / 3, 20 / 21, 5, 0.8), "alpha"),  # was 1 domain
+    (lambda: stats.domains_for_power(2 / 3, 20 / 21, 0.05, 80), "power"),
+    (lambda: stats.paired_t_power(7, 1.0, 5), "alpha"),  # was nan
+    (lambda: stats.paired_t_power(7, math.nan, 0.05), "effect"),
+    (lambda: stats.seeds_for_power(1.2, 0.05, 0.0), "power"),  # was 2 pairs
+    (lambda: stats.seeds_for_power(1.2, 1.0, 0.8), "alpha"),
+])  # fmt: skip
+def test_power_functions_refuse_a_level_or_rate_outside_its_range(call, field):
+    with pytest.raises(ValueError, match=f"^{field}: must be"):
+        call()
+
+
 def test_paired_t_power_matches_simulation():
     rng = np.random.default_rng(1)
     n, effect, sims = 7, 1.2, 20000

@@ -291,6 +291,15 @@ def _critical_count(n: int, p0: float, alpha: float) -> int:
     return n + 1
 
 
+def _check_level(alpha: float, power: float | None = None, **rates: float) -> None:
+    """alpha in (0, 1), a target power in (0, 1], probabilities in [0, 1] (5 for 5 % is not)."""
+    errors.check_number("alpha", alpha, 0, 1, open_low=True, open_high=True)
+    if power is not None:
+        errors.check_number("power", power, 0, 1, open_low=True)
+    for name, value in rates.items():
+        errors.check_number(name, value, 0, 1)
+
+
 def binomial_power(n: int, p0: float, p1: float, alpha: float) -> dict[str, float]:
     """Power of the one-sided exact binomial test of a count of n against chance p0.
 
@@ -301,7 +310,12 @@ def binomial_power(n: int, p0: float, p1: float, alpha: float) -> dict[str, floa
 
     Returns:
       ``critical`` count k, ``size`` P(X >= k | p0) and ``power`` P(X >= k | p1).
+
+    Raises:
+      ValueError: ``n`` below 0, ``p0`` or ``p1`` outside [0, 1], ``alpha`` outside (0, 1).
     """
+    errors.check_int("n", n, 0)
+    _check_level(alpha, p0=p0, p1=p1)
     k = _critical_count(n, p0, alpha)
     return {"critical": k, "size": binomial_tail(n, k, p0) if k <= n else 0.0,
             "power": binomial_tail(n, k, p1) if k <= n else 0.0}  # fmt: skip
@@ -313,7 +327,11 @@ def domains_for_power(p0: float, p1: float, alpha: float, power: float, max_n: i
 
     The exact test's power is not monotone in n (the critical count moves in steps); this is
     the first n that reaches it.
+
+    Raises:
+      ValueError: ``power`` outside (0, 1], as ``binomial_power``, or no n <= ``max_n``.
     """
+    _check_level(alpha, power, p0=p0, p1=p1)
     for n in range(1, max_n + 1):
         if binomial_power(n, p0, p1, alpha)["power"] >= power:
             return n
@@ -325,7 +343,12 @@ def paired_t_power(n: int, effect: float, alpha: float) -> float:
 
     Uses the noncentral t distribution: power = P(|T'| > t_crit), T' with n - 1 degrees of
     freedom and noncentrality effect x sqrt(n).
+
+    Raises:
+      ValueError: ``alpha`` outside (0, 1) or ``effect`` not finite.
     """
+    _check_level(alpha)
+    errors.require(math.isfinite(effect), "effect", f"must be a finite number, got {effect!r}.")
     if n < 2:
         return 0.0
     df, nc = n - 1, effect * math.sqrt(n)
@@ -348,7 +371,13 @@ def _power_by_integration(crit: float, df: int, nc: float) -> float:
 
 
 def seeds_for_power(effect: float, alpha: float, power: float, max_n: int = 1000) -> int:
-    """The fewest pairs n >= 2 whose paired t-test reaches ``power`` at ``effect``."""
+    """The fewest pairs n >= 2 whose paired t-test reaches ``power`` at ``effect``.
+
+    Raises:
+      ValueError: ``alpha`` outside (0, 1), ``power`` outside (0, 1], or no n <= ``max_n``.
+    """
+    _check_level(alpha, power)
+    errors.require(math.isfinite(effect), "effect", f"must be a finite number, got {effect!r}.")
     for n in range(2, max_n + 1):
         if paired_t_power(n, effect, alpha) >= power:
             return n
