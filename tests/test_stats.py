@@ -51,6 +51,14 @@ def test_paired_t_test_edge_cases():
     assert shift["p"] == 0.0 and stats.verdict(shift, 0.05) == "A < B"
     with pytest.raises(ValueError, match="equally long"):
         stats.paired_test([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="equally long non-empty"):
+        stats.paired_test(np.zeros(0), np.zeros(0))
+
+
+def test_paired_t_test_takes_numpy_arrays():
+    """``not a`` raised numpy's "truth value of an array ... is ambiguous"."""
+    a, b = np.array([1.5, 3.0, 4.5]), np.array([0.5, 1.0, 1.5])
+    assert stats.paired_test(a, b) == stats.paired_test(a.tolist(), b.tolist())
 
 
 def test_a_nan_value_is_an_error_and_a_diverged_pair_is_named():

@@ -133,7 +133,7 @@ def paired_test(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
       >>> round(r["t"], 4), r["df"], round(r["p"], 4)
       (3.4641, 2, 0.0742)
     """
-    if len(a) != len(b) or not a:
+    if len(a) != len(b) or len(a) == 0:  # not ``not a``: ambiguous for a numpy array
         raise ValueError(f"paired_test needs two equally long non-empty lists, got {len(a)} "
                          f"and {len(b)}.")  # fmt: skip
     values = np.stack([np.asarray(a, float), np.asarray(b, float)])
