@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
@@ -81,3 +82,22 @@ def test_read_run_skips_a_line_cut_short_by_a_crash(tmp_path):
     with pytest.warns(UserWarning):
         run = harness.read_run(tmp_path)
     assert [(e["step"], e["val_ppl"]) for e in run["eval"]] == [(5, 9.0), (10, 8.0)]
+
+
+def test_a_report_that_fails_part_way_leaves_the_earlier_one_intact(tmp_path, monkeypatch):
+    """write_outputs wrote in place: a full disk part-way through left the earlier report's
+    json truncated (lost, and --report_only could no longer read it)."""
+    opts = harness.Options(out_dir=tmp_path)
+    harness.write_outputs(opts, "table2", {"noloco_n8_s0": {"eval": []}}, "good")
+    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    write_text = pathlib.Path.write_text
+
+    def disk_full(self, text, *args, **kwargs):
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        harness.write_outputs(opts, "table2", {"noloco_n8_s1": {"eval": []}}, "new")
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before  # no temporary left
+    assert "noloco_n8_s0" in json.loads(before["table2.json"])

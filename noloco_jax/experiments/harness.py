@@ -33,6 +33,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import uuid
 from typing import Any
 
 from ml_collections import config_dict
@@ -231,6 +232,17 @@ def _check_saved_configs(found: dict, planned: list, out_dir: pathlib.Path) -> N
                 "it (--smoke, --data_path, ...) or train the grid again.")
 
 
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file beside it, renamed over ``path``
+    once whole: a write that fails part-way (a full disk) leaves the earlier file intact."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # unique on a shared disk
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) -> dict:
     """The run_info.json a run keeps: the recorded one if it trained before (refused if its
     config differs from ``info``'s), else ``info``, written now if ``write`` (it is about to
@@ -245,7 +257,7 @@ def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) 
         if not write:
             return info
         workdir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(info, indent=1, sort_keys=True))
+        _write_atomic(path, json.dumps(info, indent=1, sort_keys=True))
         return info
     saved = json.loads(path.read_text())
     diff = provenance.config_differences(saved.get("config") or {}, info["config"])
@@ -257,7 +269,7 @@ def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) 
     if write and not done and provenance.version_label(saved) != provenance.version_label(info):
         saved.setdefault("resumed_at", []).append(
             {k: info[k] for k in ("commit", "dirty", "diff_sha256")})
-        path.write_text(json.dumps(saved, indent=1, sort_keys=True))
+        _write_atomic(path, json.dumps(saved, indent=1, sort_keys=True))
     return saved
 
 
@@ -408,8 +420,8 @@ def write_outputs(opts: Options, name: str, results: dict, markdown: str, *,
     if earlier:
         prov["earlier"] = earlier
     results["_provenance"] = prov
-    (opts.out_dir / f"{name}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
-    (opts.out_dir / f"{name}.md").write_text(markdown)
+    _write_atomic(opts.out_dir / f"{name}.json", json.dumps(results, indent=1, sort_keys=True))
+    _write_atomic(opts.out_dir / f"{name}.md", markdown)
     print(f"wrote {opts.out_dir / (name + '.json')} and {opts.out_dir / (name + '.md')}",
           flush=True)  # fmt: skip
 
