@@ -62,6 +62,18 @@ def test_git_state_commit_dirty_and_outputs(repo):
     assert provenance.version_label({"commit": None}) == "unrecorded"
 
 
+def test_a_tree_git_status_cannot_read_is_not_recorded_clean(repo):
+    """`git status` failing (a damaged index) while `rev-parse HEAD` works gave dirty=False:
+    an uncommitted change was labelled the clean commit, which make_results accepts."""
+    head = _git(repo, "rev-parse", "HEAD").strip()
+    (repo / "code.py").write_text("x = 2\n")
+    (repo / ".git" / "index").write_bytes(b"garbage")
+    state = provenance.git_state(repo)
+    assert state == {"commit": head, "dirty": None, "diff_sha256": None}
+    assert provenance.version_label(state) == f"{head[:12]}+dirty.unknown"
+    assert provenance.version_label({"commit": head, "dirty": False}) == head[:12]
+
+
 def _fake_train(trained):
     def train(config, workdir):  # stands in for training: records what it was given
         trained.append(workdir.name)

@@ -45,7 +45,8 @@ def git_state(root: pathlib.Path) -> dict[str, Any]:
 
     Returns:
       ``{"commit": sha or None, "dirty": bool or None, "diff_sha256": str or None}``; None
-      where ``root`` is not a git checkout (an installed package). ``diff_sha256`` hashes the
+      where ``root`` is not a git checkout (an installed package); ``dirty`` None with a
+      commit where ``git status`` failed (a damaged index, its timeout): not known clean. ``diff_sha256`` hashes the
       uncommitted changes (``git diff HEAD``, and the names and contents of new files) so that
       two dirty runs can still be told apart.
 
@@ -57,7 +58,9 @@ def git_state(root: pathlib.Path) -> dict[str, Any]:
     if commit is None:
         return {"commit": None, "dirty": None, "diff_sha256": None}
     excluded = [f":(exclude){p}" for p in OUTPUT_PATHS]
-    status = _git(root, "status", "--porcelain", "--", ".", *excluded) or ""
+    status = _git(root, "status", "--porcelain", "--", ".", *excluded)
+    if status is None:  # not "" (clean): a tree that could not be checked is not clean
+        return {"commit": commit.strip(), "dirty": None, "diff_sha256": None}
     dirty = bool(status.strip())
     digest = None
     if dirty:
@@ -78,10 +81,13 @@ def git_state(root: pathlib.Path) -> dict[str, Any]:
 
 
 def version_label(state: dict[str, Any]) -> str:
-    """One string per code version: the commit, ``+dirty.<hash>`` if dirty, else "unrecorded"."""
+    """One string per code version: the commit, ``+dirty.<hash>`` if dirty (``+dirty.unknown``
+    if its state could not be read), else "unrecorded"."""
     if not state or not state.get("commit"):
         return "unrecorded"
     label = state["commit"][:12]
+    if "dirty" in state and state["dirty"] is None:
+        return label + "+dirty.unknown"
     return label + f"+dirty.{state.get('diff_sha256')}" if state.get("dirty") else label
 
 
