@@ -108,6 +108,32 @@ def test_runs_record_commit_config_and_seed_and_refuse_another_config(monkeypatc
         harness.run_grid(CONFIG, runs, opts, runs_subdir="grid")
 
 
+def test_a_run_that_never_trained_takes_the_version_that_trains_it(monkeypatch, tmp_path):
+    """run_info.json is written for every run before the first trains: a grid stopped in its
+    first run and re-run from commit B recorded runs B trained entirely as commit A's (with B
+    only as resumed_at), and make_results saw mixed commits."""
+    a, b = ({"commit": c * 40, "dirty": False, "diff_sha256": None} for c in "ab")
+    runs = [harness.Run(f"r{i}", {"seed": i}) for i in range(2)]
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path / "out")
+
+    def stopped(config, workdir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(provenance, "git_state", lambda root: a)
+    monkeypatch.setattr(harness, "_train", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+    monkeypatch.setattr(provenance, "git_state", lambda root: b)
+    monkeypatch.setattr(harness, "_train", _fake_train([]))
+    results = harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+    for name in ("r0", "r1"):
+        assert results[name]["run_info"]["commit"] == b["commit"]
+        assert "resumed_at" not in results[name]["run_info"]
+    harness.write_outputs(opts, "rep", {}, "md", runs=results)
+    saved = json.loads((tmp_path / "out" / "rep.json").read_text())
+    assert list(provenance.versions_of(saved)) == ["b" * 12]
+
+
 def test_parts_and_dry_run(monkeypatch, tmp_path, capsys):
     trained = []
     monkeypatch.setattr(harness, "_train", _fake_train(trained))

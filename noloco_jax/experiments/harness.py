@@ -246,18 +246,18 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
 def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) -> dict:
     """The run_info.json a run keeps: the recorded one if it trained before (refused if its
     config differs from ``info``'s), else ``info``, written now if ``write`` (it is about to
-    train)."""
+    train; a record left by a grid stopped before this run trained is replaced)."""
     path = workdir / "run_info.json"
-    if not path.exists():
-        if done or (workdir / "metrics.jsonl").exists() or (workdir / "checkpoints").exists():
-            raise errors.UserError(
-                f"run {workdir} was trained before runs recorded their code version and config "
-                "(no run_info.json), so it cannot be checked against this grid; delete it or "
-                "train into another --runs_dir.")  # fmt: skip
-        if not write:
-            return info
-        workdir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, json.dumps(info, indent=1, sort_keys=True))
+    started = done or (workdir / "metrics.jsonl").exists() or (workdir / "checkpoints").exists()
+    if started and not path.exists():
+        raise errors.UserError(
+            f"run {workdir} was trained before runs recorded their code version and config "
+            "(no run_info.json), so it cannot be checked against this grid; delete it or "
+            "train into another --runs_dir.")  # fmt: skip
+    if not started:  # nothing trained yet: whatever code trains it now is its version
+        if write:
+            workdir.mkdir(parents=True, exist_ok=True)
+            _write_atomic(path, json.dumps(info, indent=1, sort_keys=True))
         return info
     saved = json.loads(path.read_text())
     diff = provenance.config_differences(saved.get("config") or {}, info["config"])
