@@ -9,6 +9,7 @@ App. A). The optimum of the expected loss is theta = 0.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -94,12 +95,13 @@ def simulate_quadratic(
 
     Raises:
       ValueError: ``dim`` or ``num_rounds`` below 1, ``inner_lr`` not positive or ``noise``
-        negative (or either not finite).
+        negative (or either not finite), ``init`` not finite.
     """
     errors.check_int("dim", dim, 1)  # 0: a NaN spread (a mean over no coordinates)
     errors.check_int("num_rounds", num_rounds, 1)
     errors.check_number("inner_lr", inner_lr, 0, open_low=True)  # < 0: gradient ascent
     errors.check_number("noise", noise, 0)
+    errors.require(math.isfinite(init), "init", f"must be a finite number, got {init!r}.")
     curvature = jnp.linspace(1.0, 0.1, dim)
     tx = local_steps(optax.sgd(inner_lr), outer, sync_every, delay=delay, mixing=mixing)
     reps = replicas.Replicas(num_replicas, axis_name)

@@ -50,7 +50,9 @@ def test_bounds_refuse_a_group_below_two_or_a_momentum_outside_0_1(momentum, gro
 
 @pytest.mark.parametrize("kwargs,field", [({"dim": 0}, "dim"), ({"num_rounds": 0}, "num_rounds"),
                                           ({"inner_lr": -0.05}, "inner_lr"),
-                                          ({"noise": float("nan")}, "noise")])  # fmt: skip
+                                          ({"noise": float("nan")}, "noise"),
+                                          ({"init": float("nan")}, "init"),  # NaN traces
+                                          ({"init": float("inf")}, "init")])  # fmt: skip
 def test_simulation_refuses_degenerate_inputs(kwargs, field):
     """dim=0 gave a NaN spread, num_rounds=0 empty traces, inner_lr < 0 gradient ascent."""
     with pytest.raises(ValueError, match=f"^{field}: must be"):
