@@ -192,6 +192,20 @@ def test_damaged_files_and_sizes_name_the_tensor(tmp_path):
         hf.load_llama(directory)  # was numpy's "cannot reshape array of size ..."
 
 
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.gate_proj.weight",
+                                  "model.layers.1.input_layernorm.weight"])
+def test_a_layer_tensor_of_the_wrong_shape_is_named(tmp_path, name):
+    """Was numpy's "all input arrays must have the same shape" from stacking the layers."""
+    cfg = models.LlamaConfig(vocab_size=16, hidden_size=8, num_layers=2, num_heads=2,
+                             mlp_hidden_size=8)  # fmt: skip
+    directory = hf.save_llama(tmp_path / "hf", cfg, models.init_params(cfg, 0)[1])
+    tensors = dict(hf.read_safetensors(directory / "model.safetensors"))
+    tensors[name] = np.zeros((9, *tensors[name].shape[1:]), np.float32)
+    hf.write_safetensors(directory / "model.safetensors", tensors)
+    with pytest.raises(ValueError, match=f"tensor '{name}' has shape .* does not fit config.json"):
+        hf.load_llama(directory)
+
+
 @pytest.mark.parametrize("header, says", [
     ([1, 2], "header is not a JSON object"),  # was TypeError
     ({"w": {"shape": [2], "data_offsets": [0, 8]}}, "entry 'w' is not a tensor's dtype"),

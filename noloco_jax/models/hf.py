@@ -379,17 +379,26 @@ def load_llama(
         used.add(name)
         return tensors[name]
 
-    def convert(name: str, to: Callable) -> np.ndarray:
-        value = get(name)
-        try:
-            return to(value)
-        except ValueError:  # a reshape to config.json's heads and head_dim
-            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, which does not fit "
-                             f"config.json's hidden_size, heads and head_dim.") from None
+    graphdef, abstract = _abstract_model(cfg)
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    shapes = {_name(p): tuple(x.shape) for p, x in flat}  # ours, e.g. blocks.mlp.w_up: [L, D, F]
 
-    ours = {k: convert(hf, to) for k, (hf, to, _) in _top_maps(cfg).items()}
+    def convert(name: str, to: Callable, shape: tuple[int, ...]) -> np.ndarray:
+        value = get(name)
+        try:  # a reshape to config.json's heads and head_dim may fail
+            out = to(value)
+        except ValueError:
+            out = None
+        if out is None or tuple(out.shape) != shape:  # checked per layer, before np.stack
+            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, which does not fit "
+                             f"config.json's vocab_size, hidden_size, intermediate_size, heads "
+                             f"and head_dim.")  # fmt: skip
+        return out
+
+    ours = {k: convert(hf, to, shapes[k]) for k, (hf, to, _) in _top_maps(cfg).items()}
     for k, (hf, to, _) in _layer_maps(cfg).items():
-        ours[k] = np.stack([convert(hf.format(i), to) for i in range(cfg.num_layers)])
+        ours[k] = np.stack([convert(hf.format(i), to, shapes[k][1:])
+                            for i in range(cfg.num_layers)])  # fmt: skip
     if cfg.tie_embeddings and "lm_head.weight" in tensors:  # some tied checkpoints store it too
         if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
             raise ValueError(
@@ -401,15 +410,10 @@ def load_llama(
     if extra:
         raise ValueError(f"the checkpoint holds tensors the Llama here has no place for: "
                          f"{extra[:5]}{' ...' if len(extra) > 5 else ''}.")  # fmt: skip
-    graphdef, abstract = _abstract_model(cfg)
     pdtype = jnp.dtype(param_dtype)
 
     def fill(path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.Array:
-        name = _name(path)
-        value = ours[name]
-        if tuple(value.shape) != tuple(leaf.shape):
-            raise ValueError(f"tensor for {name} has shape {tuple(value.shape)}, expected "
-                             f"{tuple(leaf.shape)} from config.json.")  # fmt: skip
+        value = ours[_name(path)]  # shape checked by convert
         value = np.asarray(value, np.float32) if value.dtype != pdtype else value
         return np.asarray(value, pdtype) if host else jnp.asarray(value, pdtype)
 
