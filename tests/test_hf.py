@@ -152,6 +152,10 @@ def test_configs_transformers_reads_otherwise_are_refused(tmp_path):
     _edit_config(directory, rope_scaling=None, rope_theta=5e5)
     with pytest.raises(ValueError, match="two rope_theta values"):
         hf.load_llama(directory)
+    # rope_theta 0 (transformers: 1 / 0**x) was replaced by the default 10000 silently
+    _edit_config(directory, rope_theta=0, rope_parameters=None)
+    with pytest.raises(ValueError, match="rope_theta must be a finite number > 0, got 0.0"):
+        hf.load_llama(directory)
 
 
 @pytest.mark.parametrize("change, says", [

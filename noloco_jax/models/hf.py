@@ -208,7 +208,8 @@ def _rope_theta(d: dict) -> float:
             f"config.json uses RoPE scaling {scaled[0]!r}; only the default (unscaled) RoPE of the "
             f"original Llama is supported."
         )
-    thetas = {float(t) for t in (d.get("rope_theta"), params.get("rope_theta")) if t}
+    # 0 is refused by LlamaConfig, not replaced by the default (transformers divides by 0**x).
+    thetas = {float(t) for t in (d.get("rope_theta"), params.get("rope_theta")) if t is not None}
     if len(thetas) > 1:
         raise ValueError(f"config.json gives two rope_theta values, {d['rope_theta']} at the top "
                          f"and {params['rope_theta']} in rope_parameters; make them agree.")
