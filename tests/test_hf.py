@@ -154,7 +154,7 @@ def test_configs_transformers_reads_otherwise_are_refused(tmp_path):
         hf.load_llama(directory)
     # rope_theta 0 (transformers: 1 / 0**x) was replaced by the default 10000 silently
     _edit_config(directory, rope_theta=0, rope_parameters=None)
-    with pytest.raises(ValueError, match="rope_theta must be a finite number > 0, got 0.0"):
+    with pytest.raises(ValueError, match="rope_theta must be a finite number > 0, got 0"):
         hf.load_llama(directory)
 
 
@@ -169,6 +169,21 @@ def test_a_config_without_sizes_or_heads_is_a_value_error(change, says):
     d = {k: v for k, v in {**d, **change}.items() if v is not None}
     with pytest.raises(ValueError, match=says):
         hf.config_from_hf(d)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("rms_norm_eps", None),  # was TypeError from float()
+    ("rms_norm_eps", "abc"),  # was float()'s ValueError, naming no field
+    ("rms_norm_eps", True),  # was taken as 1.0
+    ("rope_theta", "abc"),
+    ("rope_theta", True),
+])  # fmt: skip
+def test_a_non_numeric_eps_or_rope_theta_is_a_value_error_naming_it(key, value):
+    d = hf.config_to_hf(models.LlamaConfig(vocab_size=16, hidden_size=16, num_layers=1,
+                                           num_heads=2, mlp_hidden_size=16))  # fmt: skip
+    field = {"rms_norm_eps": "norm_eps", "rope_theta": "rope_theta"}[key]
+    with pytest.raises(ValueError, match=f"{field} must be a finite number > 0, got {value!r}"):
+        hf.config_from_hf({**d, key: value, "rope_parameters": None})
 
 
 def test_a_tied_config_with_a_different_stored_head_is_refused(tmp_path):

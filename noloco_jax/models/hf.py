@@ -208,12 +208,13 @@ def _rope_theta(d: dict) -> float:
             f"config.json uses RoPE scaling {scaled[0]!r}; only the default (unscaled) RoPE of the "
             f"original Llama is supported."
         )
-    # 0 is refused by LlamaConfig, not replaced by the default (transformers divides by 0**x).
-    thetas = {float(t) for t in (d.get("rope_theta"), params.get("rope_theta")) if t is not None}
-    if len(thetas) > 1:
+    # Passed on as written: LlamaConfig refuses 0 (transformers divides by 0**x), strings and
+    # bools, which float() would have turned into numbers or errors naming no field.
+    thetas = [t for t in (d.get("rope_theta"), params.get("rope_theta")) if t is not None]
+    if len(thetas) == 2 and thetas[0] != thetas[1]:
         raise ValueError(f"config.json gives two rope_theta values, {d['rope_theta']} at the top "
                          f"and {params['rope_theta']} in rope_parameters; make them agree.")
-    return thetas.pop() if thetas else 10000.0
+    return thetas[0] if thetas else 10000.0
 
 
 def config_from_hf(
@@ -259,7 +260,7 @@ def config_from_hf(
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
         num_layers=d["num_hidden_layers"], num_heads=heads, mlp_hidden_size=d["intermediate_size"],
         max_seq_len=max_seq_len or d.get("max_position_embeddings", 2048),
-        rope_theta=_rope_theta(d), norm_eps=float(d.get("rms_norm_eps", 1e-6)), dtype=dtype,
+        rope_theta=_rope_theta(d), norm_eps=d.get("rms_norm_eps", 1e-6), dtype=dtype,
         param_dtype=param_dtype, num_kv_heads=0 if kv == heads else kv,
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
     )  # fmt: skip
