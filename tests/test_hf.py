@@ -158,6 +158,15 @@ def test_configs_transformers_reads_otherwise_are_refused(tmp_path):
         hf.load_llama(directory)
 
 
+def test_swish_is_silu():
+    """transformers' ACT2FN maps 'swish' to SiLU: such a Llama was refused."""
+    d = hf.config_to_hf(models.LlamaConfig(vocab_size=16, hidden_size=16, num_layers=1,
+                                           num_heads=2, mlp_hidden_size=16))  # fmt: skip
+    assert hf.config_from_hf({**d, "hidden_act": "swish"}) == hf.config_from_hf(d)
+    with pytest.raises(ValueError, match="hidden_act='gelu'; only 'silu'"):
+        hf.config_from_hf({**d, "hidden_act": "gelu"})
+
+
 @pytest.mark.parametrize("change, says", [
     (dict(num_attention_heads=0), "num_heads must be an int >= 1"),  # was ZeroDivisionError
     (dict(intermediate_size=None), r"no \['intermediate_size'\]"),  # was KeyError

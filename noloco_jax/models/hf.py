@@ -247,9 +247,9 @@ def config_from_hf(
     for flag in ("attention_bias", "mlp_bias"):
         if d.get(flag):
             raise ValueError(f"config.json sets {flag}=true; the Llama here has no biases.")
-    if d.get("hidden_act", "silu") != "silu":
+    if d.get("hidden_act", "silu") not in ("silu", "swish"):  # one function in transformers
         raise ValueError(f"config.json sets hidden_act={d['hidden_act']!r}; only 'silu' "
-                         f"(SwiGLU) is supported.")  # fmt: skip
+                         f"(SwiGLU; 'swish' is the same) is supported.")  # fmt: skip
     missing = [k for k in _HF_SIZES if k not in d]
     if missing:
         raise ValueError(f"config.json has no {missing}; a Llama config.json sets all of "
