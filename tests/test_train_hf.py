@@ -142,3 +142,27 @@ def test_hf_tokenizer_ends_documents_only_where_the_loader_does(tmp_path, hf_dir
     (other / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     with pytest.raises(ValueError, match=r"eos_token '<\|im_end\|>' is not in the vocabulary"):
         HFTokenizer(other)
+
+
+def test_export_run_checks_replica_before_reading_the_run(tmp_path, monkeypatch):
+    """A bool or float replica passed the range check: True/False indexed as masks and failed in
+    save_llama ("a replica axis left in?"), 1.0 as an IndexError."""
+    import types  # noqa: PLC0415
+
+    from noloco_jax.models import hf  # noqa: PLC0415
+    from noloco_jax.trainer import build, loop  # noqa: PLC0415
+
+    cfg = models.LlamaConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+                             mlp_hidden_size=8)  # fmt: skip
+    reps = [models.init_params(cfg, i)[1] for i in range(2)]
+    data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16))
+    run = (None, jax.tree.map(lambda *x: np.stack(x), *reps), data)
+    monkeypatch.setattr(loop, "load_run", lambda s, workdir: run)
+    monkeypatch.setattr(build, "prepare_model", lambda s, v, abstract=False: (cfg, None, None))
+    s = types.SimpleNamespace(num_replicas=2)
+    for replica in (True, False, 1.0, -1, 2):
+        with pytest.raises(ValueError, match=r"replica must be None or an int in \[0, 2\)"):
+            export_run(s, tmp_path / "run", tmp_path / "out", replica=replica)
+    out = export_run(s, tmp_path / "run", tmp_path / "out", replica=np.int64(1))
+    exported = hf.load_llama(out)[2]
+    np.testing.assert_array_equal(exported["embedding"][...], reps[1]["embedding"][...])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import pathlib
 from typing import Any
 
@@ -73,12 +74,11 @@ def export_run(
     from noloco_jax.trainer.build import prepare_model  # noqa: PLC0415
     from noloco_jax.trainer.loop import load_run  # noqa: PLC0415
 
+    index = isinstance(replica, numbers.Integral) and not isinstance(replica, bool)
+    if replica is not None and not (index and 0 <= replica < s.num_replicas):
+        raise ValueError(f"replica must be None or an int in [0, {s.num_replicas}), got "
+                         f"{replica!r}.")  # checked before the run is read
     _, params, data = load_run(s, workdir)
     cfg = prepare_model(s, data.tokenizer.vocab_size, abstract=True)[0]
-    if replica is None:
-        single = jax.tree.map(lambda x: x.mean(0), params)
-    elif 0 <= replica < s.num_replicas:
-        single = jax.tree.map(lambda x: x[replica], params)
-    else:
-        raise ValueError(f"replica must be None or in [0, {s.num_replicas}), got {replica!r}.")
+    single = jax.tree.map(lambda x: x.mean(0) if replica is None else x[replica], params)
     return save_llama(out, cfg, single)
