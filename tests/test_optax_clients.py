@@ -13,6 +13,7 @@ import jax.extend as jex
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import noloco_jax
 from noloco_jax import comm, data_parallel, diloco_outer, local_steps, noloco_outer, replicas
 from noloco_jax.optim.local_steps import check_composition
 from noloco_jax.optim.noloco import INJECT_STATIC_ARGS
@@ -298,6 +299,31 @@ def test_apply_if_finite_around_local_steps_is_refused_under_vmap_too():
     step = jax.vmap(step_fn(tx), axis_name="replica")
     with pytest.raises(ValueError, match="apply_if_finite around local_steps"):
         step(params, state, params)
+
+
+def test_the_apply_if_finite_refusals_name_restore_nonfinite_which_repairs_the_weights():
+    """The refusals (and the README) point at nonfinite_guard=True; the guard alone repairs the
+    optimizer state, not the weights: without restore_nonfinite a caught replica stays NaN."""
+    tx = optax.apply_if_finite(local_steps(optax.adam(0.1), noloco_outer(), 2), 3)
+    params = random_tree(jax.random.key(0), N)
+    with pytest.raises(ValueError, match="restore_nonfinite"):
+        replicas.make_replicas(N, backend="vmap").init(tx, params)
+    with pytest.raises(ValueError, match="restore_nonfinite"):
+        jax.vmap(step_fn(tx), axis_name="replica")(params, jax.vmap(tx.init)(params), params)
+    guarded = local_steps(optax.adam(0.1), noloco_outer(), 2, nonfinite_guard=True)
+    reps = replicas.make_replicas(N, backend="vmap")
+
+    def repaired(params, state, grads):
+        params, state = step_fn(guarded)(params, state, grads)
+        return noloco_jax.restore_nonfinite(params, state), state
+
+    for fn, finite in ((step_fn(guarded), False), (repaired, True)):
+        p, state = params, reps.init(guarded, params)
+        p = jax.tree.map(lambda x: x.at[0].set(jnp.nan), p)  # replica 0 breaks mid-round
+        step = jax.jit(reps.map(fn))
+        for _ in range(4):  # two syncs
+            p, state = step(p, state, jax.tree.map(jnp.ones_like, p))
+        assert all(bool(jnp.isfinite(x[0]).all()) for x in jax.tree.leaves(p)) == finite
 
 
 def _named(*stages):

@@ -837,7 +837,9 @@ def check_composition(opt_state: optax.OptState) -> None:
     for node in jax.tree.leaves(opt_state, is_leaf=is_wrapper):
         if is_wrapper(node) and find_local_steps_state(node) is not None:
             finite = isinstance(node, optax.ApplyIfFiniteState)
-            fix = ("or use local_steps(..., nonfinite_guard=True) for non-finite steps." if finite
+            fix = ("or use local_steps(..., nonfinite_guard=True) for non-finite steps, with "
+                   "params = restore_nonfinite(params, opt_state) after optax.apply_updates "
+                   "(the guard repairs the state, restore_nonfinite the weights)." if finite
                    else "so that every call of local_steps is one inner step.")  # fmt: skip
             raise ValueError(
                 f"optax.{'apply_if_finite' if finite else 'MultiSteps'} wraps local_steps: it "

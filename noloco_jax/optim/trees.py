@@ -63,5 +63,6 @@ BATCHED_COUNTER_FIX = (
     "shared: build the state with noloco_jax.replicas.make_replicas(N).init(tx, params) and "
     "step with .map(tx.update) (or jax.vmap with in_axes=replicas.replica_axes(state)); "
     "with Flax NNX use nnx.vmap(..., in_axes=(..., replicas.nnx_state_axes(), ...)). For "
-    "non-finite steps use local_steps(..., nonfinite_guard=True) instead of apply_if_finite."
+    "non-finite steps use local_steps(..., nonfinite_guard=True) instead of apply_if_finite, "
+    "with params = noloco_jax.restore_nonfinite(params, opt_state) after optax.apply_updates."
 )
