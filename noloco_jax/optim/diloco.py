@@ -136,8 +136,10 @@ def diloco_outer(
         nothing but takes the present replicas' shared step (a momentum-only
         step when none is present), as when a returning replica is sent the
         shared weights: its progress of the round is lost and every replica's
-        slow weights stay one. The non-finite guard of ``local_steps`` still
-        keeps a caught replica's own slow weights.
+        slow weights stay one. A replica the non-finite guard of ``local_steps``
+        catches keeps its own slow weights, unless ``local_steps(...,
+        resync_caught=True)`` (what the trainer sets with ``fault.resync_absent``):
+        then it takes this shared step too.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.

@@ -10,7 +10,8 @@ applies the inner optimizer. On every H-th call (after its inner step, as in
 the reference code) it also forms the pseudo-gradient phi - theta, applies the
 outer transformation to get phi_new, and returns the update phi_new - theta_old
 so that ``optax.apply_updates`` lands theta on phi_new (theta <- phi). The
-inner state is never averaged or reset. The outer branch, and with it every
+inner state is never averaged, and reset only for a replica the non-finite guard
+catches (``nonfinite_guard``). The outer branch, and with it every
 collective, sits under ``lax.cond`` and so runs only on sync steps.
 
 As with ``optax.lookahead``, updates returned on a sync step must be applied
