@@ -126,7 +126,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("outer.group_size", 2, "n, replicas per NoLoCo group."),
     ("outer.nesterov", False, "Nesterov instead of heavy-ball outer momentum (NoLoCo, DiLoCo)."),
     ("outer.exchange_dtype", "",
-     'What NoLoCo / DiLoCo send: "" = the params\' dtype, "bfloat16", or 8-bit "int8" / '
+     'What NoLoCo / DiLoCo send: "" = the params\' dtype (DiLoCo: 16-bit params travel as '
+     'float32, the width its all-reduce sums in), "float32", "bfloat16", or 8-bit "int8" / '
      '"float8_e4m3fn" (block scales).'),
     ("outer.error_feedback", False,
      "With an 8-bit exchange: add each replica's last quantisation residual to its next send."),

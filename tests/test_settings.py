@@ -246,3 +246,13 @@ def test_every_config_builds_model_and_optimizer_abstractly(path):
     opt_state = jax.eval_shape(tx.init, params)
     assert models.count_params(params) == models.param_count(cfg)
     assert len(jax.tree.leaves(opt_state)) > len(jax.tree.leaves(params))
+
+
+def test_the_exchange_dtype_help_names_every_value_the_settings_accept():
+    """--help's meaning of outer.exchange_dtype lists what the settings accept ("float32" was
+    accepted but not listed) and says that DiLoCo sends 16-bit params as float32 with "" (it
+    said "the params' dtype": a bfloat16 DiLoCo run logged a float32 ring's bytes)."""
+    meaning = {name: m for name, _, m in defaults.FIELDS}["outer.exchange_dtype"]
+    for value in settings_lib.EXCHANGE_DTYPES:
+        assert f'"{value}"' in meaning, value
+    assert "DiLoCo: 16-bit params travel as float32" in meaning

@@ -30,6 +30,7 @@ METHODS = ("noloco", "diloco", "dp", "local")
 ROUND_METHODS = ("noloco", "diloco")  # methods with outer rounds of outer.sync_every steps
 BACKENDS = ("auto", "vmap", "shard_map")
 DTYPES = ("float32", "bfloat16")
+EXCHANGE_DTYPES = ("", "bfloat16", "float32", "int8", "float8_e4m3fn")  # outer.exchange_dtype
 MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overflow there
 # Settings that may change when a run resumes; any other change is refused. log_every is
 # not among them: it sets the fused chunks, and a resume with other chunks is not bit-identical.
@@ -542,8 +543,7 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     check_momentum("config.outer.momentum", o.momentum)
     if o.gamma is not None:
         check_rate("config.outer.gamma", o.gamma)
-    check_choice("config.outer.exchange_dtype", o.exchange_dtype,
-                 ("", "bfloat16", "float32", "int8", "float8_e4m3fn"))  # fmt: skip
+    check_choice("config.outer.exchange_dtype", o.exchange_dtype, EXCHANGE_DTYPES)
     check_error_feedback(o.error_feedback, o.exchange_dtype, field="config.outer.error_feedback",
                          dtype_field="config.outer.exchange_dtype")  # fmt: skip
     check_fragments(o.fragments, o.sync_every, field="config.outer.fragments",
