@@ -15,8 +15,9 @@ byte counts, and deterministic given a seed. One idea per module:
 - ``streaming``: ``streaming_sync``, one NoLoCo replica's cost with streaming
   fragments, overlap and 8-bit exchange.
 
-``python -m experiments.network_model --params=... --replicas=...`` prints a
-``sync_report`` for one model and link.
+``python -m experiments.network_model --params=125e6 --replicas=1024 --bandwidth_gbps=1
+--latency_ms=50 --step_time=0.5`` prints a ``sync_report`` for one model and link (the five
+flags are all needed: the link and the step time have no default).
 """
 
 from noloco_jax.netsim import blocking, collectives, latency_model, links, report, streaming
