@@ -2,8 +2,8 @@
 experts in homogeneous and heterogeneous equal-compute ensembles, and their evaluation.
 
 References:
-  HDEE: heterogeneous domain expert ensembles, arXiv 2502.19385; notes in
-  ``shared/reference/skippipe-hdee.md`` §2.
+  HDEE: heterogeneous domain expert ensembles, arXiv 2502.19385. How this miniature and its
+  analysis plan differ from HDEE's released configs: experiments/README.md, section 7.
 """
 
 from noloco_jax.hdee.domains import (
