@@ -32,8 +32,15 @@ def _settings(num_replicas, fsdp, tensor, **overrides):
     return st.from_config(config)
 
 
-@functools.lru_cache(maxsize=None)
 def _compiled(num_replicas, fsdp, tensor, exchange=""):
+    """The sync program, compiled once per process for each split and exchange (the cache's
+    key is the arguments as given: ``exchange`` is passed on so that a call leaving it out
+    and one naming "" share one entry)."""
+    return _compiled_once(num_replicas, fsdp, tensor, exchange)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_once(num_replicas, fsdp, tensor, exchange):
     return aot.compile_program(_settings(num_replicas, fsdp, tensor,
                                          outer={"exchange_dtype": exchange}),
                                VOCAB, program="sync")  # fmt: skip
