@@ -21,14 +21,21 @@ def model():
     return graphdef, params, tokens
 
 
+@pytest.fixture(scope="module")
+def whole_batch(model):
+    """Loss and gradients of the whole batch in one call (read by the k = 2, 4, 16 cases)."""
+    graphdef, params, tokens = model
+    return jax.jit(grads.plain(graphdef))(params, tokens, STEP)
+
+
 def _max_abs(tree):
     return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree))
 
 
 @pytest.mark.parametrize("k", [2, 4, 16])
-def test_the_mean_over_slices_is_the_whole_batch(model, k):
+def test_the_mean_over_slices_is_the_whole_batch(model, whole_batch, k):
     graphdef, params, tokens = model
-    loss, g = jax.jit(grads.plain(graphdef))(params, tokens, STEP)
+    loss, g = whole_batch
     loss_k, g_k = jax.jit(grads.accumulated(grads.plain(graphdef), k))(params, tokens, STEP)
     # float32 sums in another order: a few ulps of the loss, 1e-6 of the largest gradient.
     np.testing.assert_allclose(loss_k, loss, rtol=1e-6)
@@ -64,7 +71,8 @@ def test_bfloat16_params_get_bfloat16_gradients_summed_in_float32(model):
     assert {x.dtype for x in jax.tree.leaves(g)} == {jnp.dtype(jnp.bfloat16)}
     # The reference: the four slices' bf16 gradients, summed in float32, then rounded once.
     slices = [tokens[i::4] for i in range(4)]
-    per = [jax.jit(grads.plain(graphdef))(low, s, STEP)[1] for s in slices]
+    plain = jax.jit(grads.plain(graphdef))  # one program for the four equal-shaped slices
+    per = [plain(low, s, STEP)[1] for s in slices]
     want = jax.tree.map(lambda *xs: (sum(x.astype(jnp.float32) for x in xs) / 4).astype(
         jnp.bfloat16), *per)  # fmt: skip
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want)):
@@ -86,7 +94,9 @@ def test_training_with_micro_batches_is_training_with_the_whole_batch(tmp_path, 
                                                                       data_dir):  # fmt: skip
     """vmap with k = 4 (one row per slice) and a replica split over 2 devices with k = 2 train
     as the whole batch does, to float32 rounding."""
-    base = dict(global_batch_size=16, num_steps=4, log_every=2, eval_every=4, checkpoint_every=4)
+    # log_every = sync_every = 4: steps 1-3 are one inner block and step 4 the sync, so each
+    # run compiles one inner program (log_every=2 cut them into blocks of 2 and 1: two).
+    base = dict(global_batch_size=16, num_steps=4, log_every=4, eval_every=4, checkpoint_every=4)
     runs = {"whole": {}, "k4": {"optim": {"micro_batches": 4}},
             "split_k2": {"optim": {"micro_batches": 2}, "backend": "shard_map",
                          "mesh": {"fsdp": 2}}}  # fmt: skip
