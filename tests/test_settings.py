@@ -118,6 +118,14 @@ def _tiny(**overrides):
         ({"method": "diloco", "outer.sync_every": 100, "outer.gamma": 0.3},
          "config.outer.gamma: acts on NoLoCo's groups only"),
         ({"method": "dp", "outer.nesterov": True}, "config.outer.nesterov: acts on the outer"),
+        # NoLoCo's group size was ignored silently (and never checked) by the other methods
+        # and by a lone NoLoCo replica:
+        ({"method": "diloco", "outer.sync_every": 100, "outer.group_size": 4},
+         "config.outer.group_size: acts on NoLoCo's groups only, got method='diloco'"),
+        ({"method": "dp", "outer.group_size": -3}, "config.outer.group_size: acts on NoLoCo's"),
+        ({"method": "local", "outer.group_size": 4}, "config.outer.group_size: acts on"),
+        ({"num_replicas": 1, "outer.group_size": 0}, "config.outer.group_size: must be an "
+         "integer >= 2, got 0"),
         ({"outer.mixing": 0.5}, "config.outer.mixing: acts on the overlapped exchange only"),
         ({"num_stages": 2, "outer.exchange_dtype": "int8"},
          "config.outer.exchange_dtype: an 8-bit exchange with pipeline stages"),
@@ -134,6 +142,13 @@ def _tiny(**overrides):
 def test_bad_settings_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         settings_lib.from_config(_tiny(**overrides))
+
+
+def test_the_group_size_of_a_lone_noloco_replica_is_warned():
+    s = settings_lib.from_config(_tiny(num_replicas=1, **{"outer.group_size": 4}))
+    assert settings_lib.warnings_for(s) == [
+        "config.outer.group_size=4 ignored with num_replicas=1: a lone replica exchanges nothing "
+        "(no partner, no drop-out, no 8-bit message); use num_replicas >= 2 to train with it."]
 
 
 @pytest.mark.parametrize("table,field", [("skip", "swaps"), ("model", "tie_embeddings"),

@@ -475,7 +475,7 @@ def warnings_for(s: TrainSettings) -> list[str]:
 
 # What only acts on the exchange between replicas: a single replica has no partner.
 _EXCHANGE_FIELDS = ("outer.exchange_dtype", "outer.error_feedback", "outer.gamma",
-                    "fault.dropout_prob", "fault.resync_absent")
+                    "outer.group_size", "fault.dropout_prob", "fault.resync_absent")
 
 
 def _lone_replica_warnings(s: TrainSettings) -> list[str]:
@@ -552,9 +552,14 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
                 sync_field="config.outer.sync_every", fragments_field="config.outer.fragments")
     check_mixing(o.mixing, "config.outer.mixing")
     _check_seed("config.outer.seed", o.seed)
-    if method == "noloco" and num_replicas > 1:
-        comm.check_group_size(num_replicas, o.group_size, field="config.outer.group_size",
+    if method == "noloco":  # a lone replica has no group: n alone (its warning says so)
+        comm.check_group_size(num_replicas if num_replicas > 1 else None, o.group_size,
+                              field="config.outer.group_size",
                               replicas_field="config.num_replicas")  # fmt: skip
+    else:
+        group = defaults.default("outer.group_size")
+        require(o.group_size == group, "config.outer.group_size", f"acts on NoLoCo's groups "
+                f"only, got method={method!r} (it would be ignored); leave it at {group}.")
 
 
 def from_config(config: Any) -> TrainSettings:
