@@ -271,3 +271,22 @@ def test_the_exchange_dtype_help_names_every_value_the_settings_accept():
     for value in settings_lib.EXCHANGE_DTYPES:
         assert f'"{value}"' in meaning, value
     assert "DiLoCo: 16-bit params travel as float32" in meaning
+
+
+def test_the_never_sync_warning_counts_the_rounds_of_streaming_fragments():
+    """Fragment p syncs first at step (p + 1) H / P: with H = 8, P = 2 and 4 steps, fragment 0
+    syncs (bytes are sent), but the warning said the replicas never sync (acts as 'local')."""
+    def warnings(h, p):
+        return settings_lib.warnings_for(settings_lib.from_config(_tiny(
+            num_steps=4, log_every=2, eval_every=4, checkpoint_every=4,
+            **{"optim.warmup_steps": 1, "outer.sync_every": h, "outer.fragments": p})))
+    assert warnings(8, 2) == [
+        "config.outer.sync_every=8 > num_steps=4: only 1 of the 2 fragments ever sync in this run "
+        "(fragment k first at step (k + 1) x 4); the others stay local; use sync_every <= "
+        "num_steps."]
+    assert warnings(16, 2) == [
+        "config.outer.sync_every / outer.fragments = 8 > num_steps=4: the replicas never sync "
+        "in this run (method='noloco' acts as 'local'); use sync_every <= num_steps."]
+    assert warnings(8, 1)[0].endswith("the replicas never sync in this run (method='noloco' "
+                                      "acts as 'local'); use sync_every <= num_steps.")
+    assert warnings(4, 2) == []

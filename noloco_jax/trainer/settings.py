@@ -437,11 +437,7 @@ def packs_replica(method: str, exchange_dtype: str) -> bool:
 
 def warnings_for(s: TrainSettings) -> list[str]:
     """Valid but suspicious settings, one line each (the trainer prints them at start)."""
-    out = []
-    if s.method in ROUND_METHODS and s.outer.sync_every > s.num_steps:
-        out.append(f"config.outer.sync_every={s.outer.sync_every} > num_steps={s.num_steps}: the "
-                   f"replicas never sync in this run (method={s.method!r} acts as 'local'); use "
-                   f"sync_every <= num_steps.")
+    out = _unsynced_warnings(s)
     if s.num_stages > 1 and s.routing == "random" and s.routing_pool_size == 1:
         out.append("config.routing_pool_size=1: the pool holds only the identity, so "
                    "routing='random' is fixed routing.")
@@ -471,6 +467,23 @@ def warnings_for(s: TrainSettings) -> list[str]:
         out.append(f"config.profile_steps={s.profile_steps!r} starts at or after num_steps="
                    f"{s.num_steps}: no trace will be written.")
     return out
+
+
+def _unsynced_warnings(s: TrainSettings) -> list[str]:
+    """Rounds that never come: fragment p syncs first at step (p + 1) H / P (P = 1: at H)."""
+    h, p, steps = s.outer.sync_every, s.outer.fragments, s.num_steps
+    if s.method not in ROUND_METHODS or h <= steps:
+        return []
+    if h // p > steps:
+        return [f"config.outer.sync_every={h} > num_steps={steps}: the replicas never sync in "
+                f"this run (method={s.method!r} acts as 'local'); use sync_every <= num_steps."
+                if p == 1 else f"config.outer.sync_every / outer.fragments = {h // p} > "
+                f"num_steps={steps}: the replicas never sync in this run (method={s.method!r} "
+                f"acts as 'local'); use sync_every <= num_steps."]  # fmt: skip
+    synced = steps // (h // p)
+    return [f"config.outer.sync_every={h} > num_steps={steps}: only {synced} of the {p} "
+            f"fragments ever sync in this run (fragment k first at step (k + 1) x {h // p}); "
+            f"the others stay local; use sync_every <= num_steps."]
 
 
 # What only acts on the exchange between replicas: a single replica has no partner.
