@@ -247,7 +247,7 @@ CASES = {
          r"holds no tokenizer\.json"),
     ],
     "`model.num_kv_heads` not dividing `num_heads`": [
-        (["--config.model.num_kv_heads=3"], r"num_kv_heads must be 0 .*divisor of num_heads"),
+        (["--config.model.num_kv_heads=3"], r"config\.model\.num_kv_heads: must be 0 .*divisor of preset '\w+''s num_heads"),
     ],
     "`data.source=tokens` directory without train.npy": [
         (["--config.data.source=tokens", "--config.data.path={empty}"], r"needs .*train\.npy"),

@@ -137,6 +137,8 @@ def _tiny(**overrides):
          "accumulation works with the plain model only"),
         ({"optim.micro_batches": 2, "skip.num_stages": 2, "skip.path_length": 1},
          "config.optim.micro_batches: gradient accumulation works with the plain model only"),
+        ({"model.num_kv_heads": 3}, "config.model.num_kv_heads: must be 0"),
+        ({"model.num_kv_heads": -1}, "config.model.num_kv_heads"),
     ],
 )
 def test_bad_settings_name_the_field(overrides, field):

@@ -345,9 +345,14 @@ def check_delay_windows(s: TrainSettings, stop_at: int | None = None) -> None:
 
 
 def _validate_model(s: TrainSettings) -> None:
-    from noloco_jax.models.presets import preset_names  # noqa: PLC0415
+    from noloco_jax.models.presets import PRESETS, preset_names  # noqa: PLC0415
 
     check_choice("config.model.preset", s.model.preset, tuple(preset_names()))
+    check_int("config.model.num_kv_heads", s.model.num_kv_heads, minimum=0)
+    heads = PRESETS[s.model.preset]["num_heads"]
+    require(bool(s.model.init_from) or heads % max(s.model.num_kv_heads, 1) == 0,
+            "config.model.num_kv_heads", f"must be 0 (= num_heads) or a divisor of preset "
+            f"{s.model.preset!r}'s num_heads={heads}, got {s.model.num_kv_heads}.")
     check_choice("config.model.dtype", s.model.dtype, DTYPES)
     check_choice("config.model.param_dtype", s.model.param_dtype, DTYPES)
     check_int("config.model.vocab_size", s.model.vocab_size, minimum=0)
