@@ -153,6 +153,16 @@ def test_the_group_size_of_a_lone_noloco_replica_is_warned():
         "(no partner, no drop-out, no 8-bit message); use num_replicas >= 2 to train with it."]
 
 
+@pytest.mark.parametrize("overrides", [{"routing": "fixed"}, {"routing_pool_size": 7}])
+def test_routing_without_pipeline_stages_is_warned(overrides):
+    warned = "config.routing / routing_pool_size are ignored without pipeline stages"
+    lone = settings_lib.warnings_for(settings_lib.from_config(_tiny(**overrides)))
+    staged = settings_lib.warnings_for(settings_lib.from_config(_tiny(num_stages=2, **overrides)))
+    assert any(warned in w for w in lone) and not any(warned in w for w in staged)
+    assert not any(warned in w for w in settings_lib.warnings_for(
+        settings_lib.from_config(_tiny())))  # the defaults: nothing to say
+
+
 @pytest.mark.parametrize("table,field", [("skip", "swaps"), ("model", "tie_embeddings"),
                                          ("outer", "nesterov"), ("outer", "error_feedback")])
 def test_a_bool_field_given_as_text_in_a_plain_dict_is_refused(table, field):

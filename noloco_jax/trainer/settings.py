@@ -446,6 +446,11 @@ def warnings_for(s: TrainSettings) -> list[str]:
     if s.num_stages > 1 and s.routing == "random" and s.routing_pool_size == 1:
         out.append("config.routing_pool_size=1: the pool holds only the identity, so "
                    "routing='random' is fixed routing.")
+    routing = (s.routing, s.routing_pool_size)
+    if s.num_stages == 1 and routing != (defaults.default("routing"),
+                                         defaults.default("routing_pool_size")):
+        out.append("config.routing / routing_pool_size are ignored without pipeline stages "
+                   "(config.num_stages=1).")
     if s.skip.num_stages == 0 and (s.skip.path_length or s.skip.full_every):
         out.append("config.skip.path_length / full_every are ignored without "
                    "config.skip.num_stages (stage skipping is off).")
