@@ -643,6 +643,17 @@ def _group_sums(leaves: list, wires: list, axis_name: str, pool: np.ndarray,
     return _unpack(_switch(index, branches, _pack(leaves, keys)), leaves, keys)
 
 
+def _check_float_leaves(tree: PyTree, what: str) -> None:
+    """Refuses integer and boolean leaves: counters are not averaged, and a butterfly's
+    partial sums would travel cast to the leaf's dtype (an int8 sum wraps)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            raise errors.UserError(
+                f"tree{jax.tree_util.keystr(path)}: {what} averages float leaves only, got "
+                f"dtype {x.dtype}; leave integer and boolean leaves out (optim.trees."
+                f"float_leaves).")  # fmt: skip
+
+
 def group_mean(
     tree: PyTree,
     axis_name: str,
@@ -675,7 +686,11 @@ def group_mean(
     Returns:
       A tree like ``tree`` (leaves promoted to at least float32) holding the
       group means.
+
+    Raises:
+      UserError (a ``ValueError``): for an integer or boolean leaf.
     """
+    _check_float_leaves(tree, "group_mean")
     per_kind = _per_kind(lambda part: (group_mean(part, axis_name, pool, index, exchange_dtype,
                                                   weight),), tree)  # fmt: skip
     if per_kind is not None:  # one message per kind of leaf, so no leaf takes another's type

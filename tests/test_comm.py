@@ -283,6 +283,18 @@ def test_pool_size_bounds():
         comm.partition_pool(8, 2, 0, pool_size=0)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("leaf", [jnp.full((4, 2), 100, jnp.int8),
+                                  jnp.array([True, True, False, False])])
+def test_group_mean_refuses_integer_and_bool_leaves(n, leaf):
+    """A butterfly (n = 4) sent float partial sums cast to int8 (4 x 100 averaged to 81.75)
+    and a bool leaf crashed in a bitcast: counters are not averaged, they are refused."""
+    pool = comm.partition_pool(4, n, seed=0)
+    mean = jax.vmap(lambda t: comm.group_mean({"c": t}, "r", pool, 0), axis_name="r")
+    with pytest.raises(ValueError, match=r"\['c'\]: group_mean averages float leaves only"):
+        mean(leaf)
+
+
 def test_unbound_axis_error_names_axis_and_fix():
     with pytest.raises(comm.UnboundAxisError, match=r"'nope'.*jax.vmap.*shard_map"):
         comm.axis_size("nope")
