@@ -860,8 +860,10 @@ def all_replica_mean(
     Otherwise it is an all-reduce that sums in at least float32 and returns each
     leaf's dtype: a bfloat16 leaf travels as float32 and comes back as its
     correctly rounded mean, the same under ``vmap`` and ``shard_map`` (a sum in
-    bfloat16 would round at every addition, differently on each backend).
+    bfloat16 would round at every addition, differently on each backend). Integer and
+    boolean leaves are refused (a ``UserError``): their mean was truncated to the integer.
     """
+    _check_float_leaves(tree, "all_replica_mean")
     if not _same_as_leaves(tree, exchange_dtype):
         if not quantize.is_codec(exchange_dtype) and _replica_split_by_compiler():
             return _all_replica_mean_by_leaf(tree, axis_name, exchange_dtype, weight,

@@ -295,6 +295,17 @@ def test_group_mean_refuses_integer_and_bool_leaves(n, leaf):
         mean(leaf)
 
 
+@pytest.mark.parametrize("weight", [None, jnp.array([1.0, 1.0, 1.0, 0.0])])
+@pytest.mark.parametrize("leaf", [jnp.arange(4, dtype=jnp.int32),
+                                  jnp.array([True, False, False, False])])
+def test_all_replica_mean_refuses_integer_and_bool_leaves(leaf, weight):
+    """The mean of int32 [0, 1, 2, 3] came back as 1 and of bools [T, F, F, F] as True."""
+    mean = jax.vmap(lambda t, w: comm.all_replica_mean({"c": t}, "r", w), axis_name="r",
+                    in_axes=(0, None if weight is None else 0))
+    with pytest.raises(ValueError, match=r"\['c'\]: all_replica_mean averages float leaves only"):
+        mean(leaf, weight)
+
+
 def test_unbound_axis_error_names_axis_and_fix():
     with pytest.raises(comm.UnboundAxisError, match=r"'nope'.*jax.vmap.*shard_map"):
         comm.axis_size("nope")
