@@ -69,6 +69,7 @@ __all__ = [
     "all_true",
     "group_mean",
     "group_mean_codec",
+    "check_exchange_dtype",
     "as_stored",
     "varying_axes",
     "all_replica_mean",
@@ -643,6 +644,28 @@ def _group_sums(leaves: list, wires: list, axis_name: str, pool: np.ndarray,
     return _unpack(_switch(index, branches, _pack(leaves, keys)), leaves, keys)
 
 
+def check_exchange_dtype(exchange_dtype: Any) -> None:
+    """None, a float dtype of 2 bytes or more, or an 8-bit format name; anything else is a
+    ``ValueError``. A 1-byte float dtype is refused: a plain cast to it has no scale, so
+    weights past its range (448 for float8_e4m3fn) would arrive as NaN."""
+    if exchange_dtype is None or quantize.is_codec(exchange_dtype):
+        return
+    try:
+        dtype = jnp.dtype(exchange_dtype)
+        ok = jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:
+        ok = False
+    errors.require(ok, "exchange_dtype", f"must be None, a float dtype (e.g. jnp.bfloat16) or "
+                   f"one of {sorted(quantize.FORMATS)}, got {exchange_dtype!r}.")  # fmt: skip
+    errors.require(dtype.itemsize > 1, "exchange_dtype", f"a plain cast to the 1-byte {dtype} "
+                   f"has no scale (values past its range arrive as NaN or inf); pass the name "
+                   f"'float8_e4m3fn' or 'int8' for block-scaled 8-bit codes, got "
+                   f"{exchange_dtype!r}.")  # fmt: skip
+    errors.require(jax.dtypes.canonicalize_dtype(dtype) == dtype, "exchange_dtype",
+                   f"{dtype} needs jax_enable_x64 (JAX holds it as "
+                   f"{jax.dtypes.canonicalize_dtype(dtype)}), got {exchange_dtype!r}.")  # fmt: skip
+
+
 def _check_float_leaves(tree: PyTree, what: str) -> None:
     """Refuses integer and boolean leaves: counters are not averaged, and a butterfly's
     partial sums would travel cast to the leaf's dtype (an int8 sum wraps)."""
@@ -690,6 +713,7 @@ def group_mean(
     Raises:
       UserError (a ``ValueError``): for an integer or boolean leaf.
     """
+    check_exchange_dtype(exchange_dtype)
     _check_float_leaves(tree, "group_mean")
     per_kind = _per_kind(lambda part: (group_mean(part, axis_name, pool, index, exchange_dtype,
                                                   weight),), tree)  # fmt: skip
@@ -863,6 +887,7 @@ def all_replica_mean(
     bfloat16 would round at every addition, differently on each backend). Integer and
     boolean leaves are refused (a ``UserError``): their mean was truncated to the integer.
     """
+    check_exchange_dtype(exchange_dtype)
     _check_float_leaves(tree, "all_replica_mean")
     if not _same_as_leaves(tree, exchange_dtype):
         if not quantize.is_codec(exchange_dtype) and _replica_split_by_compiler():
@@ -1121,6 +1146,7 @@ def all_replica_mean_wire(
       sum of the means then differs from the exact one by the mean of the
       replicas' last residuals alone.
     """
+    check_exchange_dtype(exchange_dtype)
     run = functools.partial(_all_replica_mean_wire, axis_name=axis_name, wire=exchange_dtype,
                             weight=weight, absent_takes_mean=absent_takes_mean)  # fmt: skip
     per_kind = _per_kind(run, tree)

@@ -306,6 +306,20 @@ def test_all_replica_mean_refuses_integer_and_bool_leaves(leaf, weight):
         mean(leaf, weight)
 
 
+@pytest.mark.parametrize("wire", [jnp.int8, jnp.int32, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("mean", ["group", "all", "wire"])
+def test_means_refuse_a_wire_dtype_without_scale(wire, mean):
+    """An int8 wire truncated the weights (the two members of a pair disagreed on their
+    mean), a float8 one sent 1000.0 as NaN: the comm functions now refuse what
+    noloco_outer and diloco_outer refuse."""
+    pool = comm.partition_pool(2, 2, seed=0)
+    fn = {"group": lambda t: comm.group_mean(t, "r", pool, 0, wire),
+          "all": lambda t: comm.all_replica_mean(t, "r", None, wire),
+          "wire": lambda t: comm.all_replica_mean_wire(t, "r", wire)[0]}[mean]
+    with pytest.raises(ValueError, match="exchange_dtype: "):
+        jax.vmap(fn, axis_name="r")(jnp.array([[0.7, 1000.0], [0.2, 500.0]]))
+
+
 def test_unbound_axis_error_names_axis_and_fix():
     with pytest.raises(comm.UnboundAxisError, match=r"'nope'.*jax.vmap.*shard_map"):
         comm.axis_size("nope")

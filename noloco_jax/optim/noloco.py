@@ -40,6 +40,7 @@ import numpy as np
 import optax
 
 from noloco_jax import comm, errors, quantize
+from noloco_jax.comm import check_exchange_dtype
 from noloco_jax.optim.trees import (BATCHED_COUNTER_FIX, float_leaves, is_batched, like_dtypes,
                                     zeros_where_none)
 
@@ -193,28 +194,6 @@ def _pseudo_gradient(
         lambda p, tb, pb: (p - tb + coef * (p - pb)).astype(p.dtype), phi, theta_bar, phi_bar
     )
     return g, residual
-
-
-def check_exchange_dtype(exchange_dtype: Any) -> None:
-    """None, a float dtype of 2 bytes or more, or an 8-bit format name; anything else is a
-    ``ValueError``. A 1-byte float dtype is refused: a plain cast to it has no scale, so
-    weights past its range (448 for float8_e4m3fn) would arrive as NaN."""
-    if exchange_dtype is None or quantize.is_codec(exchange_dtype):
-        return
-    try:
-        dtype = jnp.dtype(exchange_dtype)
-        ok = jnp.issubdtype(dtype, jnp.floating)
-    except TypeError:
-        ok = False
-    errors.require(ok, "exchange_dtype", f"must be None, a float dtype (e.g. jnp.bfloat16) or "
-                   f"one of {sorted(quantize.FORMATS)}, got {exchange_dtype!r}.")  # fmt: skip
-    errors.require(dtype.itemsize > 1, "exchange_dtype", f"a plain cast to the 1-byte {dtype} "
-                   f"has no scale (values past its range arrive as NaN or inf); pass the name "
-                   f"'float8_e4m3fn' or 'int8' for block-scaled 8-bit codes, got "
-                   f"{exchange_dtype!r}.")  # fmt: skip
-    errors.require(jax.dtypes.canonicalize_dtype(dtype) == dtype, "exchange_dtype",
-                   f"{dtype} needs jax_enable_x64 (JAX holds it as "
-                   f"{jax.dtypes.canonicalize_dtype(dtype)}), got {exchange_dtype!r}.")  # fmt: skip
 
 
 INJECT_STATIC_ARGS = ("group_size", "seed", "dropout_prob", "pool_size", "exchange_dtype",
