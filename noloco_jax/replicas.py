@@ -102,8 +102,18 @@ def replicate(tree: PyTree, num_replicas: int) -> PyTree:
 
 
 def select_replica(tree: PyTree, index: int, single_replica_like: PyTree) -> PyTree:
-    """Replica ``index``'s view of a replicated tree."""
+    """Replica ``index``'s view of a replicated tree (``index`` in [-N, N - 1], as a list's).
+
+    An index past the replicas is a ``UserError``: the gather clamped it to the last (or
+    first) replica, so its weights came back as another replica's.
+    """
+    from noloco_jax import errors  # noqa: PLC0415
+
     axes = replica_axes(single_replica_like)
+    leaves = zip(jax.tree.leaves(tree), jax.tree.leaves(axes, is_leaf=_is_none))
+    sizes = [jnp.shape(x)[0] for x, a in leaves if a is not None]
+    if sizes and not isinstance(index, jax.Array):
+        errors.check_int("index", index, -sizes[0], sizes[0] - 1)
     return jax.tree.map(lambda x, a: x if a is None else x[index], tree, axes)
 
 

@@ -128,3 +128,13 @@ def test_a_mesh_whose_replica_axis_is_not_num_replicas_long_is_refused(num_repli
                                          rf"have num_replicas={num_replicas} devices"):  # fmt: skip
         replicas.Replicas(num_replicas, axis_name, mesh)
     assert replicas.Replicas(2, mesh=mesh).backend == "shard_map"
+
+
+@pytest.mark.parametrize("index", [4, 9, -5])
+def test_select_replica_refuses_an_index_past_the_replicas(index):
+    """Index 4 of 4 replicas returned replica 3's weights (the gather clamps)."""
+    like = {"w": jnp.zeros(2), "step": jnp.int32(0)}
+    tree = {"w": jnp.arange(8.0).reshape(4, 2), "step": jnp.int32(7)}
+    assert replicas.select_replica(tree, -1, like)["w"].tolist() == [6.0, 7.0]
+    with pytest.raises(ValueError, match=r"index: must be an integer in \[-4, 3\]"):
+        replicas.select_replica(tree, index, like)
