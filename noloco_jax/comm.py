@@ -155,13 +155,17 @@ def partition_pool(
       num_replicas: N, the number of replicas on the axis.
       group_size: n, the size of each group; must divide N.
       seed: seed of the pool (n > 2) and of the subset of matchings (n = 2 with
-        ``pool_size < N - 1``).
-      pool_size: number of partitions; default N - 1 (all matchings for n = 2).
+        ``pool_size < N - 1``), an integer in [0, 2**32 - 1].
+      pool_size: number of partitions, an integer >= 2 (ignored for n = N);
+        default N - 1 (all matchings for n = 2).
 
     Returns:
       Read-only int32 array of shape [pool_size, N // n, n] of replica ids.
     """
     check_group_size(num_replicas, group_size)
+    errors.check_int("seed", seed, 0, 2**32 - 1, "2**32 - 1")
+    if pool_size is not None:
+        errors.check_int("pool_size", pool_size)
     if group_size == num_replicas:
         pool = np.arange(num_replicas, dtype=np.int32)[None, None, :]
     else:

@@ -283,6 +283,17 @@ def test_pool_size_bounds():
         comm.partition_pool(8, 2, 0, pool_size=0)
 
 
+@pytest.mark.parametrize("kwargs, field", [({"pool_size": 2.0}, "pool_size"),
+                                           ({"group_size": 8, "pool_size": -3}, "pool_size"),
+                                           ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed")])
+def test_partition_pool_checks_seed_and_pool_size(kwargs, field):
+    """A float pool_size or seed crashed in numpy with a TypeError naming neither, a seed of
+    -1 gave numpy's bare message, and pool_size=-3 was taken where n = N."""
+    args = {"num_replicas": 8, "group_size": 4, "seed": 0, **kwargs}
+    with pytest.raises(ValueError, match=f"{field}: must be an integer"):
+        comm.partition_pool(**args)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("leaf", [jnp.full((4, 2), 100, jnp.int8),
                                   jnp.array([True, True, False, False])])
