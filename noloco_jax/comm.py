@@ -773,9 +773,8 @@ def _group_mean_codec(
     those roundings (a partial sum's error split over its present senders), so that error
     feedback returns them too.
     """
+    _check_float_leaves(tree, f"group_mean with exchange_dtype={fmt!r}")
     leaves, treedef = jax.tree.flatten(tree)
-    if any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
-        raise ValueError(f"exchange_dtype={fmt!r} sends float leaves only.")
     if not leaves:  # nothing to send (as group_mean's other wires)
         return tree, tree, tree
     present = None if weight is None else weight > 0
@@ -995,9 +994,8 @@ def _over_count(total: jax.Array, count: jax.Array, present: jax.Array | None) -
 
 def _all_replica_mean_wire(tree: PyTree, axis_name: str, wire: Any, weight: jax.Array | None,
                            absent_takes_mean: bool) -> tuple[PyTree, PyTree, PyTree]:  # fmt: skip
+    _check_float_leaves(tree, f"all_replica_mean_wire with exchange_dtype={wire!r}")
     leaves, treedef = jax.tree.flatten(tree)
-    if any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
-        raise ValueError(f"exchange_dtype={wire!r} sends float leaves only.")
     num = axis_size(axis_name)
     if num == 1 or not leaves:  # nothing to exchange, so nothing is encoded
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)

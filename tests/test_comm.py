@@ -317,6 +317,18 @@ def test_all_replica_mean_refuses_integer_and_bool_leaves(leaf, weight):
         mean(leaf, weight)
 
 
+@pytest.mark.parametrize("name,mean", [
+    ("group_mean", lambda t: comm.group_mean_codec(t, "r", comm.partition_pool(4, 2, 0), 0,
+                                                   "int8")),
+    ("all_replica_mean_wire", lambda t: comm.all_replica_mean_wire(t, "r", "int8"))])
+def test_8_bit_wires_refuse_integer_leaves_by_name(name, mean):
+    """The 8-bit paths share the float-leaf check, which names the leaf."""
+    tree = {"a": jnp.ones((4, 3)), "c": jnp.arange(4, dtype=jnp.int32)}
+    with pytest.raises(ValueError, match=rf"\['c'\]: {name} with exchange_dtype='int8' "
+                                         r"averages float leaves only"):
+        jax.vmap(mean, axis_name="r")(tree)
+
+
 @pytest.mark.parametrize("wire", [jnp.int8, jnp.int32, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("mean", ["group", "all", "wire"])
 def test_means_refuse_a_wire_dtype_without_scale(wire, mean):
