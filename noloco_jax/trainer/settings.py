@@ -485,11 +485,10 @@ def _unsynced_warnings(s: TrainSettings) -> list[str]:
     if s.method not in ROUND_METHODS or h <= steps:
         return []
     if h // p > steps:
-        return [f"config.outer.sync_every={h} > num_steps={steps}: the replicas never sync in "
-                f"this run (method={s.method!r} acts as 'local'); use sync_every <= num_steps."
-                if p == 1 else f"config.outer.sync_every / outer.fragments = {h // p} > "
-                f"num_steps={steps}: the replicas never sync in this run (method={s.method!r} "
-                f"acts as 'local'); use sync_every <= num_steps."]  # fmt: skip
+        period = (f"config.outer.sync_every={h}" if p == 1
+                  else f"config.outer.sync_every / outer.fragments = {h // p}")  # fmt: skip
+        return [f"{period} > num_steps={steps}: the replicas never sync in this run "
+                f"(method={s.method!r} acts as 'local'); use sync_every <= num_steps."]
     synced = steps // (h // p)
     return [f"config.outer.sync_every={h} > num_steps={steps}: only {synced} of the {p} "
             f"fragments ever sync in this run (fragment k first at step (k + 1) x {h // p}); "
