@@ -1,6 +1,8 @@
 """Gradient accumulation: bytes per device and speed with k micro-batches per step.
 
     python -m experiments.bench.micro_batches [--smoke] [--sizes small,medium,large]
+    python -m experiments.bench.micro_batches --nomemory --speed_case=small,16,1024 \
+        --speed_dtype=bfloat16                      # speed only, a GPU-sized step
 
 1. Memory: the trainer's NoLoCo sync program for each paper size at the paper's batch per
    replica (sequences of 1024 tokens), one device per replica, with the batch taken in
@@ -10,7 +12,7 @@
    a TPU v5e chip using ``--usable`` of it.
 2. Speed: the tiny model's loss and gradients on 16 sequences of 128 tokens, whole and in
    k = 2, 4, 16 slices, timed side by side and interleaved on this machine; the ratio to the
-   whole batch (XLA:CPU here; a GPU or TPU is another measurement).
+   whole batch, on whatever device JAX uses (``--speed_case`` sets the model and shape).
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ USABLE = flags.DEFINE_float(
     "usable", 0.9, "Fraction of a chip's memory a program may use (the runtime keeps some).")
 flags.register_validator("usable", lambda v: 0 < v <= 1, message="takes a fraction in (0, 1]")
 REPS = flags.DEFINE_integer("reps", 30, "Timed repetitions of each variant.", lower_bound=1)
+MEMORY = flags.DEFINE_bool("memory", True, "Measure the footprints (part 1); --nomemory skips it.")
+SPEED_CASE = flags.DEFINE_list(
+    "speed_case", ["tiny", "16", "128"], "The timed step: model preset, sequences, tokens each.")
+flags.register_validator(
+    "speed_case", lambda v: len(v) == 3 and v[0] in preset_names() and all(
+        x.isdigit() and int(x) > 0 for x in v[1:]),
+    message=f"takes PRESET,SEQUENCES,TOKENS with a preset of {preset_names()} and two "
+            "positive integers")  # fmt: skip
+SPEED_DTYPE = flags.DEFINE_enum("speed_dtype", "float32", ["float32", "bfloat16"],
+                                "Compute dtype of the timed step (parameters stay float32).")
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
 
@@ -68,11 +80,12 @@ def _brief(r: dict) -> str:
             f"{r['peak'] / _GB:.2f} GB ({r['compile_s']:.0f} s)")  # fmt: skip
 
 
-def speed_rows(preset: str, batch: int, seq_len: int, ks: Sequence[int], reps: int) -> list[dict]:
+def speed_rows(preset: str, batch: int, seq_len: int, ks: Sequence[int], reps: int,
+               dtype: str = "float32") -> list[dict]:
     """Seconds per loss-and-gradient call, whole batch and k slices, interleaved."""
     from noloco_jax.trainer import grads  # noqa: PLC0415
 
-    cfg = models.get_preset(preset, vocab_size=256)
+    cfg = models.get_preset(preset, vocab_size=256, dtype=dtype)
     graphdef, params = models.init_params(cfg, 0)
     tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1), 0, 256)
     step = jnp.int32(0)
@@ -84,19 +97,25 @@ def speed_rows(preset: str, batch: int, seq_len: int, ks: Sequence[int], reps: i
              "paired": common.paired_ratios(times, f"k={k}", "k=1")} for k in fns]  # fmt: skip
 
 
+def _device(env: dict) -> str:
+    kind = env["device"]
+    return "this machine (XLA:CPU)" if kind.lower() == "cpu" else f"{kind} (jax {env['jax']})"
+
+
 def _fits(peak: int) -> list[str]:
     return ["yes" if peak <= cap * USABLE.value else "no" for cap in CHIPS.values()]
 
 
-def _markdown(cmd: str, commit: str, mem: list[dict], speed: list[dict], shape: str) -> str:
+def _markdown(cmd: str, commit: str, mem: list[dict], speed: list[dict], shape: str,
+              device: str) -> str:
     mem_rows = [[r["size"], r["batch"], "on" if r["remat"] else "off", r["k"],
                  r["batch"] // r["k"], f"{r['state'] / _GB:.2f}", f"{r['temp'] / _GB:.2f}",
                  f"{r['peak'] / _GB:.2f}", *_fits(r["peak"])] for r in mem]  # fmt: skip
     speed_table = [[r["k"], f"{r['median_s'] * 1e3:.2f}", f"{r['ratio']:.3f}",
                     f"{r['paired']['median']:.3f} ({r['paired']['q25']:.3f}–"
                     f"{r['paired']['q75']:.3f})"] for r in speed]  # fmt: skip
-    return (
-        f"### Gradient accumulation: bytes per device and speed\n\n`{cmd}` (commit {commit}).\n\n"
+    head = f"### Gradient accumulation: bytes per device and speed\n\n`{cmd}` (commit {commit}).\n\n"
+    return (head + (
         "Footprint per device of the trainer's NoLoCo sync program, one device per replica, "
         "at the paper's batch per replica (configs/paper.py: float32 params, bfloat16 compute, "
         "Adam, 1024-token sequences), the batch taken in k slices "
@@ -104,29 +123,31 @@ def _markdown(cmd: str, commit: str, mem: list[dict], speed: list[dict], shape: 
         f"(`aot.step_memory`). GB = 10^9 bytes; 'fits' uses {USABLE.value:.0%} of the chip.\n\n"
         + common.md_table(["model", "batch", "remat", "k", "sequences per slice", "state GB",
                            "scratch GB", "footprint GB", *(f"fits {c}" for c in CHIPS)],
-                          mem_rows)  # fmt: skip
-        + f"\nSpeed on this machine (XLA:CPU), {shape}: milliseconds per loss-and-gradient "
+                          mem_rows) + "\n" if mem else "")  # fmt: skip
+        + f"Speed on {device}, {shape}: milliseconds per loss-and-gradient "
         "call, and its ratio to the whole batch (medians; paired: per round, median and IQR).\n\n"
         + common.md_table(["k", "ms", "vs whole (medians)", "vs whole (paired)"], speed_table))
 
 
 def main(argv: Sequence[str]) -> None:
     options.start(argv)
-    options.smoke_sets("sizes", "reps")
+    options.smoke_sets("sizes", "reps", "speed_case", "speed_dtype", "memory")
     smoke = options.SMOKE.value
     sizes = ["nano"] if smoke else SIZES.value
     vocab, seq_len = (256, 64) if smoke else (VOCAB, 1024)
-    mem = memory_rows(sizes, vocab, seq_len)
-    batch, seq, preset = (4, 32, "nano") if smoke else (16, 128, "tiny")
-    ks = (2, 4) if smoke else (2, 4, 16)
-    speed = speed_rows(preset, batch, seq, ks, 3 if smoke else REPS.value)
-    shape = f"the {preset} model, {batch} sequences of {seq} tokens"
+    mem = memory_rows(sizes, vocab, seq_len) if MEMORY.value else []
+    preset, batch, seq = ("nano", 4, 32) if smoke else (
+        SPEED_CASE.value[0], int(SPEED_CASE.value[1]), int(SPEED_CASE.value[2]))
+    ks = [k for k in ((2, 4) if smoke else (2, 4, 16)) if batch % k == 0]
+    speed = speed_rows(preset, batch, seq, ks, 3 if smoke else REPS.value, SPEED_DTYPE.value)
+    shape = f"the {preset} model, {SPEED_DTYPE.value} compute, {batch} sequences of {seq} tokens"
     env = common.environment()
     results = {"env": env, "commit": env["commit"], "memory": mem, "speed": speed,
                "usable": USABLE.value, "chips": CHIPS, "speed_shape": shape}  # fmt: skip
     cmd = options.command("experiments.bench.micro_batches")
     common.write("bench_micro_batches", results,
-                 _markdown(cmd, results["commit"], mem, speed, shape), options.out_dir())
+                 _markdown(cmd, results["commit"], mem, speed, shape, _device(env)),
+                 options.out_dir())
 
 
 if __name__ == "__main__":
