@@ -82,19 +82,30 @@ def _brief(r: dict) -> str:
 
 def speed_rows(preset: str, batch: int, seq_len: int, ks: Sequence[int], reps: int,
                dtype: str = "float32") -> list[dict]:
-    """Seconds per loss-and-gradient call, whole batch and k slices, interleaved."""
+    """Seconds per loss-and-gradient call, whole batch and k slices, interleaved.
+
+    Also times one slice's gradient on its own: k times that, against the whole batch, is
+    what the smaller slice costs by itself, so the rest is the loop's own cost.
+    """
     from noloco_jax.trainer import grads  # noqa: PLC0415
 
     cfg = models.get_preset(preset, vocab_size=256, dtype=dtype)
     graphdef, params = models.init_params(cfg, 0)
     tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1), 0, 256)
     step = jnp.int32(0)
-    fns = {k: jax.jit(grads.accumulated(grads.plain(graphdef), k)) for k in (1, *ks)}
-    times = common.interleaved(
-        {f"k={k}": functools.partial(fn, params, tokens, step) for k, fn in fns.items()}, reps)
+    plain = jax.jit(grads.plain(graphdef))
+    fns = {f"k={k}": functools.partial(jax.jit(grads.accumulated(grads.plain(graphdef), k)),
+                                       params, tokens, step) for k in (1, *ks)}  # fmt: skip
+    fns.update({f"slice of k={k}": functools.partial(plain, params, tokens[: batch // k], step)
+                for k in ks})  # fmt: skip
+    times = common.interleaved(fns, reps)
+    whole = common.summary(times["k=1"])["median_s"]
     return [{"k": k, **common.summary(times[f"k={k}"]),
              "ratio": common.ratio(times, f"k={k}", "k=1"),
-             "paired": common.paired_ratios(times, f"k={k}", "k=1")} for k in fns]  # fmt: skip
+             "paired": common.paired_ratios(times, f"k={k}", "k=1"),
+             "slice_alone_ratio": 1.0 if k == 1 else
+             k * common.summary(times[f"slice of k={k}"])["median_s"] / whole}
+            for k in (1, *ks)]  # fmt: skip
 
 
 def _device(env: dict) -> str:
@@ -113,7 +124,8 @@ def _markdown(cmd: str, commit: str, mem: list[dict], speed: list[dict], shape: 
                  f"{r['peak'] / _GB:.2f}", *_fits(r["peak"])] for r in mem]  # fmt: skip
     speed_table = [[r["k"], f"{r['median_s'] * 1e3:.2f}", f"{r['ratio']:.3f}",
                     f"{r['paired']['median']:.3f} ({r['paired']['q25']:.3f}–"
-                    f"{r['paired']['q75']:.3f})"] for r in speed]  # fmt: skip
+                    f"{r['paired']['q75']:.3f})", f"{r['slice_alone_ratio']:.3f}"]
+                   for r in speed]  # fmt: skip
     head = f"### Gradient accumulation: bytes per device and speed\n\n`{cmd}` (commit {commit}).\n\n"
     return (head + (
         "Footprint per device of the trainer's NoLoCo sync program, one device per replica, "
@@ -125,8 +137,11 @@ def _markdown(cmd: str, commit: str, mem: list[dict], speed: list[dict], shape: 
                            "scratch GB", "footprint GB", *(f"fits {c}" for c in CHIPS)],
                           mem_rows) + "\n" if mem else "")  # fmt: skip
         + f"Speed on {device}, {shape}: milliseconds per loss-and-gradient "
-        "call, and its ratio to the whole batch (medians; paired: per round, median and IQR).\n\n"
-        + common.md_table(["k", "ms", "vs whole (medians)", "vs whole (paired)"], speed_table))
+        "call, and its ratio to the whole batch (medians; paired: per round, median and IQR); "
+        "the last column is k times one slice's call on its own, against the whole batch: "
+        "what the smaller slices cost without the loop.\n\n"
+        + common.md_table(["k", "ms", "vs whole (medians)", "vs whole (paired)",
+                           "k x one slice alone"], speed_table))
 
 
 def main(argv: Sequence[str]) -> None:
