@@ -126,7 +126,8 @@ def _markdown(cmd: str, commit: str, mem: list[dict], speed: list[dict], shape: 
                     f"{r['paired']['median']:.3f} ({r['paired']['q25']:.3f}–"
                     f"{r['paired']['q75']:.3f})", f"{r['slice_alone_ratio']:.3f}"]
                    for r in speed]  # fmt: skip
-    head = f"### Gradient accumulation: bytes per device and speed\n\n`{cmd}` (commit {commit}).\n\n"
+    what = "bytes per device and speed" if mem else "speed"
+    head = f"### Gradient accumulation: {what}\n\n`{cmd}` (commit {commit}).\n\n"
     return (head + (
         "Footprint per device of the trainer's NoLoCo sync program, one device per replica, "
         "at the paper's batch per replica (configs/paper.py: float32 params, bfloat16 compute, "
