@@ -256,6 +256,18 @@ def test_an_awkward_number_of_eval_windows_is_padded_not_run_one_by_one():
     each = step.eval_window_losses(params, jnp.asarray(windows), graphdef=graphdef, batch_size=1)
     assert got["val_loss"] == pytest.approx(float(each.mean()), rel=1e-6)
     assert got["val_ppl_avg_model"] == pytest.approx(float(np.exp(each.mean())), rel=1e-6)
+    # A second evaluator of the same model and topology (a second run in one process) reuses
+    # the compiled programs, on its own windows; another model gets its own.
+    before = evaluate._programs.cache_info()
+    other = np.random.default_rng(1).integers(0, 256, (17, 17)).astype(np.int32)
+    again = evaluate.make_evaluator(replicas.Replicas(2), graphdef, other)(
+        replicas.replicate(params, 2))  # fmt: skip
+    each = step.eval_window_losses(params, jnp.asarray(other), graphdef=graphdef, batch_size=1)
+    assert again["val_loss"] == pytest.approx(float(each.mean()), rel=1e-6) != got["val_loss"]
+    assert evaluate._programs.cache_info().hits == before.hits + 1
+    graphdef2, _ = models.init_params(models.get_preset("nano", vocab_size=128), 0)
+    evaluate.make_evaluator(replicas.Replicas(2), graphdef2, other % 128)
+    assert evaluate._programs.cache_info().misses == before.misses + 1
 
 
 def test_an_evaluator_of_no_windows_says_why():

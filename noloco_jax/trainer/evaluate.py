@@ -53,6 +53,18 @@ def _check_windows(windows: np.ndarray) -> int:
     return len(windows)
 
 
+@functools.lru_cache(maxsize=8)
+def _programs(reps: replicas.Replicas, graphdef: Any, batch: int, num: int) -> tuple:
+    """The evaluation's jitted programs, shared by runs of one model and topology (so a second
+    run in a process, e.g. a notebook's, compiles nothing): per-replica token losses, the
+    weight spread and the averaged model's token losses."""
+    token_losses = functools.partial(eval_token_losses, graphdef=graphdef, batch_size=batch)
+    per_replica = jax.jit(reps.map(token_losses))
+    spread = jax.jit(reps.map(lambda p: replica_spread(p, reps.axis_name)))
+    averaged = jax.jit(lambda p, w: token_losses(jax.tree.map(lambda x: x.mean(0), p), w)[:num])
+    return per_replica, spread, averaged
+
+
 def make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) -> Callable:
     """``evaluate(params) -> metrics`` over ``windows`` for the N replicas of ``reps``.
 
@@ -73,10 +85,7 @@ def make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) 
     n, num = reps.num_replicas, _check_windows(windows)
     batch, padded = eval_layout(num)
     windows = np.concatenate([windows, windows[: padded - num]])  # padding dropped below
-    token_losses = functools.partial(eval_token_losses, graphdef=graphdef, batch_size=batch)
-    per_replica = jax.jit(reps.map(token_losses))
-    spread = jax.jit(reps.map(lambda p: replica_spread(p, reps.axis_name)))
-    averaged = jax.jit(lambda p, w: token_losses(jax.tree.map(lambda x: x.mean(0), p), w)[:num])
+    per_replica, spread, averaged = _programs(reps, graphdef, batch, num)
     stacked = reps.put(np.broadcast_to(windows, (n, *windows.shape)).copy())
     single = jnp.asarray(windows)
 
