@@ -153,6 +153,18 @@ def test_the_group_size_of_a_lone_noloco_replica_is_warned():
         "(no partner, no drop-out, no 8-bit message); use num_replicas >= 2 to train with it."]
 
 
+@pytest.mark.parametrize("method", ["dp", "local"])
+def test_outer_settings_without_outer_rounds_are_warned(method):
+    """dp and local never read outer.*: a "dp with momentum 0.9" run was plain dp, silently."""
+    s = settings_lib.from_config(_tiny(method=method, **{"outer.momentum": 0.9}))
+    assert [w for w in settings_lib.warnings_for(s) if "no outer rounds" in w] == [
+        f"config.outer.momentum=0.9 ignored with method={method!r}: "
+        f"it has no outer rounds (outer.* acts on 'noloco' and 'diloco' only)."]
+    for rounds in ("noloco", "diloco"):  # they read them: nothing to say
+        assert not any("no outer rounds" in w for w in settings_lib.warnings_for(
+            settings_lib.from_config(_tiny(method=rounds, **{"outer.momentum": 0.9}))))
+
+
 @pytest.mark.parametrize("overrides", [{"routing": "fixed"}, {"routing_pool_size": 7}])
 def test_routing_without_pipeline_stages_is_warned(overrides):
     warned = "config.routing / routing_pool_size are ignored without pipeline stages"

@@ -471,7 +471,7 @@ def warnings_for(s: TrainSettings) -> list[str]:
                    f"sequence(s) per slice, which mesh.fsdp={fsdp} does not divide: every device "
                    f"of a replica computes whole slices; choose micro_batches so that fsdp divides "
                    f"global_batch_size / num_replicas / micro_batches.")  # fmt: skip
-    out += _lone_replica_warnings(s)
+    out += _lone_replica_warnings(s) + _no_rounds_warnings(s)
     window = parse_profile_steps(s.profile_steps)
     if window is not None and window[0] >= s.num_steps:
         out.append(f"config.profile_steps={s.profile_steps!r} starts at or after num_steps="
@@ -511,6 +511,19 @@ def _lone_replica_warnings(s: TrainSettings) -> list[str]:
     return [f"{', '.join(given)} ignored with num_replicas=1: a lone replica exchanges nothing "
             f"(no partner, no drop-out, no 8-bit message); use num_replicas >= 2 to train "
             f"with {'them' if len(given) > 1 else 'it'}."]
+
+
+def _no_rounds_warnings(s: TrainSettings) -> list[str]:
+    """'dp' and 'local' have no outer rounds: outer.* changed from its defaults does nothing."""
+    if s.method in ROUND_METHODS:
+        return []
+    given = [f"config.outer.{f.name}={getattr(s.outer, f.name)!r}"
+             for f in dataclasses.fields(s.outer)
+             if getattr(s.outer, f.name) != defaults.default(f"outer.{f.name}")]  # fmt: skip
+    if not given:
+        return []
+    return [f"{', '.join(given)} ignored with method={s.method!r}: it has no outer rounds "
+            f"(outer.* acts on 'noloco' and 'diloco' only)."]
 
 
 def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
