@@ -873,6 +873,8 @@ def test_an_accelerator_without_allocator_statistics_is_not_measured_by_host_ram
     monkeypatch.setattr(jax, "local_devices", lambda: cpu)
     with pytest.raises(UserError, match=r"needs at least 2\.0 GiB .* 1\.0 GiB free"):
         memory.check_fits(1 << 30, 2, preset="small", backend="shard_map")  # CPU still checked
+    with pytest.raises(UserError, match=r"per device, model\.init_from='/hf/llama', backend"):
+        memory.check_fits(1 << 30, 2, preset="tiny", backend="vmap", init_from="/hf/llama")
 
 def test_extending_num_steps_is_allowed_only_for_a_constant_schedule():
     def settings(num_steps, ratio):

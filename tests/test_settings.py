@@ -165,6 +165,17 @@ def test_outer_settings_without_outer_rounds_are_warned(method):
             settings_lib.from_config(_tiny(method=rounds, **{"outer.momentum": 0.9}))))
 
 
+def test_a_preset_given_with_init_from_is_warned():
+    """The checkpoint's config.json gives the shape: preset='small' was dropped silently."""
+    warned = "config.model.preset='small' is ignored with config.model.init_from"
+    s = settings_lib.from_config(_tiny(**{"model.init_from": "/hf", "model.preset": "small"}))
+    assert any(warned in w for w in settings_lib.warnings_for(s))
+    for overrides in ({"model.init_from": "/hf"}, {"model.preset": "small"}):
+        s = settings_lib.from_config(_tiny(**overrides))
+        assert not any("is ignored with config.model.init_from" in w
+                       for w in settings_lib.warnings_for(s))
+
+
 @pytest.mark.parametrize("overrides", [{"routing": "fixed"}, {"routing_pool_size": 7}])
 def test_routing_without_pipeline_stages_is_warned(overrides):
     warned = "config.routing / routing_pool_size are ignored without pipeline stages"

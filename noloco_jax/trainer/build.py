@@ -386,7 +386,7 @@ def check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
     per_device //= s.mesh.fsdp * s.mesh.tensor  # a replica split over F x T devices
     used = (1 if backend == "vmap" else s.num_replicas) * stages * s.mesh.fsdp * s.mesh.tensor
     memory.check_fits(per_device, min(used, jax.device_count()), preset=s.model.preset,
-                      backend=backend)  # fmt: skip
+                      backend=backend, init_from=s.model.init_from)  # fmt: skip
 
 
 def _skip_config(s: TrainSettings, num_layers: int) -> Any:

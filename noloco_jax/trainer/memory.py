@@ -77,13 +77,16 @@ def _host_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str) -> None:
+def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str,
+               init_from: str = "") -> None:
     """Raises ``UserError`` with the estimate, the free memory and the remedy when it cannot fit.
 
     Args:
       per_device: ``state_bytes_per_device``.
       devices_used: devices holding a share of the state.
       preset: the model preset (named in the message).
+      init_from: the Hugging Face checkpoint the model comes from, if any (named instead of
+        the preset, which it replaces).
       backend: the replica backend (named in the message).
     """
     device = jax.local_devices()[0]  # this process's (multi-process: others are not addressable)
@@ -91,9 +94,10 @@ def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str)
     need = per_device * (devices_used if device.platform == "cpu" else 1)
     if free is None or need <= free:  # None: unknown; XLA reports running out itself
         return
+    model = f"model.init_from={init_from!r}" if init_from else f"model.preset={preset!r}"
     raise UserError(
         f"the training state needs at least {need / _GIB:.1f} GiB ({per_device / _GIB:.1f} GiB "
-        f"per device, model.preset={preset!r}, backend={backend!r}) but {where} has "
+        f"per device, {model}, backend={backend!r}) but {where} has "
         f"{free / _GIB:.1f} GiB free. Put fewer replicas on each device (backend='shard_map' "
         f"with one device per replica), split layers over pipeline stages on a replica x stage "
         f"mesh (num_stages, with N x S devices), or use "

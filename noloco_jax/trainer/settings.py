@@ -472,6 +472,9 @@ def warnings_for(s: TrainSettings) -> list[str]:
                    f"of a replica computes whole slices; choose micro_batches so that fsdp divides "
                    f"global_batch_size / num_replicas / micro_batches.")  # fmt: skip
     out += _lone_replica_warnings(s) + _no_rounds_warnings(s)
+    if s.model.init_from and s.model.preset != defaults.default("model.preset"):
+        out.append(f"config.model.preset={s.model.preset!r} is ignored with config.model."
+                   f"init_from: the checkpoint's config.json gives the model's shape.")
     window = parse_profile_steps(s.profile_steps)
     if window is not None and window[0] >= s.num_steps:
         out.append(f"config.profile_steps={s.profile_steps!r} starts at or after num_steps="
