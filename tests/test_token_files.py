@@ -292,3 +292,14 @@ def test_an_empty_token_file_is_read_as_an_empty_stream(tmp_path):
     with pytest.raises(ValueError) as disk:
         data.ReplicaBatcher(empty, **kw)
     assert "holds id" not in str(disk.value) and str(disk.value) == str(memory.value)
+
+
+def test_a_1d_token_file_marked_fortran_order_is_read(tmp_path):
+    """A 1-D array's order is moot (np.load reads it), but the header's fortran_order=True was
+    refused as 'must hold a 1-D integer array, got uint16(6,)'."""
+    path = tmp_path / "t.npy"
+    ids = np.array([3, 1, 4, 1, 5, 9], np.uint16)
+    stream = np.lib.format.open_memmap(path, "w+", np.uint16, (6,), fortran_order=True)
+    stream[:] = ids
+    del stream
+    np.testing.assert_array_equal(np.asarray(TokenFile(path)), ids)

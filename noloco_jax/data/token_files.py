@@ -107,11 +107,11 @@ class TokenFile:
                 version = np.lib.format.read_magic(f)
                 read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                                else np.lib.format.read_array_header_2_0)  # fmt: skip
-                shape, fortran, dtype = read_header(f)
+                shape, _, dtype = read_header(f)  # the order of a 1-D array is moot
             except ValueError as err:
                 raise ValueError(f"{self.path} is not a .npy file: {err}") from err
             self.offset = f.tell()
-        if len(shape) != 1 or fortran or not np.issubdtype(dtype, np.integer):
+        if len(shape) != 1 or not np.issubdtype(dtype, np.integer):
             raise ValueError(f"{self.path} must hold a 1-D integer array, got {dtype}{shape}.")
         self.dtype, self.shape, self.ndim = np.dtype(dtype), tuple(shape), 1
         need = self.offset + self.shape[0] * self.dtype.itemsize
