@@ -534,6 +534,19 @@ def test_sentencepiece_trains_on_long_lines_without_whitespace(tmp_path):
     assert max(len(p.encode()) for p in pieces) <= tokenizers._MAX_LINE_BYTES
 
 
+def test_sentencepiece_trains_on_lines_ending_in_long_whitespace(tmp_path):
+    """A line's trailing whitespace joined its last piece: a line padded with 5,000 spaces (a
+    fixed-width record) stayed over SentencePiece's line limit and was skipped; a corpus of
+    such lines failed to train. Trailing whitespace is cut like a long word."""
+    from noloco_jax.data import tokenizers  # noqa: PLC0415
+
+    padded = [" ".join(t.split()[:200]) + " " * 5000 for t in TEXTS]
+    pieces = tokenizers._split_long(padded[0])
+    assert max(len(p.encode()) for p in pieces) <= tokenizers._MAX_LINE_BYTES
+    assert "".join(pieces).rstrip() == padded[0].rstrip()
+    data.train_sentencepiece(padded, vocab_size=300, model_path=tmp_path / "m.model")
+
+
 def test_sentencepiece_trained_locally_and_cached(tmp_path, monkeypatch):
     corpus = data.Corpus(train=TEXTS, validation=[], name="topics")
     tok = data.make_tokenizer("sentencepiece", corpus=corpus, vocab_size=300, cache_dir=tmp_path)

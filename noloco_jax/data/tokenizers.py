@@ -142,13 +142,13 @@ def _spans(line: str, start: int, end: int, limit: int) -> list[tuple[int, int]]
 
 
 def _split_long(line: str, limit: int = _MAX_LINE_BYTES) -> list[str]:
-    """``line`` cut before whitespace into pieces of at most ``limit`` UTF-8 bytes (a word
-    longer than that is cut between characters); pieces never span whitespace in training
-    anyway."""
+    """``line`` cut before whitespace into pieces of at most ``limit`` UTF-8 bytes (a word, or
+    the trailing whitespace, longer than that is cut between characters); pieces never span
+    whitespace in training anyway."""
     if _nbytes(line) <= limit:
         return [line]
     pieces, start, size = [], 0, 0
-    for match in re.finditer(r"\s*\S+", line):
+    for match in re.finditer(r"\s*\S+|\s+", line):  # \s+ only matches trailing whitespace
         for a, b in _spans(line, match.start(), match.end(), limit):
             n = _nbytes(line[a:b])
             if size and size + n > limit:
