@@ -139,3 +139,15 @@ def test_add_bos_token_false_in_the_config_wins_over_the_post_processor(tmp_path
     started with <s> although the config turned it off."""
     tok = HFTokenizer(_save(tmp_path, eos_config="</s>", bos="template", add_bos=add_bos))
     assert tok.bos_id == expected
+
+
+@pytest.mark.parametrize("kind", ["BertProcessing", "RobertaProcessing"])
+def test_documents_start_with_the_cls_token_of_a_bert_or_roberta_processor(tmp_path, kind):
+    """These processors put their cls token (RoBERTa's <s>) first too; bos_id was None."""
+    _save(tmp_path, eos_config="</s>")
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["post_processor"] = {"type": kind, "sep": ["</s>", 12], "cls": ["<e2>", 13]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = HFTokenizer(tmp_path)
+    assert tok._tok.encode("the cat").ids == [13, 2, 3, 12]
+    assert tok.bos_id == 13

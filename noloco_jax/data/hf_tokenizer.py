@@ -128,11 +128,14 @@ def _bos_turned_off(fields: Any) -> bool:
 
 def _template_bos(spec: dict) -> int | None:
     """The id a saved ``TemplateProcessing`` post-processor puts before a single sequence (a
-    Llama tokenizer's ``<s>`` or ``<|begin_of_text|>``), looking inside a ``Sequence`` of
-    processors; None when there is none (GPT-2's byte-level processor adds nothing)."""
+    Llama tokenizer's ``<s>`` or ``<|begin_of_text|>``), or a ``Bert``/``RobertaProcessing``'s
+    ``cls``, looking inside a ``Sequence`` of processors; None when there is none (GPT-2's
+    byte-level processor adds nothing)."""
     post = spec.get("post_processor") if isinstance(spec, dict) else None
     if not isinstance(post, dict):
         return None
+    if post.get("type") in ("BertProcessing", "RobertaProcessing"):  # cls: [token, id]
+        return int(post["cls"][1])
     if post.get("type") == "Sequence":
         found = [_template_bos({"post_processor": p}) for p in post.get("processors", [])]
         return next((f for f in found if f is not None), None)
