@@ -151,3 +151,10 @@ def test_documents_start_with_the_cls_token_of_a_bert_or_roberta_processor(tmp_p
     tok = HFTokenizer(tmp_path)
     assert tok._tok.encode("the cat").ids == [13, 2, 3, 12]
     assert tok.bos_id == 13
+
+
+def test_an_empty_vocabulary_names_the_file(tmp_path):
+    """It failed with Python's 'max() arg is an empty sequence', naming no file or setting."""
+    tokenizers.Tokenizer(tokenizers.models.BPE()).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="tokenizer.json' has no end-of-document token"):
+        HFTokenizer(tmp_path)

@@ -63,7 +63,8 @@ class HFTokenizer:
         self._tok.no_padding()
         self.path = file
         # Largest id + 1: added tokens may sit after a gap in the ids (then the count is less).
-        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(ids, default=-1) + 1  # empty: _find_eos names the file
         config = file.parent / "tokenizer_config.json"
         fields = _read_config(config)
         self.eos_id = self._find_eos(config, fields)
