@@ -105,6 +105,17 @@ def test_distance_to_mean_is_exact_for_identical_and_nearly_identical_replicas(n
     np.testing.assert_allclose(distance_to_mean({"w": near}), exact, rtol=1e-3)
 
 
+def test_distance_to_mean_leaves_out_integer_leaves_as_the_spread_does():
+    """An integer leaf was pooled as a weight ([8.72, 8.72] instead of [1, 1]) and a shared
+    integer scalar, which has no replica axis, crashed ("axis 0 is out of bounds")."""
+    from noloco_jax.trainer.observability import distance_to_mean  # noqa: PLC0415
+
+    w = np.array([[0.0], [2.0]], np.float32)
+    counts = np.array([[0, 0, 0], [10, 10, 10]], np.int32)
+    assert distance_to_mean({"w": w, "count": counts}) == [1.0, 1.0]
+    assert distance_to_mean({"w": w, "step": np.array(3, np.int32)}) == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("num", [3, 8])
 def test_replica_spread_is_exact_for_identical_and_nearly_identical_replicas(num):
     import jax  # noqa: PLC0415

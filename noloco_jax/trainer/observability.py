@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from noloco_jax.optim.trees import is_float
 from noloco_jax.trainer.settings import TrainSettings, parse_profile_steps
 
 __all__ = ["WandbSink", "Profiler", "check_sinks", "make_sinks", "distance_to_mean",
@@ -149,7 +150,7 @@ class Profiler:
 @jax.jit
 def _distances(params: Any) -> jax.Array:
     sq = None
-    for x in jax.tree.leaves(params):
+    for x in [x for x in jax.tree.leaves(params) if is_float(x)]:  # weights, as replica_spread
         x = x.astype(jnp.float32)
         # Distances do not change with a shift common to all replicas: taking the replicas'
         # max first makes identical replicas exactly 0 (the mean of equal values rounds: 6e-7
@@ -161,10 +162,13 @@ def _distances(params: Any) -> jax.Array:
 
 
 def distance_to_mean(params: Any) -> list[float]:
-    """Each replica's L2 distance ``||theta_r - mean_r' theta_r'||`` over all parameters.
+    """Each replica's L2 distance ``||theta_r - mean_r' theta_r'||`` over its weights.
+
+    Integer leaves are left out, as ``replica_spread`` leaves them out (they are no weights,
+    and a shared integer scalar has no replica axis).
 
     Args:
-      params: replicated parameters (every leaf has a leading replica axis N).
+      params: replicated parameters (every float leaf has a leading replica axis N).
 
     Returns:
       N floats.
