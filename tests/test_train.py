@@ -270,6 +270,16 @@ def test_an_awkward_number_of_eval_windows_is_padded_not_run_one_by_one():
     assert evaluate._programs.cache_info().misses == before.misses + 1
 
 
+@pytest.mark.parametrize("args, field", [((5, 0), "limit"), ((5, 2.5), "limit"),
+                                         ((0, 16), "num_windows"), ((-3, 16), "num_windows")])
+def test_eval_layout_refuses_a_limit_or_window_count_below_1(args, field):
+    """They died in max() ("max() arg is an empty sequence") or range() (a TypeError)."""
+    from noloco_jax.trainer import evaluate  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=rf"{field}: must be an integer >= 1, got"):
+        evaluate.eval_layout(*args)
+
+
 def test_an_evaluator_of_no_windows_says_why():
     """A validation split shorter than one window (eval_windows gives none) died in
     eval_layout with "max() arg is an empty sequence"."""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from noloco_jax import ensemble, replicas
+from noloco_jax.errors import check_int
 from noloco_jax.metrics import replica_spread
 from noloco_jax.trainer.observability import distance_to_mean
 from noloco_jax.trainer.step import eval_token_losses
@@ -35,7 +36,9 @@ def _lowest(values: np.ndarray) -> float:
 
 def eval_layout(num_windows: int, limit: int = 16) -> tuple[int, int]:
     """(batch size, windows after padding): an even split when a divisor of at least half the
-    limit exists, else batches of ``limit``, the last padded with the first windows (dropped)."""
+    limit exists, else batches of ``limit``, the last padded with the first windows (dropped).
+    Both arguments must be integers >= 1."""
+    num_windows, limit = check_int("num_windows", num_windows), check_int("limit", limit)
     most = min(limit, num_windows)
     best = max(d for d in range(1, most + 1) if num_windows % d == 0)
     return (best, num_windows) if best >= most // 2 else (limit, -(-num_windows // limit) * limit)
