@@ -104,3 +104,16 @@ def test_environment_records_the_commit_and_takes_it_from_the_environment(monkey
     assert common.environment()["commit"] == "abc1234"
     monkeypatch.delenv("NOLOCO_JAX_COMMIT")
     assert common.environment()["commit"] == common.git_commit()
+
+
+def test_gpu_flops_per_token_count_the_output_head_when_tied():
+    """A tied head was left out: 6 V D FLOPs per token (10 % of nano's) were missing."""
+    from noloco_jax import models
+
+    gpu = _import_alone("experiments.bench.gpu")
+    untied = models.get_preset("nano", vocab_size=256)
+    tied = models.get_preset("nano", vocab_size=256, tie_embeddings=True)
+    body = models.param_count(untied, non_embedding=True)
+    want = 6.0 * (body + 256 * 64) + 12.0 * 2 * 32 * 64  # blocks + head, attention at T = 32
+    assert gpu.model_flops_per_token(untied, 32) == want
+    assert gpu.model_flops_per_token(tied, 32) == want

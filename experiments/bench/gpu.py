@@ -45,8 +45,11 @@ for _name in options.OUT_FLAGS:
 
 
 def model_flops_per_token(cfg: models.LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 N (no input embedding) + 12 L T d (attention)."""
-    n = models.param_count(cfg) - cfg.vocab_size * cfg.hidden_size
+    """Training FLOPs per token: 6 N (no input embedding) + 12 L T d (attention).
+
+    N counts the output head's [D, V] matmul whether or not it is tied to the input table.
+    """
+    n = models.param_count(cfg, non_embedding=True) + cfg.vocab_size * cfg.hidden_size
     return 6.0 * n + 12.0 * cfg.num_layers * seq_len * cfg.hidden_size
 
 
