@@ -117,3 +117,12 @@ def test_gpu_flops_per_token_count_the_output_head_when_tied():
     want = 6.0 * (body + 256 * 64) + 12.0 * 2 * 32 * 64  # blocks + head, attention at T = 32
     assert gpu.model_flops_per_token(untied, 32) == want
     assert gpu.model_flops_per_token(tied, 32) == want
+
+
+def test_gpu_peak_flops_tell_pcie_and_nvl_cards_from_sxm():
+    """"H100" matched first, so a PCIe or NVL card got the SXM peak: its MFU 16-24 % low."""
+    gpu = _import_alone("experiments.bench.gpu")
+    want = {"NVIDIA H100 80GB HBM3": 989, "NVIDIA H100 PCIe": 756, "NVIDIA H100 NVL": 835,
+            "NVIDIA H200": 989, "NVIDIA H200 NVL": 835, "NVIDIA A100-SXM4-80GB": 312}
+    assert {k: gpu.peak_flops(k, 0.0) for k in want} == {k: v * 1e12 for k, v in want.items()}
+    assert gpu.peak_flops("cpu", 0.0) is None and gpu.peak_flops("cpu", 100.0) == 100e12

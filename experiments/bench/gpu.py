@@ -31,7 +31,9 @@ from noloco_jax.trainer.settings import OptimSettings, OuterSettings
 from noloco_jax.trainer import grads
 from noloco_jax.trainer.step import TrainState
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM datasheets
+# Dense bf16 datasheet peaks; the PCIe and NVL cards run slower than the SXM ones.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0,
+                    "H200 NVL": 835.0, "A100": 312.0}  # fmt: skip
 
 REPLICAS = flags.DEFINE_integer("replicas", 2, "Replicas of the outer methods.", lower_bound=1)
 BATCH = flags.DEFINE_integer("batch", 8, "Sequences per replica per step.", lower_bound=1)
@@ -54,10 +56,11 @@ def model_flops_per_token(cfg: models.LlamaConfig, seq_len: int) -> float:
 
 
 def peak_flops(device_kind: str, override_tflops: float) -> float | None:
+    """Peak FLOP/s: the override, else the longest name in ``PEAK_BF16_TFLOPS`` in the kind."""
     if override_tflops > 0:
         return override_tflops * 1e12
-    hit = [v for k, v in PEAK_BF16_TFLOPS.items() if k in device_kind]
-    return hit[0] * 1e12 if hit else None
+    hit = max((k for k in PEAK_BF16_TFLOPS if k in device_kind), key=len, default=None)
+    return PEAK_BF16_TFLOPS[hit] * 1e12 if hit else None
 
 
 def _chunk_fn(method: str, graphdef, params, n: int, h: int):
