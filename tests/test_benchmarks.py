@@ -126,3 +126,14 @@ def test_gpu_peak_flops_tell_pcie_and_nvl_cards_from_sxm():
             "NVIDIA H200": 989, "NVIDIA H200 NVL": 835, "NVIDIA A100-SXM4-80GB": 312}
     assert {k: gpu.peak_flops(k, 0.0) for k in want} == {k: v * 1e12 for k, v in want.items()}
     assert gpu.peak_flops("cpu", 0.0) is None and gpu.peak_flops("cpu", 100.0) == 100e12
+
+
+@pytest.mark.parametrize("script", ["micro_batches", "sharded_memory"])
+def test_memory_benchmarks_refuse_sizes_without_a_paper_batch(script, tmp_path):
+    """--sizes took any preset, then PAPER_BATCH[size] raised KeyError (after compiling)."""
+    out = subprocess.run(
+        [sys.executable, "-m", f"experiments.bench.{script}", "--sizes=tiny", "--out_dir",
+         str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode != 0 and "KeyError" not in out.stderr, out.stderr[-2000:]
+    assert "--sizes" in out.stderr and "['small', 'medium', 'large', 'nano']" in out.stderr

@@ -31,8 +31,9 @@ from noloco_jax import models
 from noloco_jax.models.presets import preset_names
 
 SIZES = flags.DEFINE_list("sizes", ["small", "medium", "large"], "Paper model sizes.")
-flags.register_validator("sizes", lambda v: bool(v) and set(v) <= set(preset_names()),
-                         message=f"takes model presets, comma-separated: {preset_names()}")
+flags.register_validator("sizes", lambda v: bool(v) and set(v) <= set(common.PAPER_BATCH),
+                         message=f"takes sizes with a paper batch (common.PAPER_BATCH), "
+                                 f"comma-separated: {list(common.PAPER_BATCH)}")  # fmt: skip
 USABLE = flags.DEFINE_float(
     "usable", 0.9, "Fraction of a chip's memory a program may use (the runtime keeps some).")
 flags.register_validator("usable", lambda v: 0 < v <= 1, message="takes a fraction in (0, 1]")

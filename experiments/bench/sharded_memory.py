@@ -28,11 +28,11 @@ from absl import flags
 
 from experiments import options
 from experiments.bench import common
-from noloco_jax.models.presets import preset_names
 
 SIZES = flags.DEFINE_list("sizes", ["small", "medium", "large"], "Paper model sizes.")
-flags.register_validator("sizes", lambda v: bool(v) and set(v) <= set(preset_names()),
-                         message=f"takes model presets, comma-separated: {preset_names()}")
+flags.register_validator("sizes", lambda v: bool(v) and set(v) <= set(common.PAPER_BATCH),
+                         message=f"takes sizes with a paper batch (common.PAPER_BATCH), "
+                                 f"comma-separated: {list(common.PAPER_BATCH)}")  # fmt: skip
 DEVICES = flags.DEFINE_integer("devices", 256, "Simulated CPU devices (the largest split).",
                                lower_bound=1)
 USABLE = flags.DEFINE_float(
