@@ -137,3 +137,13 @@ def test_memory_benchmarks_refuse_sizes_without_a_paper_batch(script, tmp_path):
     )  # fmt: skip
     assert out.returncode != 0 and "KeyError" not in out.stderr, out.stderr[-2000:]
     assert "--sizes" in out.stderr and "['small', 'medium', 'large', 'nano']" in out.stderr
+
+
+def test_gpu_benchmark_refuses_a_negative_peak(tmp_path):
+    """--peak_tflops=-989 was taken, ignored, and the peak looked up from the device."""
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.bench.gpu", "--smoke", "--peak_tflops=-989",
+         "--out_dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode != 0 and "--peak_tflops" in out.stderr, out.stderr[-2000:]

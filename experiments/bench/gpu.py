@@ -40,7 +40,8 @@ BATCH = flags.DEFINE_integer("batch", 8, "Sequences per replica per step.", lowe
 SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence.", lower_bound=1)
 SYNC_EVERY = flags.DEFINE_integer("sync_every", 50, "Steps per timed chunk (H).", lower_bound=1)
 REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions of every method.", lower_bound=1)
-PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "Override the peak (0: from the device).")
+PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "Override the peak (0: from the device).",
+                                  lower_bound=0.0)
 options.old_spellings("seq_len", "sync_every", "peak_tflops")
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
