@@ -53,6 +53,9 @@ def _check_windows(windows: np.ndarray) -> int:
             f"{tuple(np.shape(windows))}: the validation stream holds fewer than seq_len + 1 "
             f"tokens (eval_windows returns no window then); use more validation data or a "
             f"shorter seq_len.")  # fmt: skip
+    if windows.min() < 0:  # the gathers wrap -1 to the last id: a finite, wrong loss
+        raise ValueError(f"make_evaluator's windows must hold token ids >= 0, got "
+                         f"{int(windows.min())}.")  # fmt: skip
     return len(windows)
 
 
