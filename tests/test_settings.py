@@ -325,3 +325,15 @@ def test_the_never_sync_warning_counts_the_rounds_of_streaming_fragments():
     assert warnings(8, 1)[0].endswith("the replicas never sync in this run (method='noloco' "
                                       "acts as 'local'); use sync_every <= num_steps.")
     assert warnings(4, 2) == []
+
+
+def test_a_nan_drill_past_the_last_step_is_warned():
+    """fault.inject_nan_step >= num_steps never fires: the drill's run started silently."""
+    def warned(step):
+        s = settings_lib.from_config(_tiny(**{"fault.inject_nan_step": step}))
+        return [w for w in settings_lib.warnings_for(s) if "inject_nan_step" in w]
+    num_steps = settings_lib.from_config(_tiny()).num_steps
+    assert warned(num_steps) == [
+        f"config.fault.inject_nan_step={num_steps} >= num_steps={num_steps}: no NaN will be "
+        f"injected (steps are 0-based); use a step in [0, {num_steps - 1}]."]
+    assert warned(num_steps - 1) == warned(-1) == []  # the last step fires; -1 is off

@@ -471,7 +471,7 @@ def warnings_for(s: TrainSettings) -> list[str]:
                    f"sequence(s) per slice, which mesh.fsdp={fsdp} does not divide: every device "
                    f"of a replica computes whole slices; choose micro_batches so that fsdp divides "
                    f"global_batch_size / num_replicas / micro_batches.")  # fmt: skip
-    out += _lone_replica_warnings(s) + _no_rounds_warnings(s)
+    out += _lone_replica_warnings(s) + _no_rounds_warnings(s) + _drill_warnings(s)
     if s.model.init_from and s.model.preset != defaults.default("model.preset"):
         out.append(f"config.model.preset={s.model.preset!r} is ignored with config.model."
                    f"init_from: the checkpoint's config.json gives the model's shape.")
@@ -501,6 +501,15 @@ def _unsynced_warnings(s: TrainSettings) -> list[str]:
 # What only acts on the exchange between replicas: a single replica has no partner.
 _EXCHANGE_FIELDS = ("outer.exchange_dtype", "outer.error_feedback", "outer.gamma",
                     "outer.group_size", "fault.dropout_prob", "fault.resync_absent")
+
+
+def _drill_warnings(s: TrainSettings) -> list[str]:
+    """A NaN drill (``fault.inject_nan_step``) the run never reaches: it fired never, silently."""
+    step = s.fault.inject_nan_step
+    if step < s.num_steps:
+        return []
+    return [f"config.fault.inject_nan_step={step} >= num_steps={s.num_steps}: no NaN will be "
+            f"injected (steps are 0-based); use a step in [0, {s.num_steps - 1}]."]
 
 
 def _lone_replica_warnings(s: TrainSettings) -> list[str]:
