@@ -593,6 +593,31 @@ def test_a_resume_from_an_older_checkpoint_hides_the_repeated_steps_in_tensorboa
     assert train_steps == sorted(set(train_steps)) and train_steps[-1] == s.num_steps
 
 
+def test_a_signal_handler_set_outside_python_is_left_in_place(monkeypatch):
+    """A handler set outside Python (an embedding host's) reads as None: the loop put its own
+    over it and then died restoring None (signal.signal's TypeError) on the way out."""
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    real, saved = signal.signal, {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    installed = []
+
+    def fake(sig, handler):  # SIGTERM's handler is the host's: Python sees None
+        installed.append(sig)
+        old = real(sig, handler)
+        return None if sig == signal.SIGTERM else old
+
+    monkeypatch.setattr(signal, "signal", fake)
+    monkeypatch.setattr(signal, "getsignal", lambda sig: None if sig == signal.SIGTERM
+                        else saved[sig])  # fmt: skip
+    try:
+        with loop._stop_signals() as stop:
+            assert stop.requested is None
+        assert installed == [signal.SIGINT, signal.SIGINT]  # SIGINT set and put back only
+    finally:
+        for sig, handler in saved.items():
+            real(sig, handler)
+
+
 def test_a_signal_during_start_up_writes_no_step_0_eval(tmp_path, finished_run, monkeypatch):
     """The step-0 eval ran before the stop check, so the resume logged a second one."""
     s, _ = finished_run

@@ -385,7 +385,8 @@ def _stop_signals() -> Iterator[types.SimpleNamespace]:
 
     A second signal of the same kind acts as it would without this handler
     (SIGINT: ``KeyboardInterrupt``; SIGTERM: the process ends). Handlers are
-    installed only in the main thread and restored on exit.
+    installed only in the main thread, and not over a handler set outside Python (which could
+    not be put back), and restored on exit.
     """
     stop, previous = types.SimpleNamespace(requested=None, agreed=None), {}
 
@@ -401,7 +402,8 @@ def _stop_signals() -> Iterator[types.SimpleNamespace]:
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, handle)
+            if signal.getsignal(sig) is not None:  # None: set outside Python, kept as it is
+                previous[sig] = signal.signal(sig, handle)
     try:
         yield stop
     finally:
