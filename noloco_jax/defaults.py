@@ -113,6 +113,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("optim.b2", 0.999, "Adam beta2."),
     ("optim.eps", 1e-8, "Adam epsilon."),
     ("optim.weight_decay", 0.0, "0 = Adam (the paper); > 0 = AdamW."),
+    ("optim.decay_norms", True,
+     "With weight_decay > 0, decay the RMSNorm scales too (AdamW over every parameter, as "
+     "torch's AdamW(model.parameters())); False leaves them out, as many LLM recipes do."),
     ("optim.clip_norm", 1.0,
      "Per-replica global-norm clipping before any averaging (the reference code); 0 = off."),
     # The gradient is the whole batch's either way (to float rounding); a larger k holds fewer

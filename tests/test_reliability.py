@@ -136,6 +136,13 @@ def test_load_run_refuses_a_weight_decay_turned_on_or_off():
                                              rf"{old} -> {new}"):  # fmt: skip
             settings_lib.check_loadable(settings(old), settings(new))
     settings_lib.check_loadable(settings(0.1), settings(0.2))  # AdamW either way: same arrays
+    def masked(norms, decay=0.1):
+        return settings_lib.TrainSettings(optim=settings_lib.OptimSettings(
+            weight_decay=decay, decay_norms=norms)).to_dict()
+
+    with pytest.raises(ValueError, match=r"optim.decay_norms: True -> False"):
+        settings_lib.check_loadable(masked(True), masked(False))
+    settings_lib.check_loadable(masked(True, 0.0), masked(False, 0.0))  # Adam: nothing masked
 
 
 def test_a_signal_during_the_last_chunk_lets_the_run_finish(tmp_path, finished_run, monkeypatch,

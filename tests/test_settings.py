@@ -337,3 +337,29 @@ def test_a_nan_drill_past_the_last_step_is_warned():
         f"config.fault.inject_nan_step={num_steps} >= num_steps={num_steps}: no NaN will be "
         f"injected (steps are 0-based); use a step in [0, {num_steps - 1}]."]
     assert warned(num_steps - 1) == warned(-1) == []  # the last step fires; -1 is off
+
+
+@pytest.mark.parametrize("decay_norms", [True, False])
+def test_decay_norms_false_keeps_the_norm_scales_out_of_the_weight_decay(decay_norms):
+    """optim.decay_norms=False masks AdamW's decay off the RMSNorm scales only; one step on a
+    zero gradient moves just the decayed leaves, by lr * weight_decay * the leaf."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from noloco_jax import models  # noqa: PLC0415
+    from noloco_jax.trainer.optimizer import inner_optimizer  # noqa: PLC0415
+
+    _, params = models.init_params(models.get_preset("nano", vocab_size=64), 0)
+    o = settings_lib.OptimSettings(learning_rate=0.5, warmup_steps=0, weight_decay=0.1,
+                                   decay_norms=decay_norms)  # fmt: skip
+    tx = inner_optimizer(o, num_steps=10)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    found = jax.tree_util.tree_flatten_with_path(updates)[0]
+    assert sum("scale" in jax.tree_util.keystr(path) for path, _ in found) == 3  # 2 + final
+    for (path, u), p in zip(found, jax.tree.leaves(params), strict=True):
+        decayed = decay_norms or "scale" not in jax.tree_util.keystr(path)
+        np.testing.assert_allclose(u, -0.5 * 0.1 * p if decayed else 0 * p, rtol=1e-6, atol=0)
+    warned = "config.optim.decay_norms=False does nothing without weight decay"
+    off = settings_lib.from_config(_tiny(**{"optim.decay_norms": False}))
+    assert any(warned in w for w in settings_lib.warnings_for(off))

@@ -314,3 +314,15 @@ def test_stop_at_must_be_an_integer_of_at_least_0(tmp_path, corpus_dir, data_dir
     with pytest.raises(ValueError, match=r"stop_at: must be an integer >= 0, got"):
         train_and_evaluate(s, tmp_path, stop_at=stop_at, progress=False)
     assert not (tmp_path / "metrics.jsonl").exists()  # refused before anything was written
+
+
+def test_a_weight_decay_masked_off_the_norms_trains_and_resumes(tmp_path, corpus_dir, data_dir):
+    """optim.decay_norms=False: AdamW's masked state goes through a round, the checkpoint and
+    a resume from it (the decay itself: test_settings)."""
+    s = tiny_settings(corpus_dir, data_dir, num_steps=4, eval_every=4, checkpoint_every=2,
+                      optim={"weight_decay": 0.1, "decay_norms": False})  # fmt: skip
+    train_and_evaluate(s, tmp_path, stop_at=2, progress=False)
+    train_and_evaluate(s, tmp_path, progress=False)
+    steps = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl", "train")]
+    assert steps == [2, 4] and np.isfinite(read_jsonl(tmp_path / "metrics.jsonl", "eval")[-1][
+        "val_ppl"])  # fmt: skip

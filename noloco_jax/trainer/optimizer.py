@@ -50,11 +50,24 @@ def learning_rate_schedule(o: OptimSettings, num_steps: int) -> optax.Schedule:
 
 
 def inner_optimizer(o: OptimSettings, num_steps: int) -> optax.GradientTransformation:
-    """Adam (AdamW if weight_decay > 0) on the schedule, without clipping."""
+    """Adam (AdamW if weight_decay > 0) on the schedule, without clipping.
+
+    ``o.decay_norms=False`` masks the decay off the RMSNorm scales (leaves named ``scale``).
+    """
     lr = learning_rate_schedule(o, num_steps)
     if o.weight_decay > 0:
-        return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+        mask = None if o.decay_norms else _not_norm_scales
+        return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                           mask=mask)  # fmt: skip
     return optax.adam(lr, b1=o.b1, b2=o.b2, eps=o.eps)
+
+
+def _not_norm_scales(params: Any) -> Any:
+    """True for every leaf but the norms' scales (a path through a key named ``scale``)."""
+    def keep(path: tuple, _: Any) -> bool:
+        return "scale" not in (str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+    return jax.tree_util.tree_map_with_path(keep, params)
 
 
 def _exchange_dtype(name: str) -> Any:

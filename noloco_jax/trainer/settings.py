@@ -108,6 +108,7 @@ class OptimSettings:
     b2: float
     eps: float
     weight_decay: float
+    decay_norms: bool
     clip_norm: float
     micro_batches: int
 
@@ -472,6 +473,9 @@ def warnings_for(s: TrainSettings) -> list[str]:
                    f"of a replica computes whole slices; choose micro_batches so that fsdp divides "
                    f"global_batch_size / num_replicas / micro_batches.")  # fmt: skip
     out += _lone_replica_warnings(s) + _no_rounds_warnings(s) + _drill_warnings(s)
+    if not s.optim.decay_norms and s.optim.weight_decay == 0:
+        out.append("config.optim.decay_norms=False does nothing without weight decay "
+                   "(config.optim.weight_decay=0).")
     if s.model.init_from and s.model.preset != defaults.default("model.preset"):
         out.append(f"config.model.preset={s.model.preset!r} is ignored with config.model."
                    f"init_from: the checkpoint's config.json gives the model's shape.")
@@ -659,9 +663,11 @@ def check_loadable(saved: dict, current: dict) -> None:
     states differ."""
     a, b = _dotted_pair(saved, current)
     changes = {k: v for k, v in _changes(a, b).items() if k.startswith(_SHAPING)}
-    decay = "optim.weight_decay"
+    decay, norms = "optim.weight_decay", "optim.decay_norms"
     if (a[decay] > 0) != (b[decay] > 0):
         changes[decay] = (a[decay], b[decay])
+    elif a[decay] > 0 and a[norms] != b[norms]:  # a masked decay is another state tree
+        changes[norms] = (a[norms], b[norms])
     if changes:
         raise ValueError(f"cannot load the run: its checkpoint was written with other settings "
                          f"that shape its arrays or data ({_detail(changes)}); pass the run's own.")
