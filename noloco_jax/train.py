@@ -538,7 +538,8 @@ def help_text() -> str:
     for name in _PROJECT_FLAGS:
         f = flags.FLAGS[name]
         lines.append(_entry(f"--{name}", _flag_default(f), f.help))
-    lines.append(_entry("--helpfull", "", "Also list absl's own flags."))
+    lines.append(_entry("--helpfull", "",
+                        "This program's flags and absl's own (not the config fields)."))
     lines += ["", "config fields (--config.FIELD=VALUE; defaults of noloco_jax/defaults.py, which",
               "a config file may change):"]  # fmt: skip
     for section, title in defaults.GROUPS:
