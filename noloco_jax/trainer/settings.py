@@ -475,7 +475,7 @@ def warnings_for(s: TrainSettings) -> list[str]:
     out += _lone_replica_warnings(s) + _no_rounds_warnings(s) + _drill_warnings(s)
     if not s.optim.decay_norms and s.optim.weight_decay == 0:
         out.append("config.optim.decay_norms=False does nothing without weight decay "
-                   "(config.optim.weight_decay=0).")
+                   "(config.optim.weight_decay=0); set weight_decay > 0 for it to act.")
     if s.model.init_from and s.model.preset != defaults.default("model.preset"):
         out.append(f"config.model.preset={s.model.preset!r} is ignored with config.model."
                    f"init_from: the checkpoint's config.json gives the model's shape.")
