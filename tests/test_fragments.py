@@ -66,6 +66,19 @@ def test_a_row_spec_on_a_scalar_leaf_is_a_value_error():
         frag.check_spec({"blocks": (0, 1), "scale": (1,)}, params, 4)
 
 
+def test_params_in_tuples_take_a_spec_shaped_like_them():
+    """A tuple container of the params was read as one row spec: a spec (0, 1) for the params
+    (w, b) was refused, and by_layer_blocks of tuple-held blocks crashed num_fragments."""
+    params = (np.zeros((4, 3)), np.zeros(2))
+    assert frag.check_spec((0, 1), params, 2) == 2
+    blocks = {"blocks": (np.zeros((4, 3)), np.zeros((4, 2))), "head": np.zeros(2)}
+    spec = frag.by_layer_blocks(blocks, 2)
+    assert frag.num_fragments(spec) == 2 and frag.check_spec(spec, blocks, 2) == 2
+    assert frag.fragment_sizes(spec, blocks) == [10, 12]
+    with pytest.raises(ValueError, match="shaped like the params"):
+        frag.check_spec((0, 1, 0), params, 2)
+
+
 def test_take_and_put_round_trip():
     spec = frag.by_layer_blocks(_params(), 2)
     p = _params()

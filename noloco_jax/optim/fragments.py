@@ -89,8 +89,22 @@ def _leaves_with_path(tree: PyTree) -> list:
     return jax.tree_util.tree_leaves_with_path(tree)
 
 
-def _spec_leaves(spec: PyTree) -> list:
-    return jax.tree.leaves(spec, is_leaf=lambda s: isinstance(s, tuple))
+def _is_row_spec(s: Any) -> bool:
+    """A tuple of ints (one per row); a tuple holding tuples is a container of the params."""
+    return isinstance(s, tuple) and not any(isinstance(i, tuple) for i in s)
+
+
+def _spec_leaves(spec: PyTree, params: PyTree = None) -> list:
+    """The leaf specs; with ``params``, one per param (a tuple container of the params is a
+    container, not a row spec). Raises ``ValueError`` if ``spec`` is not shaped like them."""
+    if params is None:
+        return jax.tree.leaves(spec, is_leaf=_is_row_spec)
+    treedef = jax.tree.structure(params)
+    try:
+        return treedef.flatten_up_to(spec)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"the fragment spec must be shaped like the params ({treedef.num_leaves}"
+                         f" leaves): {e}") from None
 
 
 def num_fragments(spec: PyTree) -> int:
@@ -137,10 +151,7 @@ def check_spec(spec: PyTree, params: PyTree, sync_every: int) -> int:
       ValueError: naming the leaf or value that is wrong.
     """
     p_count = num_fragments(spec)
-    leaves = jax.tree.leaves(params)
-    specs = _spec_leaves(spec)
-    if len(specs) != len(leaves):
-        raise ValueError(f"the fragment spec has {len(specs)} leaves, the params {len(leaves)}.")
+    specs = _spec_leaves(spec, params)
     seen = set()
     for (path, x), s in zip(_leaves_with_path(params), specs):
         name = "/".join(_names(path))
