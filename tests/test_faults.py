@@ -215,6 +215,16 @@ def test_restore_on_a_healthy_step_selects_no_weights():
     assert "while" in names and "select_n" not in names, names
 
 
+def test_guard_and_restore_take_params_without_a_float_leaf():
+    """They stacked the finiteness of no leaves at all: a ValueError from jnp.stack."""
+    params = {"step": jnp.ones(2, jnp.int32)}
+    tx = local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 1, nonfinite_guard=True)
+    state = tx.init(params)
+    updates, state = tx.update(params, state, params)
+    assert float(state.nonfinite_resets) == 0
+    assert restore_nonfinite(params, state) is not None
+
+
 def test_without_the_guard_nan_spreads_to_the_partner():
     _, _, _, params, _ = _nan_guard_run(guard=False)
     finite = np.array([bool(jnp.all(jnp.isfinite(params["w"][i]))) for i in range(4)])

@@ -165,7 +165,9 @@ def _keep_schedules(fresh: Any, old: Any) -> Any:
 def _all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
     """True when every leaf is finite; with ``axis_name``, on every shard along it."""
     leaves = [x for x in jax.tree.leaves(tree) if is_float(x)]
-    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    # no float leaf (integer buffers only): nothing can break
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else \
+        jnp.array(True)  # fmt: skip
     if axis_name is not None:  # model-parallel shards of one replica must agree
         ok = comm.all_true(ok, axis_name)
     return ok
