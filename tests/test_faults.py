@@ -225,6 +225,21 @@ def test_guard_and_restore_take_params_without_a_float_leaf():
     assert restore_nonfinite(params, state) is not None
 
 
+def test_restore_under_masked_local_steps_puts_back_only_its_leaves():
+    """chain(masked(local_steps), masked(sgd)) is allowed (check_composition), but the masked
+    slow weights (MaskedNode where local_steps does not act) broke restore_nonfinite's tree_map."""
+    params = {"a": jnp.ones(2), "b": jnp.full(2, 5.0)}
+    ls = local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 1, nonfinite_guard=True)
+    tx = optax.chain(optax.masked(ls, {"a": True, "b": False}),
+                     optax.masked(optax.sgd(0.1), {"a": False, "b": True}))  # fmt: skip
+    state = tx.init(params)
+    out = restore_nonfinite({"a": jnp.array([jnp.nan, 3.0]), "b": jnp.full(2, 7.0)}, state)
+    np.testing.assert_array_equal(out["a"], [1.0, 1.0])  # back on its slow weights
+    np.testing.assert_array_equal(out["b"], [7.0, 7.0])  # not local_steps': untouched
+    out = restore_nonfinite({"a": jnp.full(2, 3.0), "b": jnp.array([jnp.nan, 7.0])}, state)
+    np.testing.assert_array_equal(out["a"], [3.0, 3.0])  # its own leaves are finite
+
+
 def test_without_the_guard_nan_spreads_to_the_partner():
     _, _, _, params, _ = _nan_guard_run(guard=False)
     finite = np.array([bool(jnp.all(jnp.isfinite(params["w"][i]))) for i in range(4)])

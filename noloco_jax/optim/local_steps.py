@@ -762,14 +762,20 @@ def restore_nonfinite(
     found = find_local_steps_state(opt_state)
     if found is None:
         return params
-    slow = found.slow_params
+    # Under optax.masked the slow weights hold MaskedNode where local_steps does not act:
+    # those params are neither checked nor put back (the guard did not see them either).
+    masked = lambda x: x is None or isinstance(x, optax.MaskedNode)  # noqa: E731
+    slow = jax.tree.map(lambda s, p: None if masked(s) else s, found.slow_params, params,
+                        is_leaf=masked)  # fmt: skip
+    mine = jax.tree.map(lambda s, p: None if s is None else p, slow, params,
+                        is_leaf=lambda x: x is None)  # fmt: skip
 
     def put_back(carry):
         done, p = carry  # or-ing keeps the flag's shard_map varying-axes type
         return jnp.logical_or(done, True), _theta_like(slow, p)
 
     # A loop run once for a broken replica, never for a healthy one (BENCHMARKS.md).
-    ok = _all_finite(params, axis_name)
+    ok = _all_finite(mine, axis_name)
     _, params = lax.while_loop(lambda c: jnp.logical_not(c[0]), put_back, (ok, params))
     return params
 
