@@ -205,3 +205,29 @@ def test_unbound_axis_names_axis_and_how_to_bind():
         tx.update(phi, tx.init(phi), phi)
     with pytest.raises(ValueError, match="params"):
         noloco_outer(axis_name=None).update(phi, tx.init(phi))
+
+
+
+@pytest.mark.parametrize("outer, kwargs", [
+    ("noloco", {"gamma": 0.3}), ("noloco", {"exchange_dtype": "int8", "error_feedback": True}),
+    ("diloco", {"exchange_dtype": jnp.bfloat16}), ("diloco", {"exchange_dtype": "int8"}),
+])  # fmt: skip
+def test_complex_leaves_average_both_parts(outer, kwargs):
+    """noloco_outer died packing a complex leaf's bits into its message, and a diloco wire
+    cast it to float32, dropping the imaginary part (a silent wrong delta)."""
+    num, beta = 4, 0.7
+    tx = noloco_outer(beta, seed=0, **kwargs) if outer == "noloco" else diloco_outer(beta, **kwargs)
+    rng = np.random.default_rng(0)
+    phi = {"c": jnp.asarray(rng.normal(size=(num, 3)) + 1j * rng.normal(size=(num, 3)),
+                            jnp.complex64), "w": jnp.asarray(rng.normal(size=(num, 2)))}
+    grad = {"c": phi["c"] * 0.5 + 0.25j, "w": phi["w"]}
+    reps = replicas.make_replicas(num, backend="vmap")
+    delta, _ = jax.jit(reps.map(tx.update))(grad, reps.init(tx, phi), phi)
+    p, g = np.asarray(phi["c"], np.complex128), np.asarray(grad["c"], np.complex128)
+    want = np.empty_like(p)
+    if outer == "diloco":
+        want[:] = -beta * g.mean(0)
+    for grp in groups_for_round(0, num, 2, 0) if outer == "noloco" else ():
+        gamma = kwargs.get("gamma", beta)  # delta = -beta mean_G grad - gamma (phi - mean_G phi)
+        want[grp] = -beta * g[grp].mean(0) - gamma * (p[grp] - p[grp].mean(0))
+    np.testing.assert_allclose(np.asarray(delta["c"]), want, atol=0.03)

@@ -34,7 +34,7 @@ from noloco_jax.optim.noloco import (
     check_rate,
     check_static_args,
 )
-from noloco_jax.optim.trees import float_leaves, like_dtypes, zeros_where_none
+from noloco_jax.optim.trees import as_real, float_leaves, from_real, like_dtypes, zeros_where_none
 
 __all__ = ["DiLoCoOuterState", "diloco_outer", "INJECT_STATIC_ARGS"]
 
@@ -173,7 +173,7 @@ def diloco_outer(
         phi = float_leaves(params)
         residual = None
         if error_feedback:
-            residual = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), phi)
+            residual = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), as_real(phi))
         return DiLoCoOuterState(jnp.zeros([], jnp.int32), sgd.init(phi), residual)
 
     def update_fn(
@@ -197,8 +197,9 @@ def diloco_outer(
                 outer_grad = comm.all_replica_mean(outer_grad, axis_name, weight=present,
                                                    absent_takes_mean=resync_absent)  # fmt: skip
             else:
-                outer_grad, residual = _wire_mean(outer_grad, residual, axis_name,
+                outer_grad, residual = _wire_mean(as_real(outer_grad), residual, axis_name,
                                                   exchange_dtype, present, resync_absent)
+                outer_grad = from_real(outer_grad, own)  # complex leaves travel as real pairs
             # A wire's mean comes back in at least float32; the momentum keeps phi's dtype (a
             # bfloat16 trace would turn float32 after one round: a retrace, a failed cond).
             outer_grad = like_dtypes(outer_grad, own)

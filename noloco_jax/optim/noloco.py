@@ -41,8 +41,8 @@ import optax
 
 from noloco_jax import comm, errors, quantize
 from noloco_jax.comm import check_exchange_dtype
-from noloco_jax.optim.trees import (BATCHED_COUNTER_FIX, float_leaves, is_batched, like_dtypes,
-                                    zeros_where_none)
+from noloco_jax.optim.trees import (BATCHED_COUNTER_FIX, as_real, float_leaves, from_real,
+                                    is_batched, like_dtypes, zeros_where_none)
 
 __all__ = [
     "NoLoCoOuterState",
@@ -171,6 +171,7 @@ def _pseudo_gradient(
         present = active if present is None else present & active
     theta = jax.tree.map(lambda p, g: p - g, phi, outer_grad)
     travel = theta if gamma_over_beta is None else (theta, phi)
+    complex_like, travel = travel, as_real(travel)  # complex leaves travel as real pairs
     if residual is None:
         bar = comm.group_mean(travel, axis_name, pool, index, exchange_dtype, present)
     else:  # error feedback: send value + residual; keep what the 8-bit message left out
@@ -186,6 +187,7 @@ def _pseudo_gradient(
             residual = jax.tree.map(lambda x, s, e, j: jnp.where(j, kept(x, s, e), e),
                                     travel, sent, residual, joined)  # fmt: skip
             bar = jax.tree.map(lambda b, x, j: jnp.where(j, b, x), bar, plain, joined)
+    bar = from_real(bar, complex_like)
     if gamma_over_beta is None:
         return jax.tree.map(lambda p, tb: (p - tb).astype(p.dtype), phi, bar), residual
     theta_bar, phi_bar = bar
@@ -356,7 +358,7 @@ def noloco_outer(
         phi = float_leaves(params)
         residual = None
         if error_feedback:
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), phi)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), as_real(phi))
             residual = zeros if gamma_over_beta(0) is None else (zeros, zeros)
         return NoLoCoOuterState(jnp.zeros([], jnp.int32), sgd.init(phi), residual)
 

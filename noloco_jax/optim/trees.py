@@ -13,6 +13,8 @@ __all__ = [
     "zeros_where_none",
     "like_dtypes",
     "is_batched",
+    "as_real",
+    "from_real",
     "BATCHED_COUNTER_FIX",
 ]
 
@@ -42,6 +44,23 @@ def like_dtypes(tree: Any, like: Any) -> Any:
     the step that does not sync keeps bfloat16, and ``lax.cond`` refuses the two branches.
     """
     return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
+
+
+def as_real(tree: Any) -> Any:
+    """``tree`` with each complex leaf as a real array of (real, imag) pairs on a last axis.
+
+    The exchanges send and sum real numbers: a wire cast dropped the imaginary part, and
+    a packed message could not take a complex leaf's bits.
+    """
+    return jax.tree.map(
+        lambda x: jnp.stack([x.real, x.imag], -1) if jnp.iscomplexobj(x) else x, tree)
+
+
+def from_real(tree: Any, like: Any) -> Any:
+    """Inverse of ``as_real``: the leaves that are complex in ``like`` put back together."""
+    return jax.tree.map(
+        lambda r, x: jax.lax.complex(r[..., 0], r[..., 1]).astype(x.dtype)
+        if jnp.iscomplexobj(x) else r, tree, like)  # fmt: skip
 
 
 def is_batched(x: Any) -> bool:
