@@ -703,6 +703,13 @@ def test_batcher_errors():
             data.ReplicaBatcher(bad, num_replicas=4, batch_size=3, seq_len=16)
 
 
+def test_a_batch_of_no_listed_replicas_is_empty():
+    """``replicas=[]`` died in numpy's "need at least one array to stack"."""
+    b = data.ReplicaBatcher(STREAM, num_replicas=4, batch_size=3, seq_len=16)
+    assert b.window_ids(0, replicas=[]).shape == (0, 3)
+    assert b.batch(0, replicas=[]).shape == (0, 3, 17)
+    np.testing.assert_array_equal(b.batch(5, replicas=[2, 0]), b.batch(5)[[2, 0]])
+
 def test_check_compatible():
     b = data.ReplicaBatcher(STREAM, num_replicas=4, batch_size=3, seq_len=16)
     saved = b.state()

@@ -191,7 +191,8 @@ class ReplicaBatcher:
         rows = range(self.num_replicas) if replicas is None else replicas
         for r in rows:
             check_int("replicas", r, 0, self.num_replicas - 1)
-        return np.stack([self._order(r, epoch)[sl] for r in rows]).astype(np.int64)
+        ids = [self._order(r, epoch)[sl] for r in rows]  # none listed: [0, B], not a crash
+        return np.asarray(ids, np.int64).reshape(len(ids), self.batch_size)
 
     def batch(self, step: int, replicas: Sequence[int] | None = None) -> np.ndarray:
         """int32 [num_replicas, batch_size, seq_len + 1] (only ``replicas``' rows if given).
