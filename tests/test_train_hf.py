@@ -7,6 +7,7 @@ tokenizer is trained here by ``tokenizers`` and the model is a random LlamaForCa
 from __future__ import annotations
 
 import json
+import types
 
 import jax
 import numpy as np
@@ -166,3 +167,26 @@ def test_export_run_checks_replica_before_reading_the_run(tmp_path, monkeypatch)
     out = export_run(s, tmp_path / "run", tmp_path / "out", replica=np.int64(1))
     exported = hf.load_llama(out)[2]
     np.testing.assert_array_equal(exported["embedding"][...], reps[1]["embedding"][...])
+
+
+def test_export_run_of_one_replica_split_over_devices(tmp_path, monkeypatch):
+    """mesh.fsdp=2: export_run(replica=1) died in JAX's explicit-sharding gather ("out
+    sharding could not be resolved"); the replica is exported as it is."""
+    from noloco_jax import replicas  # noqa: PLC0415
+    from noloco_jax.models import hf  # noqa: PLC0415
+    from noloco_jax.trainer import build, loop  # noqa: PLC0415
+
+    cfg = models.LlamaConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+                             mlp_hidden_size=8)  # fmt: skip
+    reps = [models.init_params(cfg, i)[1] for i in range(2)]
+    split = replicas.make_replicas(2, mesh_shape={"fsdp": 2})
+    params = split.put(jax.tree.map(lambda *x: np.stack(x), *reps))
+    assert not params["embedding"][...].sharding.is_fully_replicated  # spread over the mesh
+    data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16))
+    monkeypatch.setattr(loop, "load_run", lambda s, workdir: (None, params, data))
+    monkeypatch.setattr(build, "prepare_model", lambda s, v, abstract=False: (cfg, None, None))
+    out = export_run(types.SimpleNamespace(num_replicas=2), tmp_path / "run", tmp_path / "out",
+                     replica=1)  # fmt: skip
+    exported = hf.load_llama(out)[2]
+    for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(reps[1])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -11,6 +11,7 @@ import jax
 
 from noloco_jax.models import LlamaConfig, init_params
 from noloco_jax.models.hf import load_llama, read_config, save_llama
+from noloco_jax.replicas import to_host
 from noloco_jax.trainer.settings import TrainSettings
 
 __all__ = ["prepare_hf_model", "export_run"]
@@ -80,5 +81,8 @@ def export_run(
                          f"{replica!r}.")  # checked before the run is read
     _, params, data = load_run(s, workdir)
     cfg = prepare_model(s, data.tokenizer.vocab_size, abstract=True)[0]
-    single = jax.tree.map(lambda x: x.mean(0) if replica is None else x[replica], params)
+    # One replica is read on the host: indexing an array split over a mesh (mesh.fsdp > 1)
+    # died in JAX's explicit-sharding gather ("out sharding could not be resolved").
+    single = jax.tree.map(lambda x: x.mean(0) if replica is None else to_host(x)[replica],
+                          params)  # fmt: skip
     return save_llama(out, cfg, single)
