@@ -190,3 +190,26 @@ def test_export_run_of_one_replica_split_over_devices(tmp_path, monkeypatch):
     exported = hf.load_llama(out)[2]
     for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(reps[1])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_export_run_refuses_non_finite_weights(tmp_path, monkeypatch):
+    """A replica left NaN at the run's last step (the guard repairs it only at a sync) made the
+    exported averaged model all NaN, written without an error; a finite replica still exports."""
+    from noloco_jax.models import hf  # noqa: PLC0415
+    from noloco_jax.trainer import build, loop  # noqa: PLC0415
+
+    cfg = models.LlamaConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
+                             mlp_hidden_size=8)  # fmt: skip
+    reps = [models.init_params(cfg, i)[1] for i in range(2)]
+    params = jax.tree.map(lambda a, b: np.stack([a, np.full_like(b, np.nan)]), *reps)
+    data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16))
+    monkeypatch.setattr(loop, "load_run", lambda s, workdir: (None, params, data))
+    monkeypatch.setattr(build, "prepare_model", lambda s, v, abstract=False: (cfg, None, None))
+    s = types.SimpleNamespace(num_replicas=2)
+    for replica in (None, 1):
+        with pytest.raises(ValueError, match=r"replica\(s\) \[1\] are non-finite"):
+            export_run(s, tmp_path / "run", tmp_path / "out", replica=replica)
+    assert not (tmp_path / "out").exists()
+    out = export_run(s, tmp_path / "run", tmp_path / "out", replica=0)
+    np.testing.assert_array_equal(hf.load_llama(out)[2]["embedding"][...],
+                                  reps[0]["embedding"][...])  # fmt: skip

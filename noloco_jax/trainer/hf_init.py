@@ -8,6 +8,7 @@ import pathlib
 from typing import Any
 
 import jax
+import numpy as np
 
 from noloco_jax.models import LlamaConfig, init_params
 from noloco_jax.models.hf import load_llama, read_config, save_llama
@@ -71,6 +72,10 @@ def export_run(
 
     Returns:
       ``out``.
+
+    Raises:
+      ValueError: ``replica`` is not None or an int in [0, num_replicas), or the weights to
+        export are non-finite.
     """
     from noloco_jax.trainer.build import prepare_model  # noqa: PLC0415
     from noloco_jax.trainer.loop import load_run  # noqa: PLC0415
@@ -80,9 +85,27 @@ def export_run(
         raise ValueError(f"replica must be None or an int in [0, {s.num_replicas}), got "
                          f"{replica!r}.")  # checked before the run is read
     _, params, data = load_run(s, workdir)
+    _check_finite(params, replica)
     cfg = prepare_model(s, data.tokenizer.vocab_size, abstract=True)[0]
     # One replica is read on the host: indexing an array split over a mesh (mesh.fsdp > 1)
     # died in JAX's explicit-sharding gather ("out sharding could not be resolved").
     single = jax.tree.map(lambda x: x.mean(0) if replica is None else to_host(x)[replica],
                           params)  # fmt: skip
     return save_llama(out, cfg, single)
+
+
+def _check_finite(params: Any, replica: int | None) -> None:
+    """Refuses to export non-finite weights (a NaN replica made the averaged model all NaN).
+
+    A replica the non-finite guard had not repaired by the run's last step (it ends after its
+    last sync) keeps NaN fast weights in the checkpoint; the export wrote them silently.
+    """
+    from noloco_jax.trainer.health import per_replica_finite  # noqa: PLC0415
+
+    ok = np.stack([to_host(v) for v in per_replica_finite(params)]).all(0)
+    bad = np.flatnonzero(~ok).tolist() if replica is None else [replica] * (not ok[replica])
+    if bad:
+        raise ValueError(f"replica={replica!r}: the weights of replica(s) {bad} are non-finite "
+                         f"(not repaired by the run's last step); export one of the finite "
+                         f"replicas {np.flatnonzero(ok).tolist()} (replica=i), or resume the "
+                         f"run up to its next sync, which repairs them.")  # fmt: skip
