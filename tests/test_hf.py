@@ -195,6 +195,18 @@ def test_a_non_numeric_eps_or_rope_theta_is_a_value_error_naming_it(key, value):
         hf.config_from_hf({**d, key: value, "rope_parameters": None})
 
 
+def test_a_config_json_that_is_not_an_object_is_a_value_error(tmp_path):
+    """A JSON list, or a rope_scaling / rope_parameters that is a string, was AttributeError."""
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a JSON list, not an object"):
+        hf.read_config(tmp_path)
+    d = hf.config_to_hf(models.LlamaConfig(vocab_size=16, hidden_size=16, num_layers=1,
+                                           num_heads=2, mlp_hidden_size=16))  # fmt: skip
+    for key in ("rope_scaling", "rope_parameters"):
+        with pytest.raises(ValueError, match=f"{key}='linear'; it must be an object"):
+            hf.config_from_hf({**d, key: "linear"})
+
+
 def test_a_tied_config_with_a_different_stored_head_is_refused(tmp_path):
     directory, cfg = _saved(tmp_path, tie_embeddings=True)
     tensors = dict(hf.read_safetensors(directory / "model.safetensors"))

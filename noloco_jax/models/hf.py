@@ -191,14 +191,22 @@ def _read_config(directory: str | pathlib.Path) -> tuple[pathlib.Path, dict]:
         raise FileNotFoundError(f"{str(directory)!r} holds no config.json; it is not a Hugging "
                                 f"Face model directory.")  # fmt: skip
     try:
-        return directory, json.loads(path.read_text())
+        d = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} holds a JSON {type(d).__name__}, not an object; a Hugging "
+                         f"Face config.json is one object of settings.")  # fmt: skip
+    return directory, d
 
 
 def _rope_theta(d: dict) -> float:
     params = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ValueError(f"config.json sets {key}={value!r}; it must be an object "
+                             f"(e.g. {{\"rope_type\": \"default\"}}) or null.")
     # Both keys are read (transformers merges them): a default type in one must not hide a
     # scaling in the other.
     kinds = {params.get("rope_type"), scaling.get("rope_type", scaling.get("type"))} - {None}
