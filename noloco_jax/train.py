@@ -399,10 +399,11 @@ def _unknown_field(err: BaseException, argv: Sequence[str]) -> str:
     text = str(inner)
     name = re.match(r"'?([\w]+)'?", text)
     guess = re.search(r'Did you mean "(\w+)"', text)
-    bad = next((a.split("=", 1)[0] for a in argv
-                if name and re.match(rf"^--?(no)?config\.([\w.]+\.)?{name.group(1)}(=|$)", a)),
-               None)  # fmt: skip
-    flag = bad.lstrip("-") if bad else f"config...{name.group(1) if name else text}"
+    # the flag up to the unknown name: --config.nosuch.deep=3 names config.nosuch
+    pattern = rf"^--?((no)?config\.(\w+\.)*?{name.group(1)})([=.]|$)" if name else None
+    bad = next((m.group(1) for m in (re.match(pattern, a) for a in argv) if m),
+               None) if pattern else None  # fmt: skip
+    flag = bad or f"config...{name.group(1) if name else text}"
     message = f"unknown config field --{flag}"
     if guess:
         return message + f"; did you mean --{flag.rsplit('.', 1)[0]}.{guess.group(1)}?"

@@ -110,6 +110,10 @@ CASES = {
                                        r"preset\?"),  # fmt: skip
         (["--config.outer.gama=None"], r"unknown config field --config\.outer\.gama; did you "
                                        r"mean --config\.outer\.gamma\?"),  # fmt: skip
+        # A dotted tail after the unknown name was "--config...num_replica":
+        (["--config.num_replica.x=3"], r"unknown config field --config\.num_replica; did you "
+                                       r"mean --config\.num_replicas\?"),  # fmt: skip
+        (["--config.outer.nosuch.deep=3"], r"unknown config field --config\.outer\.nosuch\."),
     ],
     "out-of-range or inconsistent value": [
         (["--config.optim.learning_rate=-1"], r"config\.optim\.learning_rate: must be a finite "
