@@ -235,8 +235,12 @@ CASES = {
          r"config\.data\.path: applies to data\.source='files' or 'tokens' only"),
     ],
     "`model.init_from` directory missing": [
-        (["--config.model.init_from={empty}/nope"], r"checkpoint directory .*nope.* does not exist"),
-        (["--config.model.init_from={empty}"], r"holds no config\.json"),
+        # These named the path but not the field:
+        (["--config.model.init_from={empty}/nope"], r"config\.model\.init_from: Hugging Face "
+                                                    r"checkpoint directory .*nope.* does not "
+                                                    r"exist"),  # fmt: skip
+        (["--config.model.init_from={empty}"], r"config\.model\.init_from: .* holds no "
+                                               r"config\.json"),  # fmt: skip
     ],
     "`model.init_from` of a non-Llama model": [
         (["--config.model.init_from={gpt2}"], r"describes a 'gpt2' model.*only Llama"),

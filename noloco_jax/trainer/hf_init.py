@@ -34,7 +34,11 @@ def prepare_hf_model(s: TrainSettings, vocab_size: int) -> tuple[LlamaConfig, An
         model's positions, or a tied model is asked to run as routed pipeline stages.
       FileNotFoundError: a missing directory, config.json or safetensors file.
     """
-    cfg = read_config(s.model.init_from)  # checked before any weight is read
+    try:  # checked before any weight is read
+        cfg = read_config(s.model.init_from)
+    except (FileNotFoundError, ValueError) as err:  # hf's message names the path, not the field
+        kind = FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError
+        raise kind(f"config.model.init_from: {err}") from err
     if cfg.vocab_size != vocab_size:
         raise ValueError(
             f"config.model.init_from={s.model.init_from!r} has a vocabulary of {cfg.vocab_size} "
