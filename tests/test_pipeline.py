@@ -380,3 +380,34 @@ def test_diloco_bytes_on_the_stage_mesh_pad_one_message_per_device():
     got = optim_lib.bytes_sent("diloco", s.outer, single, num_replicas=N,
                                steps=s.outer.sync_every, fault=s.fault, stage_copies=S)
     assert got == want
+
+
+def test_bf16_params_train_on_the_stage_mesh_as_in_simulation():
+    """bf16 params on a (replica, stage) mesh: ``comm.as_stored``'s one barrier over all leaves
+    typed the stage-replicated embedding and head as stage-varying, so every run died in the
+    step loop's scan with a TypeError."""
+    from noloco_jax.trainer import grads as grads_lib
+    from noloco_jax.trainer import optimizer as optim_lib
+    from noloco_jax.trainer import settings as settings_lib
+    from noloco_jax.trainer.step import TrainState, make_program
+
+    cfg = models.get_preset("nano", vocab_size=64, max_seq_len=64, param_dtype="bfloat16")
+    graphdef, single = models.init_params(cfg, 0)
+    s = settings_lib.from_config({"num_replicas": N, "global_batch_size": 8, "num_stages": S,
+                                  "method": "dp"})  # fmt: skip
+    build = lambda stage=None: optim_lib.build_optimizer(
+        "dp", s.optim, s.outer, num_steps=10, num_replicas=N, num_stages=S, stage=stage)
+    state0 = TrainState(jnp.zeros([], jnp.int32), single, build().init(single))
+    state0 = replicas.replicate(state0, N)
+    tokens = jax.random.randint(jax.random.key(3), (N, 1, B, T + 1), 1, 64)
+    pool, out = pl.permutation_pool(N), {}
+    for name, reps, grads_fn, tx in (
+            ("sim", replicas.Replicas(N), grads_lib.routed(graphdef, pool, S, seed=0), build()),
+            ("mesh", _mesh_reps(), grads_lib.routed_on_mesh(graphdef, pool, S, seed=0),
+             grads_lib.per_stage(build))):  # fmt: skip
+        program = make_program(reps, sync_step=None, donate=False, grads_fn=grads_fn, tx=tx)
+        state, _ = program(reps.put(state0), reps.put(tokens))
+        out[name] = jax.tree.map(lambda x: np.asarray(x, np.float32), state.params)
+    assert_trees_close(out["mesh"], out["sim"], rtol=1e-2, atol=1e-3)  # ~2 bf16 ulps
+    moved = out["mesh"]["lm_head"][...][0] - np.asarray(single["lm_head"][...], np.float32)
+    assert np.abs(moved).max() > 0
