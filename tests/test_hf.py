@@ -195,6 +195,17 @@ def test_a_non_numeric_eps_or_rope_theta_is_a_value_error_naming_it(key, value):
         hf.config_from_hf({**d, key: value, "rope_parameters": None})
 
 
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_tie_word_embeddings_must_be_a_json_bool(value):
+    """bool() read the string "false" as True: the head was silently tied to the embedding."""
+    d = hf.config_to_hf(models.LlamaConfig(vocab_size=16, hidden_size=16, num_layers=1,
+                                           num_heads=2, mlp_hidden_size=16))  # fmt: skip
+    with pytest.raises(ValueError, match=f"tie_word_embeddings must be true or false, got "
+                                         f"{value!r}"):  # fmt: skip
+        hf.config_from_hf({**d, "tie_word_embeddings": value})
+    assert hf.config_from_hf({**d, "tie_word_embeddings": False}).tie_embeddings is False
+
+
 def test_a_config_json_that_is_not_an_object_is_a_value_error(tmp_path):
     """A JSON list, or a rope_scaling / rope_parameters that is a string, was AttributeError."""
     (tmp_path / "config.json").write_text("[1, 2]")

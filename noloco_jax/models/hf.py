@@ -262,6 +262,10 @@ def config_from_hf(
     if missing:
         raise ValueError(f"config.json has no {missing}; a Llama config.json sets all of "
                          f"{list(_HF_SIZES)}.")  # fmt: skip
+    tie = d.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):  # bool("false") is True: a silently tied head
+        raise ValueError(f"config.json's tie_word_embeddings must be true or false, got "
+                         f"{tie!r}.")  # fmt: skip
     heads = d["num_attention_heads"]
     kv = d.get("num_key_value_heads") or heads
     cfg = LlamaConfig(
@@ -270,7 +274,7 @@ def config_from_hf(
         max_seq_len=max_seq_len or d.get("max_position_embeddings", 2048),
         rope_theta=_rope_theta(d), norm_eps=d.get("rms_norm_eps", 1e-6), dtype=dtype,
         param_dtype=param_dtype, num_kv_heads=0 if kv == heads else kv,
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        tie_embeddings=tie,
     )  # fmt: skip
     if d.get("head_dim") not in (None, cfg.head_dim):  # checked once the heads are valid
         raise ValueError(
