@@ -176,6 +176,17 @@ def test_a_preset_given_with_init_from_is_warned():
                        for w in settings_lib.warnings_for(s))
 
 
+def test_a_pool_size_with_fixed_routing_is_warned():
+    """routing='fixed' keeps the identity at every boundary: the pool size did nothing, silently."""
+    warned = "config.routing_pool_size=7 is ignored with routing='fixed'"
+    fixed = settings_lib.from_config(_tiny(num_stages=2, routing="fixed", routing_pool_size=7))
+    assert any(warned in w for w in settings_lib.warnings_for(fixed))
+    for overrides in ({"routing": "fixed"}, {"routing_pool_size": 7}):
+        staged = settings_lib.from_config(_tiny(num_stages=2, **overrides))
+        assert not any("is ignored with routing='fixed'" in w
+                       for w in settings_lib.warnings_for(staged))
+
+
 @pytest.mark.parametrize("overrides", [{"routing": "fixed"}, {"routing_pool_size": 7}])
 def test_routing_without_pipeline_stages_is_warned(overrides):
     warned = "config.routing / routing_pool_size are ignored without pipeline stages"

@@ -447,6 +447,10 @@ def warnings_for(s: TrainSettings) -> list[str]:
     if s.num_stages > 1 and s.routing == "random" and s.routing_pool_size == 1:
         out.append("config.routing_pool_size=1: the pool holds only the identity, so "
                    "routing='random' is fixed routing.")
+    if (s.num_stages > 1 and s.routing == "fixed"
+            and s.routing_pool_size != defaults.default("routing_pool_size")):
+        out.append(f"config.routing_pool_size={s.routing_pool_size} is ignored with "
+                   f"routing='fixed': every stage boundary keeps the identity.")
     routing = (s.routing, s.routing_pool_size)
     if s.num_stages == 1 and routing != (defaults.default("routing"),
                                          defaults.default("routing_pool_size")):
