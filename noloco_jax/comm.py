@@ -600,14 +600,15 @@ def as_stored(tree: PyTree) -> PyTree:
               if jnp.issubdtype(x.dtype, jnp.inexact) and jnp.dtype(x.dtype).itemsize < 4]
     if not narrow:
         return tree
-    # One barrier per kind of shard_map type: a barrier types every output as varying over
-    # the union of its inputs' axes (stage-replicated leaves came back stage-varying).
-    for kind in dict.fromkeys(varying_axes(leaves[i]) for i in narrow):
-        group = [i for i in narrow if varying_axes(leaves[i]) == kind]
-        bits = lax.optimization_barrier(
-            [lax.bitcast_convert_type(leaves[i], _uint_of(leaves[i].dtype)) for i in group])
-        for i, b in zip(group, bits):
-            leaves[i] = lax.bitcast_convert_type(b, leaves[i].dtype)
+    # One barrier per shard_map type: a barrier types every output as varying over the union
+    # of its inputs' axes (stage-replicated leaves came back stage-varying).
+    per_kind = _per_kind(lambda part: (as_stored(part),), tree)
+    if per_kind is not None:
+        return per_kind[0]
+    bits = lax.optimization_barrier(
+        [lax.bitcast_convert_type(leaves[i], _uint_of(leaves[i].dtype)) for i in narrow])
+    for i, b in zip(narrow, bits):
+        leaves[i] = lax.bitcast_convert_type(b, leaves[i].dtype)
     return jax.tree.unflatten(treedef, leaves)
 
 
