@@ -778,7 +778,6 @@ def _group_mean_codec(
     those roundings (a partial sum's error split over its present senders), so that error
     feedback returns them too.
     """
-    _check_float_leaves(tree, f"group_mean with exchange_dtype={fmt!r}")
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:  # nothing to send (as group_mean's other wires)
         return tree, tree, tree
@@ -870,6 +869,7 @@ def group_mean_codec(
     False for a replica whose message nobody used: an absent one, or a present
     one whose partners are all absent (both get their own exact ``tree`` back).
     """
+    _check_float_leaves(tree, f"group_mean with exchange_dtype={fmt!r}")
     run = functools.partial(_group_mean_codec, axis_name=axis_name, pool=pool, index=index,
                             fmt=fmt, weight=weight)  # fmt: skip
     per_kind = _per_kind(run, tree)
@@ -999,7 +999,6 @@ def _over_count(total: jax.Array, count: jax.Array, present: jax.Array | None) -
 
 def _all_replica_mean_wire(tree: PyTree, axis_name: str, wire: Any, weight: jax.Array | None,
                            absent_takes_mean: bool) -> tuple[PyTree, PyTree, PyTree]:  # fmt: skip
-    _check_float_leaves(tree, f"all_replica_mean_wire with exchange_dtype={wire!r}")
     leaves, treedef = jax.tree.flatten(tree)
     num = axis_size(axis_name)
     if num == 1 or not leaves:  # nothing to exchange, so nothing is encoded
@@ -1154,6 +1153,7 @@ def all_replica_mean_wire(
       replicas' last residuals alone.
     """
     check_exchange_dtype(exchange_dtype)
+    _check_float_leaves(tree, f"all_replica_mean_wire with exchange_dtype={exchange_dtype!r}")
     run = functools.partial(_all_replica_mean_wire, axis_name=axis_name, wire=exchange_dtype,
                             weight=weight, absent_takes_mean=absent_takes_mean)  # fmt: skip
     per_kind = _per_kind(run, tree)
