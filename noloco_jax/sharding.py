@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["FSDP", "TENSOR", "INTRA_AXES", "LLAMA_RULES", "intra_replica_axes", "check_divides",
-           "shard_batch", "gather_whole", "batch_split", "whole_lookups"]
+           "path_names", "shard_batch", "gather_whole", "batch_split", "whole_lookups"]
 
 FSDP, TENSOR = "fsdp", "tensor"
 INTRA_AXES = (FSDP, TENSOR)
@@ -57,13 +57,14 @@ _DIM_NAMES: dict[str, tuple] = {
 _COUNTED = ("heads", "key/value heads", "MLP hidden units")  # "more than the 4 heads"
 
 
-def _names(path: tuple) -> list[str]:
+def path_names(path: tuple) -> list[str]:
+    """The names along a pytree key path (dict keys, attribute names; other keys as text)."""
     return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
 
 
 def _rule(path: tuple, local: Any, rules: dict[str, tuple]) -> tuple[str, tuple]:
     """(parameter name, mesh axis of each dim) of one replica's leaf; ("", ()) if whole."""
-    for name in reversed(_names(path)):
+    for name in reversed(path_names(path)):
         rule = rules.get(name)
         if rule is not None and len(rule) == len(local.shape):
             return name, rule

@@ -38,6 +38,7 @@ from flax import nnx
 
 from noloco_jax.models.llama import Llama
 from noloco_jax.models.presets import LlamaConfig
+from noloco_jax.sharding import path_names
 
 __all__ = [
     "config_from_hf",
@@ -349,8 +350,7 @@ def _top_maps(cfg: LlamaConfig) -> dict[str, tuple[str, Callable, Callable]]:
 
 
 def _name(path: tuple) -> str:
-    keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    return ".".join(k for k in keys if k != "value")
+    return ".".join(k for k in path_names(path) if k != "value")
 
 
 def _abstract_model(cfg: LlamaConfig) -> tuple[nnx.GraphDef, nnx.State]:

@@ -30,6 +30,7 @@ from jax import lax
 from noloco_jax import errors
 from noloco_jax.models import cross_entropy
 from noloco_jax.pipeline.stages import stage_layer_ids
+from noloco_jax.sharding import path_names
 
 __all__ = ["REPLICA", "STAGE", "routed_loss", "routed_loss_on_mesh", "stage_leaf_axes",
            "make_pipeline_mesh"]  # fmt: skip
@@ -143,8 +144,7 @@ def routed_loss_on_mesh(params: Any, tokens_BxT1: jax.Array, idx_Sm1xB: jax.Arra
 
 def stage_leaf_axes(path: tuple, local: Any) -> tuple[str, ...]:
     """Mesh axes of a replica's leaf on a ``(replica, stage)`` mesh: blocks split by layer."""
-    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    return (STAGE,) if "blocks" in names else ()
+    return (STAGE,) if "blocks" in path_names(path) else ()
 
 
 def make_pipeline_mesh(num_replicas: int, num_stages: int,

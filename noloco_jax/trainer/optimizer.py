@@ -22,6 +22,7 @@ from noloco_jax.optim import (
 from noloco_jax.pipeline.routed import STAGE as STAGE_AXIS
 from noloco_jax.pipeline.routed import stage_leaf_axes
 from noloco_jax.pipeline.stages import clip_by_stage_norm
+from noloco_jax.sharding import path_names
 from noloco_jax.trainer.settings import (METHODS, FaultSettings, OptimSettings, OuterSettings,
                                          packs_replica)
 
@@ -64,10 +65,8 @@ def inner_optimizer(o: OptimSettings, num_steps: int) -> optax.GradientTransform
 
 def _not_norm_scales(params: Any) -> Any:
     """True for every leaf but the norms' scales (a path through a key named ``scale``)."""
-    def keep(path: tuple, _: Any) -> bool:
-        return "scale" not in (str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-
-    return jax.tree_util.tree_map_with_path(keep, params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: "scale" not in path_names(path),
+                                            params)  # fmt: skip
 
 
 def _exchange_dtype(name: str) -> Any:
