@@ -520,12 +520,17 @@ def _drill_warnings(s: TrainSettings) -> list[str]:
             f"injected (steps are 0-based); use a step in [0, {s.num_steps - 1}]."]
 
 
+def _changed_fields(s: TrainSettings, fields: Any) -> list[str]:
+    """``config.<field>=<value>`` for each dotted ``section.name`` of ``fields`` off its default."""
+    values = {f: getattr(getattr(s, f.split(".")[0]), f.split(".")[1]) for f in fields}
+    return [f"config.{f}={v!r}" for f, v in values.items() if v != defaults.default(f)]
+
+
 def _lone_replica_warnings(s: TrainSettings) -> list[str]:
     """NoLoCo / DiLoCo with one replica: exchange settings that do nothing (silent before)."""
     if s.num_replicas > 1 or s.method not in ROUND_METHODS:
         return []
-    values = {f: getattr(getattr(s, f.split(".")[0]), f.split(".")[1]) for f in _EXCHANGE_FIELDS}
-    given = [f"config.{f}={v!r}" for f, v in values.items() if v != defaults.default(f)]
+    given = _changed_fields(s, _EXCHANGE_FIELDS)
     if not given:
         return []
     return [f"{', '.join(given)} ignored with num_replicas=1: a lone replica exchanges nothing "
@@ -537,9 +542,7 @@ def _no_rounds_warnings(s: TrainSettings) -> list[str]:
     """'dp' and 'local' have no outer rounds: outer.* changed from its defaults does nothing."""
     if s.method in ROUND_METHODS:
         return []
-    given = [f"config.outer.{f.name}={getattr(s.outer, f.name)!r}"
-             for f in dataclasses.fields(s.outer)
-             if getattr(s.outer, f.name) != defaults.default(f"outer.{f.name}")]  # fmt: skip
+    given = _changed_fields(s, [f"outer.{f.name}" for f in dataclasses.fields(s.outer)])
     if not given:
         return []
     return [f"{', '.join(given)} ignored with method={s.method!r}: it has no outer rounds "
