@@ -118,26 +118,34 @@ def _fits(peak: int) -> list[str]:
     return ["yes" if peak <= cap * USABLE.value else "no" for cap in CHIPS.values()]
 
 
-def _markdown(cmd: str, commit: str, mem: list[dict], speed: list[dict], shape: str,
-              device: str) -> str:
-    mem_rows = [[r["size"], r["batch"], "on" if r["remat"] else "off", r["k"],
-                 r["batch"] // r["k"], f"{r['state'] / _GB:.2f}", f"{r['temp'] / _GB:.2f}",
-                 f"{r['peak'] / _GB:.2f}", *_fits(r["peak"])] for r in mem]  # fmt: skip
-    speed_table = [[r["k"], f"{r['median_s'] * 1e3:.2f}", f"{r['ratio']:.3f}",
-                    f"{r['paired']['median']:.3f} ({r['paired']['q25']:.3f}–"
-                    f"{r['paired']['q75']:.3f})", f"{r['slice_alone_ratio']:.3f}"]
-                   for r in speed]  # fmt: skip
-    what = "bytes per device and speed" if mem else "speed"
-    head = f"### Gradient accumulation: {what}\n\n`{cmd}` (commit {commit}).\n\n"
-    return (head + (
+def _memory_markdown(mem: list[dict]) -> str:
+    """The footprint table and its caption ("" without footprints: ``--nomemory``)."""
+    if not mem:
+        return ""
+    rows = [[r["size"], r["batch"], "on" if r["remat"] else "off", r["k"],
+             r["batch"] // r["k"], f"{r['state'] / _GB:.2f}", f"{r['temp'] / _GB:.2f}",
+             f"{r['peak'] / _GB:.2f}", *_fits(r["peak"])] for r in mem]  # fmt: skip
+    return (
         "Footprint per device of the trainer's NoLoCo sync program, one device per replica, "
         "at the paper's batch per replica (configs/paper.py: float32 params, bfloat16 compute, "
         "Adam, 1024-token sequences), the batch taken in k slices "
         "(`config.optim.micro_batches`), compiled with abstract inputs on XLA:CPU "
         f"(`aot.step_memory`). GB = 10^9 bytes; 'fits' uses {USABLE.value:.0%} of the chip.\n\n"
         + common.md_table(["model", "batch", "remat", "k", "sequences per slice", "state GB",
-                           "scratch GB", "footprint GB", *(f"fits {c}" for c in CHIPS)],
-                          mem_rows) + "\n" if mem else "")  # fmt: skip
+                           "scratch GB", "footprint GB", *(f"fits {c}" for c in CHIPS)], rows)
+        + "\n")  # fmt: skip
+
+
+def _markdown(cmd: str, commit: str, mem: list[dict], speed: list[dict], shape: str,
+              device: str) -> str:
+    speed_table = [[r["k"], f"{r['median_s'] * 1e3:.2f}", f"{r['ratio']:.3f}",
+                    f"{r['paired']['median']:.3f} ({r['paired']['q25']:.3f}–"
+                    f"{r['paired']['q75']:.3f})", f"{r['slice_alone_ratio']:.3f}"]
+                   for r in speed]  # fmt: skip
+    what = "bytes per device and speed" if mem else "speed"
+    return (
+        f"### Gradient accumulation: {what}\n\n`{cmd}` (commit {commit}).\n\n"
+        + _memory_markdown(mem)
         + f"Speed on {device}, {shape}: milliseconds per loss-and-gradient "
         "call, and its ratio to the whole batch (medians; paired: per round, median and IQR); "
         "the last column is k times one slice's call on its own, against the whole batch: "
