@@ -8,21 +8,25 @@ H = 100 / alpha = 0.3, beta = 0.7, groups of 2, bf16 compute.
 from configs import common
 
 _SIZES = {
-    # preset: (peak inner lr, global batch in tokens)
-    "small": (6e-4, 524_288),
-    "medium": (2e-4, 1_048_576),
-    "large": (1.2e-4, 2_097_152),
+    # preset: (peak inner lr, global batch in tokens, data-parallel replicas N). N is that of
+    # a Table 2 row: large ran only at N = 16 (the reference's 7b configs: dp_world_size 16).
+    "small": (6e-4, 524_288, 8),
+    "medium": (2e-4, 1_048_576, 8),
+    "large": (1.2e-4, 2_097_152, 16),
 }
 
 
-def paper_config(size: str, method: str = "noloco", num_replicas: int = 8):
-    """The paper's run for one model size and method ("noloco", "diloco", "dp")."""
+def paper_config(size: str, method: str = "noloco", num_replicas: int | None = None):
+    """The paper's run for one model size and method ("noloco", "diloco", "dp").
+
+    ``num_replicas``: N; None = the size's N of a Table 2 row (8, 8, 16).
+    """
     if size not in _SIZES:
         raise ValueError(f"size must be one of {sorted(_SIZES)}, got {size!r}.")
-    lr, batch_tokens = _SIZES[size]
+    lr, batch_tokens, replicas = _SIZES[size]
     c = common.get_config()
     c.method = method
-    c.num_replicas = num_replicas
+    c.num_replicas = replicas if num_replicas is None else num_replicas
     c.num_steps = 25_000
     c.log_every = 50
     c.eval_every = 500

@@ -53,6 +53,14 @@ def test_paper_configs_follow_the_paper(method):
     assert medium.global_batch_size * 1024 == 1_048_576 and large.optim.learning_rate == 1.2e-4
 
 
+@pytest.mark.parametrize("method", ["noloco", "diloco", "dp"])
+def test_paper_large_runs_the_papers_16_replicas(method):
+    """Table 2 runs the large model only at DP = 16 (the reference's 7b configs: dp_world_size
+    16, batch_size 128); paper_large defaulted to 8 replicas of 256 sequences."""
+    s = settings_lib.from_config(load_config(ROOT / "configs" / "paper_large.py", method))
+    assert (s.num_replicas, s.batch_per_replica, s.data.seq_len) == (16, 128, 1024)
+
+
 def _tiny(**overrides):
     cfg = load_config(ROOT / "configs" / "tiny_noloco.py")
     for dotted, value in overrides.items():
