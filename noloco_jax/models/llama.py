@@ -259,7 +259,12 @@ class Llama(nnx.Module):
                 f"sequence length {tokens_BxT.shape[1]} exceeds max_seq_len "
                 f"{self.cfg.max_seq_len}"
             )
-        x_BxTxD = jnp.take(gather_whole(self.embedding[...]), tokens_BxT, axis=0)
+        # Looked up in at least float32: the lookup's gradient is a scatter-add over every
+        # occurrence of a token, which in bfloat16 rounds at each addition (a frequent
+        # token's row lost most of its gradient).
+        table_VxD = gather_whole(self.embedding[...])
+        table_VxD = table_VxD.astype(jnp.promote_types(table_VxD.dtype, jnp.float32))
+        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
         return shard_batch(x_BxTxD.astype(self.dtype))
 
     def run_layers(self, x_BxTxD: jax.Array, layer_ids: jax.Array | None = None) -> jax.Array:
