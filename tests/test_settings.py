@@ -358,6 +358,27 @@ def test_a_nan_drill_past_the_last_step_is_warned():
     assert warned(num_steps - 1) == warned(-1) == []  # the last step fires; -1 is off
 
 
+def test_inner_adam_of_bf16_params_keeps_its_moments_in_float32():
+    """In bfloat16, b2 * nu with b2 = 0.999 rounds back to nu: after a burst of large gradients
+    nu never decayed, and later steps came out 0.38 of float32 Adam's."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from noloco_jax.trainer.optimizer import inner_optimizer  # noqa: PLC0415
+
+    tx = inner_optimizer(settings_lib.OptimSettings(), num_steps=10_000)
+    step = jax.jit(tx.update)
+
+    def last_update(dtype):
+        params = {"w": jnp.zeros((2,), dtype)}
+        state = tx.init(params)
+        for g in [1.0] * 10 + [0.01] * 300:
+            updates, state = step({"w": jnp.full((2,), g, dtype)}, state, params)
+        return float(updates["w"][0])
+
+    np.testing.assert_allclose(last_update(jnp.bfloat16), last_update(jnp.float32), rtol=2**-8)
+
+
 @pytest.mark.parametrize("decay_norms", [True, False])
 def test_decay_norms_false_keeps_the_norm_scales_out_of_the_weight_decay(decay_norms):
     """optim.decay_norms=False masks AdamW's decay off the RMSNorm scales only; one step on a

@@ -12,6 +12,7 @@ import optax
 from noloco_jax import comm
 from noloco_jax.errors import check_choice
 from noloco_jax.optim.fragments import by_layer_blocks, take
+from noloco_jax.optim.trees import is_float
 from noloco_jax.optim import (
     clip_by_global_norm_fused,
     data_parallel,
@@ -58,9 +59,26 @@ def inner_optimizer(o: OptimSettings, num_steps: int) -> optax.GradientTransform
     lr = learning_rate_schedule(o, num_steps)
     if o.weight_decay > 0:
         mask = None if o.decay_norms else _not_norm_scales
-        return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                           mask=mask)  # fmt: skip
-    return optax.adam(lr, b1=o.b1, b2=o.b2, eps=o.eps)
+        return _in_float32(optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps,
+                                       weight_decay=o.weight_decay, mask=mask))  # fmt: skip
+    return _in_float32(optax.adam(lr, b1=o.b1, b2=o.b2, eps=o.eps))
+
+
+def _in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` on float leaves widened to at least float32: its state (Adam's moments) too.
+
+    optax keeps Adam's second moment in the params' dtype; in bfloat16, ``b2 * nu`` with
+    b2 = 0.999 rounds back to ``nu``, so it never decayed after a large gradient. The
+    updates come back in float32 (``optax.apply_updates`` casts them to the params').
+    """
+    def wide(tree: Any) -> Any:
+        return jax.tree.map(lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
+                            if is_float(x) else x, tree)  # fmt: skip
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return tx.update(wide(updates), state, None if params is None else wide(params))
+
+    return optax.GradientTransformation(lambda params: tx.init(wide(params)), update)
 
 
 def _not_norm_scales(params: Any) -> Any:
