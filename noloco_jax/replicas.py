@@ -112,6 +112,9 @@ def select_replica(tree: PyTree, index: int, single_replica_like: PyTree) -> PyT
     axes = replica_axes(single_replica_like)
     leaves = zip(jax.tree.leaves(tree), jax.tree.leaves(axes, is_leaf=_is_none))
     sizes = [jnp.shape(x)[0] for x, a in leaves if a is not None]
+    if (isinstance(index, (np.ndarray, jax.Array)) and not isinstance(index, jax.core.Tracer)
+            and index.ndim == 0 and np.issubdtype(index.dtype, np.integer)):  # fmt: skip
+        index = int(index)  # a concrete 0-d integer array: checked as an int (not clamped)
     if sizes and not isinstance(index, jax.Array):
         errors.check_int("index", index, -sizes[0], sizes[0] - 1)
     return jax.tree.map(lambda x, a: x if a is None else x[index], tree, axes)

@@ -138,3 +138,15 @@ def test_select_replica_refuses_an_index_past_the_replicas(index):
     assert replicas.select_replica(tree, -1, like)["w"].tolist() == [6.0, 7.0]
     with pytest.raises(ValueError, match=r"index: must be an integer in \[-4, 3\]"):
         replicas.select_replica(tree, index, like)
+
+
+def test_select_replica_checks_an_array_index_too():
+    """A concrete jax.Array index 4 of 4 replicas was never checked (replica 3's weights came
+    back), and a 0-d numpy integer index was refused."""
+    like = {"w": jnp.zeros(2), "step": jnp.int32(0)}
+    tree = {"w": jnp.arange(8.0).reshape(4, 2), "step": jnp.int32(7)}
+    assert replicas.select_replica(tree, np.array(1), like)["w"].tolist() == [2.0, 3.0]
+    assert replicas.select_replica(tree, jnp.array(-1), like)["w"].tolist() == [6.0, 7.0]
+    for index in (jnp.array(4), jnp.array(-5), np.array(4)):
+        with pytest.raises(ValueError, match=r"index: must be an integer in \[-4, 3\]"):
+            replicas.select_replica(tree, index, like)
