@@ -57,9 +57,10 @@ def log_average_mixture(
       normalize: renormalise over the vocabulary (a proper distribution). ``False`` gives
         HDEE's ``simple_avg`` as scored in its code: the plain mean of the log-probabilities.
     """
-    if logp_KxBxTxV.ndim != 4 or logp_KxBxTxV.shape[1:3] != tokens_BxT.shape:
+    shape = tuple(logp_KxBxTxV.shape)
+    if len(shape) != 4 or shape[0] < 1 or shape[1:3] != tokens_BxT.shape:  # K = 0: a NaN mean
         raise ValueError(
-            f"logp_KxBxTxV must be [K, B, T, V] with [B, T] = tokens_BxT.shape "
+            f"logp_KxBxTxV must be [K, B, T, V] with K >= 1 models and [B, T] = tokens_BxT.shape "
             f"{tuple(tokens_BxT.shape)}, got {tuple(logp_KxBxTxV.shape)}."
         )
     vocab = logp_KxBxTxV.shape[-1]

@@ -145,6 +145,12 @@ def test_out_of_range_tokens_are_refused_by_the_log_average():
                                jnp.log(jnp.full((1, 3), 0.25)), rtol=1e-6)
 
 
+def test_log_average_refuses_no_models():
+    """K = 0 models gave a NaN mean instead of an error."""
+    with pytest.raises(ValueError, match=r"^logp_KxBxTxV must be \[K, B, T, V\] with K >= 1"):
+        ensemble.log_average_mixture(jnp.zeros((0, 1, 3, 4)), jnp.zeros((1, 3), jnp.int32))
+
+
 def test_a_bad_shape_is_refused():
     for bad in (jnp.zeros((2, 3)), jnp.zeros((0, 2, 3))):  # 2-D broadcast; K = 0 gave NaN
         for rule in (ensemble.uniform_mixture, ensemble.posterior_mixture, ensemble.estimate_prior):
