@@ -64,6 +64,9 @@ def log_average_mixture(
             f"{tuple(tokens_BxT.shape)}, got {tuple(logp_KxBxTxV.shape)}."
         )
     vocab = logp_KxBxTxV.shape[-1]
+    if not jnp.issubdtype(jnp.result_type(tokens_BxT), jnp.integer):  # 1.7 was scored as 1
+        raise ValueError(f"tokens_BxT must hold integer token ids in [0, {vocab}), got dtype "
+                         f"{jnp.result_type(tokens_BxT)}.")  # fmt: skip
     if not isinstance(tokens_BxT, jax.core.Tracer) and jnp.size(tokens_BxT):
         low, high = int(jnp.min(tokens_BxT)), int(jnp.max(tokens_BxT))
         if not 0 <= low <= high < vocab:

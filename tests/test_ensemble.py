@@ -151,6 +151,14 @@ def test_log_average_refuses_no_models():
         ensemble.log_average_mixture(jnp.zeros((0, 1, 3, 4)), jnp.zeros((1, 3), jnp.int32))
 
 
+def test_log_average_refuses_non_integer_tokens():
+    """A float id 1.7 was silently truncated and scored as token 1."""
+    logp = jnp.log(jnp.full((2, 1, 3, 4), 0.25))
+    for bad in (jnp.asarray([[0.0, 1.7, 1.0]]), jnp.asarray([[True, False, True]])):
+        with pytest.raises(ValueError, match=r"tokens_BxT must hold integer token ids in \[0, 4\)"):
+            ensemble.log_average_mixture(logp, bad)
+
+
 def test_a_bad_shape_is_refused():
     for bad in (jnp.zeros((2, 3)), jnp.zeros((0, 2, 3))):  # 2-D broadcast; K = 0 gave NaN
         for rule in (ensemble.uniform_mixture, ensemble.posterior_mixture, ensemble.estimate_prior):
