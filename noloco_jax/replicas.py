@@ -93,6 +93,9 @@ def replica_axes(tree: PyTree) -> PyTree:
 
 def replicate(tree: PyTree, num_replicas: int) -> PyTree:
     """Copies a single-replica tree to every replica (identical init)."""
+    from noloco_jax import errors  # noqa: PLC0415
+
+    errors.check_int("num_replicas", num_replicas, 1)  # 0 gave a tree of no replicas
 
     def rep(shared: bool, x: Any) -> Any:
         x = jnp.asarray(x)

@@ -150,3 +150,10 @@ def test_select_replica_checks_an_array_index_too():
     for index in (jnp.array(4), jnp.array(-5), np.array(4)):
         with pytest.raises(ValueError, match=r"index: must be an integer in \[-4, 3\]"):
             replicas.select_replica(tree, index, like)
+
+
+@pytest.mark.parametrize("num_replicas", [0, -1, 2.0, True])
+def test_replicate_refuses_a_bad_num_replicas(num_replicas):
+    """num_replicas=0 gave a tree of zero replicas; -1 a TypeError from broadcast_in_dim."""
+    with pytest.raises(ValueError, match=r"num_replicas: must be an integer >= 1"):
+        replicas.replicate({"w": jnp.ones(2), "step": jnp.int32(0)}, num_replicas)
