@@ -40,7 +40,8 @@ def replica_spread(params: Any, axis_name: str) -> jax.Array:
     """
     if comm.axis_size(axis_name) == 1:  # one replica: no spread (and no collective, which
         return jnp.zeros([], jnp.float32)  # XLA refuses over a size-1 axis of split leaves)
-    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(params) if is_float(x)]  # weights
+    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(params)
+              if is_float(x) and jnp.size(x)]  # weights; empty ones add nothing (0 / 0 was NaN)
     if not leaves:
         return jnp.zeros([], jnp.float32)
     first = jax.lax.axis_index(axis_name) == 0

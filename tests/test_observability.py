@@ -133,6 +133,18 @@ def test_replica_spread_is_exact_for_identical_and_nearly_identical_replicas(num
     assert float(spread(near)[0]) == pytest.approx(exact, rel=1e-4)
 
 
+def test_replica_spread_of_empty_weights_is_zero():
+    """Float leaves with no elements gave 0 / 0 = NaN (a tree of no float leaves gave 0)."""
+    import jax  # noqa: PLC0415
+
+    from noloco_jax import replica_spread  # noqa: PLC0415
+
+    spread = jax.vmap(lambda q: replica_spread(q, "r"), axis_name="r")
+    assert spread({"w": np.zeros((2, 0), np.float32)}).tolist() == [0.0, 0.0]
+    tree = {"w": np.zeros((2, 0), np.float32), "v": np.array([[0.0], [2.0]], np.float32)}
+    assert spread(tree).tolist() == [1.0, 1.0]
+
+
 def test_plot_draws_per_replica_panels(run, tmp_path):
     workdir, _ = run
     png = tmp_path / "replicas.png"
