@@ -42,7 +42,7 @@ from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer import build, checkpoint, health, loop
 from noloco_jax.trainer.loop import load_run, train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
-from tests.helpers import copy_run, tensorboard_view
+from tests.helpers import copy_run, tensorboard_view, variant
 from tests.test_train import _losses, tiny_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -122,6 +122,16 @@ def test_load_run_with_other_settings_names_them(finished_run):
     # config, or with other rates.
     optim = dataclasses.replace(s.optim, learning_rate=s.optim.learning_rate * 2)
     load_run(dataclasses.replace(s, num_steps=s.num_steps - 4, optim=optim), finished)
+
+
+def test_load_run_of_replicas_on_a_mesh_indexes_one_replica(finished_run):
+    """Replicas on a mesh (backend shard_map, mesh.fsdp 2): params[i] on load_run's arrays
+    raised JAX's ShardingTypeError (an explicit replica axis), so one replica could not be
+    picked for analysis."""
+    s, finished = finished_run
+    _, params, _ = load_run(variant(s, backend="shard_map", mesh={"fsdp": 2}), finished)
+    for x in jax.tree.leaves(params):
+        np.testing.assert_array_equal(np.asarray(x[1]), np.asarray(x)[1])
 
 
 def test_load_run_refuses_a_weight_decay_turned_on_or_off():

@@ -431,7 +431,8 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
     """(graphdef, replicated params, data) of a finished or interrupted run, for analysis.
 
     Reads only: a ``workdir`` without checkpoints raises ``FileNotFoundError`` and is left
-    as it was (no directory is made).
+    as it was (no directory is made). The params come back on the run's devices with plain
+    (auto) mesh axes, so ``x[i]`` picks replica ``i`` whatever the backend.
     """
     directory = _checkpoint_dir(workdir)
     run, target = build_run(settings)
@@ -444,7 +445,18 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
         restored, _ = ckpt.restore(step, target)
     finally:  # its manager's threads and files, also when the checkpoint is refused
         ckpt.close()
-    return run.graphdef, restored.params, run.data
+    return run.graphdef, jax.tree.map(_auto_axes, restored.params), run.data
+
+
+def _auto_axes(x: Any) -> Any:
+    """``x`` on its devices with every mesh axis auto: indexing an explicit replica axis
+    raised JAX's ShardingTypeError ("out sharding could not be resolved")."""
+    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        return x
+    auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    return jax.device_put(x, jax.sharding.NamedSharding(auto, x.sharding.spec))
 
 
 def _checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
