@@ -411,3 +411,23 @@ def test_bf16_params_train_on_the_stage_mesh_as_in_simulation():
     assert_trees_close(out["mesh"], out["sim"], rtol=1e-2, atol=1e-3)  # ~2 bf16 ulps
     moved = out["mesh"]["lm_head"][...][0] - np.asarray(single["lm_head"][...], np.float32)
     assert np.abs(moved).max() > 0
+
+
+def test_a_routing_pool_too_big_to_compile_on_the_mesh_is_refused():
+    """routing_pool_size was unbounded: on the (replica, stage) mesh each of min(N!, size)
+    bijections compiles a ppermute branch per micro-batch and boundary (8 replicas and a pool
+    >= 8! built 40320 branches each); the simulated path, which gathers, takes any size."""
+    from noloco_jax.trainer import build  # noqa: PLC0415
+    from tests.test_train import tiny_settings  # noqa: PLC0415
+
+    graphdef, _ = models.init_params(CFG, 0)
+    big = dict(num_replicas=8, num_stages=2, routing_pool_size=10**6)
+    with pytest.raises(ValueError, match=r"^config\.routing_pool_size: must be in \[1, 1024\] on "
+                                         r"the \(replica, stage\) device mesh .* got 1000000 "):
+        build.topology(tiny_settings("/tmp", "/tmp", backend="shard_map", **big), CFG, graphdef,
+                       lambda **_: optax.sgd(0.1))  # fmt: skip
+    small = tiny_settings("/tmp", "/tmp", backend="shard_map", num_replicas=4, num_stages=2,
+                          routing_pool_size=10**6)  # 4! = 24 bijections: a small switch
+    build.topology(small, CFG, graphdef, lambda **_: optax.sgd(0.1))
+    build.topology(tiny_settings("/tmp", "/tmp", backend="vmap", **big), CFG, graphdef,
+                   lambda **_: optax.sgd(0.1))  # simulated: gathers

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from noloco_jax import data as data_lib
-from noloco_jax import defaults
+from noloco_jax import defaults, errors
 from noloco_jax import models, replicas, sharding
 from noloco_jax import pipeline as pl
 from noloco_jax.data.token_files import open_token_dir
@@ -321,15 +321,34 @@ def topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
         return replicas.make_replicas(s.num_replicas, backend=s.backend, mesh_shape=split), {
             **kwargs, "grads_fn": grads_fn}
     check_stages(cfg.num_layers, s.num_stages, field="config.num_stages")
+    on_mesh = stage_mesh(s)
+    if on_mesh:
+        _check_mesh_pool(s)
     pool = pl.permutation_pool(s.num_replicas, s.routing_pool_size, s.seed)
     route = dict(seed=s.seed, fixed=s.routing == "fixed")
-    if not stage_mesh(s):
+    if not on_mesh:
         return replicas.Replicas(s.num_replicas), {
             **kwargs, "grads_fn": grads.routed(graphdef, pool, s.num_stages, **route)}
     mesh = pl.make_pipeline_mesh(s.num_replicas, s.num_stages)
     reps = replicas.Replicas(s.num_replicas, mesh=mesh, leaf_axes=pl.stage_leaf_axes)
     return reps, {**kwargs, "tx": grads.per_stage(build_tx), "guard_axis": STAGE,
                   "grads_fn": grads.routed_on_mesh(graphdef, pool, s.num_stages, **route)}
+
+
+# On the (replica, stage) mesh each pool entry compiles one ppermute branch per micro-batch
+# and boundary (256 entries x 8 micro-batches: 24 s, BENCHMARKS.md); N! of 8 replicas is 40320.
+MAX_MESH_ROUTING_POOL = 1024
+
+
+def _check_mesh_pool(s: TrainSettings) -> None:
+    """A ValueError when the mesh's routing pool (min(N!, routing_pool_size)) is too big to
+    compile; the simulated path gathers, and any size compiles there."""
+    size = min(math.factorial(s.num_replicas), s.routing_pool_size)
+    errors.require(size <= MAX_MESH_ROUTING_POOL, "config.routing_pool_size",
+                   f"must be in [1, {MAX_MESH_ROUTING_POOL}] on the (replica, stage) device mesh "
+                   f"(each bijection compiles a branch per micro-batch and stage boundary), got "
+                   f"{s.routing_pool_size} for num_replicas={s.num_replicas}; use a smaller pool "
+                   f"or backend='vmap' (simulated stages gather, for any pool).")  # fmt: skip
 
 
 def stage_mesh(s: TrainSettings) -> bool:
