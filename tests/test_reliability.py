@@ -635,6 +635,38 @@ def test_a_signal_handler_set_outside_python_is_left_in_place(monkeypatch):
             real(sig, handler)
 
 
+def test_a_signal_of_the_other_kind_is_only_noted(capsys):
+    """The handler's docstring: a second signal of the same kind acts at once. A SIGINT after a
+    SIGTERM (a wrapper forwarding both) raised KeyboardInterrupt: no checkpoint was saved."""
+    with pytest.raises(KeyboardInterrupt):
+        with loop._stop_signals() as stop:
+            stop.training = True
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGINT)  # noted: the run still saves and stops
+            assert stop.requested == "SIGTERM"
+            signal.raise_signal(signal.SIGINT)  # SIGINT again: at once
+    assert "SIGINT received: saving a checkpoint" in capsys.readouterr().out
+
+
+def test_a_signal_while_the_run_is_prepared_says_nothing_is_saved(tmp_path, finished_run,
+                                                                  monkeypatch, capsys):  # fmt: skip
+    """Ctrl-C while the data were prepared printed 'saving a checkpoint at the end of the
+    current steps'; the run then stopped at step 0 with nothing saved."""
+    s, _ = finished_run
+    real = loop.build_run
+
+    def build(settings):
+        signal.raise_signal(signal.SIGINT)
+        return real(settings)
+
+    monkeypatch.setattr(loop, "build_run", build)
+    train_and_evaluate(s, tmp_path / "run", progress=False)
+    out = capsys.readouterr().out
+    assert "SIGINT received: stopping when the run's preparation ends" in out, out
+    assert "saving a checkpoint" not in out
+    assert Checkpointer(tmp_path / "run" / "checkpoints").all_steps() == []
+
+
 def test_a_signal_during_start_up_writes_no_step_0_eval(tmp_path, finished_run, monkeypatch):
     """The step-0 eval ran before the stop check, so the resume logged a second one."""
     s, _ = finished_run

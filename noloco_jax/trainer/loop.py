@@ -254,6 +254,7 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
     # At step 0, and right after a resize (marked, as it shares its step with the eval before);
     # a signal during start-up writes nothing, so the resume's step-0 eval is the only one.
     stopping = _stop_agreed(ses.stop) is not None
+    ses.stop.training = True  # a signal from here on is saved at a chunk's end
     if (step == 0 or ses.run.resized_from) and not stopping:
         _evaluate(ses, state, step, ses.run.resized_from)
     while step < end and not stopping:
@@ -384,21 +385,26 @@ def _stop_signals() -> Iterator[types.SimpleNamespace]:
     """SIGINT/SIGTERM set ``requested``; the loop saves at the next step boundary and returns.
 
     A second signal of the same kind acts as it would without this handler
-    (SIGINT: ``KeyboardInterrupt``; SIGTERM: the process ends). Handlers are
-    installed only in the main thread, and not over a handler set outside Python (which could
-    not be put back), and restored on exit.
+    (SIGINT: ``KeyboardInterrupt``; SIGTERM: the process ends); one of the other kind is only
+    noted. Before the loop sets ``training`` (the run is being prepared) a stop saves nothing.
+    Handlers are installed only in the main thread, and not over a handler set outside Python
+    (which could not be put back), and restored on exit.
     """
-    stop, previous = types.SimpleNamespace(requested=None, agreed=None), {}
+    stop = types.SimpleNamespace(requested=None, agreed=None, training=False, seen=set())
+    previous = {}
 
     def handle(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if stop.requested is not None:  # second signal: act as if we were not here
+        if name in stop.seen:  # second signal of this kind: act as if we were not here
             signal.signal(signum, previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
             return
-        stop.requested = name
-        print(f"{name} received: saving a checkpoint at the end of the current steps, then "
-              f"stopping (send it again to stop at once).", flush=True)
+        stop.seen.add(name)
+        stop.requested = stop.requested or name
+        what = ("saving a checkpoint at the end of the current steps, then stopping"
+                if stop.training else "stopping when the run's preparation ends, before "
+                "training (nothing to save yet)")  # fmt: skip
+        print(f"{name} received: {what} (send {name} again to stop at once).", flush=True)
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
