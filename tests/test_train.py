@@ -149,6 +149,14 @@ def test_a_run_with_the_same_settings_reuses_the_compiled_programs(tmp_path, nol
         build._COMPILED.update(kept)
 
 
+def test_tokens_per_sec_leaves_the_compile_time_out(noloco_run):
+    # The chunks to steps 2 and 6 compile the inner and the sync programs: seconds against a
+    # tenth of a second of steps. Counted as training, they logged 20-30x fewer tok/s.
+    _, workdir, _ = noloco_run
+    rates = [r["tokens_per_sec"] for r in read_jsonl(workdir / "metrics.jsonl", "train")]
+    assert min(rates) > np.median(rates) / 10, rates
+
+
 def test_vmap_and_shard_map_train_the_same(tmp_path, noloco_run):
     s, vmap, _ = noloco_run
     train_and_evaluate(variant(s, backend="shard_map"), tmp_path, progress=False)

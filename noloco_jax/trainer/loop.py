@@ -29,7 +29,7 @@ from noloco_jax.trainer.build import (DataBundle, Run, build_run, prepare_data, 
                                       stage_mesh)
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.lock import WorkdirLock
-from noloco_jax.trainer.observability import Profiler, check_sinks, make_sinks
+from noloco_jax.trainer.observability import Profiler, check_sinks, compile_seconds, make_sinks
 from noloco_jax.trainer.resize import check_resume, restore_resized
 from noloco_jax.trainer.settings import (TrainSettings, check_delay_windows, check_loadable,
                                          guard_acts, warnings_for)
@@ -261,13 +261,14 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
         programs = len(ses.run.calls)
         k = min(s.log_every - step % s.log_every, end - step)
         profiler.before_chunk(step, step + k)
-        t0 = time.perf_counter()
+        t0, compiled0 = time.perf_counter(), compile_seconds()
         synced = [] if ses.guard.active else None
         state, losses = _run_blocks(ses.run, state, step, k, synced)  # waits for the device
         step += k
         profiler.after_chunk(step)
+        seconds = time.perf_counter() - t0 - (compile_seconds() - compiled0)  # training only
         stopping = _after_chunk(ses, state, synced, step, _train_metrics(
-            ses.run, state, step, k, losses, time.perf_counter() - t0))
+            ses.run, state, step, k, losses, seconds))
         ses.bar.advance(step, ses.last, compiled=len(ses.run.calls) > programs)
     name = ses.stop.agreed or ses.stop.requested  # (one after the last decision: this one's)
     if name and step < s.num_steps:  # a signal in the last chunk: the run is done
@@ -543,7 +544,10 @@ def _run_window(run: Run, state: TrainState, step: int) -> tuple[TrainState, Any
 
 def _train_metrics(run: Run, state: TrainState, step: int, k: int, losses: np.ndarray,
                    seconds: float) -> dict[str, Any]:  # fmt: skip
-    """The train record of the ``k`` steps up to ``step``, from their [N, k] losses."""
+    """The train record of the ``k`` steps up to ``step``, from their [N, k] losses.
+
+    ``seconds``: the steps' time, less what compiling took (``tokens_per_sec`` is the training's).
+    """
     s = run.settings
     n_tokens = k * s.global_batch_size * s.data.seq_len
     losses = np.asarray(losses, np.float64)  # means of float32 losses, without float32 rounding

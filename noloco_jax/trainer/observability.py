@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import pathlib
+import threading
 from typing import Any
 
 import jax
@@ -13,8 +15,33 @@ import numpy as np
 from noloco_jax.optim.trees import is_float
 from noloco_jax.trainer.settings import TrainSettings, parse_profile_steps
 
-__all__ = ["WandbSink", "Profiler", "check_sinks", "make_sinks", "distance_to_mean",
-           "parse_profile_steps"]  # fmt: skip
+__all__ = ["WandbSink", "Profiler", "check_sinks", "compile_seconds", "make_sinks",
+           "distance_to_mean", "parse_profile_steps"]  # fmt: skip
+
+
+# JAX's events for the three stages of making a program: disjoint (a trace is timed only
+# when no other trace is under way), so their sum is the time spent compiling.
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")  # fmt: skip
+_COMPILING: collections.Counter = collections.Counter()  # seconds, per thread
+
+
+def _count_compile(event: str, duration_secs: float, **_: Any) -> None:
+    if event in _COMPILE_EVENTS:
+        _COMPILING[threading.get_ident()] += duration_secs
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compile_seconds() -> float:
+    """Seconds this thread has spent tracing, lowering and compiling JAX programs so far.
+
+    The difference across a chunk of steps is the part of its time that is no training
+    (``tokens_per_sec`` leaves it out).
+    """
+    return _COMPILING[threading.get_ident()]
 
 
 def _import_wandb() -> Any:
