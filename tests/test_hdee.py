@@ -195,6 +195,17 @@ def test_ngram_reference_model_measures_difficulty():
     assert tiers["markov_b3"] == "easy"  # entropy log2(3) = 1.58 bits, lowest by construction
 
 
+def test_windows_cover_every_start_including_the_last():
+    # randint's high is exclusive: the window ending at the stream's last token was never drawn,
+    # and a stream of exactly seq_len + 1 tokens (one window) was refused.
+    stream, seq_len = np.arange(12), 8  # starts 0..3
+    w = ex._draw_windows(stream, jax.random.key(0), steps=50, batch=4, seq_len=seq_len)
+    assert sorted(set(w[..., 0].ravel().tolist())) == [0, 1, 2, 3]
+    assert (w[..., -1] == w[..., 0] + seq_len).all()
+    one = ex._draw_windows(np.arange(9), jax.random.key(0), steps=2, batch=2, seq_len=seq_len)
+    assert (one == np.arange(9)).all()
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: dom.make_domains(("nope",), ()), "domains: unknown"),
     (lambda: dom.make_domains(("arithmetic",), ("arithmetic",)), "both trained and held out"),

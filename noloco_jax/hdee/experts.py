@@ -100,7 +100,7 @@ def _window_starts(key: jax.Array, high: jax.Array, *, steps: int, batch: int) -
 def _draw_windows(stream: np.ndarray, key: jax.Array, steps: int, batch: int,
                   seq_len: int) -> np.ndarray:  # fmt: skip
     """[steps, batch, seq_len + 1] random windows of ``stream``, one batch per training step."""
-    high = jnp.asarray(len(stream) - seq_len - 1, jnp.int32)
+    high = jnp.asarray(len(stream) - seq_len, jnp.int32)  # the last window starts at len - T - 1
     starts = np.asarray(_window_starts(key, high, steps=steps, batch=batch))
     return np.asarray(stream, np.int32)[starts[..., None] + np.arange(seq_len + 1)]
 
@@ -187,8 +187,8 @@ def train_group(
     errors.check_number("learning_rate", learning_rate, open_low=True)
     errors.check_int("warmup", warmup, minimum=0)
     lengths = [len(s) for s in streams]
-    if min(lengths) < seq_len + 2:
-        raise ValueError(f"streams: every stream needs more than seq_len + 1 = {seq_len + 1} "
+    if min(lengths) < seq_len + 1:
+        raise ValueError(f"streams: every stream needs at least seq_len + 1 = {seq_len + 1} "
                          f"tokens, got lengths {lengths}.")  # fmt: skip
     _check_ids(streams, _vocab_size(graphdef, params_K))
     optim = OptimSettings(learning_rate=float(learning_rate), warmup_steps=warmup,
