@@ -121,6 +121,27 @@ def test_documents_start_with_the_token_the_tokenizer_puts_first(tmp_path, bos):
     assert tok.decode(stream) == plain.decode([2, 3, 12, 7, 8, 9]) == "the cat a dog ran"
 
 
+@pytest.mark.parametrize("special_tokens", [
+    [("<e2>", 13), ("[PAD]", 1)],  # "<e2> [PAD] $A": two special tokens first
+    [{"id": "<e2>", "ids": [13, 1], "tokens": ["<e2>", "[PAD]"]}],  # one token of two ids
+])  # fmt: skip
+def test_documents_start_with_every_id_the_post_processor_puts_first(tmp_path, special_tokens):
+    """The streams kept only the first of them (13), unlike the tokenizer and transformers."""
+    from noloco_jax.data.batches import tokenize_documents  # noqa: PLC0415
+
+    _save(tmp_path, eos_config="</s>")
+    raw = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    single = " ".join(t[0] if isinstance(t, tuple) else t["id"] for t in special_tokens)
+    raw.post_processor = tokenizers.processors.TemplateProcessing(
+        single=f"{single} $A", special_tokens=special_tokens)
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer(tmp_path)
+    assert raw.encode("the cat").ids == [13, 1, 2, 3]
+    assert (tok.bos_id, tok.bos_ids) == (13, (13, 1))
+    assert tokenize_documents(["the cat"], tok).tolist() == [13, 1, 2, 3, 12]
+    assert tok.decode([13, 1, 2, 3, 12]) == "the cat"
+
+
 def test_a_first_token_outside_the_vocabulary_is_refused(tmp_path):
     """The eos id must be in the vocabulary; the post-processor's first id was not checked and
     failed later in the token cache as 'token ids must lie in [0, 14), got [2, 99]'."""

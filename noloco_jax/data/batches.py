@@ -28,12 +28,14 @@ __all__ = ["tokenize_documents", "load_token_stream", "ReplicaBatcher", "eval_wi
 
 def tokenize_documents(docs: Sequence[str], tokenizer: Any) -> np.ndarray:
     """One int32 stream: each document's ids followed by ``tokenizer.eos_id`` (and preceded by
-    ``tokenizer.bos_id`` where the tokenizer has one that is not None: Hugging Face Llamas)."""
-    bos = getattr(tokenizer, "bos_id", None)
+    ``tokenizer.bos_ids``, else ``tokenizer.bos_id`` where it is not None: Hugging Face Llamas)."""
+    bos = getattr(tokenizer, "bos_ids", None)
+    if bos is None:
+        bos = () if getattr(tokenizer, "bos_id", None) is None else (tokenizer.bos_id,)
     parts = []
     for doc in docs:
-        if bos is not None:
-            parts.append(np.asarray([bos], np.int32))
+        if bos:
+            parts.append(np.asarray(bos, np.int32))
         parts.append(tokenizer.encode(doc))
         parts.append(np.asarray([tokenizer.eos_id], np.int32))
     return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)

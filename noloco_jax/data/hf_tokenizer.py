@@ -22,12 +22,13 @@ class HFTokenizer:
 
     The end-of-document id is ``eos_token`` of ``DIR/tokenizer_config.json`` when present (it
     must be in the vocabulary), else the first of ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>``,
-    ``<|eot_id|>`` in the vocabulary. ``bos_id`` is the token the tokenizer's saved
-    post-processor puts first (Llama's ``<s>`` / ``<|begin_of_text|>``), or None (also when
-    ``tokenizer_config.json`` says ``add_bos_token: false``): the data
-    pipeline starts each document with it, as the model saw text in pretraining (a Llama
+    ``<|eot_id|>`` in the vocabulary. ``bos_ids`` are the ids the tokenizer's saved
+    post-processor puts first (Llama's ``<s>`` / ``<|begin_of_text|>``; all of them for
+    ``"<s> <extra> $A"``), or ``()`` (also when ``tokenizer_config.json`` says
+    ``add_bos_token: false``); ``bos_id`` is the first of them, or None: the data
+    pipeline starts each document with them, as the model saw text in pretraining (a Llama
     started from ``model.init_from`` scores text without it worse). ``name`` ("hf" + a hash of
-    tokenizer.json and both ids) keys caches.
+    tokenizer.json and these ids) keys caches.
 
     Args:
       path: the directory holding ``tokenizer.json``, or that file itself.
@@ -70,13 +71,17 @@ class HFTokenizer:
         self.eos_id = self._find_eos(config, fields)
         # tokenizer_config.json's add_bos_token=false wins, as transformers rebuilds the
         # post-processor from it (Llama, Gemma).
-        self.bos_id = None if _bos_turned_off(fields) else _template_bos(json.loads(blob))
-        if self.bos_id is not None and not 0 <= self.bos_id < self.vocab_size:
-            raise ValueError(f"{str(file)!r}'s post-processor puts id {self.bos_id} first, outside "
-                             f"its vocabulary of {self.vocab_size}; fix its special_tokens.")
+        bos_ids = None if _bos_turned_off(fields) else _template_bos(json.loads(blob))
+        for bos in bos_ids or ():
+            if not 0 <= bos < self.vocab_size:
+                raise ValueError(f"{str(file)!r}'s post-processor puts id {bos} first, outside "
+                                 f"its vocabulary of {self.vocab_size}; fix its special_tokens.")
+        self.bos_ids: tuple[int, ...] = bos_ids or ()
+        self.bos_id = self.bos_ids[0] if self.bos_ids else None
         # v4: documents start with bos_id when the tokenizer puts one first (v3: no truncation
         # or padding; v2: special-token text encoded as text); eos and bos shape the streams.
-        key = f"v4:{self.eos_id}:{self.bos_id}".encode()
+        bos_key = self.bos_id if len(self.bos_ids) < 2 else self.bos_ids  # v4 keys unchanged
+        key = f"v4:{self.eos_id}:{bos_key}".encode()
         self.name = "hf" + hashlib.sha256(blob + key).hexdigest()[:12]
 
     def _find_eos(self, config: pathlib.Path, fields: Any) -> int:
@@ -108,7 +113,7 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; eos and bos ids are dropped."""
         arr = decode_ids(ids, self.vocab_size)
-        drop = [self.eos_id] if self.bos_id is None else [self.eos_id, self.bos_id]
+        drop = [self.eos_id, *self.bos_ids]
         return self._tok.decode(arr[~np.isin(arr, drop)].tolist())
 
 
@@ -127,25 +132,27 @@ def _bos_turned_off(fields: Any) -> bool:
     return isinstance(fields, dict) and fields.get("add_bos_token") is False
 
 
-def _template_bos(spec: dict) -> int | None:
-    """The id a saved ``TemplateProcessing`` post-processor puts before a single sequence (a
-    Llama tokenizer's ``<s>`` or ``<|begin_of_text|>``), or a ``Bert``/``RobertaProcessing``'s
-    ``cls``, looking inside a ``Sequence`` of processors; None when there is none (GPT-2's
-    byte-level processor adds nothing)."""
+def _template_bos(spec: dict) -> tuple[int, ...] | None:
+    """The ids a saved ``TemplateProcessing`` post-processor puts before a single sequence (a
+    Llama tokenizer's ``<s>`` or ``<|begin_of_text|>``; all of them for ``"<s> <extra> $A"``),
+    or a ``Bert``/``RobertaProcessing``'s ``cls``, looking inside a ``Sequence`` of processors;
+    None when there is none (GPT-2's byte-level processor adds nothing)."""
     post = spec.get("post_processor") if isinstance(spec, dict) else None
     if not isinstance(post, dict):
         return None
     if post.get("type") in ("BertProcessing", "RobertaProcessing"):  # cls: [token, id]
-        return int(post["cls"][1])
+        return (int(post["cls"][1]),)
     if post.get("type") == "Sequence":
         found = [_template_bos({"post_processor": p}) for p in post.get("processors", [])]
         return next((f for f in found if f is not None), None)
     single = post.get("single") if post.get("type") == "TemplateProcessing" else None
-    first = single[0] if single else None
-    if not (isinstance(first, dict) and "SpecialToken" in first):
-        return None
-    ids = post.get("special_tokens", {}).get(first["SpecialToken"]["id"], {}).get("ids")
-    return int(ids[0]) if ids else None
+    prefix = []
+    for piece in single or []:  # "<s> <extra> $A": every special id before the sequence
+        if not (isinstance(piece, dict) and "SpecialToken" in piece):
+            break
+        ids = post.get("special_tokens", {}).get(piece["SpecialToken"]["id"], {}).get("ids")
+        prefix += [int(i) for i in ids or []]
+    return tuple(prefix) or None
 
 
 def _parse(tokenizer_cls: type, blob: bytes, file: pathlib.Path):
