@@ -179,3 +179,29 @@ def test_an_empty_vocabulary_names_the_file(tmp_path):
     tokenizers.Tokenizer(tokenizers.models.BPE()).save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="tokenizer.json' has no end-of-document token"):
         HFTokenizer(tmp_path)
+
+
+def test_add_bos_token_true_in_the_config_adds_its_bos_token(tmp_path):
+    """Llama-2-style: no post-processor in tokenizer.json, add_bos_token true and bos_token in
+    tokenizer_config.json; transformers starts each text with it, the streams did not."""
+    from noloco_jax.data.batches import tokenize_documents  # noqa: PLC0415
+
+    _save(tmp_path)
+    fields = {"eos_token": "</s>", "bos_token": {"content": "<e2>"}, "add_bos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(fields))
+    tok = HFTokenizer(tmp_path)
+    assert (tok.bos_id, tok.bos_ids) == (13, (13,))
+    assert tokenize_documents(["the cat"], tok).tolist() == [13, 2, 3, 12]
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"bos_token": "<nope>"}, "bos_token '<nope>' is not in the vocabulary"),
+    ({}, "add_bos_token: true but names no bos_token"),
+])  # fmt: skip
+def test_add_bos_token_true_without_a_known_bos_token_is_refused(tmp_path, fields, match):
+    """Both added no bos token, silently."""
+    _save(tmp_path)
+    fields = {"eos_token": "</s>", "add_bos_token": True, **fields}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=match):
+        HFTokenizer(tmp_path)

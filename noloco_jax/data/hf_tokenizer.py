@@ -24,9 +24,9 @@ class HFTokenizer:
     must be in the vocabulary), else the first of ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>``,
     ``<|eot_id|>`` in the vocabulary. ``bos_ids`` are the ids the tokenizer's saved
     post-processor puts first (Llama's ``<s>`` / ``<|begin_of_text|>``; all of them for
-    ``"<s> <extra> $A"``), or ``()`` (also when ``tokenizer_config.json`` says
-    ``add_bos_token: false``); ``bos_id`` is the first of them, or None: the data
-    pipeline starts each document with them, as the model saw text in pretraining (a Llama
+    ``"<s> <extra> $A"``), or ``()``; ``tokenizer_config.json``'s ``add_bos_token`` wins, as
+    in transformers (false: none; true: its ``bos_token``). ``bos_id`` is the first, or None:
+    the data pipeline starts each document with them, as the model saw text in pretraining (a Llama
     started from ``model.init_from`` scores text without it worse). ``name`` ("hf" + a hash of
     tokenizer.json and these ids) keys caches.
 
@@ -37,7 +37,8 @@ class HFTokenizer:
       FileNotFoundError: no tokenizer.json there.
       ImportError: the ``tokenizers`` package is missing (``pip install 'noloco-jax[hf]'``).
       ValueError: no end-of-document token can be found, or the configured one is unknown, or
-        the post-processor puts an id outside the vocabulary first.
+        the post-processor puts an id outside the vocabulary first, or ``add_bos_token: true``
+        names an unknown ``bos_token`` (or none, and the post-processor puts none first).
     """
 
     def __init__(self, path: str | pathlib.Path):
@@ -69,9 +70,7 @@ class HFTokenizer:
         config = file.parent / "tokenizer_config.json"
         fields = _read_config(config)
         self.eos_id = self._find_eos(config, fields)
-        # tokenizer_config.json's add_bos_token=false wins, as transformers rebuilds the
-        # post-processor from it (Llama, Gemma).
-        bos_ids = None if _bos_turned_off(fields) else _template_bos(json.loads(blob))
+        bos_ids = self._find_bos(config, fields, json.loads(blob))
         for bos in bos_ids or ():
             if not 0 <= bos < self.vocab_size:
                 raise ValueError(f"{str(file)!r}'s post-processor puts id {bos} first, outside "
@@ -106,6 +105,27 @@ class HFTokenizer:
             f"tokenizer_config.json's eos_token and {list(_EOS_CANDIDATES)}); add one."
         )
 
+    def _find_bos(self, config: pathlib.Path, fields: Any, spec: dict) -> tuple[int, ...] | None:
+        """tokenizer_config.json's add_bos_token wins over the post-processor, as transformers
+        rebuilds it from the config (Llama, Gemma, PreTrainedTokenizerFast): false adds nothing,
+        true adds the config's bos_token (the post-processor's first ids when it names none)."""
+        add = fields.get("add_bos_token") if isinstance(fields, dict) else None
+        if add is False:
+            return None
+        bos = fields.get("bos_token") if add is True else None
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        if not bos:
+            found = _template_bos(spec)
+            if add is True and found is None:
+                raise ValueError(f"{config} says add_bos_token: true but names no bos_token and "
+                                 f"{str(self.path)!r} puts none first; set bos_token.")  # fmt: skip
+            return found
+        bos_id = self._tok.token_to_id(bos) if isinstance(bos, str) else None
+        if bos_id is None:
+            raise ValueError(f"{config}'s bos_token {bos!r} is not in the vocabulary of "
+                             f"{str(self.path)!r}; fix tokenizer_config.json.")  # fmt: skip
+        return (int(bos_id),)
+
     def encode(self, text: str) -> np.ndarray:
         """int32 ids of ``text`` (no special tokens added; special-token text is encoded as text)."""
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
@@ -125,11 +145,6 @@ def _read_config(config: pathlib.Path) -> Any:
         return json.loads(config.read_text())
     except ValueError as err:
         raise ValueError(f"{config} is not valid JSON ({err}); fix or remove it.") from err
-
-
-def _bos_turned_off(fields: Any) -> bool:
-    """Whether the parsed tokenizer_config.json says ``add_bos_token: false``."""
-    return isinstance(fields, dict) and fields.get("add_bos_token") is False
 
 
 def _template_bos(spec: dict) -> tuple[int, ...] | None:
