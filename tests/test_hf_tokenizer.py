@@ -205,3 +205,14 @@ def test_add_bos_token_true_without_a_known_bos_token_is_refused(tmp_path, field
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(fields))
     with pytest.raises(ValueError, match=match):
         HFTokenizer(tmp_path)
+
+
+def test_a_character_the_tokenizer_cannot_encode_names_the_file(tmp_path):
+    """A Unigram model without unk_id failed with tokenizers' bare Exception ('Encountered an
+    unknown token but `unk_id` is missing'), naming no file or setting."""
+    raw = tokenizers.Tokenizer(tokenizers.models.Unigram([("</s>", 0.0), ("a", -1.0)]))
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer(tmp_path)
+    assert tok.encode("a").tolist() == [1]
+    with pytest.raises(ValueError, match="tokenizer.json' cannot encode the text .*unk_id"):
+        tok.encode("ab")

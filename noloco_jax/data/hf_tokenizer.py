@@ -127,8 +127,19 @@ class HFTokenizer:
         return (int(bos_id),)
 
     def encode(self, text: str) -> np.ndarray:
-        """int32 ids of ``text`` (no special tokens added; special-token text is encoded as text)."""
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+        """int32 ids of ``text`` (no special tokens added; special-token text is encoded as text).
+
+        Raises:
+          ValueError: the tokenizer cannot encode a character of ``text`` (a Unigram or WordLevel
+            model without an unk token).
+        """
+        try:
+            encoding = self._tok.encode(text, add_special_tokens=False)
+        except Exception as err:  # tokenizers raises a bare Exception
+            raise ValueError(f"the tokenizer {str(self.path)!r} cannot encode the text ({err}); "
+                             f"give its model an unk token or set config.data.tokenizer_path "
+                             f"to another.") from err  # fmt: skip
+        return np.asarray(encoding.ids, np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; eos and bos ids are dropped."""
