@@ -216,3 +216,20 @@ def test_a_character_the_tokenizer_cannot_encode_names_the_file(tmp_path):
     assert tok.encode("a").tolist() == [1]
     with pytest.raises(ValueError, match="tokenizer.json' cannot encode the text .*unk_id"):
         tok.encode("ab")
+
+
+def test_a_bpe_that_drops_unknown_characters_warns(tmp_path, capsys):
+    """A BPE without unk_token or byte_fallback drops "z" from "zebra" (ids of "ebra" only):
+    the streams lost text and nothing said so. Known characters do not warn."""
+    merges = [("e", "b")]
+    vocab = {"</s>": 0, "e": 1, "b": 2, "r": 3, "a": 4, "eb": 5}
+    raw = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, merges))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer(tmp_path)
+    assert tok.encode("ebra  a").tolist() == [5, 3, 4, 4]
+    assert "WARNING" not in capsys.readouterr().out
+    assert tok.encode("zebra").tolist() == [5, 3, 4]
+    assert "drops characters it has no token for (its BPE model" in capsys.readouterr().out
+    tok.encode("zebra")
+    assert "WARNING" not in capsys.readouterr().out  # once

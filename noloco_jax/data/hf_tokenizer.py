@@ -70,7 +70,9 @@ class HFTokenizer:
         config = file.parent / "tokenizer_config.json"
         fields = _read_config(config)
         self.eos_id = self._find_eos(config, fields)
-        bos_ids = self._find_bos(config, fields, json.loads(blob))
+        spec = json.loads(blob)
+        bos_ids = self._find_bos(config, fields, spec)
+        self._may_drop = _may_drop(spec)  # checked in encode, warned about once
         for bos in bos_ids or ():
             if not 0 <= bos < self.vocab_size:
                 raise ValueError(f"{str(file)!r}'s post-processor puts id {bos} first, outside "
@@ -139,6 +141,13 @@ class HFTokenizer:
             raise ValueError(f"the tokenizer {str(self.path)!r} cannot encode the text ({err}); "
                              f"give its model an unk token or set config.data.tokenizer_path "
                              f"to another.") from err  # fmt: skip
+        lost = _lost_chars(text, encoding.offsets) if self._may_drop else 0
+        if lost:
+            self._may_drop = False  # once per tokenizer
+            print(f"WARNING: the tokenizer {str(self.path)!r} drops characters it has no token "
+                  f"for (its BPE model has neither unk_token nor byte_fallback): {lost} of a "
+                  f"document's {len(text)}; the token streams lose them, as transformers' "
+                  f"would.", flush=True)  # fmt: skip
         return np.asarray(encoding.ids, np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -156,6 +165,31 @@ def _read_config(config: pathlib.Path) -> Any:
         return json.loads(config.read_text())
     except ValueError as err:
         raise ValueError(f"{config} is not valid JSON ({err}); fix or remove it.") from err
+
+
+def _may_drop(spec: Any) -> bool:
+    """Whether the saved model is a BPE that silently drops characters outside its vocabulary
+    (no ``unk_token``, no ``byte_fallback``); not one behind a byte-level pre-tokenizer (GPT-2,
+    Llama 3: every character is bytes it has tokens for), which skips the check's cost."""
+    model = spec.get("model") if isinstance(spec, dict) else None
+    byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer"))
+    return (isinstance(model, dict) and model.get("type") == "BPE" and not byte_level
+            and not model.get("unk_token") and not model.get("byte_fallback"))  # fmt: skip
+
+
+def _lost_chars(text: str, offsets: list[tuple[int, int]]) -> int:
+    """How many characters of ``text``, but whitespace, no token's (character) offsets cover.
+    A count, not which: tokenizers shifts the offsets of the tokens after a dropped one."""
+    depth = np.zeros(len(text) + 1, np.int64)
+    spans = np.asarray(offsets, np.int64).reshape(-1, 2)
+    np.add.at(depth, spans[:, 0], 1)
+    np.add.at(depth, spans[:, 1], -1)
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+    return int(np.sum(~np.isin(codes[np.cumsum(depth[:-1]) == 0], _SPACES)))
+
+
+# Every whitespace code point (all lie below U+3001): not text a tokenizer loses.
+_SPACES = np.asarray([c for c in range(0x3001) if chr(c).isspace()], np.uint32)
 
 
 def _template_bos(spec: dict) -> tuple[int, ...] | None:
