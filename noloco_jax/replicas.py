@@ -160,7 +160,8 @@ def _stacked_axes(tree: PyTree, num_replicas: int, arg: int = 0) -> PyTree:
                     "scalars are shared.")  # fmt: skip
             if "hyperparams" in where and not getattr(x, "ndim", 0):
                 same = (f" An injected hyperparameter (optax.inject_hyperparams) holds one value "
-                        f"per replica: set it as jnp.full(({num_replicas},), value).")  # fmt: skip
+                        f"per replica: set it as reps.put(jnp.full(({num_replicas},), value))."
+                        )  # fmt: skip
             raise ValueError(
                 f"Replicas.map: {where} needs a leading replica axis of size {num_replicas}, "
                 f"got shape {jnp.shape(x)}.{same}")  # fmt: skip

@@ -538,7 +538,7 @@ def test_inject_hyperparams_of_the_outer_step_equals_fixed_rates():
     # A scalar there: the message said "close over it", which cannot apply to a state entry.
     s2.hyperparams["learning_rate"] = jnp.float32(0.3)
     with pytest.raises(ValueError, match=r"hyperparams\['learning_rate'\] needs a leading replica "
-                       rf"axis .* set it as jnp.full\(\({N},\), value\)"):  # fmt: skip
+                       rf"axis .* set it as reps.put\(jnp.full\(\({N},\), value\)\)"):  # fmt: skip
         reps.map(injected.update)(phi - theta, s2, phi)
 
 
@@ -794,6 +794,28 @@ def test_the_readme_api_example_runs_as_written_over_8_devices():
     assert scope["reps"].backend == "shard_map"
     assert scope["params"]["w"].shape == (8, 5, 1) and np.isfinite(scope["params"]["w"]).all()
 
+
+def test_the_readme_injected_hyperparameter_recipe_runs_on_a_mesh():
+    """README: an injected hyperparameter is set per replica "as `...`"; that expression, run as
+    written over 8 devices (backend="auto" is shard_map), must be a placed input the step takes
+    (a bare jnp.full((8,), value) was refused as unplaced)."""
+    import pathlib  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    sentence = text.split("An injected hyperparameter (", 1)[1].split("\n\n", 1)[0]
+    expression = re.search(r"set it as\s+`([^`]+)`", sentence).group(1)
+    outer = optax.inject_hyperparams(noloco_outer, static_args=INJECT_STATIC_ARGS)(0.7)
+    tx = local_steps(optax.sgd(0.1), outer, sync_every=1)
+    reps = replicas.make_replicas(8, backend="auto")
+    assert reps.backend == "shard_map"
+    params = reps.put(jnp.ones((8, 3)))
+    state = reps.init(tx, params)
+    state.outer_state.hyperparams["learning_rate"] = eval(  # noqa: S307
+        expression, {"reps": reps, "jnp": jnp, "value": 0.0})
+    updates, _ = jax.jit(reps.map(lambda p, s, g: tx.update(g, s, p)))(
+        params, state, reps.put(jnp.ones((8, 3))))
+    np.testing.assert_array_equal(np.asarray(updates), 0.0)  # outer lr 0: phi stays put
 
 def test_the_readme_nnx_recipes_start_identical_replicas():
     """README's two Flax NNX recipes, run as written with data_parallel: the replicas start
