@@ -86,8 +86,8 @@ def check_divides(tree: Any, axis_sizes: dict[str, int], rules: dict[str, tuple]
       rules: the logical rules.
 
     Raises:
-      UserError: (a ``ValueError``) e.g. ``mesh.tensor=8 is more than the 4 heads
-        (dim 2 of ['blocks']['attn']['wq']) it splits; choose a divisor of 4.``
+      UserError: (a ``ValueError``) e.g. ``mesh.tensor=8 is more than the 4 key/value
+        heads (dim 2 of ['blocks']['attn']['wk']) it splits; choose a divisor of 4.``
     """
     import jax  # noqa: PLC0415
 
