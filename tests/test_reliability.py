@@ -25,6 +25,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 
@@ -41,6 +42,7 @@ from noloco_jax.trainer.checkpoint import Checkpointer, abstract_like, is_enviro
 from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer import build, checkpoint, health, loop
 from noloco_jax.trainer.loop import load_run, train_and_evaluate
+from noloco_jax.trainer.optimizer import inner_optimizer, learning_rate_schedule
 from noloco_jax.trainer.writers import read_jsonl
 from tests.helpers import copy_run, tensorboard_view, variant
 from tests.test_train import _losses, tiny_settings
@@ -83,6 +85,27 @@ def test_flipped_bytes_fail_the_checksum(tmp_path):
     assert _flip_array_bytes(tmp_path / "1") >= 1
     with pytest.raises(CorruptCheckpointError, match=r"checksums.*\['w'\]"):
         Checkpointer(tmp_path).restore(1, abstract_like(tree))
+
+
+def test_bf16_adam_moments_of_an_older_checkpoint_are_widened_on_restore(tmp_path):
+    # Before d91698f, bf16 params kept Adam's moments in bf16; today's target has float32
+    # ones. Orbax widened them, then the checksums (of the bf16 bytes) differed: a good
+    # checkpoint was "damaged" and set aside, and load_run refused it.
+    o = settings_lib.OptimSettings()
+    params = {"w": jax.random.normal(jax.random.key(0), (65536,), jnp.bfloat16)}
+    old = optax.adam(learning_rate_schedule(o, 10), b1=o.b1, b2=o.b2, eps=o.eps)
+    old_state = old.update(params, old.init(params), params)[1]
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, {"params": params, "opt": old_state}, {})
+    ckpt.close()
+    target = abstract_like({"params": params, "opt": inner_optimizer(o, 10).init(params)})
+    got, _ = Checkpointer(tmp_path).restore(1, target)
+    assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, target)
+    for new, saved in ((got["opt"][0].mu, old_state[0].mu), (got["opt"][0].nu, old_state[0].nu)):
+        np.testing.assert_array_equal(new["w"], saved["w"].astype(jnp.float32))  # exact
+    assert _flip_array_bytes(tmp_path / "1") >= 1  # the bf16 bytes are still checked
+    with pytest.raises(CorruptCheckpointError, match="checksums"):
+        Checkpointer(tmp_path).restore(1, target)
 
 
 def test_a_truncated_checkpoint_is_one_short_error(tmp_path, capfd):

@@ -128,7 +128,9 @@ class Checkpointer:
                 # (asynchronous creation left threads waiting 20 minutes for it).
                 async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             ),
-            item_names=("state", "meta"),
+            # Handlers, not names: item_metadata (the saved dtypes) needs them before a restore.
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()},
         )  # fmt: skip
 
     def latest_step(self) -> int | None:
@@ -179,7 +181,11 @@ class Checkpointer:
         )
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """Restores and verifies step ``step``.
+        """Restores and verifies step ``step``, then casts it to ``abstract_state``'s dtypes.
+
+        Float arrays are read in the dtype they were saved in (their checksums are of those
+        bytes) and then cast: a bf16-param checkpoint written before Adam's moments were
+        widened to float32 (d91698f) resumes with its moments widened exactly.
 
         Raises:
           CorruptCheckpointError: the data is damaged (checksums differ, bad
@@ -189,10 +195,11 @@ class Checkpointer:
         error = None
         with _quiet_abandoned_reads():
             try:
+                saved = self._saved_dtypes(step, abstract_state)
                 restored = self._manager.restore(
                     step,
                     args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                        state=ocp.args.StandardRestore(saved), meta=ocp.args.JsonRestore()
                     ),
                 )
             except Exception as err:  # noqa: BLE001 - classified below
@@ -202,7 +209,21 @@ class Checkpointer:
             raise _stop_every_process(step, self.directory, error)
         state, meta = restored["state"], restored["meta"]
         _verify(state, meta, step)
-        return state, meta
+        return _cast_like(state, abstract_state), meta
+
+    def _saved_dtypes(self, step: int, abstract_state: Any) -> Any:
+        """``abstract_state`` with each float leaf in the float dtype it was saved in."""
+        meta = jax.tree.leaves(self._manager.item_metadata(step)["state"])
+        saved = {m.name: m.dtype for m in meta if isinstance(getattr(m, "dtype", None), np.dtype)}
+
+        def as_saved(x: Any, name: str) -> Any:
+            dtype = saved.get(name, x.dtype)
+            if dtype == x.dtype or not (_is_float(dtype) and _is_float(x.dtype)):
+                return x
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=getattr(x, "sharding", None))
+
+        names = ocp.tree.get_param_names(abstract_state, include_empty_nodes=False)
+        return jax.tree.map(as_saved, abstract_state, names)
 
     def read_meta(self, step: int) -> dict:
         """The JSON metadata of ``step`` (same errors as ``restore``)."""
@@ -378,6 +399,16 @@ def _verify(state: Any, meta: dict, step: int) -> None:
             f"checkpoint {step}: {len(bad)} array(s) differ from their saved checksums "
             f"(first: {bad[0]}); its bytes are damaged."
         )
+
+
+def _is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _cast_like(state: Any, abstract_state: Any) -> Any:
+    """``state``'s leaves cast to ``abstract_state``'s dtypes where they differ."""
+    return jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
+                        state, abstract_state)  # fmt: skip
 
 
 def abstract_like(tree: Any) -> Any:
