@@ -129,9 +129,16 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("outer.group_size", 2, "n, replicas per NoLoCo group."),
     ("outer.nesterov", False, "Nesterov instead of heavy-ball outer momentum (NoLoCo, DiLoCo)."),
     ("outer.exchange_dtype", "",
-     'What NoLoCo / DiLoCo send: "" = the params\' dtype (DiLoCo: 16-bit params travel as '
-     'float32, the width its all-reduce sums in), "float32", "bfloat16", or 8-bit "int8" / '
-     '"float8_e4m3fn" (block scales).'),
+     'What NoLoCo / DiLoCo send: "" = the params\' dtype (outer.slow_dtype\'s if set; DiLoCo: '
+     '16-bit params travel as float32, the width its all-reduce sums in), "float32", '
+     '"bfloat16", or 8-bit "int8" / "float8_e4m3fn" (block scales).'),
+    # bf16 params round phi + delta to bf16 at every outer step (steps below half a bf16 ulp of
+    # a weight are lost); "float32" keeps phi and the outer momentum in float32 (+ 4 bytes /
+    # param); theta is phi rounded to bf16 after each sync. With exchange_dtype="" NoLoCo then
+    # sends float32 (twice the bytes): add exchange_dtype="bfloat16" to send theta at its width.
+    ("outer.slow_dtype", "",
+     'NoLoCo / DiLoCo slow weights and outer momentum: "" = the params\' dtype, "float32" = '
+     'float32 master weights for bf16 params.'),
     ("outer.error_feedback", False,
      "With an 8-bit exchange: add each replica's last quantisation residual to its next send."),
     # Streaming: fragment p (a run of layers) syncs at t mod H = (p + 1) H / P.

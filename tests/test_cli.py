@@ -126,6 +126,8 @@ CASES = {
          r"config\.outer\.fragments=4 exceeds the model's 2 layers"),
         (["--config.model.dtype=float16"], r"config\.model\.dtype: must be one of"),
         (["--config.outer.momentum=1.5"], r"config\.outer\.momentum: must be in \[0, 1\)"),
+        (["--config.outer.slow_dtype=bfloat16"], r"config\.outer\.slow_dtype: must be one of "
+                                                 r"\['', 'float32'\], got 'bfloat16'"),  # fmt: skip
     ],
     "unknown method / backend / data source / tokenizer": [
         (["--config.method=adam"], r"config\.method: must be one of \['noloco'"),

@@ -403,3 +403,61 @@ def test_decay_norms_false_keeps_the_norm_scales_out_of_the_weight_decay(decay_n
     warned = "config.optim.decay_norms=False does nothing without weight decay"
     off = settings_lib.from_config(_tiny(**{"optim.decay_norms": False}))
     assert any(warned in w for w in settings_lib.warnings_for(off))
+
+
+@pytest.mark.parametrize("value", ["bfloat16", "float16", "fp32", "f32"])
+def test_outer_slow_dtype_accepts_only_the_params_dtype_or_float32(value):
+    with pytest.raises(ValueError, match=r"config\.outer\.slow_dtype: must be one of \['', "
+                                         r"'float32'\], got '" + value + "'"):
+        settings_lib.from_config(_tiny(**{"outer.slow_dtype": value}))
+
+
+@pytest.mark.parametrize("method", ["dp", "local"])
+def test_outer_slow_dtype_without_outer_rounds_is_warned(method):
+    s = settings_lib.from_config(_tiny(method=method, **{"outer.slow_dtype": "float32"}))
+    assert settings_lib.warnings_for(s) == [
+        f"config.outer.slow_dtype='float32' ignored with method={method!r}: it has no outer "
+        f"rounds (outer.* acts on 'noloco' and 'diloco' only)."]
+
+
+def test_outer_slow_dtype_float32_of_float32_params_is_warned():
+    def warned(param_dtype):
+        return settings_lib.warnings_for(settings_lib.from_config(_tiny(**{
+            "outer.slow_dtype": "float32", "model.param_dtype": param_dtype})))
+
+    assert warned("float32") == [
+        "config.outer.slow_dtype='float32' does nothing with config.model.param_dtype="
+        "'float32': the slow weights are already that wide (master weights are for "
+        "model.param_dtype='bfloat16')."]
+    assert warned("bfloat16") == []
+
+
+@pytest.mark.parametrize("exchange", ["", "bfloat16"])
+def test_bytes_sent_counts_what_a_master_weights_sync_sends(exchange):
+    """NoLoCo's "" exchange sends what the outer step holds: with float32 slow weights, theta
+    travels as float32 (twice bf16's bytes), which the trainer counts; "bfloat16" sends
+    theta at its own width. Checked against the compiled sync's collective-permute bytes."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from noloco_jax import hlo, replicas  # noqa: PLC0415
+    from noloco_jax.trainer.optimizer import build_optimizer, bytes_sent  # noqa: PLC0415
+
+    n, h = 4, 2
+    outer = settings_lib.OuterSettings(sync_every=h, slow_dtype="float32",
+                                       exchange_dtype=exchange)  # fmt: skip
+    fault = settings_lib.FaultSettings(nonfinite_guard=False)
+    tx = build_optimizer("noloco", settings_lib.OptimSettings(warmup_steps=0), outer,
+                         num_steps=10, num_replicas=n, fault=fault)  # fmt: skip
+    params0 = {"w": jnp.ones((64, 8), jnp.bfloat16), "b": jnp.ones((8,), jnp.bfloat16)}
+    reps = replicas.make_replicas(n, backend="shard_map")
+    params = reps.put(replicas.replicate(params0, n))
+    state = reps.put(replicas.replicate(tx.init(params0), n))
+
+    def sync(params, state):
+        return tx.update(params, state, params, sync_step=True)
+
+    text = hlo.compiled_text(jax.jit(reps.map(sync)), params, state)
+    per_branch = hlo.bytes_by_computation(text, "collective-permute")  # one per matching
+    counted = bytes_sent("noloco", outer, params0, num_replicas=n, steps=h, fault=fault)
+    assert set(per_branch.values()) == {counted} == {520 * (4 if exchange == "" else 2)}

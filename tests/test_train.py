@@ -334,3 +334,69 @@ def test_a_weight_decay_masked_off_the_norms_trains_and_resumes(tmp_path, corpus
     steps = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl", "train")]
     assert steps == [2, 4] and np.isfinite(read_jsonl(tmp_path / "metrics.jsonl", "eval")[-1][
         "val_ppl"])  # fmt: skip
+
+
+# ---------------------------------------------------------------- float32 master weights
+
+
+def _master_settings(corpus_dir, data_dir, slow_dtype="float32", **overrides):
+    """bf16 params, 8 steps, a sync every 4 (the resume at step 4 lands on a sync)."""
+    return tiny_settings(corpus_dir, data_dir, num_steps=8, eval_every=4, checkpoint_every=4,
+                         model={"preset": "nano", "param_dtype": "bfloat16"},
+                         outer={"sync_every": 4, "slow_dtype": slow_dtype}, **overrides)
+
+
+@pytest.fixture(scope="module")
+def master_run(tmp_path_factory, corpus_dir, data_dir):
+    """(settings, workdir) of a finished bf16 NoLoCo run with float32 slow weights."""
+    s = _master_settings(corpus_dir, data_dir)
+    workdir = tmp_path_factory.mktemp("master")
+    train_and_evaluate(s, workdir, progress=False)
+    return s, workdir
+
+
+def _final_checksums(workdir):
+    ckpt = Checkpointer(workdir / "checkpoints")
+    return ckpt.read_meta(ckpt.latest_step())["checksums"]
+
+
+@pytest.mark.parametrize("method", ["noloco", "diloco"])
+def test_outer_slow_dtype_float32_keeps_master_weights_of_bf16_params(corpus_dir, data_dir,
+                                                                      method):
+    """outer.slow_dtype="float32": phi and the outer momentum in float32, theta in bf16 (the
+    trainer never passed slow_dtype: a bf16 run kept its slow weights and momentum in bf16)."""
+    import jax  # noqa: PLC0415
+
+    from noloco_jax.optim.local_steps import find_local_steps_state  # noqa: PLC0415
+    from noloco_jax.trainer import build  # noqa: PLC0415
+
+    def floats(tree):
+        return {str(x.dtype) for x in jax.tree.leaves(tree)
+                if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)}
+
+    def dtypes(slow_dtype):
+        s = _master_settings(corpus_dir, data_dir, slow_dtype, method=method)
+        state = build.build_run(s)[1]  # the placed shapes the trainer restores onto
+        found = find_local_steps_state(state.opt_state)
+        return floats(state.params), floats(found.slow_params), floats(found.outer_state)
+
+    assert dtypes("float32") == ({"bfloat16"}, {"float32"}, {"float32"})
+    assert dtypes("") == ({"bfloat16"}, {"bfloat16"}, {"bfloat16"})  # the default: as before
+
+
+def test_a_master_weights_run_trains_and_resumes_bit_identically(tmp_path, master_run):
+    s, full = master_run
+    evals = read_jsonl(full / "metrics.jsonl", "eval")
+    assert evals[-1]["val_ppl"] < evals[0]["val_ppl"] and np.isfinite(_losses(full)).all()
+    train_and_evaluate(s, tmp_path, stop_at=6, progress=False)  # checkpoint at 4, "crash" at 6
+    assert Checkpointer(tmp_path / "checkpoints").latest_step() == 4
+    train_and_evaluate(s, tmp_path, progress=False)  # resumes from the float32 slow weights
+    assert _losses(full) == _losses(tmp_path)  # exact equality, not closeness
+    assert _final_checksums(full) == _final_checksums(tmp_path)
+    assert read_jsonl(tmp_path / "metrics.jsonl", "eval")[-1]["val_ppl"] == evals[-1]["val_ppl"]
+
+
+def test_a_master_weights_run_trains_the_same_under_shard_map(tmp_path, master_run):
+    s, vmap = master_run
+    train_and_evaluate(variant(s, backend="shard_map"), tmp_path, progress=False)
+    np.testing.assert_allclose(_losses(vmap), _losses(tmp_path), rtol=2e-5)

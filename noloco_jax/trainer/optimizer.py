@@ -93,6 +93,11 @@ def _exchange_dtype(name: str) -> Any:
     return {"": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
 
 
+def _slow_dtype(name: str) -> Any:
+    """``outer.slow_dtype``: None (the params' own dtype) or float32 master weights."""
+    return {"": None, "float32": jnp.float32}[name]
+
+
 def build_optimizer(
     method: str,
     optim: OptimSettings,
@@ -133,6 +138,7 @@ def build_optimizer(
                                          guard_axis_name=guard_axis, fragments=fragment_spec,
                                          delay=outer.delay, mixing=outer.mixing,
                                          resync_caught=method == "diloco" and fault.resync_absent,
+                                         slow_dtype=_slow_dtype(outer.slow_dtype),
                                          check_phase="count"))  # fmt: skip
 
 
@@ -208,6 +214,10 @@ def _sync_bytes(method: str, outer: OuterSettings, num_replicas: int, fault: Fau
     """Bytes one replica sends in one exchange of ``tree`` (the params or a fragment)."""
     presence = fault.nonfinite_guard or fault.dropout_prob > 0
     wire = _exchange_dtype(outer.exchange_dtype)
+    slow = _slow_dtype(outer.slow_dtype)
+    if wire is None and slow is not None:  # "" sends what the outer step holds: slow weights
+        tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, slow) if is_float(x) else x,
+                            tree)  # fmt: skip
     if method == "diloco":
         return comm.diloco_bytes_per_sync(tree, num_replicas, exchange_dtype=wire,
                                           with_presence=presence)  # fmt: skip

@@ -31,6 +31,7 @@ ROUND_METHODS = ("noloco", "diloco")  # methods with outer rounds of outer.sync_
 BACKENDS = ("auto", "vmap", "shard_map")
 DTYPES = ("float32", "bfloat16")
 EXCHANGE_DTYPES = ("", "bfloat16", "float32", "int8", "float8_e4m3fn")  # outer.exchange_dtype
+SLOW_DTYPES = ("", "float32")  # outer.slow_dtype: the params' own dtype, or master weights
 MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overflow there
 # Settings that may change when a run resumes; any other change is refused. log_every is
 # not among them: it sets the fused chunks, and a resume with other chunks is not bit-identical.
@@ -122,6 +123,7 @@ class OuterSettings:
     group_size: int
     nesterov: bool
     exchange_dtype: str
+    slow_dtype: str
     error_feedback: bool
     fragments: int
     delay: int
@@ -476,7 +478,8 @@ def warnings_for(s: TrainSettings) -> list[str]:
                    f"sequence(s) per slice, which mesh.fsdp={fsdp} does not divide: every device "
                    f"of a replica computes whole slices; choose micro_batches so that fsdp divides "
                    f"global_batch_size / num_replicas / micro_batches.")  # fmt: skip
-    out += _lone_replica_warnings(s) + _no_rounds_warnings(s) + _drill_warnings(s)
+    out += (_lone_replica_warnings(s) + _no_rounds_warnings(s) + _drill_warnings(s)
+            + _slow_dtype_warnings(s))  # fmt: skip
     if not s.optim.decay_norms and s.optim.weight_decay == 0:
         out.append("config.optim.decay_norms=False does nothing without weight decay "
                    "(config.optim.weight_decay=0); set weight_decay > 0 for it to act.")
@@ -549,6 +552,15 @@ def _no_rounds_warnings(s: TrainSettings) -> list[str]:
             f"(outer.* acts on 'noloco' and 'diloco' only)."]
 
 
+def _slow_dtype_warnings(s: TrainSettings) -> list[str]:
+    """Master weights as wide as the params: the run is the one without them (bit for bit)."""
+    if s.method not in ROUND_METHODS or s.outer.slow_dtype != s.model.param_dtype:
+        return []
+    return [f"config.outer.slow_dtype={s.outer.slow_dtype!r} does nothing with "
+            f"config.model.param_dtype={s.model.param_dtype!r}: the slow weights are already "
+            f"that wide (master weights are for model.param_dtype='bfloat16')."]
+
+
 def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
     check_int("config.skip.num_stages", k.num_stages, minimum=0)
     check_int("config.skip.full_every", k.full_every, minimum=0)
@@ -602,6 +614,7 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     if o.gamma is not None:
         check_rate("config.outer.gamma", o.gamma)
     check_choice("config.outer.exchange_dtype", o.exchange_dtype, EXCHANGE_DTYPES)
+    check_choice("config.outer.slow_dtype", o.slow_dtype, SLOW_DTYPES)
     check_error_feedback(o.error_feedback, o.exchange_dtype, field="config.outer.error_feedback",
                          dtype_field="config.outer.exchange_dtype")  # fmt: skip
     check_fragments(o.fragments, o.sync_every, field="config.outer.fragments",
@@ -660,7 +673,8 @@ def _detail(changes: dict[str, tuple[Any, Any]]) -> str:
 
 # Settings that shape a checkpoint's arrays, or the data a loaded run is analysed on.
 _SHAPING = ("method", "num_replicas", "num_stages", "seed", "model.", "data.", "outer.fragments",
-            "outer.delay", "outer.exchange_dtype", "outer.error_feedback")  # fmt: skip
+            "outer.delay", "outer.exchange_dtype", "outer.slow_dtype",
+            "outer.error_feedback")  # fmt: skip
 
 
 def check_loadable(saved: dict, current: dict) -> None:
