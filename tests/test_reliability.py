@@ -108,6 +108,20 @@ def test_bf16_adam_moments_of_an_older_checkpoint_are_widened_on_restore(tmp_pat
         Checkpointer(tmp_path).restore(1, target)
 
 
+def test_a_prng_key_restores_onto_abstract_like(tmp_path):
+    # abstract_like describes a key as uint32; the float cast after restore (40fc987) called
+    # PRNGKeyArray.astype(uint32): NotImplementedError (before it, the key came back).
+    tree = {"w": jnp.ones(4, jnp.bfloat16), "key": jax.random.key(3)}
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, tree, {})
+    ckpt.close()
+    got, _ = Checkpointer(tmp_path).restore(1, abstract_like(tree))
+    assert jax.dtypes.issubdtype(got["key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(got["key"]),
+                                  jax.random.key_data(tree["key"]))
+    assert got["w"].dtype == jnp.bfloat16
+
+
 def test_a_truncated_checkpoint_is_one_short_error(tmp_path, capfd):
     tree = {k: jnp.arange(65536, dtype=jnp.float32) * i for i, k in enumerate("abcdefgh")}
     ckpt = Checkpointer(tmp_path)

@@ -406,9 +406,15 @@ def _is_float(dtype: Any) -> bool:
 
 
 def _cast_like(state: Any, abstract_state: Any) -> Any:
-    """``state``'s leaves cast to ``abstract_state``'s dtypes where they differ."""
-    return jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
-                        state, abstract_state)  # fmt: skip
+    """``state``'s float leaves cast to ``abstract_state``'s float dtypes where they differ
+    (the leaves ``_saved_dtypes`` read as saved); any other leaf is kept as restored (a PRNG
+    key, which ``abstract_like`` describes as uint32, has no ``astype``)."""
+    def cast(x: Any, t: Any) -> Any:
+        if x.dtype == t.dtype or not (_is_float(x.dtype) and _is_float(t.dtype)):
+            return x
+        return x.astype(t.dtype)
+
+    return jax.tree.map(cast, state, abstract_state)
 
 
 def abstract_like(tree: Any) -> Any:
