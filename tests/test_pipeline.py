@@ -431,3 +431,24 @@ def test_a_routing_pool_too_big_to_compile_on_the_mesh_is_refused():
     build.topology(small, CFG, graphdef, lambda **_: optax.sgd(0.1))
     build.topology(tiny_settings("/tmp", "/tmp", backend="vmap", **big), CFG, graphdef,
                    lambda **_: optax.sgd(0.1))  # simulated: gathers
+
+
+def test_fixed_routing_on_the_mesh_keeps_only_the_identity(monkeypatch):
+    """routing_pool_size is ignored with routing='fixed' (its warning says so), but the mesh's
+    pool cap refused it, and the whole pool compiled a switch branch per bijection unused."""
+    from noloco_jax.trainer import build  # noqa: PLC0415
+    from tests.test_train import tiny_settings  # noqa: PLC0415
+
+    graphdef, _ = models.init_params(CFG, 0)
+    pools = []
+    routed = build.grads.routed_on_mesh
+    monkeypatch.setattr(build.grads, "routed_on_mesh",
+                        lambda g, pool, *a, **k: pools.append(pool) or routed(g, pool, *a, **k))
+    monkeypatch.setattr(build, "MAX_MESH_ROUTING_POOL", 4)  # 4! = 24 bijections: over it
+    four = dict(backend="shard_map", num_replicas=4, num_stages=2, routing_pool_size=24)
+    with pytest.raises(ValueError, match=r"^config\.routing_pool_size: must be in \[1, 4\]"):
+        build.topology(tiny_settings("/tmp", "/tmp", **four), CFG, graphdef,
+                       lambda **_: optax.sgd(0.1))  # fmt: skip
+    build.topology(tiny_settings("/tmp", "/tmp", routing="fixed", **four), CFG, graphdef,
+                   lambda **_: optax.sgd(0.1))  # fmt: skip
+    np.testing.assert_array_equal(pools[-1], [[0, 1, 2, 3]])

@@ -321,11 +321,12 @@ def topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
         return replicas.make_replicas(s.num_replicas, backend=s.backend, mesh_shape=split), {
             **kwargs, "grads_fn": grads_fn}
     check_stages(cfg.num_layers, s.num_stages, field="config.num_stages")
-    on_mesh = stage_mesh(s)
-    if on_mesh:
+    fixed, on_mesh = s.routing == "fixed", stage_mesh(s)
+    if on_mesh and not fixed:
         _check_mesh_pool(s)
-    pool = pl.permutation_pool(s.num_replicas, s.routing_pool_size, s.seed)
-    route = dict(seed=s.seed, fixed=s.routing == "fixed")
+    # Fixed routing takes row 0 (the identity) only: the rest of a pool compiled unused branches.
+    pool = pl.permutation_pool(s.num_replicas, 1 if fixed else s.routing_pool_size, s.seed)
+    route = dict(seed=s.seed, fixed=fixed)
     if not on_mesh:
         return replicas.Replicas(s.num_replicas), {
             **kwargs, "grads_fn": grads.routed(graphdef, pool, s.num_stages, **route)}
@@ -342,7 +343,8 @@ MAX_MESH_ROUTING_POOL = 1024
 
 def _check_mesh_pool(s: TrainSettings) -> None:
     """A ValueError when the mesh's routing pool (min(N!, routing_pool_size)) is too big to
-    compile; the simulated path gathers, and any size compiles there."""
+    compile; the simulated path gathers, and any size compiles there (fixed routing keeps
+    only the identity)."""
     size = min(math.factorial(s.num_replicas), s.routing_pool_size)
     errors.require(size <= MAX_MESH_ROUTING_POOL, "config.routing_pool_size",
                    f"must be in [1, {MAX_MESH_ROUTING_POOL}] on the (replica, stage) device mesh "
