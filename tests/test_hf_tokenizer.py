@@ -218,6 +218,14 @@ def test_a_character_the_tokenizer_cannot_encode_names_the_file(tmp_path):
         tok.encode("ab")
 
 
+def test_a_lone_surrogate_is_encoded_as_the_replacement_character(tmp_path):
+    """A str with a lone surrogate (json.loads of "\\udcff") was refused as a character the
+    tokenizer cannot encode ("give its model an unk token"); ByteTokenizer encodes U+FFFD."""
+    tok = HFTokenizer(_save(tmp_path))
+    assert tok.encode("cat \udcff dog").tolist() == tok.encode("cat \ufffd dog").tolist() == [
+        3, 0, 8]
+
+
 def test_a_bpe_that_drops_unknown_characters_warns(tmp_path, capsys):
     """A BPE without unk_token or byte_fallback drops "z" from "zebra" (ids of "ebra" only):
     the streams lost text and nothing said so. Known characters do not warn."""

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from noloco_jax.data.tokenizers import decode_ids
+from noloco_jax.data.tokenizers import _well_formed, decode_ids
 
 __all__ = ["HFTokenizer"]
 
@@ -129,12 +129,14 @@ class HFTokenizer:
         return (int(bos_id),)
 
     def encode(self, text: str) -> np.ndarray:
-        """int32 ids of ``text`` (no special tokens added; special-token text is encoded as text).
+        """int32 ids of ``text`` (no special tokens added; special-token text is encoded as text;
+        a lone surrogate, which ``tokenizers`` refuses, becomes U+FFFD as in ``ByteTokenizer``).
 
         Raises:
           ValueError: the tokenizer cannot encode a character of ``text`` (a Unigram or WordLevel
             model without an unk token).
         """
+        text = _well_formed(text)
         try:
             encoding = self._tok.encode(text, add_special_tokens=False)
         except Exception as err:  # tokenizers raises a bare Exception
