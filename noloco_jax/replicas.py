@@ -115,9 +115,12 @@ def select_replica(tree: PyTree, index: int, single_replica_like: PyTree) -> PyT
     axes = replica_axes(single_replica_like)
     leaves = zip(jax.tree.leaves(tree), jax.tree.leaves(axes, is_leaf=_is_none))
     sizes = [jnp.shape(x)[0] for x, a in leaves if a is not None]
-    if (isinstance(index, (np.ndarray, jax.Array)) and not isinstance(index, jax.core.Tracer)
-            and index.ndim == 0 and np.issubdtype(index.dtype, np.integer)):  # fmt: skip
-        index = int(index)  # a concrete 0-d integer array: checked as an int (not clamped)
+    if isinstance(index, (np.ndarray, jax.Array)) and not isinstance(index, jax.core.Tracer):
+        if index.ndim != 0:  # [5] was clamped too, and gave every leaf a leading axis of 1
+            raise errors.UserError(f"index must be one replica's index (an int or a 0-d array), "
+                                   f"got an array of shape {index.shape}.")  # fmt: skip
+        if np.issubdtype(index.dtype, np.integer):
+            index = int(index)  # a concrete 0-d integer array: checked as an int (not clamped)
     if sizes and not isinstance(index, jax.Array):
         errors.check_int("index", index, -sizes[0], sizes[0] - 1)
     return jax.tree.map(lambda x, a: x if a is None else x[index], tree, axes)

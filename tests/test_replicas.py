@@ -150,6 +150,9 @@ def test_select_replica_checks_an_array_index_too():
     for index in (jnp.array(4), jnp.array(-5), np.array(4)):
         with pytest.raises(ValueError, match=r"index: must be an integer in \[-4, 3\]"):
             replicas.select_replica(tree, index, like)
+    for index in (jnp.array([5]), np.array([1, 2])):  # [5] was clamped to replica 3
+        with pytest.raises(ValueError, match=r"one replica's index .* shape \("):
+            replicas.select_replica(tree, index, like)
 
 
 @pytest.mark.parametrize("num_replicas", [0, -1, 2.0, True])
