@@ -215,7 +215,8 @@ def _sync_bytes(method: str, outer: OuterSettings, num_replicas: int, fault: Fau
     presence = fault.nonfinite_guard or fault.dropout_prob > 0
     wire = _exchange_dtype(outer.exchange_dtype)
     slow = _slow_dtype(outer.slow_dtype)
-    if wire is None and slow is not None:  # "" sends what the outer step holds: slow weights
+    if slow is not None:  # the outer step exchanges the slow weights: "" sends them as held,
+        # and a float32 wire on float32 slow weights is DiLoCo's plain all-reduce
         tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, slow) if is_float(x) else x,
                             tree)  # fmt: skip
     if method == "diloco":
