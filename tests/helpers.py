@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -98,3 +100,46 @@ def tensorboard_view(folder: pathlib.Path) -> list[tuple[str, int]]:
                 shown = [(tag, step) for tag, step in shown if step < event.step]
             shown += [(v.tag, event.step) for v in event.summary.value]
     return shown
+
+
+# One process imports JAX and the package once, then forks a child per case that runs the
+# script as ``python -m`` would (runpy), so each case costs its script's own imports only.
+FORKED = """
+import json, os, runpy, sys, tempfile
+import jax, matplotlib, numpy, absl.app, noloco_jax.trainer, noloco_jax.experiments.harness
+results = []
+for script, args in json.loads(sys.argv[1]):
+    err, out = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(err.fileno(), 2)
+        os.dup2(out.fileno(), 1)
+        sys.argv = [script, *args]
+        code = 0
+        try:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        except SystemExit as done:
+            code = 0 if done.code is None else done.code if isinstance(done.code, int) else 1
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    err.seek(0)
+    out.seek(0)
+    results.append([os.waitstatus_to_exitcode(status), err.read(), out.read()])
+print(json.dumps(results))
+"""
+
+
+def run_forked(cases: list[tuple[str, list[str]]], cwd: pathlib.Path, timeout: float
+               ) -> list[list]:  # fmt: skip
+    """[exit status, stderr, stdout] of each ``python -m script *args`` of ``cases``, run one
+    after another in children forked from one process that imported JAX once (``FORKED``)."""
+    proc = subprocess.run([sys.executable, "-c", FORKED, json.dumps([list(c) for c in cases])],
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

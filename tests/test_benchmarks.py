@@ -9,12 +9,28 @@ import sys
 import pytest
 from absl import flags
 
+from tests.helpers import run_forked
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 # A flag that shapes the table must show on the page: it carried --smoke only, so a table
 # made with --ns showed the command of another table. The output folder stays off the page.
 EXTRA_FLAGS = {"compile_scale": ["--ns=8,16"]}
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request, tmp_path_factory):
+    """{script: (its --out_dir, [exit status, stderr, stdout])} of every selected case of
+    test_benchmark_smoke, each ``python -m experiments.bench.<script> --smoke`` run in a child
+    forked from one process that imported JAX once (``helpers.run_forked``): each script's
+    imports only, not an interpreter's with JAX's, per case."""
+    scripts = [item.callspec.params["script"] for item in request.session.items
+               if item.originalname == "test_benchmark_smoke"]  # fmt: skip
+    dirs = {s: tmp_path_factory.mktemp(f"bench_{s}") for s in scripts}
+    cases = [(f"experiments.bench.{s}", ["--smoke", *EXTRA_FLAGS.get(s, []), "--out_dir",
+                                         str(dirs[s])]) for s in scripts]  # fmt: skip
+    return dict(zip(scripts, zip(dirs.values(), run_forked(cases, ROOT, timeout=1800))))
 
 
 @pytest.mark.parametrize("script", [
@@ -27,14 +43,10 @@ EXTRA_FLAGS = {"compile_scale": ["--ns=8,16"]}
     pytest.param("routing_compile", marks=pytest.mark.slow),
 ])  # overhead and scaling time ~25 s of repetitions each; sharded_memory compiles 6 programs;
 #     opt_level trains twice in fresh processes (~45 s)
-def test_benchmark_smoke(script, tmp_path):
+def test_benchmark_smoke(script, smoke_runs):
     extra = EXTRA_FLAGS.get(script, [])
-    out = subprocess.run(
-        [sys.executable, "-m", f"experiments.bench.{script}", "--smoke", *extra, "--out_dir",
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    tmp_path, (code, stderr, _) = smoke_runs[script]
+    assert code == 0, stderr[-3000:]
     results = json.loads((tmp_path / f"bench_{script}.json").read_text())
     md = (tmp_path / f"bench_{script}.md").read_text()
     command = " ".join([f"python -m experiments.bench.{script} --smoke", *extra])

@@ -21,6 +21,7 @@ from noloco_jax.experiments import harness
 # at import, and a flag defined inside a flagsaver is deleted when the context exits, so a later
 # training run in the same worker failed with AttributeError (seen when xdist ordered it so).
 from noloco_jax.data import sources  # noqa: F401
+from tests.helpers import run_forked
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -406,48 +407,12 @@ def test_report_command_keeps_result_flags_and_leaves_out_where_to_write():
         assert "/tmp" not in command and "jobs" not in command and "part" not in command
 
 
-# One process imports JAX and the package once, then forks a child per case that runs the
-# script as ``python -m`` would (runpy), so each case costs its script's own imports only.
-_FORKED = """
-import json, os, runpy, sys, tempfile
-import jax, matplotlib, numpy, absl.app, noloco_jax.trainer, noloco_jax.experiments.harness
-results = []
-for script, args in json.loads(sys.argv[1]):
-    err, out = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")
-    pid = os.fork()
-    if pid == 0:
-        os.dup2(err.fileno(), 2)
-        os.dup2(out.fileno(), 1)
-        sys.argv = [script, *args]
-        code = 0
-        try:
-            runpy.run_module(script, run_name="__main__", alter_sys=True)
-        except SystemExit as done:
-            code = done.code if isinstance(done.code, int) else 1
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    err.seek(0)
-    out.seek(0)
-    results.append([os.waitstatus_to_exitcode(status), err.read(), out.read()])
-print(json.dumps(results))
-"""
-
-
 @pytest.fixture(scope="module")
 def user_error_runs():
     """[exit status, stderr, stdout] of each case of USER_ERRORS, then of HELP[1:]."""
     cases = [[script, args] for script, args, _ in USER_ERRORS]
     cases += [[script, [ask]] for script, ask in HELP[1:]]
-    proc = subprocess.run([sys.executable, "-c", _FORKED, json.dumps(cases)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_forked(cases, ROOT, timeout=300)
 
 
 @pytest.mark.parametrize("case", range(len(USER_ERRORS)),
