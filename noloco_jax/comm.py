@@ -1224,7 +1224,8 @@ def diloco_bytes_per_sync(
 
     ``exchange_dtype=None`` (or the leaves' own float32): an all-reduce summed
     in at least float32, counted as a bandwidth-optimal ring
-    (``mean_bytes_per_replica``). Otherwise
+    (``mean_bytes_per_replica``), with the float32 presence count in the same
+    all-reduce when ``with_presence``. Otherwise
     ``all_replica_mean_wire``'s all-to-all and all-gather, exactly: the
     leaves' n values are padded to N shards of S values (S a multiple of
     ``quantize.BLOCK`` for 8-bit formats), and each replica sends 2 (N - 1)
@@ -1246,8 +1247,9 @@ def diloco_bytes_per_sync(
     if errors.check_int("num_replicas", num_replicas) == 1:
         return 0.0
     params = _sent_leaves(params)
-    if _same_as_leaves(params, exchange_dtype):
-        return mean_bytes_per_replica(params, num_replicas)
+    if _same_as_leaves(params, exchange_dtype):  # the presence count rides in the all-reduce
+        presence = 2 * (num_replicas - 1) / num_replicas * 4 * with_presence
+        return mean_bytes_per_replica(params, num_replicas) + presence
     n = tree_num_elements(params)
     unit = _wire_unit(num_replicas, exchange_dtype)
     shard = -(-n // unit) * unit // num_replicas

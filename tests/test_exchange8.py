@@ -454,6 +454,12 @@ def test_diloco_float32_sync_is_one_all_reduce_and_8_bit_a_quarter_of_it():
     assert [(op.kind, op.bytes) for op in ops] == [("all-reduce", 4 * 940)]
     ring = 2 * (N - 1) / N * ops[0].bytes
     assert ring == comm.diloco_bytes_per_sync(single, N)
+    # With the guard's presence count the one all-reduce carries 4 more bytes (it was left out).
+    guarded = _diloco_sync_ops(None, True)
+    assert [op.kind for op in guarded] == ["all-reduce"]
+    assert 2 * (N - 1) / N * guarded[0].bytes == 2 * (N - 1) / N * (ops[0].bytes + 4)
+    assert comm.diloco_bytes_per_sync(single, N, with_presence=True) == \
+        2 * (N - 1) / N * guarded[0].bytes
     # 940 values pad to 4 shards of 256: 2 * 3 * (256 + 4) bytes against 5640.
     assert comm.diloco_bytes_per_sync(single, N, exchange_dtype="int8") == 1560
     big = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
