@@ -5,7 +5,8 @@ lr/10 at 25,000 steps, sequences of 1024 tokens, NoLoCo H = 50 / alpha = 0.5 vs 
 H = 100 / alpha = 0.3, beta = 0.7, groups of 2, bf16 compute.
 
 Not the paper's data: the default corpus stays (byte-level Shakespeare, ~4.5 M tokens, seen
-~3,000 times in 25,000 steps); the README's "Training runs" shows how to point it at a local C4.
+~3,000 times in 25,000 steps of small's batch, twice that for medium, four times for large); the
+README's "Training runs" shows how to point it at a local C4.
 """
 
 from configs import common
