@@ -95,7 +95,7 @@ def paired(option: np.ndarray, base: np.ndarray) -> dict[str, float]:
 
 def summarise(results: dict, smoke: bool) -> list[dict]:
     """One row per (method, option): mean +- std of the metric and the paired comparison."""
-    sync_every = 2 if smoke else SYNC_EVERY
+    sync_every = harness.smoke_overrides()["outer.sync_every"] if smoke else SYNC_EVERY
     seeds = SEEDS[:1] if smoke else SEEDS
     rows = []
     for method in METHODS:

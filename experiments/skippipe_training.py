@@ -75,7 +75,7 @@ def _omission(run: harness.Run, opts: harness.Options, keep_fractions: Sequence[
     from noloco_jax.trainer import from_config
     from noloco_jax.trainer.loop import load_run
 
-    over = {**run.overrides, **(harness.smoke_overrides() if opts.smoke else {}),
+    over = {**run.overrides, **(harness.smoke_overrides(run.overrides) if opts.smoke else {}),
             **harness.data_overrides(opts), **run.pinned}  # fmt: skip
     settings = from_config(harness.load_config(CONFIG, over))
     root = opts.runs_dir / ("skippipe" + ("_smoke" if opts.smoke else ""))

@@ -84,10 +84,16 @@ def _sweep_rows(results: dict, sweep: str, period: int) -> tuple[list, dict]:
     return rows, out
 
 
+def metric_period(smoke: bool) -> int:
+    """The plan's metric reads evaluations at multiples of DiLoCo's H (its smoke H in the smoke
+    version, as table2 reads it from the DiLoCo runs): sync steps of every H swept."""
+    h = plan.METHODS["diloco"]["outer.sync_every"]
+    return harness.smoke_sync_every(h) if smoke else h
+
+
 def report(results: dict, opts: harness.Options) -> tuple[dict, str]:
     lo, hi = gamma_bounds(0.5, 2)
-    period = (harness.smoke_overrides()["outer.sync_every"] if opts.smoke
-              else plan.METHODS["diloco"]["outer.sync_every"])  # fmt: skip
+    period = metric_period(opts.smoke)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
     sections, analysis = [], {"period": period}
     for ax, sweep in zip(axes, plan.SWEEPS):

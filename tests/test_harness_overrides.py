@@ -101,3 +101,39 @@ def test_a_report_that_fails_part_way_leaves_the_earlier_one_intact(tmp_path, mo
         harness.write_outputs(opts, "table2", {"noloco_n8_s1": {"eval": []}}, "new")
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before  # no temporary left
     assert "noloco_n8_s0" in json.loads(before["table2.json"])
+
+
+def test_smoke_runs_keep_the_sync_periods_the_full_plan_tells_apart(tmp_path):
+    """smoke_overrides set H = 2 after every run's own overrides: in the smoke, Table 2's control
+    diloco_h10 had diloco's config (a comparison with a copy) and the H sweep swept nothing.
+    Now each run's H is scaled (smoke_sync_every), and the reports' period still finds the
+    plan's LAST_K evaluations, each a sync step of every run."""
+    import math
+
+    from experiments import dropout, routing_ablation, sweeps
+    from noloco_jax.experiments import plan, table2
+
+    opts = harness.Options(smoke=True, runs_dir=tmp_path)
+
+    def configs(module, subdir):
+        grid = harness.plan_grid(module.CONFIG, module.grid(True), opts, subdir)
+        return {run.name: cfg for run, _, cfg, _ in grid}
+
+    t2 = configs(table2, "table2")
+    h = {m: t2[f"{m}_n2_s0"].outer.sync_every for m in ("noloco", "diloco", "diloco_h10")}
+    assert h["diloco_h10"] == h["noloco"] < h["diloco"]  # as 10, 10, 20 in the full plan
+    assert t2["diloco_h10_n2_s0"].to_dict() != t2["diloco_n2_s0"].to_dict()
+    sw = configs(sweeps, "table2")
+    swept = {cfg.outer.sync_every for name, cfg in sw.items()
+             if name.startswith(("sweep_sync_every_", "noloco_"))}  # fmt: skip
+    assert len(swept) == 2  # the smoke's H sweep: one value besides the baseline
+    assert sweeps.metric_period(True) == h["diloco"]  # the period table2 reads from its runs
+    for name, grid in (("routing", configs(routing_ablation, "routing")),
+                       ("dropout", configs(dropout, "table2"))):  # fmt: skip
+        assert grid["noloco_" + ("pp1_n2" if name == "routing" else "n2_s0")].outer.sync_every \
+            < grid["diloco_" + ("pp1_n2" if name == "routing" else "n2_s0")].outer.sync_every
+    for cfg in [*t2.values(), *sw.values()]:
+        assert h["diloco"] % cfg.outer.sync_every == 0 or cfg.method == "dp"
+        aligned = cfg.num_steps // math.lcm(h["diloco"], cfg.eval_every)
+        assert aligned >= plan.LAST_K
+    assert [harness.smoke_sync_every(v) for v in (5, 10, 20, 50)] == [1, 2, 4, 10]

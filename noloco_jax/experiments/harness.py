@@ -49,7 +49,8 @@ RUNS = ROOT / "experiments" / "runs"  # training runs (git-ignored)
 SCRATCH = RUNS / "results"  # default for re-runs (git-ignored)
 
 __all__ = ["ROOT", "RESULTS", "FIGURES", "RUNS", "SCRATCH", "Options", "Run", "GridIncomplete",
-           "smoke_overrides", "data_overrides", "load_config", "run_grid", "read_run",
+           "smoke_overrides", "smoke_sync_every", "data_overrides", "load_config", "run_grid",
+           "read_run",
            "train_in_processes", "plan_grid", "provenance_entry", "write_outputs", "figure_path", "figure_link", "save_figure",
            "md_table"]  # fmt: skip
 
@@ -96,13 +97,26 @@ class Run:
     pinned: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def smoke_overrides() -> dict[str, Any]:
-    """A seconds-long version of any run: nano model, a few steps."""
+def smoke_sync_every(sync_every: int) -> int:
+    """A run's H in the smoke version: H / 5, at least 1 (the plan's 5, 10, 20, 50 -> 1, 2, 4,
+    10), so that runs whose H differs in the full plan (DiLoCo's 20 and NoLoCo's 10, the H
+    sweep) still differ, in the same order and ratios."""
+    return max(1, int(sync_every) // 5)
+
+
+def smoke_overrides(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A seconds-long version of a run with ``overrides``: nano model, a few steps.
+
+    The run's own ``outer.sync_every`` is scaled by ``smoke_sync_every`` (2 where it sets
+    none); 12 steps, evaluated every 2, reach 3 sync steps of DiLoCo's smoke H (4): the
+    ``plan.LAST_K`` evaluations the reports' metric reads.
+    """
+    h = (overrides or {}).get("outer.sync_every")
     return {
-        "model.preset": "nano", "num_steps": 8, "log_every": 2, "eval_every": 2,
-        "checkpoint_every": 8, "global_batch_size": 8, "data.seq_len": 32,
+        "model.preset": "nano", "num_steps": 12, "log_every": 2, "eval_every": 2,
+        "checkpoint_every": 12, "global_batch_size": 8, "data.seq_len": 32,
         "data.eval_windows": 4, "optim.warmup_steps": 1, "backend": "vmap",
-        "outer.sync_every": 2,
+        "outer.sync_every": 2 if h is None else smoke_sync_every(h),
     }  # fmt: skip
 
 
@@ -276,11 +290,12 @@ def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) 
 def plan_grid(config: pathlib.Path, runs: list[Run], opts: Options, runs_subdir: str
               ) -> list[tuple[Run, pathlib.Path, config_dict.ConfigDict, bool]]:  # fmt: skip
     """(run, workdir, config, done) for every run of the grid, configs loaded once."""
-    common = {**(smoke_overrides() if opts.smoke else {}), **data_overrides(opts)}
+    data = data_overrides(opts)
     root = opts.runs_dir / (runs_subdir + ("_smoke" if opts.smoke else ""))
     planned = []
     for run in runs:
-        cfg = load_config(config, {**run.overrides, **common, **run.pinned})
+        smoke = smoke_overrides(run.overrides) if opts.smoke else {}
+        cfg = load_config(config, {**run.overrides, **smoke, **data, **run.pinned})
         planned.append((run, root / run.name, cfg, _done(root / run.name, int(cfg.num_steps))))
     return planned
 

@@ -52,7 +52,7 @@ def sync_period(run: dict, method: str = "diloco") -> int:
 
 
 def reference_period(results: dict) -> int:
-    """DiLoCo's H in these results (2 in the smoke version): the steps the metric reads."""
+    """DiLoCo's H in these results (4 in the smoke version): the steps the metric reads."""
     diloco = [run for name, run in results.items()
               if not name.startswith("_") and parse_name(name)[0] == "diloco"]  # fmt: skip
     return sync_period(diloco[0]) if diloco else int(METHODS["diloco"]["outer.sync_every"])
