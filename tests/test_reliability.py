@@ -675,13 +675,19 @@ def test_a_signal_handler_set_outside_python_is_left_in_place(monkeypatch):
 def test_a_signal_of_the_other_kind_is_only_noted(capsys):
     """The handler's docstring: a second signal of the same kind acts at once. A SIGINT after a
     SIGTERM (a wrapper forwarding both) raised KeyboardInterrupt: no checkpoint was saved."""
-    with pytest.raises(KeyboardInterrupt):
-        with loop._stop_signals() as stop:
-            stop.training = True
-            signal.raise_signal(signal.SIGTERM)
-            signal.raise_signal(signal.SIGINT)  # noted: the run still saves and stops
-            assert stop.requested == "SIGTERM"
-            signal.raise_signal(signal.SIGINT)  # SIGINT again: at once
+    # Python's own SIGINT handler, whatever started pytest: a shell's background job (`cmd &`)
+    # starts with SIGINT ignored, and then a second SIGINT would be ignored too.
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with loop._stop_signals() as stop:
+                stop.training = True
+                signal.raise_signal(signal.SIGTERM)
+                signal.raise_signal(signal.SIGINT)  # noted: the run still saves and stops
+                assert stop.requested == "SIGTERM"
+                signal.raise_signal(signal.SIGINT)  # SIGINT again: at once
+    finally:
+        signal.signal(signal.SIGINT, outer)
     assert "SIGINT received: saving a checkpoint" in capsys.readouterr().out
 
 
