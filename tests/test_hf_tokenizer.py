@@ -105,6 +105,21 @@ def test_decode_refuses_float_and_out_of_vocabulary_ids(tmp_path):
     assert tok.decode([2, 3]) == "the cat"
 
 
+def test_decode_keeps_special_tokens_other_than_eos_and_bos(tmp_path):
+    """tokenizers' decode skips every special token by default: an <unk> or added special token
+    vanished from the text (transformers keeps them); only eos and bos ids are dropped."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    vocab = {"<unk>": 0, "the": 1, "cat": 2}
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    raw.add_special_tokens(["<unk>", "</s>", "<sep>"])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer(tmp_path)
+    ids = tok.encode("the zebra cat").tolist()
+    assert ids == [1, 0, 2] and tok.eos_id == 3
+    assert tok.decode([*ids, 4, tok.eos_id]) == "the <unk> cat <sep>"
+
+
 
 @pytest.mark.parametrize("bos", ["template", "sequence"])
 def test_documents_start_with_the_token_the_tokenizer_puts_first(tmp_path, bos):

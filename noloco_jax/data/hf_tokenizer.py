@@ -153,10 +153,12 @@ class HFTokenizer:
         return np.asarray(encoding.ids, np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of ``ids``; eos and bos ids are dropped."""
+        """Text of ``ids``; eos and bos ids are dropped, every other special token (``<unk>``,
+        added special tokens) is kept, as transformers' ``decode`` does by default
+        (``skip_special_tokens=False``; ``tokenizers`` skips all of them by default)."""
         arr = decode_ids(ids, self.vocab_size)
         drop = [self.eos_id, *self.bos_ids]
-        return self._tok.decode(arr[~np.isin(arr, drop)].tolist())
+        return self._tok.decode(arr[~np.isin(arr, drop)].tolist(), skip_special_tokens=False)
 
 
 def _read_config(config: pathlib.Path) -> Any:
