@@ -81,6 +81,7 @@ def encode(x: jax.Array, fmt: str) -> jax.Array:
 def decode(buf: jax.Array, n: int, fmt: str) -> jax.Array:
     """The float32 values of an ``encode``d buffer of ``n`` values."""
     dtype, _ = _format(fmt)
+    n = errors.check_int("n", n, 0)  # a float n was a TypeError from jnp.pad, a bool taken as 1
     errors.require(jnp.shape(buf) == (wire_bytes(n),), "buf", f"must be the flat "
                    f"{wire_bytes(n)} bytes of an encoded message of n={n} values, got shape "
                    f"{jnp.shape(buf)}.")  # fmt: skip
@@ -98,5 +99,6 @@ def roundtrip(x: jax.Array, fmt: str) -> jax.Array:
 
 
 def wire_bytes(n: int) -> int:
-    """Bytes of one encoded message of ``n`` values."""
+    """Bytes of one encoded message of ``n`` values (an integer >= 0)."""
+    n = errors.check_int("n", n, 0)  # a negative n gave a negative count
     return n + 4 * (-(-n // BLOCK))

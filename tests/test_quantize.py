@@ -99,3 +99,12 @@ def test_an_unknown_format_or_a_buffer_of_the_wrong_size_is_refused():
         qz.decode(qz.encode(jnp.ones(4), "int8"), 4, "int4")
     with pytest.raises(ValueError, match="buf: must be the flat 9 bytes"):
         qz.decode(qz.encode(jnp.ones(4), "int8"), 5, "int8")  # n does not match the message
+
+
+@pytest.mark.parametrize("n", [-300, -1, 3.0, True, None])
+def test_wire_bytes_and_decode_refuse_an_n_that_is_not_a_count(n):
+    """wire_bytes(-300) was -304 bytes; decode with n=3.0 failed with jnp.pad's TypeError."""
+    with pytest.raises(ValueError, match=r"n: must be an integer >= 0, got"):
+        qz.wire_bytes(n)
+    with pytest.raises(ValueError, match=r"n: must be an integer >= 0, got"):
+        qz.decode(jnp.zeros(7, jnp.uint8), n, "int8")
