@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +102,8 @@ def simulate_quadratic(
     errors.check_int("num_rounds", num_rounds, 1)
     errors.check_number("inner_lr", inner_lr, 0, open_low=True)  # < 0: gradient ascent
     errors.check_number("noise", noise, 0)
-    errors.require(math.isfinite(init), "init", f"must be a finite number, got {init!r}.")
+    real = isinstance(init, numbers.Real) and not isinstance(init, bool)  # "a": math's TypeError
+    errors.require(real and math.isfinite(init), "init", f"must be a finite number, got {init!r}.")
     curvature = jnp.linspace(1.0, 0.1, dim)
     tx = local_steps(optax.sgd(inner_lr), outer, sync_every, delay=delay, mixing=mixing)
     reps = replicas.Replicas(num_replicas, axis_name)

@@ -52,7 +52,9 @@ def test_bounds_refuse_a_group_below_two_or_a_momentum_outside_0_1(momentum, gro
                                           ({"inner_lr": -0.05}, "inner_lr"),
                                           ({"noise": float("nan")}, "noise"),
                                           ({"init": float("nan")}, "init"),  # NaN traces
-                                          ({"init": float("inf")}, "init")])  # fmt: skip
+                                          ({"init": float("inf")}, "init"),
+                                          ({"init": "a"}, "init"),  # was math's TypeError
+                                          ({"init": None}, "init")])  # fmt: skip
 def test_simulation_refuses_degenerate_inputs(kwargs, field):
     """dim=0 gave a NaN spread, num_rounds=0 empty traces, inner_lr < 0 gradient ascent."""
     with pytest.raises(ValueError, match=f"^{field}: must be"):
