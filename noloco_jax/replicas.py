@@ -198,6 +198,9 @@ class Replicas:
         from noloco_jax import errors  # noqa: PLC0415
 
         errors.check_int("num_replicas", self.num_replicas, 1)
+        # An int is a positional axis to lax.psum & co.: they reduced over a leaf's first dim.
+        errors.require(isinstance(self.axis_name, str), "axis_name", f"must be a string (the "
+                       f"name collectives use), got {self.axis_name!r}.")  # fmt: skip
         if self.mesh is None:
             return
         sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))

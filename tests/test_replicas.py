@@ -120,6 +120,14 @@ def test_shard_map_names_reps_put_for_an_input_left_unplaced():
     assert mapped(x, reps.put(jnp.ones((8, 16)))).shape == (8, 3)
 
 
+@pytest.mark.parametrize("axis_name", [3, 0, None, b"replica"])
+def test_an_axis_name_that_is_not_a_string_is_refused(axis_name):
+    """Replicas(2, 3) was accepted; with an int name lax.psum(x, 0) inside map summed a leaf's
+    first dimension of each replica instead of across the replicas."""
+    with pytest.raises(ValueError, match=r"^axis_name: must be a string"):
+        replicas.Replicas(2, axis_name)
+
+
 @pytest.mark.parametrize("num_replicas,axis_name", [(4, "replica"), (2, "r")])
 def test_a_mesh_whose_replica_axis_is_not_num_replicas_long_is_refused(num_replicas, axis_name):
     # Replicas(4) on a 2-device replica axis ran replicas 0 and 2 only and returned 2 of 4.
