@@ -20,7 +20,7 @@ __all__ = [
 _KINDS = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "ragged-all-to-all",
           "all-to-all")  # fmt: skip
 _DTYPE_BITS = {
-    "pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
+    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
     "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128,
 }  # fmt: skip
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,<=]*)\]")

@@ -40,6 +40,18 @@ def test_async_combined_and_narrow_collectives_count_as_their_synchronous_forms(
                    ("collective-permute", 500), ("ragged-all-to-all", 4000)]  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [jnp.int2, jnp.uint2])
+def test_two_bit_collectives_count_two_bits_a_value(dtype):
+    """XLA keeps int2 / uint2 as s2 / u2 in a collective (s4 is widened to s8 on the CPU):
+    collective_ops raised "element type 's2' has no known width"."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("r",))
+    swap = jax.shard_map(lambda x: jax.lax.ppermute(x, "r", [(0, 1), (1, 0)]), mesh=mesh,
+                         in_specs=P("r"), out_specs=P("r"))
+    text = jax.jit(swap).lower(jnp.zeros((2, 1024), dtype)).compile().as_text()
+    got = [(op.kind, op.bytes) for op in hlo.collective_ops(text)]
+    assert got == [("collective-permute", 1024 * 2 // 8)]
+
+
 def test_an_unknown_element_type_is_an_error_not_zero_bytes():
     line = "  %x = q9[10]{0} collective-permute(q9[10]{0} %p), source_target_pairs={{0,1}}\n"
     with pytest.raises(ValueError, match="element type 'q9'"):
