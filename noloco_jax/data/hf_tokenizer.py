@@ -24,8 +24,10 @@ class HFTokenizer:
     must be in the vocabulary), else the first of ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>``,
     ``<|eot_id|>`` in the vocabulary. ``bos_ids`` are the ids the tokenizer's saved
     post-processor puts first (Llama's ``<s>`` / ``<|begin_of_text|>``; all of them for
-    ``"<s> <extra> $A"``), or ``()``; ``tokenizer_config.json``'s ``add_bos_token`` wins, as
-    in transformers (false: none; true: its ``bos_token``). ``bos_id`` is the first, or None:
+    ``"<s> <extra> $A"``), or ``()``; ``tokenizer_config.json``'s ``add_bos_token`` wins
+    (false: none; true: its ``bos_token``), as transformers 4.x's ``LlamaTokenizerFast`` does
+    (its ``PreTrainedTokenizerFast`` and transformers 5 keep the post-processor's, see
+    ``_find_bos``). ``bos_id`` is the first, or None:
     the data pipeline starts each document with them, as the model saw text in pretraining (a Llama
     started from ``model.init_from`` scores text without it worse). ``name`` ("hf" + a hash of
     tokenizer.json and these ids) keys caches.
@@ -108,9 +110,15 @@ class HFTokenizer:
         )
 
     def _find_bos(self, config: pathlib.Path, fields: Any, spec: dict) -> tuple[int, ...] | None:
-        """tokenizer_config.json's add_bos_token wins over the post-processor, as transformers
-        rebuilds it from the config (Llama, Gemma, PreTrainedTokenizerFast): false adds nothing,
-        true adds the config's bos_token (the post-processor's first ids when it names none)."""
+        """tokenizer_config.json's add_bos_token wins over the post-processor: false adds nothing,
+        true adds the config's bos_token (the post-processor's first ids when it names none).
+
+        That is what transformers 4.x's LlamaTokenizerFast does (it rebuilds the post-processor
+        from the config; checked with 4.57.6), the class a Llama-2 tokenizer_config names. Not
+        every AutoTokenizer does: 4.57.6's PreTrainedTokenizerFast and GPT2TokenizerFast, and
+        every class of transformers 5 (checked with 5.24.0, which drops add_bos_token and
+        add_eos_token from the config when tokenizer.json exists), keep the saved
+        post-processor's, so where the two disagree their input_ids start otherwise."""
         add = fields.get("add_bos_token") if isinstance(fields, dict) else None
         if add is False:
             return None
