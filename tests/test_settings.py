@@ -432,13 +432,10 @@ def test_outer_slow_dtype_float32_of_float32_params_is_warned():
     assert warned("bfloat16") == []
 
 
-@pytest.mark.parametrize("exchange", ["", "bfloat16"])
-def test_bytes_sent_counts_what_a_master_weights_sync_sends(exchange):
-    """NoLoCo's "" exchange sends what the outer step holds: with float32 slow weights, theta
-    travels as float32 (twice bf16's bytes), which the trainer counts; "bfloat16" sends
-    theta at its own width. Checked against the compiled sync's collective-permute bytes."""
+def _master_weights_sync(method: str, exchange: str, params0: dict) -> tuple[str, float]:
+    """(compiled HLO of one sync on 4 shard_map replicas with float32 slow weights, the bytes
+    the trainer counts for it)."""
     import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
 
     from noloco_jax import hlo, replicas  # noqa: PLC0415
     from noloco_jax.trainer.optimizer import build_optimizer, bytes_sent  # noqa: PLC0415
@@ -447,9 +444,8 @@ def test_bytes_sent_counts_what_a_master_weights_sync_sends(exchange):
     outer = settings_lib.OuterSettings(sync_every=h, slow_dtype="float32",
                                        exchange_dtype=exchange)  # fmt: skip
     fault = settings_lib.FaultSettings(nonfinite_guard=False)
-    tx = build_optimizer("noloco", settings_lib.OptimSettings(warmup_steps=0), outer,
+    tx = build_optimizer(method, settings_lib.OptimSettings(warmup_steps=0), outer,
                          num_steps=10, num_replicas=n, fault=fault)  # fmt: skip
-    params0 = {"w": jnp.ones((64, 8), jnp.bfloat16), "b": jnp.ones((8,), jnp.bfloat16)}
     reps = replicas.make_replicas(n, backend="shard_map")
     params = reps.put(replicas.replicate(params0, n))
     state = reps.put(replicas.replicate(tx.init(params0), n))
@@ -458,35 +454,34 @@ def test_bytes_sent_counts_what_a_master_weights_sync_sends(exchange):
         return tx.update(params, state, params, sync_step=True)
 
     text = hlo.compiled_text(jax.jit(reps.map(sync)), params, state)
+    return text, bytes_sent(method, outer, params0, num_replicas=n, steps=h, fault=fault)
+
+
+@pytest.mark.parametrize("exchange", ["", "bfloat16"])
+def test_bytes_sent_counts_what_a_master_weights_sync_sends(exchange):
+    """NoLoCo's "" exchange sends what the outer step holds: with float32 slow weights, theta
+    travels as float32 (twice bf16's bytes), which the trainer counts; "bfloat16" sends
+    theta at its own width. Checked against the compiled sync's collective-permute bytes."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from noloco_jax import hlo  # noqa: PLC0415
+
+    params0 = {"w": jnp.ones((64, 8), jnp.bfloat16), "b": jnp.ones((8,), jnp.bfloat16)}
+    text, counted = _master_weights_sync("noloco", exchange, params0)
     per_branch = hlo.bytes_by_computation(text, "collective-permute")  # one per matching
-    counted = bytes_sent("noloco", outer, params0, num_replicas=n, steps=h, fault=fault)
     assert set(per_branch.values()) == {counted} == {520 * (4 if exchange == "" else 2)}
 
 
 def test_bytes_sent_counts_a_diloco_float32_wire_on_master_weights_as_its_all_reduce():
     """DiLoCo's float32 wire on float32 slow weights is the plain all-reduce (nothing to
     narrow); it was counted as the padded all-to-all + all-gather of a bf16 tree."""
-    import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from noloco_jax import hlo, replicas  # noqa: PLC0415
-    from noloco_jax.trainer.optimizer import build_optimizer, bytes_sent  # noqa: PLC0415
+    from noloco_jax import hlo  # noqa: PLC0415
 
-    n, h = 4, 2
-    outer = settings_lib.OuterSettings(sync_every=h, slow_dtype="float32",
-                                       exchange_dtype="float32")  # fmt: skip
-    fault = settings_lib.FaultSettings(nonfinite_guard=False)
-    tx = build_optimizer("diloco", settings_lib.OptimSettings(warmup_steps=0), outer,
-                         num_steps=10, num_replicas=n, fault=fault)  # fmt: skip
+    n = 4
     params0 = {"w": jnp.ones((64, 8), jnp.bfloat16), "b": jnp.ones((7,), jnp.bfloat16)}
-    reps = replicas.make_replicas(n, backend="shard_map")
-    params = reps.put(replicas.replicate(params0, n))
-    state = reps.put(replicas.replicate(tx.init(params0), n))
-
-    def sync(params, state):
-        return tx.update(params, state, params, sync_step=True)
-
-    ops = hlo.collective_ops(hlo.compiled_text(jax.jit(reps.map(sync)), params, state))
+    text, counted = _master_weights_sync("diloco", "float32", params0)
+    ops = hlo.collective_ops(text)
     assert [(op.kind, op.bytes) for op in ops] == [("all-reduce", 519 * 4)]  # no padding
-    counted = bytes_sent("diloco", outer, params0, num_replicas=n, steps=h, fault=fault)
     assert counted == 2 * (n - 1) / n * 519 * 4  # a ring all-reduce of the float32 phi
