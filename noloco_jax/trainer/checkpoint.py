@@ -218,7 +218,7 @@ class Checkpointer:
 
         def as_saved(x: Any, name: str) -> Any:
             dtype = saved.get(name, x.dtype)
-            if dtype == x.dtype or not (_is_float(dtype) and _is_float(x.dtype)):
+            if not _float_cast(dtype, x.dtype):
                 return x
             return jax.ShapeDtypeStruct(x.shape, dtype, sharding=getattr(x, "sharding", None))
 
@@ -401,20 +401,17 @@ def _verify(state: Any, meta: dict, step: int) -> None:
         )
 
 
-def _is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
+def _float_cast(a: Any, b: Any) -> bool:
+    """Whether dtypes ``a`` and ``b`` are two different float dtypes (the casts restore makes)."""
+    return a != b and jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)
 
 
 def _cast_like(state: Any, abstract_state: Any) -> Any:
     """``state``'s float leaves cast to ``abstract_state``'s float dtypes where they differ
     (the leaves ``_saved_dtypes`` read as saved); any other leaf is kept as restored (a PRNG
     key, which ``abstract_like`` describes as uint32, has no ``astype``)."""
-    def cast(x: Any, t: Any) -> Any:
-        if x.dtype == t.dtype or not (_is_float(x.dtype) and _is_float(t.dtype)):
-            return x
-        return x.astype(t.dtype)
-
-    return jax.tree.map(cast, state, abstract_state)
+    return jax.tree.map(lambda x, t: x.astype(t.dtype) if _float_cast(x.dtype, t.dtype) else x,
+                        state, abstract_state)  # fmt: skip
 
 
 def abstract_like(tree: Any) -> Any:
