@@ -314,6 +314,20 @@ def test_an_evaluator_refuses_negative_token_ids():
         evaluate.make_evaluator(replicas.Replicas(2), graphdef, windows)
 
 
+def test_an_evaluator_refuses_token_ids_outside_the_models_vocabulary():
+    """Ids of a 256-id tokenizer on a 128-id model: every val_ppl was NaN (the gathers fill
+    out-of-range rows with NaN), with no word of why."""
+    from noloco_jax import models, replicas  # noqa: PLC0415
+    from noloco_jax.trainer import evaluate  # noqa: PLC0415
+
+    graphdef, _ = models.init_params(models.get_preset("nano", vocab_size=128), 0)
+    windows = np.random.default_rng(0).integers(0, 128, (5, 9)).astype(np.int32)
+    evaluate.make_evaluator(replicas.Replicas(2), graphdef, windows)  # 127 at most: fine
+    windows[:, -1] = 128
+    with pytest.raises(ValueError, match=r"token id 128, outside .* must be in \[0, 128\)"):
+        evaluate.make_evaluator(replicas.Replicas(2), graphdef, windows)
+
+
 @pytest.mark.parametrize("stop_at", [-3, 2.5, True, "4"])
 def test_stop_at_must_be_an_integer_of_at_least_0(tmp_path, corpus_dir, data_dir, stop_at):
     """-3 trained nothing and returned as if done; 2.5 trained, then died with a TypeError in

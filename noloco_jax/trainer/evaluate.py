@@ -17,6 +17,7 @@ import numpy as np
 from noloco_jax import ensemble, replicas
 from noloco_jax.errors import check_int
 from noloco_jax.metrics import replica_spread
+from noloco_jax.models import LlamaConfig
 from noloco_jax.trainer.observability import distance_to_mean
 from noloco_jax.trainer.step import eval_token_losses
 
@@ -44,9 +45,18 @@ def eval_layout(num_windows: int, limit: int = 16) -> tuple[int, int]:
     return (best, num_windows) if best >= most // 2 else (limit, -(-num_windows // limit) * limit)
 
 
-def _check_windows(windows: np.ndarray) -> int:
+def _vocab_size(graphdef: Any) -> int | None:
+    """The model's vocabulary size, from the ``LlamaConfig`` its graphdef holds (a static
+    attribute); None when it holds none."""
+    for _, attr in getattr(graphdef, "attributes", ()):
+        if isinstance(getattr(attr, "value", None), LlamaConfig):
+            return attr.value.vocab_size
+    return None
+
+
+def _check_windows(windows: np.ndarray, vocab_size: int | None) -> int:
     """How many validation windows there are; at least one (eval_layout's max() of no
-    divisors said only "empty sequence")."""
+    divisors said only "empty sequence"), every id in [0, vocab_size)."""
     if len(windows) == 0:
         raise ValueError(
             f"make_evaluator needs at least one validation window, got windows of shape "
@@ -56,6 +66,10 @@ def _check_windows(windows: np.ndarray) -> int:
     if windows.min() < 0:  # the gathers wrap -1 to the last id: a finite, wrong loss
         raise ValueError(f"make_evaluator's windows must hold token ids >= 0, got "
                          f"{int(windows.min())}.")  # fmt: skip
+    if vocab_size is not None and windows.max() >= vocab_size:  # the gathers gave NaN
+        raise ValueError(f"make_evaluator's windows hold token id {int(windows.max())}, outside "
+                         f"the model's vocabulary: ids must be in [0, {vocab_size}); tokenize "
+                         f"with the model's tokenizer or give the model its vocab_size.")  # fmt: skip
     return len(windows)
 
 
@@ -88,7 +102,7 @@ def make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) 
     if reps.manual_axes - {reps.axis_name}:  # stages split by hand: evaluate a host copy
         on_host = make_evaluator(replicas.Replicas(reps.num_replicas), graphdef, windows)
         return lambda params: on_host(jax.tree.map(replicas.to_host, params))  # all processes
-    n, num = reps.num_replicas, _check_windows(windows)
+    n, num = reps.num_replicas, _check_windows(windows, _vocab_size(graphdef))
     batch, padded = eval_layout(num)
     windows = np.concatenate([windows, windows[: padded - num]])  # padding dropped below
     per_replica, spread, averaged = _programs(reps, graphdef, batch, num)
