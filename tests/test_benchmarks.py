@@ -140,6 +140,18 @@ def test_gpu_peak_flops_tell_pcie_and_nvl_cards_from_sxm():
     assert gpu.peak_flops("cpu", 0.0) is None and gpu.peak_flops("cpu", 100.0) == 100e12
 
 
+def test_the_memory_benchmarks_share_their_flags_and_import_together():
+    """Each defined --sizes and --usable: importing both in one process died with absl's
+    DuplicateFlagError, and the two definitions could drift apart."""
+    both = ("import experiments.bench.micro_batches as a, experiments.bench.sharded_memory as b; "
+            "assert a.SIZES is b.SIZES")
+    out = subprocess.run(
+        [sys.executable, "-c", both],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("script", ["micro_batches", "sharded_memory"])
 def test_memory_benchmarks_refuse_sizes_without_a_paper_batch(script, tmp_path):
     """--sizes took any preset, then PAPER_BATCH[size] raised KeyError (after compiling)."""

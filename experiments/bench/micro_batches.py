@@ -26,17 +26,11 @@ import jax.numpy as jnp
 from absl import flags
 
 from experiments import options
-from experiments.bench import common
+from experiments.bench import common, memory_flags
+from experiments.bench.memory_flags import SIZES, USABLE
 from noloco_jax import models
 from noloco_jax.models.presets import preset_names
 
-SIZES = flags.DEFINE_list("sizes", ["small", "medium", "large"], "Paper model sizes.")
-flags.register_validator("sizes", lambda v: bool(v) and set(v) <= set(common.PAPER_BATCH),
-                         message=f"takes sizes with a paper batch (common.PAPER_BATCH), "
-                                 f"comma-separated: {list(common.PAPER_BATCH)}")  # fmt: skip
-USABLE = flags.DEFINE_float(
-    "usable", 0.9, "Fraction of a chip's memory a program may use (the runtime keeps some).")
-flags.register_validator("usable", lambda v: 0 < v <= 1, message="takes a fraction in (0, 1]")
 REPS = flags.DEFINE_integer("reps", 30, "Timed repetitions of each variant.", lower_bound=1)
 MEMORY = flags.DEFINE_bool("memory", True, "Measure the footprints (part 1); --nomemory skips it.")
 SPEED_CASE = flags.DEFINE_list(
@@ -48,7 +42,7 @@ flags.register_validator(
             "positive integers")  # fmt: skip
 SPEED_DTYPE = flags.DEFINE_enum("speed_dtype", "float32", ["float32", "bfloat16"],
                                 "Compute dtype of the timed step (parameters stay float32).")
-for _name in options.OUT_FLAGS:
+for _name in (*options.OUT_FLAGS, *memory_flags.KEY_FLAGS):
     flags.declare_key_flag(_name)
 
 VOCAB, BATCH, CHIPS = common.PAPER_VOCAB, common.PAPER_BATCH, common.CHIPS

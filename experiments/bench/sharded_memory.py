@@ -27,18 +27,12 @@ import jax
 from absl import flags
 
 from experiments import options
-from experiments.bench import common
+from experiments.bench import common, memory_flags
+from experiments.bench.memory_flags import SIZES, USABLE
 
-SIZES = flags.DEFINE_list("sizes", ["small", "medium", "large"], "Paper model sizes.")
-flags.register_validator("sizes", lambda v: bool(v) and set(v) <= set(common.PAPER_BATCH),
-                         message=f"takes sizes with a paper batch (common.PAPER_BATCH), "
-                                 f"comma-separated: {list(common.PAPER_BATCH)}")  # fmt: skip
 DEVICES = flags.DEFINE_integer("devices", 256, "Simulated CPU devices (the largest split).",
                                lower_bound=1)
-USABLE = flags.DEFINE_float(
-    "usable", 0.9, "Fraction of a chip's memory a program may use (the runtime keeps some).")
-flags.register_validator("usable", lambda v: 0 < v <= 1, message="takes a fraction in (0, 1]")
-for _name in options.OUT_FLAGS:
+for _name in (*options.OUT_FLAGS, *memory_flags.KEY_FLAGS):
     flags.declare_key_flag(_name)
 
 VOCAB, BATCH, CHIPS = common.PAPER_VOCAB, common.PAPER_BATCH, common.CHIPS
