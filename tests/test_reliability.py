@@ -970,6 +970,22 @@ def test_memory_estimate_splits_only_the_blocks_and_only_on_the_stage_mesh(monke
     assert seen[0] == seen[1]  # was halved by num_stages, so a run that cannot fit passed
 
 
+def test_memory_check_counts_only_this_processs_devices_against_its_host(monkeypatch):
+    """With 2 processes x 4 CPU devices (8 replicas), each host holds 4 replicas' state, but
+    all 8 were counted against one host's RAM: a run fitting every host was refused."""
+    import optax
+
+    from noloco_jax.trainer import memory
+
+    seen = []
+    monkeypatch.setattr(memory, "check_fits", lambda per_device, used, **k: seen.append(used))
+    monkeypatch.setattr(jax, "local_device_count", lambda: 4)  # this process's 4 of the 8
+    s = settings_lib.from_config({"num_replicas": 8, "backend": "shard_map",
+                                  "global_batch_size": 8, "model": {"preset": "nano"}})
+    build.check_memory(s, 256, optax.adam(1e-3))
+    assert jax.device_count() == 8 and seen == [4]
+
+
 
 def test_an_accelerator_without_allocator_statistics_is_not_measured_by_host_ram(monkeypatch):
     """A GPU whose memory_stats() gives nothing (a PJRT plugin without them) was checked against

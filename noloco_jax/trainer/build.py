@@ -406,7 +406,8 @@ def check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
                                                backend=backend, num_stages=stages)
     per_device //= s.mesh.fsdp * s.mesh.tensor  # a replica split over F x T devices
     used = (1 if backend == "vmap" else s.num_replicas) * stages * s.mesh.fsdp * s.mesh.tensor
-    memory.check_fits(per_device, min(used, jax.device_count()), preset=s.model.preset,
+    # This host's share: with several processes (hosts) each holds its own devices' state.
+    memory.check_fits(per_device, min(used, jax.local_device_count()), preset=s.model.preset,
                       backend=backend, init_from=s.model.init_from)  # fmt: skip
 
 

@@ -83,7 +83,8 @@ def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str,
 
     Args:
       per_device: ``state_bytes_per_device``.
-      devices_used: devices holding a share of the state.
+      devices_used: this process's devices holding a share of the state (a CPU device's
+        share is in this host's RAM; other processes' devices are on their hosts).
       preset: the model preset (named in the message).
       init_from: the Hugging Face checkpoint the model comes from, if any (named instead of
         the preset, which it replaces).
