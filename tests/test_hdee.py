@@ -55,6 +55,19 @@ def test_default_domains_give_the_count_test_power_and_new_sources_are_sound():
     assert set("".join(genes)) == set("ACGT") and genes[0].startswith("ATG")
 
 
+def test_a_python_without_its_test_suite_is_refused_not_an_empty_domain(tmp_path, monkeypatch):
+    """Debian's python3 and the python Docker images ship no <stdlib>/test/."""
+    import sysconfig  # noqa: PLC0415
+
+    (tmp_path / "os.py").write_text("x = 1\n")
+    paths = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {**paths, "stdlib": str(tmp_path)})
+    with pytest.raises(RuntimeError, match=r"test/test_\*\.py files hold 0 characters"):
+        dom.make_domains(("python_tests",), (), num_chars=3000)
+    with pytest.raises(RuntimeError, match="fewer than num_chars=3000"):
+        dom.make_domains(("python_code",), (), num_chars=3000)
+
+
 def test_shakespeare_groups_come_from_the_named_plays():
     plays = {t: f"<{t}>" for t in dom.COMEDIES + dom.TRAGEDIES + dom.HISTORIES + dom.POEMS}
     text = dom.shakespeare_group(plays, dom.HISTORIES, 10_000)

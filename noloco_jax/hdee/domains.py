@@ -193,6 +193,11 @@ def _stdlib_files_text(pattern: str, num_chars: int) -> str:
         size += len(parts[-1])
         if size >= num_chars:
             break
+    if size < num_chars:  # no test/ folder (Debian's python3, the python Docker images)
+        raise RuntimeError(
+            f"the standard library's {stdlib / pattern} files hold {size} characters, fewer than "
+            f"num_chars={num_chars}: this Python lacks them (Debian/Ubuntu: install its "
+            "libpython3.X-testsuite) or num_chars is too large; or choose other domains.")
     return "".join(parts)[:num_chars]
 
 
