@@ -62,6 +62,16 @@ def test_git_state_commit_dirty_and_outputs(repo):
     assert provenance.version_label({"commit": None}) == "unrecorded"
 
 
+def test_an_installed_copy_inside_another_checkout_records_no_commit(repo):
+    """A non-editable install in a project's .venv: harness.ROOT is site-packages, which git
+    places in the enclosing project; its commit is not this code's version."""
+    site = repo / ".venv" / "lib" / "python3.11" / "site-packages"
+    (site / "noloco_jax").mkdir(parents=True)
+    (site / "noloco_jax" / "__init__.py").write_text("")
+    assert provenance.git_state(site) == {"commit": None, "dirty": None, "diff_sha256": None}
+    assert provenance.git_state(repo / "experiments")["commit"] is not None  # tracked files
+
+
 def test_a_tree_git_status_cannot_read_is_not_recorded_clean(repo):
     """`git status` failing (a damaged index) while `rev-parse HEAD` works gave dirty=False:
     an uncommitted change was labelled the clean commit, which make_results accepts."""

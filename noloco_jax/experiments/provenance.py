@@ -45,7 +45,8 @@ def git_state(root: pathlib.Path) -> dict[str, Any]:
 
     Returns:
       ``{"commit": sha or None, "dirty": bool or None, "diff_sha256": str or None}``; None
-      where ``root`` is not a git checkout (an installed package); ``dirty`` None with a
+      where ``root`` is not in a git checkout or holds no tracked file (an installed package,
+      inside another project's checkout or not); ``dirty`` None with a
       commit where ``git status`` failed (a damaged index, its timeout): not known clean. ``diff_sha256`` hashes the
       uncommitted changes (``git diff HEAD``, and the names and contents of new files) so that
       two dirty runs can still be told apart.
@@ -55,7 +56,9 @@ def git_state(root: pathlib.Path) -> dict[str, Any]:
       '8158966...'
     """
     commit = _git(root, "rev-parse", "HEAD")
-    if commit is None:
+    # "": git tracks nothing under root, an installed copy inside another project's checkout
+    # (its .venv), whose commit is not this code's.
+    if commit is None or _git(root, "ls-files", "--", ".") == "":
         return {"commit": None, "dirty": None, "diff_sha256": None}
     excluded = [f":(exclude){p}" for p in OUTPUT_PATHS]
     status = _git(root, "status", "--porcelain", "--", ".", *excluded)
