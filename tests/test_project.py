@@ -3,6 +3,8 @@
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -61,3 +63,20 @@ def test_accelerator_extras_pin_the_same_jax_as_the_install():
     extras = cfg["options.extras_require"]
     for name in ("cuda12", "cuda13", "tpu"):
         assert extras[name].split() == [f"jax[{name}]{jax_range}"], name
+
+
+def test_sdist_manifest_carries_the_tests_experiments_and_colabs(monkeypatch):
+    """setuptools' sdist held only the packages: no tests/ for the README's pytest command,
+    no experiments/ the tests import, no colabs/ or .ci/run."""
+    egg_info = pytest.importorskip("setuptools.command.egg_info", reason="needs setuptools")
+    monkeypatch.chdir(ROOT)  # MANIFEST.in's paths are relative to the project
+    manifest = egg_info.FileList()
+    for line in (ROOT / "MANIFEST.in").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            manifest.process_template_line(line)
+    files = [p.relative_to(ROOT) for d in ("tests", "experiments", "colabs", ".ci")
+             for p in (ROOT / d).rglob("*") if p.is_file()]  # fmt: skip
+    needed = {str(p) for p in files if p.parts[:2] != ("experiments", "runs")  # git-ignored
+              and not {"__pycache__", ".ipynb_checkpoints"} & set(p.parts)}  # fmt: skip
+    assert "tests/conftest.py" in needed and "experiments/__init__.py" in needed
+    assert sorted(needed - set(manifest.files)) == []
