@@ -16,7 +16,7 @@ __all__ = ["replica_spread"]
 def replica_spread(params: Any, axis_name: str) -> jax.Array:
     """The paper's pooled cross-replica weight standard deviation.
 
-    sqrt( sum over leaves and elements of mean_replicas (p - mean_replicas p)^2
+    sqrt( sum over leaves and elements of mean_replicas |p - mean_replicas p|^2
           / total number of elements ),
 
     a population std pooled over every parameter, as logged by the reference
@@ -40,7 +40,8 @@ def replica_spread(params: Any, axis_name: str) -> jax.Array:
     """
     if comm.axis_size(axis_name) == 1:  # one replica: no spread (and no collective, which
         return jnp.zeros([], jnp.float32)  # XLA refuses over a size-1 axis of split leaves)
-    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(params)
+    leaves = [x.astype(jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32)
+              for x in jax.tree.leaves(params)  # a complex weight keeps its imaginary part
               if is_float(x) and jnp.size(x)]  # weights; empty ones add nothing (0 / 0 was NaN)
     if not leaves:
         return jnp.zeros([], jnp.float32)
@@ -48,6 +49,6 @@ def replica_spread(params: Any, axis_name: str) -> jax.Array:
     refs = jax.lax.psum([jnp.where(first, x, jnp.zeros_like(x)) for x in leaves], axis_name)
     leaves = [x - r for x, r in zip(leaves, refs)]
     means = comm.all_replica_mean(leaves, axis_name)
-    sq = sum(jnp.sum(jnp.square(x - m)) for x, m in zip(leaves, means))
+    sq = sum(jnp.sum(jnp.real((x - m) * jnp.conj(x - m))) for x, m in zip(leaves, means))
     total = comm.tree_num_elements(leaves)
     return jnp.sqrt(comm.all_replica_mean(sq, axis_name) / total)

@@ -145,6 +145,20 @@ def test_replica_spread_of_empty_weights_is_zero():
     assert spread(tree).tolist() == [1.0, 1.0]
 
 
+def test_replica_spread_counts_the_imaginary_part_of_complex_weights():
+    """A complex leaf was cast to float32, dropping its imaginary part: replicas holding 1j
+    and -1j (a spread of 1) gave 0."""
+    import jax  # noqa: PLC0415
+
+    from noloco_jax import replica_spread  # noqa: PLC0415
+
+    spread = jax.vmap(lambda q: replica_spread(q, "r"), axis_name="r")
+    assert spread(np.array([[1j], [-1j]], np.complex64)).tolist() == [1.0, 1.0]
+    tree = {"z": np.array([[1 + 1j], [-1 - 1j]], np.complex64),
+            "v": np.array([[0.0], [2.0]], np.float32)}
+    assert float(spread(tree)[0]) == pytest.approx(np.sqrt((2.0 + 1.0) / 2), rel=1e-6)
+
+
 def test_plot_draws_per_replica_panels(run, tmp_path):
     workdir, _ = run
     png = tmp_path / "replicas.png"
