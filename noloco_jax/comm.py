@@ -266,7 +266,11 @@ def presence_mask(
     Each replica misses a round independently with probability
     ``dropout_prob``, drawn from ``fold_in(fold_in(key(seed), round), 1)`` - a
     stream separate from the group draw, identical on every replica.
+    ``dropout_prob`` must be in [0, 1) and ``seed`` in [0, 2**32 - 1], as the optimizers'.
     """
+    errors.check_int("num_replicas", num_replicas)
+    errors.check_number("dropout_prob", dropout_prob, 0, 1, open_high=True)
+    errors.check_int("seed", seed, 0, 2**32 - 1, "2**32 - 1")
     key = jax.random.fold_in(jax.random.key(seed), jnp.asarray(round_index, jnp.uint32))
     return ~jax.random.bernoulli(jax.random.fold_in(key, 1), dropout_prob, (num_replicas,))
 

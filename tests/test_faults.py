@@ -26,6 +26,16 @@ def test_presence_mask_is_deterministic_and_has_the_right_rate():
     assert np.asarray(comm.presence_mask(0, 16, 0.0, seed=1)).all()
 
 
+@pytest.mark.parametrize("p, seed, field", [(30.0, 0, "dropout_prob"), (-0.5, 0, "dropout_prob"),
+                                             (float("nan"), 0, "dropout_prob"),
+                                             (1.0, 0, "dropout_prob"), (0.3, -1, "seed")])
+def test_presence_mask_refuses_what_the_optimizers_refuse(p, seed, field):
+    """dropout_prob=30 (a percentage) marked every replica absent, -0.5 or NaN every one
+    present, and seed=-1 drew a mask no optimizer can use, all without a word."""
+    with pytest.raises(ValueError, match=f"{field}: must be"):
+        comm.presence_mask(0, 4, p, seed)
+
+
 def _numpy_round(phi, theta, delta, groups, present, alpha, beta):
     """NoLoCo with gamma = beta over the *present* members; absent: local-only."""
     new_delta = np.empty_like(delta)
