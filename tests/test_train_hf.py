@@ -105,15 +105,20 @@ def test_hf_bad_inputs(tmp_path, corpus_dir, hf_dir):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         s = _settings(corpus_dir, data, hf_dir, init_from=str(tmp_path / "nope"))
         train_and_evaluate(s, tmp_path / "a", progress=False)
-    # A Llama whose vocabulary is not the tokenizer's.
+    # A Llama whose vocabulary is smaller than the tokenizer's (a larger one is padded: fine).
     other = tmp_path / "other"
     other.mkdir()
     config = json.loads((hf_dir / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 512}))
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 200}))
     (other / "model.safetensors").symlink_to(hf_dir / "model.safetensors")
     s = _settings(corpus_dir, data, hf_dir, init_from=str(other))
-    with pytest.raises(ValueError, match="vocabulary of 512 ids but the 'hf' tokenizer has 300"):
+    with pytest.raises(ValueError, match=r"config\.model\.init_from=.* has a vocabulary of 200 "
+                                         r"ids but the 'hf' tokenizer has 300"):  # fmt: skip
         train_and_evaluate(s, tmp_path / "b", progress=False)
+    with pytest.raises(ValueError, match=r"config\.model\.vocab_size=384 differs from the "
+                                         r"init_from model's 300; set it to 0"):  # fmt: skip
+        train_and_evaluate(_settings(corpus_dir, data, hf_dir, vocab_size=384), tmp_path / "b2",
+                           progress=False)  # fmt: skip
     (other / "config.json").write_text(json.dumps({**config, "model_type": "mistral",
                                                     "architectures": ["MistralForCausalLM"]}))
     with pytest.raises(ValueError, match="'mistral' model.*only Llama"):
@@ -213,3 +218,23 @@ def test_export_run_refuses_non_finite_weights(tmp_path, monkeypatch):
     out = export_run(s, tmp_path / "run", tmp_path / "out", replica=0)
     np.testing.assert_array_equal(hf.load_llama(out)[2]["embedding"][...],
                                   reps[0]["embedding"][...])  # fmt: skip
+
+
+def test_a_padded_hf_checkpoint_trains_and_exports_its_padded_table(tmp_path, corpus_dir, hf_dir):
+    """A checkpoint whose embedding is larger than its tokenizer (384 rows for 300 ids, as
+    many Hub models pad theirs) was refused as a vocabulary mismatch."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    padded = tmp_path / "padded"
+    config = transformers.LlamaConfig(**{**json.loads((hf_dir / "config.json").read_text()),
+                                         "vocab_size": 384})  # fmt: skip
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(config).float().eval().save_pretrained(padded)
+    s = _settings(corpus_dir, tmp_path / "data", hf_dir, init_from=str(padded))
+    last = train_and_evaluate(s, tmp_path / "run", progress=False)
+    assert last["step"] == 4 and np.isfinite(last["train_loss"])
+    out = export_run(s, tmp_path / "run", tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 384
+    exported = transformers.LlamaForCausalLM.from_pretrained(out)
+    assert exported.get_input_embeddings().weight.shape == (384, 32)

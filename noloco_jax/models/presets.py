@@ -140,7 +140,8 @@ def get_preset(name: str, *, vocab_size: int, **overrides: Any) -> LlamaConfig:
 
     Args:
       name: one of ``preset_names()``.
-      vocab_size: V, the tokenizer's vocabulary size.
+      vocab_size: V, the model's vocabulary size: the tokenizer's, or larger (a padded
+        table, e.g. to a multiple of 128).
       **overrides: any other LlamaConfig field, replacing the preset's value.
 
     Returns:

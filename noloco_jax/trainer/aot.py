@@ -138,7 +138,7 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
     Args:
       settings: ``TrainSettings`` (model preset, method, replicas, mesh split,
         batch and sequence length are read from it).
-      vocab_size: the tokenizer's vocabulary size V.
+      vocab_size: the tokenizer's vocabulary size (the model's: ``build.model_vocab``).
       program: "sync" (the step that ends a round, one step; data parallel has
         no rounds and gets its one program) or "inner" (a block of
         gcd(log_every, period) inner steps, the longest block the trainer can run; it
@@ -148,8 +148,8 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
       The ``jax.stages.Compiled`` program (``memory_analysis()``, ``as_text()``).
 
     Raises:
-      ValueError: ``program`` is not "sync" or "inner", ``vocab_size`` is not the model's
-        (``config.model.vocab_size`` when set, the ``init_from`` config's), or
+      ValueError: ``program`` is not "sync" or "inner", ``build.model_vocab`` refuses the
+        vocabulary (the model's smaller than ``vocab_size``, ...), or
         ``config.mesh.fsdp`` / ``config.mesh.tensor`` does not divide the dims it splits:
         the trainer refuses these too.
     """
@@ -183,7 +183,7 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
 
 def _abstract_model(s: Any, vocab_size: int) -> tuple[Any, Any, Any]:
     """(config, graphdef, abstract params) of the model, refusing what the trainer refuses:
-    a ``vocab_size`` that is not the model's, a mesh split that does not divide its dims."""
+    a model vocabulary smaller than ``vocab_size``, a mesh split that does not divide its dims."""
     cfg = _model_config(s, vocab_size)
     graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
     sharding.check_divides(params, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
@@ -191,19 +191,12 @@ def _abstract_model(s: Any, vocab_size: int) -> tuple[Any, Any, Any]:
 
 
 def _model_config(s: Any, vocab_size: int) -> Any:
-    """``build.model_config``, refusing a ``vocab_size`` that is not the model's, as the
-    trainer does (``build.prepare_model``, ``hf_init.prepare_hf_model``): both
-    ``config.model.vocab_size`` (when set) and the built model's (``init_from``: its
-    config.json's) must equal it."""
+    """``build.model_config``, refusing the vocabularies the trainer refuses
+    (``build.model_vocab``): a model's smaller than the tokenizer's ``vocab_size``, or a
+    ``config.model.vocab_size`` other than the ``init_from`` config's."""
     from noloco_jax.trainer import build  # noqa: PLC0415 (build imports aot)
 
-    cfg = build.model_config(s, vocab_size)
-    wrong = [v for v in (s.model.vocab_size, cfg.vocab_size) if v and v != vocab_size]
-    if wrong:  # (config.model.vocab_size = 0: unset)
-        raise ValueError(f"vocab_size={vocab_size} differs from the model's vocabulary of "
-                         f"{wrong[0]} (config.model.vocab_size or init_from); give the "
-                         f"tokenizer's size, which the model must match.")  # fmt: skip
-    return cfg
+    return build.model_config(s, vocab_size)
 
 
 def step_memory(settings: Any, vocab_size: int, *, program: str = "sync") -> StepMemory:
@@ -211,7 +204,8 @@ def step_memory(settings: Any, vocab_size: int, *, program: str = "sync") -> Ste
 
     Args:
       settings: ``TrainSettings``.
-      vocab_size: the tokenizer's vocabulary size V.
+      vocab_size: the tokenizer's vocabulary size; the model's is ``config.model.vocab_size``
+        when set (padded, >= it), the ``init_from`` config's, else this.
       program: "sync" or "inner" (see ``compile_program``).
 
     Returns:

@@ -108,12 +108,6 @@ def prepare_model(s: TrainSettings, vocab_size: int, abstract: bool = False
         from noloco_jax.trainer.hf_init import prepare_hf_model  # noqa: PLC0415
 
         return prepare_hf_model(s, vocab_size)
-    if s.model.vocab_size and s.model.vocab_size != vocab_size:
-        raise ValueError(
-            f"config.model.vocab_size={s.model.vocab_size} does not match the "
-            f"{s.data.tokenizer!r} tokenizer's vocabulary of {vocab_size}; set it to "
-            f"{vocab_size} or to 0 (take the tokenizer's)."
-        )
     cfg = model_config(s, vocab_size)
     if abstract:
         return cfg, *jax.eval_shape(functools.partial(models.init_params, cfg, s.seed))
@@ -121,15 +115,16 @@ def prepare_model(s: TrainSettings, vocab_size: int, abstract: bool = False
 
 
 def model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
+    """The run's model config for a tokenizer of ``vocab_size`` ids (``model_vocab``'s rule)."""
     if s.model.init_from:  # the checkpoint's config.json replaces the preset
         from noloco_jax.models.hf import read_config  # noqa: PLC0415
 
-        return dataclasses.replace(read_config(s.model.init_from, dtype=s.model.dtype,
-                                               param_dtype=s.model.param_dtype),
-                                   remat=s.model.remat)  # fmt: skip
+        cfg = read_config(s.model.init_from, dtype=s.model.dtype, param_dtype=s.model.param_dtype)
+        model_vocab(s, vocab_size, init_vocab=cfg.vocab_size)
+        return dataclasses.replace(cfg, remat=s.model.remat)
     cfg = models.get_preset(
         s.model.preset,
-        vocab_size=vocab_size,
+        vocab_size=model_vocab(s, vocab_size),
         dtype=s.model.dtype,
         param_dtype=s.model.param_dtype,
         max_seq_len=max(2048, s.data.seq_len),
@@ -143,6 +138,48 @@ def model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
                          "config.num_stages > 1 pipeline stages.")  # fmt: skip
     return cfg
 
+
+
+def model_vocab(s: TrainSettings, vocab_size: int, init_vocab: int | None = None) -> int:
+    """The model's vocabulary size: at least the tokenizer's, larger when the table is padded.
+
+    ``config.model.vocab_size`` 0 takes the tokenizer's; a larger value pads the embedding
+    table (and output head), e.g. to a multiple of 128. The padding ids never occur in the
+    data. An ``init_from`` checkpoint keeps its own table (its config.json's vocab_size).
+
+    Args:
+      s: the run settings.
+      vocab_size: the tokenizer's vocabulary size.
+      init_vocab: the ``init_from`` checkpoint's vocab_size; None for a preset.
+
+    Returns:
+      ``init_vocab`` if given, else ``config.model.vocab_size`` or, when 0, ``vocab_size``.
+
+    Raises:
+      ValueError: the model's vocabulary is smaller than the tokenizer's (its larger ids
+        would be outside the table), or ``config.model.vocab_size`` is set and differs from
+        the ``init_from`` checkpoint's.
+    """
+    if init_vocab is not None:
+        if init_vocab < vocab_size:
+            raise ValueError(
+                f"config.model.init_from={s.model.init_from!r} has a vocabulary of {init_vocab} "
+                f"ids but the {s.data.tokenizer!r} tokenizer has {vocab_size} (its ids from "
+                f"{init_vocab} up are outside the model's table); use the model's own tokenizer "
+                f"(--config.data.tokenizer=hf --config.data.tokenizer_path=DIR).")  # fmt: skip
+        if s.model.vocab_size and s.model.vocab_size != init_vocab:
+            raise ValueError(f"config.model.vocab_size={s.model.vocab_size} differs from the "
+                             f"init_from model's {init_vocab}; set it to 0 (the checkpoint's "
+                             f"table is used as it is).")  # fmt: skip
+        return init_vocab
+    if s.model.vocab_size and s.model.vocab_size < vocab_size:
+        padded = -(-vocab_size // 128) * 128
+        raise ValueError(
+            f"config.model.vocab_size={s.model.vocab_size} is smaller than the "
+            f"{s.data.tokenizer!r} tokenizer's vocabulary of {vocab_size} (its ids from "
+            f"{s.model.vocab_size} up would be outside the embedding table); set it to 0 (take "
+            f"the tokenizer's) or to at least {vocab_size}, e.g. {padded} (a multiple of 128).")
+    return s.model.vocab_size or vocab_size
 
 @dataclasses.dataclass
 class Run:
@@ -209,7 +246,8 @@ def build_run(s: TrainSettings) -> tuple[Run, TrainState]:
     meta = {
         "settings": s.to_dict(),
         "batcher": data.batcher.state(),
-        "vocab_size": int(data.tokenizer.vocab_size),
+        "vocab_size": int(cfg.vocab_size),  # the model's (padded: above the tokenizer's)
+        "tokenizer_vocab_size": int(data.tokenizer.vocab_size),
     }
     return Run(s, data, programs.reps, params0, graphdef, programs.inner, programs.sync, block,
                 period, programs.evaluate, meta, fresh, calls=programs.calls,

@@ -30,7 +30,8 @@ def prepare_hf_model(s: TrainSettings, vocab_size: int) -> tuple[LlamaConfig, An
       host memory (no device holds the whole replica).
 
     Raises:
-      ValueError: the tokenizer's vocabulary differs from the model's, seq_len exceeds the
+      ValueError: the model's vocabulary is smaller than the tokenizer's (a larger, padded
+        one is fine), config.model.vocab_size is set to another, seq_len exceeds the
         model's positions, or a tied model is asked to run as routed pipeline stages.
       FileNotFoundError: a missing directory, config.json or safetensors file.
     """
@@ -39,15 +40,9 @@ def prepare_hf_model(s: TrainSettings, vocab_size: int) -> tuple[LlamaConfig, An
     except (FileNotFoundError, ValueError) as err:  # hf's message names the path, not the field
         kind = FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError
         raise kind(f"config.model.init_from: {err}") from err
-    if cfg.vocab_size != vocab_size:
-        raise ValueError(
-            f"config.model.init_from={s.model.init_from!r} has a vocabulary of {cfg.vocab_size} "
-            f"ids but the {s.data.tokenizer!r} tokenizer has {vocab_size}; use the model's own "
-            f"tokenizer (--config.data.tokenizer=hf --config.data.tokenizer_path=DIR)."
-        )
-    if s.model.vocab_size and s.model.vocab_size != cfg.vocab_size:
-        raise ValueError(f"config.model.vocab_size={s.model.vocab_size} differs from the "
-                         f"init_from model's {cfg.vocab_size}; set it to 0.")  # fmt: skip
+    from noloco_jax.trainer.build import model_vocab  # noqa: PLC0415 (build imports this lazily)
+
+    model_vocab(s, vocab_size, init_vocab=cfg.vocab_size)  # a padded table (larger) is fine
     if s.data.seq_len > cfg.max_seq_len:
         raise ValueError(f"config.data.seq_len={s.data.seq_len} exceeds the init_from model's "
                          f"max_position_embeddings={cfg.max_seq_len}.")  # fmt: skip
