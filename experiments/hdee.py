@@ -87,13 +87,24 @@ def _bits(logp) -> float:
     return float(-np.asarray(logp).mean() / np.log(2))
 
 
+
+def base_config(c, tokenizer_vocab: int) -> models.LlamaConfig:
+    """The experts' shared shape before their MLP widths: ``model.vocab_size`` 0 takes the
+    tokenizer's (it built a 0-id model and died in LlamaConfig); a larger value pads the
+    table; a smaller one is refused (ids past it are outside the table)."""
+    vocab = c.model.vocab_size or tokenizer_vocab
+    if vocab < tokenizer_vocab:
+        raise ValueError(f"config.model.vocab_size={vocab} is smaller than the byte tokenizer's "
+                         f"vocabulary of {tokenizer_vocab}; set it to 0 (take the tokenizer's) "
+                         f"or to at least {tokenizer_vocab}.")  # fmt: skip
+    return models.get_preset(c.model.preset, vocab_size=vocab, max_seq_len=max(64, c.seq_len))
+
 def run_seed(c, domains, fixed_difficulty: dict, seed: int) -> dict:
     tok = ByteTokenizer()
     tokens = {d.name: {s: tok.encode(getattr(d, s)) for s in ("train", "dev", "test")}
               for d in domains}  # fmt: skip
     trained_names = [d.name for d in domains if not d.held_out]
-    base = models.get_preset(c.model.preset, vocab_size=c.model.vocab_size,
-                             max_seq_len=max(64, c.seq_len))  # fmt: skip
+    base = base_config(c, tok.vocab_size)
     configs = {s: size_config(base, s, dict(c.mlp_widths)) for s in ("S", "M", "L")}
     mixture = np.concatenate([tokens[d]["train"] for d in trained_names])
     seeds_by_size = {}

@@ -270,3 +270,21 @@ def test_windows_cover_every_start_including_the_last():
 def test_bad_input_names_the_field(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_hdee_experiment_vocab_size_0_takes_the_tokenizers():
+    """experiments/hdee.py passed model.vocab_size straight to the preset: 0 (the trainer's
+    'take the tokenizer's') died in LlamaConfig; a padded (larger) table is kept."""
+    import ml_collections  # noqa: PLC0415
+
+    from experiments.hdee import base_config  # noqa: PLC0415
+
+    def config(vocab):
+        return ml_collections.ConfigDict({"model": {"preset": "nano", "vocab_size": vocab},
+                                          "seq_len": 32})  # fmt: skip
+
+    assert base_config(config(0), 256).vocab_size == 256
+    assert base_config(config(384), 256).vocab_size == 384
+    with pytest.raises(ValueError, match=r"config\.model\.vocab_size=100 is smaller than the "
+                                         r"byte tokenizer's vocabulary of 256"):  # fmt: skip
+        base_config(config(100), 256)
