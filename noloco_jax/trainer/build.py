@@ -139,7 +139,6 @@ def model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
     return cfg
 
 
-
 def model_vocab(s: TrainSettings, vocab_size: int, init_vocab: int | None = None) -> int:
     """The model's vocabulary size: at least the tokenizer's, larger when the table is padded.
 
@@ -180,6 +179,7 @@ def model_vocab(s: TrainSettings, vocab_size: int, init_vocab: int | None = None
             f"{s.model.vocab_size} up would be outside the embedding table); set it to 0 (take "
             f"the tokenizer's) or to at least {vocab_size}, e.g. {padded} (a multiple of 128).")
     return s.model.vocab_size or vocab_size
+
 
 @dataclasses.dataclass
 class Run:
