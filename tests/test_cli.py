@@ -7,8 +7,10 @@ None of these runs trains except the one finished run the resume rows share.
 
 import contextlib
 import dataclasses
+import errno
 import io
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -419,6 +421,25 @@ def test_user_error_subprocess_exit_2_without_traceback(tmp_path):
     debug = subprocess.run(argv + ["--debug"], cwd=ROOT, capture_output=True, text=True,
                            timeout=300)  # fmt: skip
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_a_read_only_data_dir_is_a_short_error_naming_the_field(tmp_path, corpus_dir, capsys,
+                                                                monkeypatch):  # fmt: skip
+    """A corpus not yet prepared in a read-only data dir ($NOLOCO_DATA_DIR, a shared cache)
+    was a PermissionError traceback (os.mkdir is patched: chmod does not stop root)."""
+    blocked, real_mkdir = tmp_path / "shared cache", os.mkdir
+    blocked.mkdir()
+
+    def mkdir(path, *args, **kwargs):
+        if pathlib.Path(path).is_relative_to(blocked):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setenv("NOLOCO_DATA_DIR", str(blocked))
+    code, err = run_cli(nano_argv(tmp_path / "run", corpus_dir, ""), capsys)
+    assert_user_error(code, err, rf"config\.data\.data_dir: cannot write under "
+                                 rf"'{re.escape(str(blocked))}' \(Permission denied: .*\$NOLOCO_DATA_DIR")
 
 
 def test_out_of_device_memory_is_a_short_run_failure(monkeypatch, tmp_path, capsys):

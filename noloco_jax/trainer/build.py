@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import os
 import pathlib
 from typing import Any, Callable
 
@@ -56,6 +57,40 @@ def prepare_data(s: TrainSettings) -> DataBundle:
     """Corpus -> tokenizer -> token streams -> per-replica batcher and eval windows."""
     data_dir = (pathlib.Path(s.data.data_dir).expanduser() if s.data.data_dir
                 else data_lib.default_data_dir())  # fmt: skip
+    try:
+        tokenizer, train, val = _token_streams(s, data_dir)
+    except OSError as err:  # a read-only or full data dir: was a PermissionError traceback
+        if isinstance(err, FileNotFoundError) or not _under(err.filename, data_dir):
+            raise
+        raise errors.UserError(
+            f"config.data.data_dir: cannot write under {str(data_dir)!r} ({err.strerror}: "
+            f"{err.filename}); the first run on a corpus prepares it there. Point "
+            f"config.data.data_dir (or $NOLOCO_DATA_DIR) to a writable directory with free "
+            f"space.") from err  # fmt: skip
+    batcher = data_lib.ReplicaBatcher(
+        train,
+        num_replicas=s.num_replicas,
+        batch_size=s.batch_per_replica,
+        seq_len=s.data.seq_len,
+        seed=s.seed,
+    )
+    windows = data_lib.eval_windows(val, seq_len=s.data.seq_len, max_windows=s.data.eval_windows)
+    if len(windows) == 0:
+        raise ValueError(
+            f"the validation split has fewer than seq_len + 1 = {s.data.seq_len + 1} tokens; "
+            f"use a larger corpus, more validation data or a shorter config.data.seq_len."
+        )
+    return DataBundle(tokenizer, batcher, windows, int(len(train)))
+
+
+def _under(filename: Any, directory: pathlib.Path) -> bool:
+    """Whether ``filename`` (an ``OSError``'s, maybe None) lies in ``directory``."""
+    return filename is not None and pathlib.Path(os.fsdecode(filename)).is_relative_to(directory)
+
+
+def _token_streams(s: TrainSettings, data_dir: pathlib.Path) -> tuple[Any, Any, Any]:
+    """The tokenizer and the train and validation token streams (prepared once in
+    ``data_dir``, read from there later)."""
     corpus = None
     if s.data.source != "tokens":  # pre-tokenized streams need no text
         corpus = data_lib.load_corpus(
@@ -81,20 +116,7 @@ def prepare_data(s: TrainSettings) -> DataBundle:
     else:
         train = data_lib.load_token_stream(corpus, tokenizer, "train", data_dir, on_disk=True)
         val = data_lib.load_token_stream(corpus, tokenizer, "validation", data_dir, on_disk=True)
-    batcher = data_lib.ReplicaBatcher(
-        train,
-        num_replicas=s.num_replicas,
-        batch_size=s.batch_per_replica,
-        seq_len=s.data.seq_len,
-        seed=s.seed,
-    )
-    windows = data_lib.eval_windows(val, seq_len=s.data.seq_len, max_windows=s.data.eval_windows)
-    if len(windows) == 0:
-        raise ValueError(
-            f"the validation split has fewer than seq_len + 1 = {s.data.seq_len + 1} tokens; "
-            f"use a larger corpus, more validation data or a shorter config.data.seq_len."
-        )
-    return DataBundle(tokenizer, batcher, windows, int(len(train)))
+    return tokenizer, train, val
 
 
 def prepare_model(s: TrainSettings, vocab_size: int, abstract: bool = False
