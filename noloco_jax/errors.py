@@ -26,6 +26,7 @@ __all__ = [
     "UserError",
     "WorkdirLockedError",
     "CheckpointSaveError",
+    "MetricsWriteError",
     "CorruptCheckpointError",
     "CheckpointRestoreError",
     "TrainingDivergedError",
@@ -42,6 +43,11 @@ class WorkdirLockedError(UserError):
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; the previous checkpoints are untouched."""
+
+
+class MetricsWriteError(RuntimeError):
+    """metrics.jsonl or the TensorBoard files could not be written (a full disk); the
+    checkpoints are untouched."""
 
 
 class CorruptCheckpointError(RuntimeError):

@@ -53,7 +53,8 @@ def _run_failures() -> tuple[type[BaseException], ...]:
     from noloco_jax import errors  # noqa: PLC0415
 
     return (errors.CheckpointSaveError, errors.CorruptCheckpointError,
-            errors.CheckpointRestoreError, errors.TrainingDivergedError)  # fmt: skip
+            errors.CheckpointRestoreError, errors.TrainingDivergedError,
+            errors.MetricsWriteError)  # fmt: skip
 
 
 def _define_flags() -> None:

@@ -584,6 +584,37 @@ def test_a_resumed_or_extended_run_keeps_its_fitted_warmup(finished_run, capsys)
     assert train._saved_run_length("") is None
 
 
+def test_a_full_disk_while_logging_is_a_short_run_failure_and_the_log_stays_readable(
+        finished_run, tmp_path, capsys, monkeypatch):  # fmt: skip
+    """No space left while metrics.jsonl was written: an OSError traceback. Now exit 1 with one
+    message; the line cut short is skipped by readers and the next session logs after it."""
+    from noloco_jax.trainer import writers  # noqa: PLC0415
+
+    class FullDisk(io.TextIOWrapper):  # half a record reaches the disk, then ENOSPC
+        def write(self, text):
+            if '"step": 2, "kind": "train"' in text:
+                super().write(text[: len(text) // 2])
+                super().flush()
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(text)
+
+    def full_open(path, mode="r", **kwargs):  # the writer appends with mode "a"
+        return FullDisk(open(path, "ab"), **kwargs) if mode == "a" else open(path, mode, **kwargs)
+
+    argv = [a if not a.startswith("--workdir=") else f"--workdir={tmp_path / 'run'}"
+            for a in finished_run.argv] + ["--config.optim.warmup_steps=1"]  # as fitted
+    monkeypatch.setattr(writers, "open", full_open, raising=False)
+    code, err = run_cli(argv, capsys)
+    assert code == train.RUN_FAILURE_EXIT and "Traceback" not in err
+    assert re.search(r"could not write the metrics of step 2 under .*No space left on device.*"
+                     r"Free space and run again", err) and len(err.strip().splitlines()) == 2, err
+    monkeypatch.undo()  # space freed: the run starts again (no checkpoint was written)
+    assert run_cli(argv, capsys)[0] == 0
+    with pytest.warns(UserWarning, match=r"skipped a record that is not valid JSON"):
+        records = writers.read_jsonl(tmp_path / "run" / "metrics.jsonl", "train")
+    assert [r["step"] for r in records] == [2, 4]
+
+
 def _files(d: pathlib.Path) -> dict:
     """Size and mtime of every file, except the workdir lock (each run takes it: issue 17)."""
     return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*")

@@ -8,6 +8,8 @@ import pathlib
 import warnings
 from typing import Any, Callable, Sequence
 
+from noloco_jax.errors import MetricsWriteError
+
 __all__ = ["MetricWriter", "Progress", "read_jsonl"]
 
 
@@ -68,8 +70,18 @@ class MetricWriter:
             self._open_tensorboard()
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
+        """Logs one record; raises ``MetricsWriteError`` when the disk refuses it (full)."""
         if not self.enabled:
             return
+        try:  # a full disk was an OSError traceback
+            self._write(step, kind, values)
+        except OSError as err:
+            raise MetricsWriteError(
+                f"could not write the metrics of step {step} under {self.workdir} "
+                f"({type(err).__name__}: {err}); the run stopped; the checkpoints already "
+                f"written are intact. Free space and run again to resume.") from err  # fmt: skip
+
+    def _write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if self._jsonl is None:
             self._open()
         clean = {k: _jsonable(v) for k, v in values.items()}
