@@ -204,6 +204,11 @@ CASES = {
     ],
     "workdir not writable": [(["--workdir={blocked}/run"], r"--workdir .*is not writable")],
     "an empty `--workdir`": [(["--workdir="], r"--workdir is empty; name the run's directory")],
+    "`--workdir` inside the corpus directory": [  # a later run trained on commit_success.txt
+        (["--config.data.path={empty}", "--workdir={empty}/run"],
+         r"--workdir .*empty/run' lies inside config\.data\.path=.*checkpoints' \.txt files "
+         r"would become training text"),
+    ],
     "an outer-round option with method dp or local": [
         (["--config.method=dp", "--config.fault.dropout_prob=0.1"],
          r"config\.fault\.dropout_prob: acts on the outer rounds of method noloco or diloco"),

@@ -157,6 +157,7 @@ def train_and_evaluate(
         check_int("stop_at", stop_at, minimum=0)
     _check_equal_processes()
     workdir = _writable_workdir(workdir)
+    _check_outside_corpus(settings, workdir)
     check_sinks(settings)
     check_delay_windows(settings, stop_at)  # no run stops inside an overlap window
     lock = WorkdirLock(workdir)
@@ -492,6 +493,22 @@ def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
     except OSError as err:
         raise ValueError(f"--workdir {str(workdir)!r} is not writable: {err}") from err
     return workdir
+
+
+def _check_outside_corpus(settings: TrainSettings, workdir: pathlib.Path) -> None:
+    """Refuses a workdir inside the corpus directory: its checkpoints hold ``*.txt`` files
+    (orbax's commit_success.txt), which a later run read as training documents (and this run
+    could not resume: its data had changed)."""
+    corpus = pathlib.Path(settings.data.path).expanduser()
+    if settings.data.source != "files" or not settings.data.path or not corpus.is_dir():
+        return
+    inside = workdir.resolve().is_relative_to(corpus.resolve())
+    if inside and not any(part.startswith(".") for part in  # hidden folders are not read
+                          workdir.resolve().relative_to(corpus.resolve()).parts):  # fmt: skip
+        raise UserError(
+            f"--workdir {str(workdir)!r} lies inside config.data.path={settings.data.path!r}: "
+            f"its checkpoints' .txt files would become training text. Put the run's directory "
+            f"outside the corpus.")  # fmt: skip
 
 
 def _run_blocks(run: Run, state: TrainState, step: int, k: int, synced: list | None = None
