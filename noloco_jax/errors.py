@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Any, Sequence
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "check_choice",
     "check_int",
     "check_number",
+    "check_utf8_path",
     "require",
     "UserError",
     "WorkdirLockedError",
@@ -128,3 +130,23 @@ def check_choice(field: str, value: Any, allowed: Sequence[Any]) -> None:
 def check_bool(field: str, value: Any) -> None:
     """``value`` is True or False (not 0 or 1)."""
     require(isinstance(value, bool), field, f"must be True or False, got {value!r}.")
+
+
+def check_utf8_path(field: str, path: Any) -> None:
+    """A path whose name is UTF-8 text: orbax, tensorstore and array_record take no other.
+
+    A folder named in another encoding (Latin-1 ``caf\\xe9``) reaches Python as lone
+    surrogates; a workdir so named trained until its first checkpoint, then failed.
+
+    Args:
+      field: the name the message gives the path.
+      path: a ``str`` or ``os.PathLike``.
+    """
+    text = os.fspath(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(text).decode("utf-8", "backslashreplace")
+        raise UserError(f"{field}: must be a path whose name is UTF-8 text (orbax, tensorstore "
+                        f"and array_record take no other), got '{shown}'; rename the folder or "
+                        f"choose another.") from None

@@ -204,6 +204,14 @@ CASES = {
     ],
     "workdir not writable": [(["--workdir={blocked}/run"], r"--workdir .*is not writable")],
     "an empty `--workdir`": [(["--workdir="], r"--workdir is empty; name the run's directory")],
+    "a `--workdir` or `data.data_dir` whose name is not UTF-8": [
+        # The workdir trained until its first checkpoint, which failed; the data dir crashed
+        # in array_record with a TypeError.
+        (["--workdir={latin1name}/run"], r"--workdir: must be a path whose name is UTF-8 text "
+                                         r"\(orbax.*got '.*/caf\\xe9/run'"),  # fmt: skip
+        (["--config.data.data_dir={latin1name}"], r"config\.data\.data_dir: must be a path "
+                                                  r"whose name is UTF-8 text"),  # fmt: skip
+    ],
     "`--workdir` inside the corpus directory": [  # a later run trained on commit_success.txt
         (["--config.data.path={empty}", "--workdir={empty}/run"],
          r"--workdir .*empty/run' lies inside config\.data\.path=.*checkpoints' \.txt files "
@@ -388,7 +396,8 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
         fill = {"corpus": corpus_dir, "empty": empty, "blocked": tmp_path / "blocked", "root": ROOT,
                 "gpt2": tmp_path / "gpt2", "llama128": tmp_path / "llama128", "latin1": latin1,
                 "noget": tmp_path / "noget.py", "badsyntax": tmp_path / "badsyntax.py",
-                "typo": tmp_path / "typo.py", "five": tmp_path / "five.py", "lfs": tmp_path / "lfs"}
+                "typo": tmp_path / "typo.py", "five": tmp_path / "five.py", "lfs": tmp_path / "lfs",
+                "latin1name": os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9")}
         extra = [e.format(**{k: str(v) for k, v in fill.items()}) for e in extra]
         argv = nano_argv(tmp_path / "run", corpus_dir, data_dir, *extra)
         code, err = run_cli(argv, capsys)

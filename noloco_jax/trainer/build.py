@@ -57,6 +57,7 @@ def prepare_data(s: TrainSettings) -> DataBundle:
     """Corpus -> tokenizer -> token streams -> per-replica batcher and eval windows."""
     data_dir = (pathlib.Path(s.data.data_dir).expanduser() if s.data.data_dir
                 else data_lib.default_data_dir())  # fmt: skip
+    errors.check_utf8_path("config.data.data_dir", data_dir)  # was array_record's TypeError
     try:
         tokenizer, train, val = _token_streams(s, data_dir)
     except OSError as err:  # a read-only or full data dir: was a PermissionError traceback

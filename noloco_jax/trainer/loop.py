@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from noloco_jax import determinism, replicas
-from noloco_jax.errors import CorruptCheckpointError, UserError, check_int
+from noloco_jax.errors import CorruptCheckpointError, UserError, check_int, check_utf8_path
 from noloco_jax.data.token_files import sharded_batches
 from noloco_jax.trainer import health
 from noloco_jax.trainer import optimizer as optim_lib
@@ -482,6 +482,7 @@ def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
         raise UserError("--workdir is empty; name the run's directory, e.g. "
                         "--workdir=runs/my_run.")  # fmt: skip
     workdir = pathlib.Path(workdir).expanduser()  # --workdir=~/runs/x: no shell expands it
+    check_utf8_path("--workdir", workdir)  # it trained until its first save, which failed
     if workdir.exists() and not workdir.is_dir():
         raise UserError(f"--workdir {str(workdir)!r} is a file, not a directory; name a new "
                         f"or existing directory.")  # fmt: skip
