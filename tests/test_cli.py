@@ -456,6 +456,20 @@ def test_a_read_only_data_dir_is_a_short_error_naming_the_field(tmp_path, corpus
                                  rf"'{re.escape(str(blocked))}' \(Permission denied: .*\$NOLOCO_DATA_DIR")
 
 
+def test_a_full_disk_while_the_token_cache_is_written_is_a_short_error(tmp_path, corpus_dir,
+                                                                       capsys, monkeypatch):  # fmt: skip
+    """No space left while the token cache was written (an OSError naming no file): a traceback."""
+    from noloco_jax.data import token_files  # noqa: PLC0415
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(token_files, "_write_raw", full)
+    code, err = run_cli(nano_argv(tmp_path / "run", corpus_dir, tmp_path / "data"), capsys)
+    assert_user_error(code, err, r"config\.data\.data_dir: cannot write under .*\(No space left "
+                                 r"on device\); the first run")  # fmt: skip
+
+
 def test_out_of_device_memory_is_a_short_run_failure(monkeypatch, tmp_path, capsys):
     import jax  # noqa: PLC0415
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import functools
 import hashlib
 import math
@@ -61,11 +62,12 @@ def prepare_data(s: TrainSettings) -> DataBundle:
     try:
         tokenizer, train, val = _token_streams(s, data_dir)
     except OSError as err:  # a read-only or full data dir: was a PermissionError traceback
-        if isinstance(err, FileNotFoundError) or not _under(err.filename, data_dir):
+        if not _refused_write(err, data_dir):
             raise
+        where = f": {err.filename}" if err.filename is not None else ""
         raise errors.UserError(
-            f"config.data.data_dir: cannot write under {str(data_dir)!r} ({err.strerror}: "
-            f"{err.filename}); the first run on a corpus prepares it there. Point "
+            f"config.data.data_dir: cannot write under {str(data_dir)!r} ({err.strerror}"
+            f"{where}); the first run on a corpus prepares it there. Point "
             f"config.data.data_dir (or $NOLOCO_DATA_DIR) to a writable directory with free "
             f"space.") from err  # fmt: skip
     batcher = data_lib.ReplicaBatcher(
@@ -84,9 +86,14 @@ def prepare_data(s: TrainSettings) -> DataBundle:
     return DataBundle(tokenizer, batcher, windows, int(len(train)))
 
 
-def _under(filename: Any, directory: pathlib.Path) -> bool:
-    """Whether ``filename`` (an ``OSError``'s, maybe None) lies in ``directory``."""
-    return filename is not None and pathlib.Path(os.fsdecode(filename)).is_relative_to(directory)
+def _refused_write(err: OSError, data_dir: pathlib.Path) -> bool:
+    """Whether ``err`` is a write the data dir refused (read-only, a file in its place, full):
+    one naming a path under it, or a full disk under an open file (the token cache)."""
+    if isinstance(err, FileNotFoundError):
+        return False
+    if err.filename is None:  # only the data dir is written while the data is prepared
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return pathlib.Path(os.fsdecode(err.filename)).is_relative_to(data_dir)
 
 
 def _token_streams(s: TrainSettings, data_dir: pathlib.Path) -> tuple[Any, Any, Any]:
