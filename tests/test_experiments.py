@@ -236,7 +236,8 @@ SCRIPTS = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
     for folder in (ROOT / "experiments", ROOT / "experiments" / "bench")
     for p in folder.glob("*.py")
-    if p.stem not in ("__init__", "options", "common")  # the package and its shared helpers
+    # the package and its shared helpers (memory_flags: two benchmarks' flags)
+    if p.stem not in ("__init__", "options", "common", "memory_flags")
 )
 
 # Imports every script in one interpreter (the imports of JAX and TensorFlow are paid once),
