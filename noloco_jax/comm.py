@@ -1021,8 +1021,9 @@ def _all_replica_mean_wire(tree: PyTree, axis_name: str, wire: Any, weight: jax.
     send_left = (rows - _wire_roundtrip(rows, wire)).reshape(-1)[:size]
     relay = count * (mean - _wire_roundtrip(mean[None], wire)[0])
     mine = lax.axis_index(axis_name)
-    relay_left = lax.dynamic_update_slice(jnp.zeros((num, shard), jnp.float32), relay[None],
-                                          (mine, 0)).reshape(-1)[:size]  # fmt: skip
+    # (the _in_dim form: a literal 0 index is int64 under jax_enable_x64, axis_index int32)
+    relay_left = lax.dynamic_update_slice_in_dim(jnp.zeros((num, shard), jnp.float32),
+                                                 relay[None], mine, 0).reshape(-1)[:size]
     outs: tuple[list, list, list] = ([], [], [])
     start = 0
     for x in leaves:

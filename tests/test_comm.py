@@ -256,6 +256,27 @@ def test_diloco_bfloat16_wire_rounds_the_float32_mean_on_every_backend(backend):
     np.testing.assert_array_equal(-np.asarray(update), np.broadcast_to(want, g.shape))
 
 
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+@pytest.mark.parametrize("wire", [jnp.bfloat16, "int8"])
+def test_diloco_wire_mean_runs_under_jax_enable_x64(backend, wire):
+    """With x64 on, the relay's update slice got indices (int32 axis_index, int64 literal 0)
+    and every DiLoCo step over a narrow wire raised a TypeError."""
+    g = np.random.default_rng(0).normal(size=(4, 300)).astype(np.float32)
+    reps = replicas.make_replicas(4, backend=backend)
+    tx = optim.diloco_outer(1.0, 0.0, exchange_dtype=wire)
+    phi = reps.put(jnp.zeros_like(g))
+
+    def step():
+        return np.asarray(jax.jit(reps.map(tx.update))(reps.put(jnp.asarray(g)),
+                                                       reps.init(tx, phi), phi)[0])  # fmt: skip
+
+    want = step()
+    with jax.enable_x64(True):
+        got = step()
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("wire", [jnp.float16, jnp.bfloat16, jnp.float8_e5m2, jnp.float8_e4m3fn,
                                   jnp.float8_e4m3fnuz])
 def test_a_plain_float_wire_decodes_as_its_own_cast(wire):
