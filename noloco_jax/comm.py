@@ -742,7 +742,7 @@ def group_mean(
     if weight is not None:
         # Absent members (weight 0) contribute nothing - not even NaN - and an
         # absent replica keeps its own value. The flag travels as float32.
-        present = weight > 0
+        present = _present(weight)
         leaves = [jnp.where(present, x, jnp.zeros_like(x)) for x in leaves]
         leaves.append(present.astype(jnp.float32))
         wires.append(jnp.float32)
@@ -785,7 +785,7 @@ def _group_mean_codec(
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:  # nothing to send (as group_mean's other wires)
         return tree, tree, tree
-    present = None if weight is None else weight > 0
+    present = _present(weight)
     if present is not None:
         leaves = [jnp.where(present, x, jnp.zeros_like(x)) for x in leaves]
     flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in leaves])
@@ -907,7 +907,7 @@ def all_replica_mean(
                                              absent_takes_mean)  # fmt: skip
         return all_replica_mean_wire(tree, axis_name, exchange_dtype, weight,
                                      absent_takes_mean=absent_takes_mean)[0]  # fmt: skip
-    present = None if weight is None else weight > 0
+    present = _present(weight)
     count = None if weight is None else lax.psum(present.astype(jnp.float32), axis_name)
     # A bf16 leaf fresh from bf16 arithmetic (a gradient) is summed as stored: XLA kept its
     # last op unrounded into the float32 sum on whole replicas, not on split ones.
@@ -994,6 +994,12 @@ def _shard_mean(rows: jax.Array, axis_name: str, wire: Any, present: jax.Array |
     return _over_count(jnp.sum(values, axis=0), count, present), count
 
 
+def _present(weight: jax.Array | None) -> jax.Array | None:
+    """``weight > 0``: a bool mask or a float weight, compared in its own dtype (a Python 0
+    beside a bool is refused under ``jax_numpy_dtype_promotion='strict'``)."""
+    return None if weight is None else weight > jnp.zeros((), jnp.result_type(weight))
+
+
 def _over_count(total: jax.Array, count: jax.Array, present: jax.Array | None) -> jax.Array:
     """``total / count`` as both wire paths compute it. A present count is traced, and XLA
     turned the flat path's division by it into a product with its reciprocal (a split
@@ -1008,7 +1014,7 @@ def _all_replica_mean_wire(tree: PyTree, axis_name: str, wire: Any, weight: jax.
     if num == 1 or not leaves:  # nothing to exchange, so nothing is encoded
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
         return tree, zeros, zeros
-    present = None if weight is None else weight > 0
+    present = _present(weight)
     flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in leaves])
     if present is not None:  # an absent replica contributes nothing, not even NaN
         flat = jnp.where(present, flat, jnp.zeros_like(flat))
@@ -1101,7 +1107,7 @@ def _all_replica_mean_by_leaf(tree: PyTree, axis_name: str, wire: Any, weight: j
                                         for x in jax.tree.leaves(tree)):  # fmt: skip
         return all_replica_mean_wire(tree, axis_name, wire, weight,
                                      absent_takes_mean=absent_takes_mean)[0]  # fmt: skip
-    present = None if weight is None else weight > 0
+    present = _present(weight)
     count = jnp.asarray(float(axis_size(axis_name)), jnp.float32)
     if present is not None:  # the presence flags travel once, as float32
         flags = lax.all_gather(present.astype(jnp.float32), axis_name)

@@ -277,6 +277,22 @@ def test_diloco_wire_mean_runs_under_jax_enable_x64(backend, wire):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("mean", ["group", "all", "wire", "group_int8"])
+def test_means_take_a_bool_presence_under_strict_dtype_promotion(mean):
+    """``weight > 0`` with a bool mask (what the non-finite guard passes) was bool beside a
+    Python int: refused under jax_numpy_dtype_promotion='strict'."""
+    x, mask, pool = jnp.arange(8.0).reshape(4, 2), jnp.array([True, False, True, True]), \
+        comm.partition_pool(4, 2, 0)  # fmt: skip
+    fn = {"group": lambda v, w: comm.group_mean(v, "r", pool, 0, weight=w),
+          "group_int8": lambda v, w: comm.group_mean(v, "r", pool, 0, "int8", w),
+          "all": lambda v, w: comm.all_replica_mean(v, "r", w),
+          "wire": lambda v, w: comm.all_replica_mean_wire(v, "r", "int8", w)[0]}[mean]
+    run = jax.vmap(fn, axis_name="r")
+    want = run(x, mask)
+    with jax.numpy_dtype_promotion("strict"):
+        np.testing.assert_array_equal(run(x, mask), want)
+
+
 @pytest.mark.parametrize("wire", [jnp.float16, jnp.bfloat16, jnp.float8_e5m2, jnp.float8_e4m3fn,
                                   jnp.float8_e4m3fnuz])
 def test_a_plain_float_wire_decodes_as_its_own_cast(wire):
