@@ -158,6 +158,26 @@ def test_bfloat16_params_keep_the_outer_states_dtype_across_rounds(outer):
     assert jax.tree.map(lambda x: x.dtype, state) == before and step._cache_size() == 1
 
 
+@pytest.mark.parametrize("outer", [diloco_outer, noloco_outer])
+def test_the_guard_runs_under_strict_dtype_promotion(outer):
+    """The guard counted resets as ``resets + (1.0 - ok)``, a float minus a bool: every sync
+    step raised under jax_numpy_dtype_promotion='strict'. (optax.sgd: optax.adam's bias
+    correction is not strict-safe itself.)"""
+    reps = replicas.make_replicas(2, backend="vmap")
+    tx = local_steps(optax.sgd(0.1), outer(), 1, nonfinite_guard=True)
+    params = {"w": jnp.ones((2, 3))}
+    grads = {"w": jnp.array([[0.1] * 3, [jnp.nan] * 3])}  # replica 1 is caught
+
+    def run():
+        return reps.map(step_fn(tx))(params, reps.init(tx, params), grads)
+
+    want = run()
+    with jax.numpy_dtype_promotion("strict"):
+        got = run()
+    assert_trees_close(got, want, rtol=0, atol=0)
+    assert got[1].nonfinite_resets.tolist() == [0.0, 1.0]
+
+
 def _computations(text):
     """{name: body lines} of an HLO module's computations."""
     comps, name = {}, None

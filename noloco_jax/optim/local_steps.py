@@ -645,7 +645,8 @@ class _Rules:
         """The guard's verdict on the inner optimizer: unless ``ok``, a fresh state for weights
         landing on ``slow`` (schedules keep their place), and one more reset counted."""
         fresh = _keep_schedules(self.inner.init(_theta_like(slow, params)), local_opt_state)
-        return optax.tree.where(ok, local_opt_state, fresh), resets + (1.0 - ok)  # counts too
+        resets = resets + (~ok).astype(resets.dtype)  # (1.0 - ok: refused by strict promotion)
+        return optax.tree.where(ok, local_opt_state, fresh), resets  # counts too
 
     def outer_step(self, params: Any, operands: tuple, p: int | None) -> tuple:
         """phi_new from theta after this step's inner update, and what the guard decided.
