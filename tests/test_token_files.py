@@ -303,3 +303,15 @@ def test_a_1d_token_file_marked_fortran_order_is_read(tmp_path):
     stream[:] = ids
     del stream
     np.testing.assert_array_equal(np.asarray(TokenFile(path)), ids)
+
+
+def test_a_read_longer_than_one_pread_returns_is_whole(tmp_path, monkeypatch):
+    # Linux's pread returns at most 0x7ffff000 bytes: TokenFile.read (and np.asarray of a
+    # TokenFile) of a range over 2 GiB raised "buffer is smaller than requested size".
+    ids = np.arange(1000) % 300
+    write_tokens(tmp_path / "t.npy", [ids], vocab_size=300)
+    stream = TokenFile(tmp_path / "t.npy")
+    pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: pread(fd, min(n, 7), at))  # short reads
+    np.testing.assert_array_equal(stream.read(3, 1000), ids[3:])
+    np.testing.assert_array_equal(np.asarray(stream), ids)

@@ -29,6 +29,7 @@ __all__ = ["TokenFile", "token_dtype", "write_tokens", "open_token_dir", "sharde
 
 _CHUNK = 1 << 24  # tokens per chunk of a full pass (16M)
 _SCAN_CHUNK = 1 << 20  # tokens per piece hashed as int32: 4 MB, whatever the stream's size
+_PREAD_MAX = 1 << 30  # bytes asked of one pread (Linux returns at most 0x7ffff000)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -134,10 +135,15 @@ class TokenFile:
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` in the file's dtype."""
         start, stop = max(0, start), min(len(self), stop)
-        n = max(stop - start, 0)
-        item = self.dtype.itemsize
-        buf = os.pread(self._fd, n * item, self.offset + start * item)
-        return np.frombuffer(buf, self.dtype, count=n)
+        out = np.empty(max(stop - start, 0), self.dtype)
+        buf, done, at = out.view(np.uint8), 0, self.offset + start * self.dtype.itemsize
+        while done < buf.size:  # a pread may return less (Linux: at most 0x7ffff000 bytes)
+            piece = os.pread(self._fd, min(buf.size - done, _PREAD_MAX), at + done)
+            if not piece:
+                raise EOFError(f"{self.path} ended {buf.size - done} bytes early.")
+            buf[done : done + len(piece)] = np.frombuffer(piece, np.uint8)
+            done += len(piece)
+        return out
 
     def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
         """int32 windows ``tokens[s : s + length]`` for every start: [*starts.shape, length]."""
