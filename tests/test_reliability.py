@@ -404,6 +404,28 @@ def test_a_background_write_that_fails_names_its_step_and_the_intact_one(tmp_pat
     assert Checkpointer(tmp_path).all_steps() == [4]
 
 
+def test_check_reports_a_background_write_that_failed_and_finished(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(4, {"w": jnp.ones(3)}, {})
+    ckpt.wait()
+    handler = ckpt._manager._checkpointer._handler
+    real = handler.async_save
+
+    async def failing(*args, **kwargs):
+        return [*(await real(*args, **kwargs) or []), _FailedWrite()]
+
+    handler.async_save = failing
+    ckpt.save(8, {"w": jnp.ones(3)}, {})
+    deadline = time.monotonic() + 30
+    while ckpt.saving() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Was silent: orbax's check_for_errors missed it, and the loop trained on to the next save.
+    with pytest.raises(CheckpointSaveError, match=r"of step 8 under .* the checkpoint of step "
+                                                  r"4 is intact"):  # fmt: skip
+        ckpt.check()
+    ckpt.close()
+
+
 _FAILS_MID_RUN = r"""
 import os, pathlib, sys
 from tests.test_reliability import _settings

@@ -159,7 +159,13 @@ class Checkpointer:
             raise self._save_error(step, err) from err
 
     def check(self) -> None:
-        """Raises ``CheckpointSaveError`` if a finished asynchronous save failed."""
+        """Raises ``CheckpointSaveError`` if a finished asynchronous save failed.
+
+        Orbax's ``check_for_errors`` missed a failed write (its save thread keeps the error);
+        waiting on a save that is no longer in progress returns at once or raises it.
+        """
+        if not self.saving():
+            self.wait()
         try:
             self._manager.check_for_errors()
         except Exception as err:  # noqa: BLE001
