@@ -1,5 +1,6 @@
 """Corpora through TFDS, tokenizers, token-stream cache and the per-replica batcher."""
 
+import gzip
 import os
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from pydoc_data.topics import topics
 
-from noloco_jax import data
+from noloco_jax import data, errors
 from noloco_jax.data import sources
 
 # Python's bundled help topics: ~465 KB of English that every interpreter ships.
@@ -145,6 +146,20 @@ def test_a_utf8_byte_order_mark_is_not_text(text_dir, tmp_path):
     (text_dir / "bom.txt").write_bytes(b"\xef\xbb\xbf" + "with a mark ".encode() * 50)
     c = data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
     assert sorted(c.train + c.validation) == sorted([*TEXTS, "with a mark " * 50])
+
+
+def test_a_gzipped_file_is_read_decompressed(tmp_path):
+    """A .gz file was refused as 'not valid utf-8' with the advice encoding='latin-1', which
+    trained on the compressed bytes; a damaged one is refused naming the file."""
+    text = "the gzipped play " * 60
+    (tmp_path / "play.txt.gz").write_bytes(gzip.compress(text.encode()))
+    for encoding in ("utf-8", "latin-1"):
+        c = data.load_corpus("files", path=str(tmp_path / "*.gz"), data_dir=tmp_path / "d",
+                             encoding=encoding)  # fmt: skip
+        assert c.train[0] + c.validation[0] == text
+    (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(text.encode())[:-9])
+    with pytest.raises(errors.UserError, match=r"corpus file '.*cut\.txt\.gz': cannot be read"):
+        data.load_corpus("files", path=str(tmp_path / "cut.txt.gz"), data_dir=tmp_path / "d")
 
 
 @pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"])

@@ -8,8 +8,9 @@ Three sources, all offline at run time:
   package registry is the only network it needs), prepared once into a
   TFDS dataset in the data dir and reused. Validation holds out whole plays.
 * ``"files"`` - local text files (a file, a directory of ``*.txt``, or a
-  glob), each file one document, prepared into a TFDS dataset whose name is a
-  hash of the files, so a changed corpus gets a new dataset.
+  glob; a ``.gz`` file is read decompressed), each file one document, prepared
+  into a TFDS dataset whose name is a hash of the files, so a changed corpus
+  gets a new dataset.
 * ``"tfds"`` - a named TFDS text dataset (``tiny_shakespeare``, ``lm1b``,
   ``c4``, ...) that the user has already prepared in the data dir.
 
@@ -26,6 +27,7 @@ import contextlib
 import dataclasses
 import fcntl
 import glob as glob_lib
+import gzip
 import hashlib
 import html
 import numbers
@@ -37,10 +39,11 @@ import tarfile
 import urllib.parse
 import urllib.request
 import warnings
+import zlib
 from typing import Any, Iterable
 
 from noloco_jax.data.tokenizers import _well_formed
-from noloco_jax.errors import check_int, require
+from noloco_jax.errors import UserError, check_int, require
 
 try:
     # Imported now, not at the first read: it defines absl flags, and absl's flagsaver (in tests)
@@ -330,8 +333,9 @@ def _files_fingerprint(
     h = hashlib.sha256(f"{fraction!r}:{seed}{extra}".encode())
     for f in files:
         st = f.stat()  # ctime and inode too: a copy that keeps size and mtime changes them
+        gz = ":gunzip" if f.name.endswith(".gz") else ""  # not the datasets of its raw bytes
         h.update(os.fsencode(f) + f":{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:"
-                 f"{st.st_ino}\n".encode())
+                 f"{st.st_ino}{gz}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -377,10 +381,21 @@ MAX_UNDECODABLE = 0.001
 _BOM_KEPT = ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
 
 
+def _read_bytes(f: pathlib.Path) -> bytes:
+    """``f``'s bytes, a ``.gz`` file's decompressed (they were decoded as text: a latin-1 run
+    trained on the compressed bytes); ``UserError`` naming the file when it cannot be read."""
+    try:
+        raw = f.read_bytes()
+        return gzip.decompress(raw) if f.name.endswith(".gz") else raw
+    except (gzip.BadGzipFile, zlib.error, EOFError) as err:  # was a traceback
+        raise UserError(f"corpus file {_title(f)!r}: cannot be read ({type(err).__name__}: "
+                        f"{err}); fix its permissions or contents, or leave it out.") from err
+
+
 def _read_text(f: pathlib.Path, encoding: str) -> str:
     """``f`` decoded, a lone surrogate ('utf-7', 'unicode_escape') as U+FFFD, which UTF-8 (and so
     TFDS) can hold; raises ``ValueError`` when too many bytes are not ``encoding``."""
-    raw = f.read_bytes()
+    raw = _read_bytes(f)
     text = raw.decode(encoding, errors="replace")
     bad = text.count("\ufffd") - raw.decode(encoding, errors="ignore").count("\ufffd")
     if bad > MAX_UNDECODABLE * max(len(raw), 1):
@@ -500,7 +515,8 @@ def load_corpus(
       source: ``"shakespeare"``, ``"files"`` or ``"tfds"``.
       data_dir: holds downloads, TFDS datasets (``data_dir/tensorflow_datasets``)
         and caches; default ``default_data_dir()``.
-      path: for ``"files"``: a file, a directory (all ``*.txt`` below it) or a glob.
+      path: for ``"files"``: a file, a directory (all ``*.txt`` below it) or a glob; files
+        named ``*.gz`` are read decompressed.
       tfds_name: for ``"tfds"``: the dataset name, optionally with config and
         version (``"lm1b"``, ``"c4/en:3.0.1"``); it must have a ``"text"`` feature.
       validation_fraction: share of the files held out (``"files"``).
