@@ -2,6 +2,7 @@
 
 import gzip
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -160,6 +161,23 @@ def test_a_gzipped_file_is_read_decompressed(tmp_path):
     (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(text.encode())[:-9])
     with pytest.raises(errors.UserError, match=r"corpus file '.*cut\.txt\.gz': cannot be read"):
         data.load_corpus("files", path=str(tmp_path / "cut.txt.gz"), data_dir=tmp_path / "d")
+
+
+def test_a_file_the_process_cannot_read_is_a_user_error_naming_it(text_dir, tmp_path,
+                                                                  monkeypatch):
+    """A corpus file without read permission was a PermissionError traceback (the CLI's user
+    errors are ValueErrors: exit 2)."""
+    read_bytes = pathlib.Path.read_bytes
+
+    def refuse(path):
+        if path.name == "doc01.txt":
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_bytes(path)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", refuse)
+    with pytest.raises(errors.UserError, match=r"corpus file '.*doc01\.txt': cannot be read "
+                                               r"\(PermissionError"):  # fmt: skip
+        data.load_corpus("files", path=str(text_dir), data_dir=tmp_path)
 
 
 @pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"])

@@ -387,7 +387,7 @@ def _read_bytes(f: pathlib.Path) -> bytes:
     try:
         raw = f.read_bytes()
         return gzip.decompress(raw) if f.name.endswith(".gz") else raw
-    except (gzip.BadGzipFile, zlib.error, EOFError) as err:  # was a traceback
+    except (PermissionError, gzip.BadGzipFile, zlib.error, EOFError) as err:  # was a traceback
         raise UserError(f"corpus file {_title(f)!r}: cannot be read ({type(err).__name__}: "
                         f"{err}); fix its permissions or contents, or leave it out.") from err
 
