@@ -374,6 +374,19 @@ def test_save_that_cannot_start_raises_and_leaves_no_thread(tmp_path):
     np.testing.assert_array_equal(restored["w"], np.ones(3))  # previous checkpoint intact
 
 
+def test_a_failed_first_save_says_there_is_no_earlier_checkpoint(tmp_path):
+    """The message read '... the run stopped and no earlier checkpoint. ... run again to
+    resume.' (no verb, and nothing to resume from)."""
+    ckpt = Checkpointer(tmp_path / "ck")
+    shutil.rmtree(tmp_path / "ck", ignore_errors=True)
+    (tmp_path / "ck").write_text("a file where the checkpoints go")
+    with pytest.raises(CheckpointSaveError, match=r"of step 1 .*; the run stopped and there is "
+                                                  r"no earlier checkpoint\. Fix the directory "
+                                                  r".* run again \(it starts from step 0\)\.$"):
+        ckpt.save(1, {"w": jnp.ones(3)}, {})
+    ckpt.close()
+
+
 class _FailedWrite:
     """A commit future whose write fails, as on a full disk."""
 

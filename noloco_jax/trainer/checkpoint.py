@@ -178,12 +178,14 @@ class Checkpointer:
         on_disk = self.directory.iterdir() if self.directory.is_dir() else ()
         known = {int(p.name) for p in on_disk if p.name.isdigit()} | set(self.all_steps())
         good = sorted(known - {step})
-        kept = f"the checkpoint of step {good[-1]} is intact" if good else "no earlier checkpoint"
+        kept = (f"the checkpoint of step {good[-1]} is intact" if good else
+                "there is no earlier checkpoint")  # was "the run stopped and no earlier checkpoint"
+        again = "to resume" if good else "(it starts from step 0)"
         what = f"of step {step} " if step is not None else ""
         return CheckpointSaveError(
             f"could not write the checkpoint {what}under {self.directory} "
             f"({type(err).__name__}: {str(err)[:300]}); the run stopped and {kept}. Fix the "
-            f"directory (space, inodes, a file in its place) and run again to resume."
+            f"directory (space, inodes, a file in its place) and run again {again}."
         )
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
