@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import pathlib
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import pytest
 from pydoc_data.topics import topics
 
 from noloco_jax import models
+from noloco_jax.errors import MetricsWriteError
 from noloco_jax.trainer import settings as settings_lib
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.observability import make_sinks
@@ -289,6 +292,29 @@ def test_metric_sinks_close_after_a_failed_final_save_and_a_finished_run_opens_n
     monkeypatch.setattr(loop.Checkpointer, "close", real_close)
     train_and_evaluate(s, tmp_path / "run", progress=False)  # already finished
     assert len(opened) == 1
+
+
+def test_a_full_disk_at_the_writer_s_close_is_a_metrics_write_error(tmp_path, monkeypatch):
+    """close() at the end of a run let a full disk's OSError out as a traceback, where
+    write() raises MetricsWriteError (a short run failure, CLI exit 1)."""
+    from noloco_jax.trainer import writers  # noqa: PLC0415
+
+    class FullAtClose(io.TextIOWrapper):
+        def close(self):
+            super().close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_open(path, mode="r", **kwargs):
+        return FullAtClose(open(path, "ab"), **kwargs) if mode == "a" else open(path, mode,
+                                                                                **kwargs)
+
+    monkeypatch.setattr(writers, "open", full_open, raising=False)
+    writer = MetricWriter(tmp_path, tensorboard=False)
+    writer.write(1, "train", {"loss": 1.0})
+    with pytest.raises(MetricsWriteError, match=r"could not finish writing the metrics under .*"
+                                                r"No space left on device"):  # fmt: skip
+        writer.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1]
 
 
 def test_a_new_session_hides_what_an_abandoned_one_logged_past_its_start(tmp_path):

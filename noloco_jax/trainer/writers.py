@@ -100,14 +100,24 @@ class MetricWriter:
             sink.write(step, kind, clean)
 
     def close(self) -> None:
-        for sink in self._sinks:
-            sink.close()
+        """Closes every sink; raises ``MetricsWriteError`` when the disk refuses what they still
+        held (full), as ``write`` does (it was an OSError traceback at the end of a run)."""
+        error = None
+        for close in self._closers():
+            try:
+                close()
+            except OSError as err:
+                error = error or err
+        if error is not None:
+            raise MetricsWriteError(
+                f"could not finish writing the metrics under {self.workdir} "
+                f"({type(error).__name__}: {error}); the last records may be missing; the "
+                f"checkpoints already written are intact. Free space.") from error  # fmt: skip
+
+    def _closers(self) -> list[Callable[[], None]]:
+        closers = [sink.close for sink in self._sinks]
         self._sinks = []
-        if self._jsonl is None:
-            return
-        self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        return closers + [f.close for f in (self._jsonl, self._tb) if f is not None]
 
 
 class Progress:
