@@ -5,9 +5,11 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
+from noloco_jax.errors import UserError
 from noloco_jax.trainer import settings as settings_lib
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.loop import train_and_evaluate
@@ -449,3 +451,13 @@ def test_a_master_weights_run_trains_the_same_under_shard_map(tmp_path, master_r
     s, vmap = master_run
     train_and_evaluate(variant(s, backend="shard_map"), tmp_path, progress=False)
     np.testing.assert_allclose(_losses(vmap), _losses(tmp_path), rtol=2e-5)
+
+
+def test_strict_dtype_promotion_is_refused_before_the_run(corpus_dir, data_dir, tmp_path):
+    """Under jax_numpy_dtype_promotion='strict' the run prepared its data, evaluated step 0,
+    then crashed inside optax's Adam (b1**count) with a TypePromotionError."""
+    s = tiny_settings(corpus_dir, data_dir)
+    refused = r"jax_numpy_dtype_promotion: the trainer needs 'standard', got 'strict'"
+    with jax.numpy_dtype_promotion("strict"), pytest.raises(UserError, match=refused):
+        train_and_evaluate(s, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()

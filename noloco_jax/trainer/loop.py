@@ -155,6 +155,7 @@ def train_and_evaluate(
     """
     if stop_at is not None:  # a float died in the batcher after training, -1 did nothing
         check_int("stop_at", stop_at, minimum=0)
+    _check_dtype_promotion()
     _check_equal_processes()
     workdir = _writable_workdir(workdir)
     _check_outside_corpus(settings, workdir)
@@ -168,6 +169,17 @@ def train_and_evaluate(
             return _train(settings, workdir, stop_at, progress, stop)
     finally:
         lock.release()
+
+
+def _check_dtype_promotion() -> None:
+    """Refuses ``jax_numpy_dtype_promotion='strict'``: optax's Adam (its bias correction
+    ``b1**count``, a Python float and an int32) raised under it, after the data was prepared."""
+    if jax.config.jax_numpy_dtype_promotion == "strict":  # the context manager's value too
+        raise UserError(
+            "jax_numpy_dtype_promotion: the trainer needs 'standard', got 'strict' (optax's "
+            "Adam raises under it). Train outside jax.numpy_dtype_promotion('strict'), or call "
+            "jax.config.update('jax_numpy_dtype_promotion', 'standard') (and unset "
+            "$JAX_NUMPY_DTYPE_PROMOTION).")  # fmt: skip
 
 
 def _check_equal_processes() -> None:
