@@ -439,6 +439,27 @@ def test_check_reports_a_background_write_that_failed_and_finished(tmp_path):
     ckpt.close()
 
 
+def test_a_failed_save_is_reported_before_a_divergence_stop_that_would_call_it_kept(monkeypatch):
+    """The chunk that diverges is also the first to see a failed background save: the run
+    stops with the save's error, not with "the last checkpoint (step 8) is kept"."""
+
+    def failed_save():
+        raise CheckpointSaveError("the checkpoint of step 8 could not be written")
+
+    def diverged(synced, step):
+        raise TrainingDivergedError("the last checkpoint (step 8) is kept")
+
+    monkeypatch.setattr(loop, "_report_saves", lambda ses, wait=False: None)
+    ses = types.SimpleNamespace(
+        run=types.SimpleNamespace(settings=types.SimpleNamespace(eval_every=4,
+                                                                 checkpoint_every=4)),
+        last={}, writer=types.SimpleNamespace(write=lambda *args: None),
+        ckpt=types.SimpleNamespace(check=failed_save),
+        guard=types.SimpleNamespace(after_chunk=diverged))  # fmt: skip
+    with pytest.raises(CheckpointSaveError, match="step 8 could not be written"):
+        loop._after_chunk(ses, None, None, 10, {"nonfinite_resets": 0.0})
+
+
 _FAILS_MID_RUN = r"""
 import os, pathlib, sys
 from tests.test_reliability import _settings

@@ -307,9 +307,10 @@ def _after_chunk(ses: _Session, state: TrainState, synced: list | None, step: in
     if metrics["nonfinite_resets"] > resets_before:
         _report_reset(ses.writer, step, metrics["nonfinite_resets"], ses.bar)
     ses.last.update(metrics, step=step)
+    # A failed asynchronous save stops the run now, before a divergence stop names it as kept.
+    ses.ckpt.check()
     ses.guard.after_chunk(synced, step)
     health.check_phase_errors(state, step)
-    ses.ckpt.check()  # a failed asynchronous save stops the run now
     if step % s.eval_every == 0 or step == s.num_steps:
         _evaluate(ses, state, step)
     stopping = _stop_agreed(ses.stop) is not None
