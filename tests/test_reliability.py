@@ -161,6 +161,25 @@ def test_load_run_with_other_settings_names_them(finished_run):
     load_run(dataclasses.replace(s, num_steps=s.num_steps - 4, optim=optim), finished)
 
 
+def test_the_readme_run_in_python_block_runs_as_written(tmp_path, finished_run, monkeypatch):
+    """README "A run in Python": load_run and export_run take settings that the README never
+    said how to make; its block, run on a finished run, evaluates, picks and exports a
+    replica, and prints the run's own last validation perplexity."""
+    s, finished = finished_run
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    block = text.split("- **A run in Python**", 1)[1].split("```python\n", 1)[1].split("```")[0]
+    block = block.replace('"runs/tiny_noloco"', repr(str(finished)))
+    block = block.replace('"runs/tiny_noloco_replica0"', repr(str(tmp_path / "replica0")))
+    monkeypatch.setattr("noloco_jax.trainer.from_config", lambda config: s)  # the run's own
+    printed = []
+    scope = {"print": printed.append}
+    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102
+    last_eval = [r for r in read_jsonl(finished / "metrics.jsonl") if r["kind"] == "eval"][-1]
+    assert printed == [last_eval["val_ppl"]]
+    assert type(scope["model"]).__name__ == "Llama"
+    assert (tmp_path / "replica0" / "config.json").is_file()
+
+
 def test_load_run_of_replicas_on_a_mesh_indexes_one_replica(finished_run):
     """Replicas on a mesh (backend shard_map, mesh.fsdp 2): params[i] on load_run's arrays
     raised JAX's ShardingTypeError (an explicit replica axis), so one replica could not be
