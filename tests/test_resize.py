@@ -174,7 +174,10 @@ def test_counts_go_on_across_a_resize_with_another_batch(base_run, tmp_path):
     shutil.copytree(base_run / "run", tmp_path / "run")
     s = _settings(base_run, num_replicas=2, global_batch_size=4, allow_resize=True,
                   checkpoint_every=2)  # fmt: skip
-    train_and_evaluate(s, tmp_path / "run", stop_at=10, progress=False)
+    stopped = train_and_evaluate(s, tmp_path / "run", stop_at=10, progress=False)
+    evals = read_jsonl(tmp_path / "run" / "metrics.jsonl", "eval")
+    assert (stopped["step"], stopped["eval_step"]) == (10, evals[-1]["step"])  # says which eval
+    assert stopped["val_ppl"] == evals[-1]["val_ppl"]
     train_and_evaluate(s, tmp_path / "run", progress=False)  # a plain resume at step 10
     seen = {r["step"]: r["tokens_seen"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl",
                                                              "train")}  # fmt: skip

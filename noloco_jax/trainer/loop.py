@@ -151,7 +151,8 @@ def train_and_evaluate(
       progress: show a console progress bar.
 
     Returns:
-      Dict with the last train and eval metrics and ``"step"``.
+      Dict with the last train and eval metrics, ``"step"`` (the last step trained) and
+      ``"eval_step"`` (the step the eval metrics are of; earlier after a stop mid-way).
     """
     if stop_at is not None:  # a float died in the batcher after training, -1 did nothing
         check_int("stop_at", stop_at, minimum=0)
@@ -438,7 +439,7 @@ def _evaluate(ses: _Session, state: TrainState, step: int, resized_from: int | N
     ses.writer.write(step, "eval", {**metrics, "resized_from": resized_from} if resized_from
                      else metrics)  # fmt: skip
     last = ses.last
-    last.update(metrics)
+    last.update(metrics, eval_step=step)  # a stop between evaluations: train "step" is later
     line = (
         f"step {step:6d}  val ppl {metrics['val_ppl']:8.3f} (pooled over replicas)  "
         f"averaged model {metrics['val_ppl_avg_model']:8.3f}  spread {metrics['replica_spread']:.2e}"
