@@ -511,12 +511,12 @@ def make_replicas(
     if len(all_devices) < need and per_replica == 1:
         raise errors.UserError(
             f"backend='shard_map' needs one device per replica: num_replicas={num_replicas} "
-            f"but only {len(all_devices)} devices are visible. Use backend='vmap', fewer "
+            f"but only {_visible(len(all_devices))}. Use backend='vmap', fewer "
             f"replicas, or (on CPU) XLA_FLAGS=--xla_force_host_platform_device_count={need}.")
     if len(all_devices) < need:
         raise errors.UserError(
             f"num_replicas={num_replicas} x fsdp={shape['fsdp']} x tensor={shape['tensor']} = "
-            f"{need} devices are needed, {len(all_devices)} are visible. Use fewer replicas or a "
+            f"{need} devices are needed, {_visible(len(all_devices))}. Use fewer replicas or a "
             f"smaller split (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={need})."
         )
     devs = np.asarray(_first_devices(all_devices, need, num_replicas))
@@ -579,6 +579,11 @@ def _across_slices(devices: np.ndarray, dims: tuple[int, ...]) -> np.ndarray | N
         key = lambda d: getattr(d, "slice_index", 0)  # noqa: E731
         grid = np.asarray(sorted(devices, key=key), dtype=object)
     return np.asarray(grid).reshape(dims)
+
+
+def _visible(n: int) -> str:
+    """"1 device is visible" / "8 devices are visible"."""
+    return "1 device is visible" if n == 1 else f"{n} devices are visible"
 
 
 def _first_devices(devices: list, need: int, num_replicas: int) -> list:

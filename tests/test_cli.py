@@ -165,7 +165,7 @@ CASES = {
     ],
     "a replica split over more devices than exist, or one that does not divide": [
         (["--config.num_replicas=4", "--config.mesh.fsdp=4", "--config.backend=auto"],
-         r"num_replicas=4 x fsdp=4 x tensor=1 = 16 devices are needed, 8 are visible"),
+         r"num_replicas=4 x fsdp=4 x tensor=1 = 16 devices are needed, 8 devices are visible"),
         (["--config.mesh.fsdp=3", "--config.backend=shard_map"],
          r"mesh\.fsdp=3 does not divide dim 1 of \['blocks'\]\['attn'\]\['wk'\] \(the model "
          r"dimension, size 64\); choose a divisor of 64"),
@@ -200,7 +200,7 @@ CASES = {
         (["--config.num_replicas=16", "--config.global_batch_size=16", "--config.mesh.fsdp=2",
           "--config.backend=auto", "--config.model.preset=small"],  # the memory check took
          # this split run for vmap and advised one device per replica
-         r"num_replicas=16 x fsdp=2 x tensor=1 = 32 devices are needed, 8 are visible"),
+         r"num_replicas=16 x fsdp=2 x tensor=1 = 32 devices are needed, 8 devices are visible"),
     ],
     "workdir not writable": [(["--workdir={blocked}/run"], r"--workdir .*is not writable")],
     "an empty `--workdir`": [(["--workdir="], r"--workdir is empty; name the run's directory")],

@@ -168,3 +168,8 @@ def test_replicate_refuses_a_bad_num_replicas(num_replicas):
     """num_replicas=0 gave a tree of zero replicas; -1 a TypeError from broadcast_in_dim."""
     with pytest.raises(ValueError, match=r"num_replicas: must be an integer >= 1"):
         replicas.replicate({"w": jnp.ones(2), "step": jnp.int32(0)}, num_replicas)
+
+
+def test_the_device_count_in_messages_is_singular_for_one():
+    assert replicas._visible(1) == "1 device is visible"  # was "1 devices are visible"
+    assert replicas._visible(8) == "8 devices are visible"

@@ -271,7 +271,7 @@ def test_a_split_that_does_not_divide_is_refused():
         sharding.check_divides(params, {"tensor": 3})
     for backend in ("shard_map", "auto"):  # auto cannot simulate a split replica either
         with pytest.raises(ValueError, match="num_replicas=4 x fsdp=4 x tensor=1 = 16 devices are "
-                                             "needed, 8 are visible"):  # fmt: skip
+                                             "needed, 8 devices are visible"):  # fmt: skip
             replicas.make_replicas(4, backend=backend, mesh_shape={"fsdp": 4})
     with pytest.raises(ValueError, match="mesh_shape takes"):
         replicas.make_replicas(2, mesh_shape={"pipe": 2})
