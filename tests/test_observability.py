@@ -294,6 +294,34 @@ def test_metric_sinks_close_after_a_failed_final_save_and_a_finished_run_opens_n
     assert len(opened) == 1
 
 
+def test_a_failed_final_save_is_reported_when_the_metrics_cannot_be_flushed_either(
+        tmp_path, monkeypatch):  # fmt: skip
+    """A full disk at the end of a run fails the last save and the sinks' flush: the writer's
+    MetricsWriteError ("the checkpoints already written are intact") replaced the save's
+    CheckpointSaveError, so the lost final checkpoint went unreported."""
+    from noloco_jax.errors import CheckpointSaveError  # noqa: PLC0415
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    real_close = loop.Checkpointer.close
+
+    def fail(self):
+        real_close(self)
+        raise CheckpointSaveError("could not write the checkpoint of step 2")
+
+    class FullSink:
+        def write(self, step, kind, values):
+            pass
+
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loop, "make_sinks", lambda s, workdir: [FullSink()])
+    monkeypatch.setattr(loop.Checkpointer, "close", fail)
+    s = _settings(tmp_path, num_steps=2, eval_every=2, checkpoint_every=2)
+    with pytest.raises(CheckpointSaveError, match="checkpoint of step 2"):
+        train_and_evaluate(s, tmp_path / "run", progress=False)
+
+
 def test_a_full_disk_at_the_writer_s_close_is_a_metrics_write_error(tmp_path, monkeypatch):
     """close() at the end of a run let a full disk's OSError out as a traceback, where
     write() raises MetricsWriteError (a short run failure, CLI exit 1)."""

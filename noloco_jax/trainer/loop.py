@@ -239,9 +239,11 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
     try:
         ckpt.close()  # raises CheckpointSaveError if the last save failed
         _report_saves(session, closed=True)
-    finally:  # the metric sinks finish either way (W&B's run included)
-        writer.close()
-        bar.close()
+    except BaseException:  # the metric sinks finish either way (W&B's run included), and a
+        _close_quietly(None, writer, bar)  # full disk's MetricsWriteError masks not the save's
+        raise
+    writer.close()
+    bar.close()
     return last
 
 
@@ -368,9 +370,9 @@ _FINAL_METRICS = ("val_ppl", "val_ppl_avg_model", "val_ppl_ensemble", "replica_s
                   "train_loss")  # fmt: skip
 
 
-def _close_quietly(ckpt: Checkpointer, writer: MetricWriter, bar: Any) -> None:
+def _close_quietly(ckpt: Checkpointer | None, writer: MetricWriter, bar: Any) -> None:
     """Releases everything while another error is on its way up."""
-    for close in (ckpt.close, getattr(writer, "close", None), getattr(bar, "close", None)):
+    for close in (getattr(ckpt, "close", None), getattr(writer, "close", None), getattr(bar, "close", None)):
         if close is None:
             continue
         try:
