@@ -216,6 +216,8 @@ CASES = {
         (["--config.data.path={empty}", "--workdir={empty}/run"],
          r"--workdir .*empty/run' lies inside config\.data\.path=.*checkpoints' \.txt files "
          r"would become training text"),
+        (["--config.data.path={empty}/**/*.txt", "--workdir={empty}/run"],  # a recursive glob
+         r"--workdir .*empty/run' lies inside config\.data\.path=.*\*\*/\*\.txt'"),
     ],
     "an outer-round option with method dp or local": [
         (["--config.method=dp", "--config.fault.dropout_prob=0.1"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import pathlib
 import signal
@@ -516,8 +517,8 @@ def _check_outside_corpus(settings: TrainSettings, workdir: pathlib.Path) -> Non
     """Refuses a workdir inside the corpus directory: its checkpoints hold ``*.txt`` files
     (orbax's commit_success.txt), which a later run read as training documents (and this run
     could not resume: its data had changed)."""
-    corpus = pathlib.Path(settings.data.path).expanduser()
-    if settings.data.source != "files" or not settings.data.path or not corpus.is_dir():
+    corpus = _corpus_root(settings.data.path)
+    if settings.data.source != "files" or corpus is None:
         return
     inside = workdir.resolve().is_relative_to(corpus.resolve())
     if inside and not any(part.startswith(".") for part in  # hidden folders are not read
@@ -526,6 +527,18 @@ def _check_outside_corpus(settings: TrainSettings, workdir: pathlib.Path) -> Non
             f"--workdir {str(workdir)!r} lies inside config.data.path={settings.data.path!r}: "
             f"its checkpoints' .txt files would become training text. Put the run's directory "
             f"outside the corpus.")  # fmt: skip
+
+
+def _corpus_root(path: str) -> pathlib.Path | None:
+    """The folder a corpus reads at every depth: a directory, or a recursive glob's fixed
+    part ('DIR/**/*.txt' -> DIR); None for a file, a one-level glob or no path."""
+    p = pathlib.Path(path).expanduser()
+    if not path or p.exists():  # an existing path is taken literally, as the loader does
+        return p if path and p.is_dir() else None
+    if "**" not in p.parts:
+        return None
+    fixed = itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), p.parts)
+    return pathlib.Path(*fixed)
 
 
 def _run_blocks(run: Run, state: TrainState, step: int, k: int, synced: list | None = None
