@@ -311,7 +311,8 @@ def test_a_read_longer_than_one_pread_returns_is_whole(tmp_path, monkeypatch):
     ids = np.arange(1000) % 300
     write_tokens(tmp_path / "t.npy", [ids], vocab_size=300)
     stream = TokenFile(tmp_path / "t.npy")
-    pread = os.pread
+    pread, preadv = os.pread, os.preadv
     monkeypatch.setattr(os, "pread", lambda fd, n, at: pread(fd, min(n, 7), at))  # short reads
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: preadv(fd, [bufs[0][:7]], at))
     np.testing.assert_array_equal(stream.read(3, 1000), ids[3:])
     np.testing.assert_array_equal(np.asarray(stream), ids)

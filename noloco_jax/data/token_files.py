@@ -135,14 +135,19 @@ class TokenFile:
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` in the file's dtype."""
         start, stop = max(0, start), min(len(self), stop)
-        out = np.empty(max(stop - start, 0), self.dtype)
-        buf, done, at = out.view(np.uint8), 0, self.offset + start * self.dtype.itemsize
-        while done < buf.size:  # a pread may return less (Linux: at most 0x7ffff000 bytes)
-            piece = os.pread(self._fd, min(buf.size - done, _PREAD_MAX), at + done)
-            if not piece:
-                raise EOFError(f"{self.path} ended {buf.size - done} bytes early.")
-            buf[done : done + len(piece)] = np.frombuffer(piece, np.uint8)
-            done += len(piece)
+        item = self.dtype.itemsize
+        size, at = max(stop - start, 0) * item, self.offset + start * item
+        first = os.pread(self._fd, min(size, _PREAD_MAX), at)
+        if len(first) == size:  # one read (under 2 GiB): the common case, no extra copy
+            return np.frombuffer(first, self.dtype)
+        out = np.empty(size // self.dtype.itemsize, self.dtype)
+        buf, done = memoryview(out.view(np.uint8)), len(first)
+        buf[:done] = first
+        while done < size:  # a read may return less (Linux: at most 0x7ffff000 bytes)
+            got = os.preadv(self._fd, [buf[done : done + _PREAD_MAX]], at + done)
+            if not got:
+                raise EOFError(f"{self.path} ended {size - done} bytes early.")
+            done += got
         return out
 
     def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
