@@ -269,8 +269,10 @@ def presence_mask(
     ``dropout_prob`` must be in [0, 1) and ``seed`` in [0, 2**32 - 1], as the optimizers'.
     """
     errors.check_int("num_replicas", num_replicas)
-    errors.check_number("dropout_prob", dropout_prob, 0, 1, open_high=True)
-    errors.check_int("seed", seed, 0, 2**32 - 1, "2**32 - 1")
+    if not isinstance(dropout_prob, jax.Array):  # a traced or device value is the caller's
+        errors.check_number("dropout_prob", dropout_prob, 0, 1, open_high=True)
+    if not isinstance(seed, jax.Array):
+        errors.check_int("seed", seed, 0, 2**32 - 1, "2**32 - 1")
     key = jax.random.fold_in(jax.random.key(seed), jnp.asarray(round_index, jnp.uint32))
     return ~jax.random.bernoulli(jax.random.fold_in(key, 1), dropout_prob, (num_replicas,))
 

@@ -36,6 +36,14 @@ def test_presence_mask_refuses_what_the_optimizers_refuse(p, seed, field):
         comm.presence_mask(0, 4, p, seed)
 
 
+def test_presence_mask_takes_traced_and_device_values():
+    """Its checks are for Python numbers; a jitted caller's seed or rate is its own."""
+    want = comm.presence_mask(3, 8, 0.25, 5)
+    got = jax.jit(lambda p, seed: comm.presence_mask(3, 8, p, seed))(0.25, 5)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(comm.presence_mask(3, 8, jnp.float32(0.25), 5), want)
+
+
 def _numpy_round(phi, theta, delta, groups, present, alpha, beta):
     """NoLoCo with gamma = beta over the *present* members; absent: local-only."""
     new_delta = np.empty_like(delta)
