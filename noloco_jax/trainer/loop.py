@@ -359,6 +359,8 @@ def _already_finished(workdir: pathlib.Path, step: int, verbose: bool) -> dict[s
         for record in read_jsonl(path):
             if record.get("kind") in ("train", "eval") and record["step"] <= step:
                 last.update({k: v for k, v in record.items() if k != "kind"})
+                if record["kind"] == "eval":  # as the run itself returns
+                    last["eval_step"] = record["step"]
     last["step"] = step
     if verbose:
         shown = [f"{k} {last[k]:.4g}" for k in _FINAL_METRICS if isinstance(last.get(k), float)]
