@@ -546,10 +546,11 @@ def _topology_mesh(devices: np.ndarray, dims: tuple[int, ...], names: tuple[str,
                    types: tuple) -> jax.sharding.Mesh:  # fmt: skip
     """``jax.make_mesh`` (devices in the topology's order), or the devices in their given order
     where it refuses them: on a TPU, some of a slice's chips that are no whole block of it
-    (3 of a v5e-4's 2 x 2; JAX then fails an assertion)."""
+    (3 of a v5e-4's 2 x 2; JAX then fails an assertion), or a split that needs a physical axis
+    split (fsdp 2 x tensor 4 on a v4's 2 x 2 x 4 chips: NotImplementedError)."""
     try:
         return jax.make_mesh(dims, names, axis_types=types, devices=devices)
-    except (AssertionError, ValueError):
+    except (AssertionError, ValueError, NotImplementedError):
         return jax.sharding.Mesh(devices.reshape(dims), names, axis_types=types)
 
 

@@ -373,6 +373,22 @@ def test_replicas_on_part_of_a_tpu_slice_that_is_no_block_of_it():
         assert [d.id for d in grid.flat] == [0, 1, 2]
 
 
+def test_a_split_that_needs_a_physical_axis_split_falls_back_to_the_device_order():
+    """A TPU v4-32 (2 x 2 x 4 chips, a host per 2 x 2 layer): fsdp 2 x tensor 4 made
+    jax.make_mesh raise NotImplementedError ("Failed to find assignment for logical_axis_index
+    1"); the chips are used in their order, each replica on two whole hosts."""
+    chips = []
+    for i in range(16):
+        chip = _FakeTpu(i)
+        chip.device_kind, chip.process_index = "TPU v4", i // 4
+        chip.coords = (i % 2, i % 4 // 2, i // 4)
+        chips.append(chip)
+    split = {"fsdp": 2, "tensor": 4}
+    grid = replicas.make_replicas(2, devices=chips, mesh_shape=split).mesh.devices
+    assert [d.id for d in grid.flat] == list(range(16))
+    assert [sorted({d.process_index for d in r.flat}) for r in grid] == [[0, 1], [2, 3]]
+
+
 def test_fewer_replicas_than_devices_are_dealt_over_tpu_slices():
     """Two v5e-4 slices (2 x 2 chips, one host each): 6 replicas took the first 6 chips (4 + 2)
     and mesh_utils failed ("Number of devices 4 must equal the product of mesh_shape (3, 1,
