@@ -607,7 +607,8 @@ def _whole_replicas_per_process(devices: np.ndarray, dims: tuple[int, ...]) -> n
     replica's F x T devices lie in one process (their gathers stay on its fast
     links; only the outer step crosses processes). ``None`` when the devices
     belong to one process, or when they cannot be split so (a replica larger
-    than a process, or unequal processes): then the usual mesh order is used.
+    than a process, or unequal processes): then the usual mesh order is used. A process's
+    chips may be split along a physical axis (2 x 2 replicas of a host's 1 x 4 chips).
     """
     from jax.experimental import mesh_utils  # noqa: PLC0415
 
@@ -619,4 +620,4 @@ def _whole_replicas_per_process(devices: np.ndarray, dims: tuple[int, ...]) -> n
         return None
     return mesh_utils.create_hybrid_device_mesh(
         (dims[0] // len(groups), *dims[1:]), (len(groups), *[1] * (len(dims) - 1)),
-        list(devices), process_is_granule=True)
+        list(devices), process_is_granule=True, allow_split_physical_axes=True)

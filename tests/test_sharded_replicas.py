@@ -389,6 +389,16 @@ def test_a_split_that_needs_a_physical_axis_split_falls_back_to_the_device_order
     assert [sorted({d.process_index for d in r.flat}) for r in grid] == [[0, 1], [2, 3]]
 
 
+def test_whole_replicas_per_process_may_split_a_hosts_row_of_chips():
+    """One v5e-16 slice, each host a row of 4 chips: 2 x 2 (fsdp x tensor) replicas per host
+    raised NotImplementedError ("Failed to find assignment for logical_axis_index 2")."""
+    chips = [_FakeTpu(i) for i in range(16)]
+    for n, split in ((4, {"fsdp": 2, "tensor": 2}), (8, {"tensor": 2})):
+        grid = replicas.make_replicas(n, devices=chips, mesh_shape=split).mesh.devices
+        assert [len({d.process_index for d in r.flat}) for r in grid] == [1] * n
+        assert sorted(d.id for d in grid.flat) == list(range(16))
+
+
 def test_fewer_replicas_than_devices_are_dealt_over_tpu_slices():
     """Two v5e-4 slices (2 x 2 chips, one host each): 6 replicas took the first 6 chips (4 + 2)
     and mesh_utils failed ("Number of devices 4 must equal the product of mesh_shape (3, 1,
