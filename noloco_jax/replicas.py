@@ -21,6 +21,7 @@ per-replica leaves are split over the mesh axis, one replica per device.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping
 
 import jax
@@ -558,28 +559,41 @@ def _across_slices(devices: np.ndarray, dims: tuple[int, ...]) -> np.ndarray | N
     """An (N, F, T) device array for several TPU slices, or ``None`` on one slice.
 
     The replicas are dealt out over the slices and each replica's F x T devices lie in one
-    slice (``jax.make_mesh`` refuses multi-slice devices): only NoLoCo's exchange crosses
-    the slower links between slices (DCN).
+    slice (``jax.make_mesh`` refuses multi-slice devices), and in one process of it when they
+    fit (``_whole_replicas_per_process``): only NoLoCo's exchange crosses the slower links
+    between slices (DCN) and processes.
     """
-    count = len({getattr(d, "slice_index", 0) for d in devices})
-    if count == 1:
+    slices: dict[int, list] = {}
+    for d in devices:
+        slices.setdefault(getattr(d, "slice_index", 0), []).append(d)
+    if len(slices) == 1:
         return None
     from noloco_jax import errors  # noqa: PLC0415
+
+    if dims[0] % len(slices):
+        raise errors.UserError(
+            f"num_replicas={dims[0]} must be a multiple of the {len(slices)} TPU slices its "
+            f"devices come from (config.num_replicas): each slice holds the same number of "
+            f"replicas.")  # fmt: skip
+    per_slice = (dims[0] // len(slices), *dims[1:])
+    if {len(s) for s in slices.values()} != {math.prod(per_slice)}:  # unequal: the given order
+        return np.asarray([d for k in sorted(slices) for d in slices[k]], dtype=object).reshape(dims)
+    grids = [_in_one_slice(np.asarray(slices[k], dtype=object), per_slice) for k in sorted(slices)]
+    return np.concatenate(grids).reshape(dims)
+
+
+def _in_one_slice(devices: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:
+    """One slice's (n, F, T) device array: whole replicas per process, else the slice's
+    topology order, else (part of the slice, no block of it) the given order."""
     from jax.experimental import mesh_utils  # noqa: PLC0415
 
-    if dims[0] % count:
-        raise errors.UserError(
-            f"num_replicas={dims[0]} must be a multiple of the {count} TPU slices its devices "
-            f"come from (config.num_replicas): each slice holds the same number of replicas.")
-    per_slice = (dims[0] // count, *dims[1:])
+    grid = _whole_replicas_per_process(devices, dims)
+    if grid is not None:
+        return grid
     try:
-        grid = mesh_utils.create_hybrid_device_mesh(per_slice, (count, *[1] * (len(dims) - 1)),
-                                                    devices=list(devices),
-                                                    allow_split_physical_axes=True)  # fmt: skip
-    except (AssertionError, ValueError):  # part of each slice, no block of it: the given order
-        key = lambda d: getattr(d, "slice_index", 0)  # noqa: E731
-        grid = np.asarray(sorted(devices, key=key), dtype=object)
-    return np.asarray(grid).reshape(dims)
+        return mesh_utils.create_device_mesh(dims, list(devices), allow_split_physical_axes=True)
+    except (AssertionError, ValueError, NotImplementedError):
+        return devices.reshape(dims)
 
 
 def _visible(n: int) -> str:

@@ -399,6 +399,25 @@ def test_whole_replicas_per_process_may_split_a_hosts_row_of_chips():
         assert sorted(d.id for d in grid.flat) == list(range(16))
 
 
+def test_over_tpu_slices_each_process_holds_whole_replicas():
+    """Two v5e-16 slices whose hosts hold 2 x 2 chips: a replica of 4 chips lay over two hosts
+    (the slice's topology order) although each host holds one; one slice was fine."""
+    chips = []
+    for i in range(32):
+        chip = _FakeTpu(i)
+        x, y, _ = chip.coords
+        chip.process_index = 4 * chip.slice_index + x // 2 + 2 * (y // 2)
+        chips.append(chip)
+    for split in ({"fsdp": 4}, {"fsdp": 2, "tensor": 2}):
+        grid = replicas.make_replicas(8, devices=chips, mesh_shape=split).mesh.devices
+        assert [len({d.process_index for d in r.flat}) for r in grid] == [1] * 8
+        assert [r.flat[0].slice_index for r in grid] == [0] * 4 + [1] * 4
+        assert sorted(d.id for d in grid.flat) == list(range(32))
+    unequal = chips[:16] + chips[16:24]  # 16 + 8 chips: the given order, as before
+    grid = replicas.make_replicas(6, devices=unequal, mesh_shape={"fsdp": 4}).mesh.devices
+    assert [d.id for d in grid.flat] == list(range(24))
+
+
 def test_fewer_replicas_than_devices_are_dealt_over_tpu_slices():
     """Two v5e-4 slices (2 x 2 chips, one host each): 6 replicas took the first 6 chips (4 + 2)
     and mesh_utils failed ("Number of devices 4 must equal the product of mesh_shape (3, 1,
