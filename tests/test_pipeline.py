@@ -299,6 +299,34 @@ def test_bad_stage_counts_and_meshes():
             pl.make_pipeline_mesh(*args)
 
 
+class _Chip:
+    """A fake device: a chip of a single-host v5e-8 slice (2 x 4), or a GPU (``coords=None``)."""
+
+    def __init__(self, i, process, coords=None):
+        self.id, self.process_index, self.core_on_chip = i, process, 0
+        gpu = coords is None
+        self.platform, self.device_kind = ("gpu", "gpu") if gpu else ("tpu", "TPU v5 lite")
+        if coords is not None:
+            self.slice_index, self.coords = process, coords
+
+
+def test_pipeline_mesh_keeps_replicas_in_a_slice_and_every_process_busy():
+    """Two v5e-8 slices: jax.make_mesh failed a bare assertion (it refuses multi-slice
+    devices). Two GPU hosts x 8: 2 x 4 took host 0's GPUs and left host 1 idle, silently."""
+    chips = [_Chip(i, i // 8, (i % 2, i % 8 // 2, 0)) for i in range(16)]
+    for n, s in ((4, 4), (2, 8)):
+        grid = pl.make_pipeline_mesh(n, s, devices=chips).devices
+        assert [{d.slice_index for d in r} for r in grid] == [{0}] * (n // 2) + [{1}] * (n // 2)
+        assert sorted(d.id for d in grid.flat) == list(range(16))
+    gpus = [_Chip(i, i // 8) for i in range(16)]
+    with pytest.raises(ValueError, match=r"2 x 4 \(replica x stage\) mesh on 8 of the 16 "
+                                         r"devices leaves process\(es\) \[1\] without any.*"
+                                         r"num_replicas=4 \(config\.num_replicas\)"):  # fmt: skip
+        pl.make_pipeline_mesh(2, 4, devices=gpus)
+    grid = pl.make_pipeline_mesh(4, 4, devices=gpus).devices
+    assert [{d.process_index for d in r} for r in grid] == [{0}, {0}, {1}, {1}]
+
+
 def test_nonfinite_guard_on_the_mesh_resets_every_stage_of_the_replica(setup):
     """A NaN in one stage's blocks resets that replica on all its devices, no one else."""
     graphdef, params, tokens, pool, idx, _ = setup

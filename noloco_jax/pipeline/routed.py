@@ -149,15 +149,36 @@ def stage_leaf_axes(path: tuple, local: Any) -> tuple[str, ...]:
 
 def make_pipeline_mesh(num_replicas: int, num_stages: int,
                        devices: Any = None) -> jax.sharding.Mesh:  # fmt: skip
-    """A (replica, stage) mesh of N x S devices; a clear error when too few exist."""
+    """A (replica, stage) mesh of N x S devices; a clear error when too few exist.
+
+    Laid out as ``make_replicas`` lays out N replicas of S devices: the replicas are dealt
+    evenly over TPU slices, each replica's stages lie in one slice (and in one process where
+    they fit), and no process is left without replicas.
+    """
+    from noloco_jax import replicas  # noqa: PLC0415
+
     errors.check_int("num_replicas", num_replicas)
     errors.check_int("num_stages", num_stages)
     devices = list(jax.devices() if devices is None else devices)
-    need = num_replicas * num_stages
+    need, dims = num_replicas * num_stages, (num_replicas, num_stages)
     if len(devices) < need:
         raise ValueError(
             f"a {num_replicas} x {num_stages} (replica x stage) mesh needs {need} devices, "
             f"{len(devices)} are visible (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count"
             f"={need})."
         )
-    return jax.make_mesh((num_replicas, num_stages), (REPLICA, STAGE), devices=devices[:need])
+    chosen = np.asarray(replicas._first_devices(devices, need, num_replicas), dtype=object)
+    process = lambda d: getattr(d, "process_index", 0)  # noqa: E731
+    idle = sorted({process(d) for d in devices} - {process(d) for d in chosen})
+    if idle:
+        raise errors.UserError(
+            f"a {num_replicas} x {num_stages} (replica x stage) mesh on {need} of the "
+            f"{len(devices)} devices leaves process(es) {idle[:4]} without any: every process "
+            f"must hold replicas. Use num_replicas={len(devices) // num_stages} "
+            f"(config.num_replicas) to use every device.")  # fmt: skip
+    grid = replicas._across_slices(chosen, dims)
+    grid = replicas._whole_replicas_per_process(chosen, dims) if grid is None else grid
+    if grid is None:
+        return jax.make_mesh(dims, (REPLICA, STAGE), devices=list(chosen))
+    return jax.sharding.Mesh(grid, (REPLICA, STAGE),
+                             axis_types=(jax.sharding.AxisType.Explicit,) * 2)  # fmt: skip
