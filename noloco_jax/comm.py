@@ -269,12 +269,18 @@ def presence_mask(
     ``dropout_prob`` must be in [0, 1) and ``seed`` in [0, 2**32 - 1], as the optimizers'.
     """
     errors.check_int("num_replicas", num_replicas)
+    dropout_prob, seed = _item(dropout_prob), _item(seed)  # a 0-d NumPy array is its number
     if not isinstance(dropout_prob, jax.Array):  # a traced or device value is the caller's
         errors.check_number("dropout_prob", dropout_prob, 0, 1, open_high=True)
     if not isinstance(seed, jax.Array):
         errors.check_int("seed", seed, 0, 2**32 - 1, "2**32 - 1")
     key = jax.random.fold_in(jax.random.key(seed), jnp.asarray(round_index, jnp.uint32))
     return ~jax.random.bernoulli(jax.random.fold_in(key, 1), dropout_prob, (num_replicas,))
+
+
+def _item(value: Any) -> Any:
+    """A 0-d NumPy array as its Python number; anything else as is."""
+    return value.item() if isinstance(value, np.ndarray) and value.ndim == 0 else value
 
 
 def own_presence(

@@ -44,6 +44,16 @@ def test_presence_mask_takes_traced_and_device_values():
     np.testing.assert_array_equal(comm.presence_mask(3, 8, jnp.float32(0.25), 5), want)
 
 
+def test_presence_mask_takes_zero_d_numpy_values():
+    """A 0-d NumPy rate or seed is its number: both were refused as out of range ('got
+    array(0.25)'); an out-of-range one is still refused."""
+    want = comm.presence_mask(3, 8, 0.25, 5)
+    np.testing.assert_array_equal(comm.presence_mask(3, 8, np.asarray(0.25), 5), want)
+    np.testing.assert_array_equal(comm.presence_mask(3, 8, 0.25, np.asarray(5)), want)
+    with pytest.raises(ValueError, match=r"dropout_prob: must be in \[0, 1\), got 30\.0"):
+        comm.presence_mask(3, 8, np.asarray(30.0), 5)
+
+
 def _numpy_round(phi, theta, delta, groups, present, alpha, beta):
     """NoLoCo with gamma = beta over the *present* members; absent: local-only."""
     new_delta = np.empty_like(delta)
