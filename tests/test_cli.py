@@ -800,3 +800,15 @@ def test_the_loop_tells_the_bar_which_chunks_compiled():
         loop._run_blocks(run, None, step, 25)
         compiled.append(len(run.calls) > before)
     assert compiled == [True, True, False, False]  # two programs: inner steps, then the sync
+
+
+def test_a_workdir_beside_a_glob_corpus_is_accepted(tmp_path):
+    """data.path='DIR/books_*/**/*.txt' never reads DIR/runs/x, but d6fb59b refused that
+    workdir as inside the corpus (it took DIR for the corpus); DIR/books_b/run is still refused."""
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    data = types.SimpleNamespace(source="files", path=f"{tmp_path}/books_*/**/*.txt")
+    settings = types.SimpleNamespace(data=data)
+    loop._check_outside_corpus(settings, tmp_path / "runs" / "x")
+    with pytest.raises(ValueError, match=r"lies inside config\.data\.path=.*books_\*"):
+        loop._check_outside_corpus(settings, tmp_path / "books_b" / "run")

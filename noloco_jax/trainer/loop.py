@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import itertools
 import os
 import pathlib
@@ -523,8 +524,10 @@ def _check_outside_corpus(settings: TrainSettings, workdir: pathlib.Path) -> Non
     if settings.data.source != "files" or corpus is None:
         return
     inside = workdir.resolve().is_relative_to(corpus.resolve())
-    if inside and not any(part.startswith(".") for part in  # hidden folders are not read
-                          workdir.resolve().relative_to(corpus.resolve()).parts):  # fmt: skip
+    parts = workdir.resolve().relative_to(corpus.resolve()).parts if inside else ()
+    levels = _glob_levels(settings.data.path)  # a glob reads the folders its levels match
+    inside = inside and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, levels))
+    if inside and not any(part.startswith(".") for part in parts):  # hidden folders are not read
         raise UserError(
             f"--workdir {str(workdir)!r} lies inside config.data.path={settings.data.path!r}: "
             f"its checkpoints' .txt files would become training text. Put the run's directory "
@@ -541,6 +544,16 @@ def _corpus_root(path: str) -> pathlib.Path | None:
         return None
     fixed = itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), p.parts)
     return pathlib.Path(*fixed)
+
+
+def _glob_levels(path: str) -> tuple[str, ...]:
+    """A recursive glob's folders from its first wildcard to its '**', which a folder under
+    ``_corpus_root`` must match to be read ('DIR/books_*/**/*.txt' -> ('books_*',))."""
+    p = pathlib.Path(path).expanduser()
+    if not path or p.exists() or "**" not in p.parts:
+        return ()
+    before = p.parts[: p.parts.index("**")]
+    return tuple(itertools.dropwhile(lambda part: not any(ch in part for ch in "*?["), before))
 
 
 def _run_blocks(run: Run, state: TrainState, step: int, k: int, synced: list | None = None
