@@ -162,6 +162,18 @@ def test_fragments_match_a_numpy_reference(num_frags):
     assert [int(o.round) for o in state.outer_state] == [3] * num_frags
 
 
+def test_fragment_syncs_must_end_accumulations():
+    """With P fragments a sync comes every H / P steps: H = 4, P = 2 and MultiSteps k = 4 were
+    accepted, and fragment 0 synced at step 2, inside the accumulation of steps 1..4."""
+    spec = frag.by_layer_blocks(_params(), 2)
+    acc = lambda k: optax.MultiSteps(optax.sgd(0.1), k).gradient_transformation()  # noqa: E731
+    with pytest.raises(ValueError, match=r"sync_every / fragments = 4 / 2 = 2 must be a "
+                                         r"multiple of the MultiSteps accumulation count k=4"):
+        local_steps(acc(4), noloco_outer(), H, fragments=spec)
+    _, state, _ = _train(local_steps(acc(2), noloco_outer(), H, fragments=spec), 2 * H)
+    assert [int(o.round) for o in state.outer_state] == [2, 2]
+
+
 def test_each_sync_step_sends_only_its_fragment():
     spec = frag.by_layer_blocks(_params(), 2)
     tx = local_steps(optax.sgd(0.1), noloco_outer(), H, fragments=spec)

@@ -358,18 +358,24 @@ def _accumulators(inner: Any) -> list[optax.MultiSteps]:
     return found
 
 
-def _check_accumulation(inner: Any, sync_every: int) -> int:
+def _check_accumulation(inner: Any, sync_every: int, num_fragments: int = 1) -> int:
     """Every ``optax.MultiSteps`` in the inner optimizer ends its accumulations on sync steps.
+
+    With P fragments a sync comes every H / P steps (some fragment's), so H / P must be a
+    multiple of the accumulation count.
 
     Returns:
       How many it checked (``init`` compares it with the ``MultiStepsState``s it finds).
     """
     owners = _accumulators(inner)
+    period = sync_every // num_fragments
+    name = f"sync_every={sync_every}" if num_fragments == 1 else \
+        f"sync_every / fragments = {sync_every} / {num_fragments} = {period}"
     for owner in owners:
         k = owner._every_k_schedule(0)  # noqa: SLF001 - optax keeps the count private
-        if isinstance(k, int) and k > 0 and sync_every % k:
+        if isinstance(k, int) and k > 0 and period % k:
             raise ValueError(
-                f"sync_every={sync_every} must be a multiple of the MultiSteps accumulation "
+                f"{name} must be a multiple of the MultiSteps accumulation "
                 f"count k={k} (local_steps counts micro-steps): a sync would otherwise fall in "
                 f"the middle of an accumulation."
             )
@@ -503,13 +509,13 @@ def local_steps(
     errors.check_bool("resync_caught", resync_caught)
     if not isinstance(check_phase, bool) and check_phase != "count":  # `in` took 1 and 0.0
         raise ValueError(f"check_phase must be True, False or 'count', got {check_phase!r}.")
-    accumulators = _check_accumulation(inner, sync_every)
     if isinstance(fragments, int):  # read as a one-leaf spec, it gave errors about P + 1
         raise ValueError(f"fragments must be a fragment spec, e.g. fragments.by_layer_blocks("
                          f"params, {fragments}), or None; got the int {fragments!r}.")
     num_frags, spec = frag.num_fragments(fragments), fragments
     fragments = None if num_frags == 1 else fragments  # one fragment: today's update
     frag.check_fragments(num_frags, sync_every)
+    accumulators = _check_accumulation(inner, sync_every, num_frags)
     delay = check_delay(delay, sync_every, num_frags)
     mixing = check_mixing(mixing)
     inner = optax.with_extra_args_support(inner)
