@@ -202,19 +202,33 @@ def test_a_signal_one_process_gets_stops_both_at_the_same_saved_step(tmp_path, c
     assert f"SIGTERM: stopped at step {saved} after saving its checkpoint" in texts[0]
 
 
+# Process 0's first metrics record raises a plain RuntimeError: a bug, not an environment
+# failure (a metrics.jsonl that is a folder, the stand-in before, is now a short run failure).
+_BUG_AT_FIRST_RECORD = """
+from noloco_jax.trainer import writers
+
+def write(self, *args, **kwargs):
+    raise RuntimeError("a bug at the first metrics record")
+
+writers.MetricWriter.write = write
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_bug_on_one_process_exits_it_at_once_with_its_traceback(tmp_path, corpus_and_data):
-    """An unexpected exception (here: metrics.jsonl is a folder, so process 0, the writer,
-    fails at its first record) took the normal exit through jax.distributed's shutdown
-    barrier, which waited 300 s for the peer stuck in a collective."""
-    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
+    """An unexpected exception on process 0 (the writer) took the normal exit through
+    jax.distributed's shutdown barrier, which waited 300 s for the peer stuck in a collective."""
+    (tmp_path / "bug").mkdir()
+    (tmp_path / "bug" / "sitecustomize.py").write_text(_BUG_AT_FIRST_RECORD)
     port, flags = _free_port(), ["--config.num_replicas=4", "--config.num_steps=200"]
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    envs = [{**_env(2), "PYTHONPATH": os.pathsep.join([str(tmp_path / "bug"), str(ROOT)])},
+            _env(2)]  # fmt: skip
     procs = [subprocess.Popen(_cmd(*corpus_and_data, tmp_path / "run", *flags,
                                    *_distributed(2, i, port)),
-                              env=_env(2), stdout=log.open("w"), stderr=subprocess.STDOUT)
-             for i, log in enumerate(logs)]  # fmt: skip
+                              env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for i, (log, env) in enumerate(zip(logs, envs))]  # fmt: skip
     start = time.monotonic()
     while procs[0].poll() is None and time.monotonic() - start < 120:
         time.sleep(0.2)
@@ -224,7 +238,7 @@ def test_a_bug_on_one_process_exits_it_at_once_with_its_traceback(tmp_path, corp
         p.wait()
     text = logs[0].read_text()
     assert procs[0].returncode == 1, text[-3000:]
-    assert "Traceback" in text and "IsADirectoryError" in text
+    assert "Traceback" in text and "RuntimeError: a bug at the first metrics record" in text
 
 
 @pytest.mark.multiprocess
