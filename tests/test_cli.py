@@ -812,3 +812,23 @@ def test_a_workdir_beside_a_glob_corpus_is_accepted(tmp_path):
     loop._check_outside_corpus(settings, tmp_path / "runs" / "x")
     with pytest.raises(ValueError, match=r"lies inside config\.data\.path=.*books_\*"):
         loop._check_outside_corpus(settings, tmp_path / "books_b" / "run")
+
+
+@pytest.mark.parametrize("glob, workdir", [
+    ("**/*.md", "runs/x"),  # no run writes a .md file
+    ("**/*.gz", "runs/x"),
+    ("*/text/**/*.txt", "runs"),  # the glob reads runs/text/, not runs/checkpoints/
+    ("books_*/**/*.txt", "."),  # the corpus's parent folder: checkpoints/ is no books_*
+])
+def test_a_workdir_a_recursive_glob_cannot_read_is_accepted(tmp_path, glob, workdir):
+    """These workdirs were refused as inside the corpus, though the glob matches none of
+    their checkpoints' files; 'DIR/**/*.txt' still refuses DIR/runs/x and DIR/.hidden/x not."""
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    settings = types.SimpleNamespace(data=types.SimpleNamespace(source="files",
+                                                                path=f"{tmp_path}/{glob}"))
+    loop._check_outside_corpus(settings, tmp_path / workdir)
+    settings.data.path = f"{tmp_path}/**/*.txt"
+    loop._check_outside_corpus(settings, tmp_path / ".hidden" / "x")
+    with pytest.raises(ValueError, match=r"lies inside config\.data\.path"):
+        loop._check_outside_corpus(settings, tmp_path / workdir)

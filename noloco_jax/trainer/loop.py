@@ -516,44 +516,54 @@ def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
     return workdir
 
 
+# The *.txt files a run writes under its workdir (orbax's commit markers, step 1000's here).
+_RUN_TEXT_FILES = tuple(f"checkpoints/1000/{sub}commit_success.txt" for sub in ("", "state/", "meta/"))
+
+
 def _check_outside_corpus(settings: TrainSettings, workdir: pathlib.Path) -> None:
-    """Refuses a workdir inside the corpus directory: its checkpoints hold ``*.txt`` files
-    (orbax's commit_success.txt), which a later run read as training documents (and this run
-    could not resume: its data had changed)."""
-    corpus = _corpus_root(settings.data.path)
+    """Refuses a workdir whose checkpoints the corpus reads: they hold ``*.txt`` files (orbax's
+    commit_success.txt), which a later run read as training documents (and this run could not
+    resume: its data had changed). A glob that cannot match them ('DIR/**/*.md') is no risk."""
+    corpus = _corpus_pattern(settings.data.path)
     if settings.data.source != "files" or corpus is None:
         return
-    inside = workdir.resolve().is_relative_to(corpus.resolve())
-    parts = workdir.resolve().relative_to(corpus.resolve()).parts if inside else ()
-    levels = _glob_levels(settings.data.path)  # a glob reads the folders its levels match
-    inside = inside and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, levels))
-    if inside and not any(part.startswith(".") for part in parts):  # hidden folders are not read
+    root, pattern = corpus
+    if not workdir.resolve().is_relative_to(root):
+        return
+    parts = workdir.resolve().relative_to(root).parts
+    if any(_glob_match(pattern, parts + pathlib.PurePath(f).parts) for f in _RUN_TEXT_FILES):
         raise UserError(
             f"--workdir {str(workdir)!r} lies inside config.data.path={settings.data.path!r}: "
             f"its checkpoints' .txt files would become training text. Put the run's directory "
             f"outside the corpus.")  # fmt: skip
 
 
-def _corpus_root(path: str) -> pathlib.Path | None:
-    """The folder a corpus reads at every depth: a directory, or a recursive glob's fixed
-    part ('DIR/**/*.txt' -> DIR); None for a file, a one-level glob or no path."""
+def _corpus_pattern(path: str) -> tuple[pathlib.Path, tuple[str, ...]] | None:
+    """A corpus path as its fixed folder (resolved) and the glob below it, as the loader reads
+    it: a directory -> (DIR, ('**', '*.txt')), 'DIR/**/*.txt' -> (DIR, ('**', '*.txt')); None
+    for a file, a path that is not there or no path."""
     p = pathlib.Path(path).expanduser()
     if not path or p.exists():  # an existing path is taken literally, as the loader does
-        return p if path and p.is_dir() else None
+        return (p.resolve(), ("**", "*.txt")) if path and p.is_dir() else None
     if "**" not in p.parts:
         return None
-    fixed = itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), p.parts)
-    return pathlib.Path(*fixed)
+    fixed = tuple(itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), p.parts))
+    return pathlib.Path(*fixed).resolve(), p.parts[len(fixed) :]
 
 
-def _glob_levels(path: str) -> tuple[str, ...]:
-    """A recursive glob's folders from its first wildcard to its '**', which a folder under
-    ``_corpus_root`` must match to be read ('DIR/books_*/**/*.txt' -> ('books_*',))."""
-    p = pathlib.Path(path).expanduser()
-    if not path or p.exists() or "**" not in p.parts:
-        return ()
-    before = p.parts[: p.parts.index("**")]
-    return tuple(itertools.dropwhile(lambda part: not any(ch in part for ch in "*?["), before))
+def _glob_match(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """Whether ``glob(recursive=True)`` matches a path's ``parts``: '**' is any number of
+    folders, not hidden ones; a hidden name matches only a pattern that starts with '.'."""
+    if not pattern:
+        return not parts
+    if not parts:
+        return all(part == "**" for part in pattern)
+    if pattern[0] == "**":
+        return _glob_match(pattern[1:], parts) or (
+            not parts[0].startswith(".") and _glob_match(pattern, parts[1:]))
+    name_ok = fnmatch.fnmatchcase(parts[0], pattern[0]) and (
+        pattern[0].startswith(".") or not parts[0].startswith("."))
+    return name_ok and _glob_match(pattern[1:], parts[1:])
 
 
 def _run_blocks(run: Run, state: TrainState, step: int, k: int, synced: list | None = None
