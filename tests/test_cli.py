@@ -832,3 +832,18 @@ def test_a_workdir_a_recursive_glob_cannot_read_is_accepted(tmp_path, glob, work
     loop._check_outside_corpus(settings, tmp_path / ".hidden" / "x")
     with pytest.raises(ValueError, match=r"lies inside config\.data\.path"):
         loop._check_outside_corpus(settings, tmp_path / workdir)
+
+
+def test_a_workdir_a_glob_without_double_star_reads_is_refused(tmp_path):
+    """'DIR/*/*/*.txt' reads DIR/checkpoints/N/commit_success.txt and 'DIR/*/*/*/*.txt'
+    DIR/run/checkpoints/N/commit_success.txt; only recursive globs were checked."""
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    data = types.SimpleNamespace(source="files", path=f"{tmp_path}/*/*/*.txt")
+    settings = types.SimpleNamespace(data=data)
+    with pytest.raises(ValueError, match=r"lies inside config\.data\.path=.*\*/\*/\*\.txt"):
+        loop._check_outside_corpus(settings, tmp_path)
+    loop._check_outside_corpus(settings, tmp_path / "run")  # reads run/checkpoints/*.txt only
+    data.path = f"{tmp_path}/*/*/*/*.txt"
+    with pytest.raises(ValueError, match=r"lies inside config\.data\.path"):
+        loop._check_outside_corpus(settings, tmp_path / "run")

@@ -540,12 +540,12 @@ def _check_outside_corpus(settings: TrainSettings, workdir: pathlib.Path) -> Non
 
 def _corpus_pattern(path: str) -> tuple[pathlib.Path, tuple[str, ...]] | None:
     """A corpus path as its fixed folder (resolved) and the glob below it, as the loader reads
-    it: a directory -> (DIR, ('**', '*.txt')), 'DIR/**/*.txt' -> (DIR, ('**', '*.txt')); None
-    for a file, a path that is not there or no path."""
+    it: a directory -> (DIR, ('**', '*.txt')), 'DIR/*/*.txt' -> (DIR, ('*', '*.txt')); None
+    for a file, a path that is not there and no glob, or no path."""
     p = pathlib.Path(path).expanduser()
     if not path or p.exists():  # an existing path is taken literally, as the loader does
         return (p.resolve(), ("**", "*.txt")) if path and p.is_dir() else None
-    if "**" not in p.parts:
+    if not any(ch in path for ch in "*?["):  # the loader finds no such file
         return None
     fixed = tuple(itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), p.parts))
     return pathlib.Path(*fixed).resolve(), p.parts[len(fixed) :]
