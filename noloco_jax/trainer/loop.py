@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
-import itertools
 import os
 import pathlib
 import signal
@@ -24,6 +22,7 @@ import numpy as np
 
 from noloco_jax import determinism, replicas
 from noloco_jax.errors import CorruptCheckpointError, UserError, check_int, check_utf8_path
+from noloco_jax.data import sources
 from noloco_jax.data.token_files import sharded_batches
 from noloco_jax.trainer import health
 from noloco_jax.trainer import optimizer as optim_lib
@@ -517,53 +516,21 @@ def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
 
 
 # The *.txt files a run writes under its workdir (orbax's commit markers, step 1000's here).
-_RUN_TEXT_FILES = tuple(f"checkpoints/1000/{sub}commit_success.txt" for sub in ("", "state/", "meta/"))
+_RUN_TEXT_FILES = tuple(f"checkpoints/1000/{sub}commit_success.txt"
+                        for sub in ("", "state/", "meta/"))  # orbax's, as a sample step
 
 
 def _check_outside_corpus(settings: TrainSettings, workdir: pathlib.Path) -> None:
     """Refuses a workdir whose checkpoints the corpus reads: they hold ``*.txt`` files (orbax's
     commit_success.txt), which a later run read as training documents (and this run could not
     resume: its data had changed). A glob that cannot match them ('DIR/**/*.md') is no risk."""
-    corpus = _corpus_pattern(settings.data.path)
-    if settings.data.source != "files" or corpus is None:
+    if settings.data.source != "files" or not settings.data.path:
         return
-    root, pattern = corpus
-    if not workdir.resolve().is_relative_to(root):
-        return
-    parts = workdir.resolve().relative_to(root).parts
-    if any(_glob_match(pattern, parts + pathlib.PurePath(f).parts) for f in _RUN_TEXT_FILES):
+    if sources.reads_any(settings.data.path, workdir, _RUN_TEXT_FILES):
         raise UserError(
             f"--workdir {str(workdir)!r} lies inside config.data.path={settings.data.path!r}: "
             f"its checkpoints' .txt files would become training text. Put the run's directory "
             f"outside the corpus.")  # fmt: skip
-
-
-def _corpus_pattern(path: str) -> tuple[pathlib.Path, tuple[str, ...]] | None:
-    """A corpus path as its fixed folder (resolved) and the glob below it, as the loader reads
-    it: a directory -> (DIR, ('**', '*.txt')), 'DIR/*/*.txt' -> (DIR, ('*', '*.txt')); None
-    for a file, a path that is not there and no glob, or no path."""
-    p = pathlib.Path(path).expanduser()
-    if not path or p.exists():  # an existing path is taken literally, as the loader does
-        return (p.resolve(), ("**", "*.txt")) if path and p.is_dir() else None
-    if not any(ch in path for ch in "*?["):  # the loader finds no such file
-        return None
-    fixed = tuple(itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), p.parts))
-    return pathlib.Path(*fixed).resolve(), p.parts[len(fixed) :]
-
-
-def _glob_match(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
-    """Whether ``glob(recursive=True)`` matches a path's ``parts``: '**' is any number of
-    folders, not hidden ones; a hidden name matches only a pattern that starts with '.'."""
-    if not pattern:
-        return not parts
-    if not parts:
-        return all(part == "**" for part in pattern)
-    if pattern[0] == "**":
-        return _glob_match(pattern[1:], parts) or (
-            not parts[0].startswith(".") and _glob_match(pattern, parts[1:]))
-    name_ok = fnmatch.fnmatchcase(parts[0], pattern[0]) and (
-        pattern[0].startswith(".") or not parts[0].startswith("."))
-    return name_ok and _glob_match(pattern[1:], parts[1:])
 
 
 def _run_blocks(run: Run, state: TrainState, step: int, k: int, synced: list | None = None
