@@ -439,23 +439,28 @@ def test_user_error_subprocess_exit_2_without_traceback(tmp_path):
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
+@pytest.mark.parametrize("relative", [False, True])
 def test_a_read_only_data_dir_is_a_short_error_naming_the_field(tmp_path, corpus_dir, capsys,
-                                                                monkeypatch):  # fmt: skip
+                                                                monkeypatch, relative):  # fmt: skip
     """A corpus not yet prepared in a read-only data dir ($NOLOCO_DATA_DIR, a shared cache)
-    was a PermissionError traceback (os.mkdir is patched: chmod does not stop root)."""
+    was a PermissionError traceback (os.mkdir is patched: chmod does not stop root); a
+    relative data dir, with the error naming the absolute path, stayed one."""
     blocked, real_mkdir = tmp_path / "shared cache", os.mkdir
     blocked.mkdir()
 
     def mkdir(path, *args, **kwargs):
-        if pathlib.Path(path).is_relative_to(blocked):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        if pathlib.Path(path).resolve().is_relative_to(blocked):
+            raise PermissionError(errno.EACCES, "Permission denied",
+                                  str(pathlib.Path(path).resolve()))  # fmt: skip
         return real_mkdir(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "mkdir", mkdir)
-    monkeypatch.setenv("NOLOCO_DATA_DIR", str(blocked))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NOLOCO_DATA_DIR", "shared cache" if relative else str(blocked))
     code, err = run_cli(nano_argv(tmp_path / "run", corpus_dir, ""), capsys)
+    shown = "shared cache" if relative else str(blocked)
     assert_user_error(code, err, rf"config\.data\.data_dir: cannot write under "
-                                 rf"'{re.escape(str(blocked))}' \(Permission denied: .*\$NOLOCO_DATA_DIR")
+                                 rf"'{re.escape(shown)}' \(Permission denied: .*\$NOLOCO_DATA_DIR")
 
 
 def test_a_full_disk_while_the_token_cache_is_written_is_a_short_error(tmp_path, corpus_dir,

@@ -93,7 +93,7 @@ def _refused_write(err: OSError, data_dir: pathlib.Path) -> bool:
         return False
     if err.filename is None:  # only the data dir is written while the data is prepared
         return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    return pathlib.Path(os.fsdecode(err.filename)).is_relative_to(data_dir)
+    return pathlib.Path(os.fsdecode(err.filename)).resolve().is_relative_to(data_dir.resolve())
 
 
 def _token_streams(s: TrainSettings, data_dir: pathlib.Path) -> tuple[Any, Any, Any]:
