@@ -183,20 +183,14 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
 
 def _abstract_model(s: Any, vocab_size: int) -> tuple[Any, Any, Any]:
     """(config, graphdef, abstract params) of the model, refusing what the trainer refuses:
-    a model vocabulary smaller than ``vocab_size``, a mesh split that does not divide its dims."""
-    cfg = _model_config(s, vocab_size)
+    a model vocabulary smaller than ``vocab_size`` (``build.model_vocab``), a mesh split that
+    does not divide its dims."""
+    from noloco_jax.trainer import build  # noqa: PLC0415 (build imports aot)
+
+    cfg = build.model_config(s, vocab_size)
     graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
     sharding.check_divides(params, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
     return cfg, graphdef, params
-
-
-def _model_config(s: Any, vocab_size: int) -> Any:
-    """``build.model_config``, refusing the vocabularies the trainer refuses
-    (``build.model_vocab``): a model's smaller than the tokenizer's ``vocab_size``, or a
-    ``config.model.vocab_size`` other than the ``init_from`` config's."""
-    from noloco_jax.trainer import build  # noqa: PLC0415 (build imports aot)
-
-    return build.model_config(s, vocab_size)
 
 
 def step_memory(settings: Any, vocab_size: int, *, program: str = "sync") -> StepMemory:
