@@ -375,7 +375,7 @@ _FINAL_METRICS = ("val_ppl", "val_ppl_avg_model", "val_ppl_ensemble", "replica_s
 
 def _close_quietly(ckpt: Checkpointer | None, writer: MetricWriter, bar: Any) -> None:
     """Releases everything while another error is on its way up."""
-    for close in (getattr(ckpt, "close", None), getattr(writer, "close", None), getattr(bar, "close", None)):
+    for close in (getattr(thing, "close", None) for thing in (ckpt, writer, bar)):
         if close is None:
             continue
         try:
@@ -517,7 +517,7 @@ def _writable_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
 
 # The *.txt files a run writes under its workdir (orbax's commit markers, step 1000's here).
 _RUN_TEXT_FILES = tuple(f"checkpoints/1000/{sub}commit_success.txt"
-                        for sub in ("", "state/", "meta/"))  # orbax's, as a sample step
+                        for sub in ("", "state/", "meta/"))  # fmt: skip
 
 
 def _check_outside_corpus(settings: TrainSettings, workdir: pathlib.Path) -> None:
