@@ -520,15 +520,10 @@ def make_replicas(
             f"{need} devices are needed, {_visible(len(all_devices))}. Use fewer replicas or a "
             f"smaller split (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={need})."
         )
-    devs = np.asarray(_first_devices(all_devices, need, num_replicas))
-    idle = sorted(set(processes) - {getattr(d, "process_index", 0) for d in devs})
-    if idle:
-        raise errors.UserError(
-            f"num_replicas={num_replicas} x fsdp={shape['fsdp']} x tensor={shape['tensor']} = "
-            f"{need} of the {len(all_devices)} devices leave process(es) {idle[:4]} without "
-            f"any: every process must hold replicas. Use num_replicas="
-            f"{len(all_devices) // per_replica} (config.num_replicas) to use every device.")
-    slices = _across_slices(devs, (num_replicas, *shape.values()))
+    devs, slices = _chosen_devices(
+        all_devices, (num_replicas, *shape.values()),
+        f"num_replicas={num_replicas} x fsdp={shape['fsdp']} x tensor={shape['tensor']} = "
+        f"{need} of the {len(all_devices)} devices leave")  # fmt: skip
     if per_replica == 1:
         explicit = (jax.sharding.AxisType.Explicit,)
         mesh = (_topology_mesh(devs, (num_replicas,), (axis_name,), explicit) if slices is None
@@ -541,6 +536,28 @@ def make_replicas(
     mesh = (_topology_mesh(devs, dims, names, types) if grid is None
             else jax.sharding.Mesh(grid, names, axis_types=types))  # fmt: skip
     return Replicas(num_replicas, axis_name, mesh, leaf_axes=sharding.intra_replica_axes)
+
+
+def _chosen_devices(all_devices: list, dims: tuple[int, ...], layout: str
+                    ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+    """The devices of N replicas of ``dims[1:]`` devices each (``_first_devices``) and their
+    grid over TPU slices (``_across_slices``; None on one slice).
+
+    Raises:
+      UserError: the chosen devices leave a process without any (named by ``layout``, the
+        message's start: "<what> of the <count> devices leave(s)").
+    """
+    from noloco_jax import errors  # noqa: PLC0415
+
+    devs = np.asarray(_first_devices(all_devices, math.prod(dims), dims[0]), dtype=object)
+    process = lambda d: getattr(d, "process_index", 0)  # noqa: E731
+    idle = sorted({process(d) for d in all_devices} - {process(d) for d in devs})
+    if idle:
+        raise errors.UserError(
+            f"{layout} process(es) {idle[:4]} without any: every process must hold replicas. "
+            f"Use num_replicas={len(all_devices) // math.prod(dims[1:])} (config.num_replicas) "
+            f"to use every device.")  # fmt: skip
+    return devs, _across_slices(devs, dims)
 
 
 def _topology_mesh(devices: np.ndarray, dims: tuple[int, ...], names: tuple[str, ...],
@@ -563,9 +580,7 @@ def _across_slices(devices: np.ndarray, dims: tuple[int, ...]) -> np.ndarray | N
     fit (``_whole_replicas_per_process``): only NoLoCo's exchange crosses the slower links
     between slices (DCN) and processes.
     """
-    slices: dict[int, list] = {}
-    for d in devices:
-        slices.setdefault(getattr(d, "slice_index", 0), []).append(d)
+    slices = _by_slice(devices)
     if len(slices) == 1:
         return None
     from noloco_jax import errors  # noqa: PLC0415
@@ -601,13 +616,19 @@ def _visible(n: int) -> str:
     return "1 device is visible" if n == 1 else f"{n} devices are visible"
 
 
+def _by_slice(devices: Any) -> dict[int, list]:
+    """The devices of each TPU slice (``slice_index``; 0 where devices have none), in order."""
+    slices: dict[int, list] = {}
+    for d in devices:
+        slices.setdefault(getattr(d, "slice_index", 0), []).append(d)
+    return slices
+
+
 def _first_devices(devices: list, need: int, num_replicas: int) -> list:
     """The first ``need`` devices; over several TPU slices the first ``need / slices`` of each
     (``_across_slices`` gives every slice the same number of replicas; the first ``need`` of
     all could fill one slice and leave another part-filled or empty)."""
-    slices: dict[int, list] = {}
-    for d in devices:
-        slices.setdefault(getattr(d, "slice_index", 0), []).append(d)
+    slices = _by_slice(devices)
     share = need // len(slices)
     if len(slices) == 1 or num_replicas % len(slices) or min(map(len, slices.values())) < share:
         return devices[:need]

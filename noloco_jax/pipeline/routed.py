@@ -167,16 +167,9 @@ def make_pipeline_mesh(num_replicas: int, num_stages: int,
             f"{len(devices)} are visible (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count"
             f"={need})."
         )
-    chosen = np.asarray(replicas._first_devices(devices, need, num_replicas), dtype=object)
-    process = lambda d: getattr(d, "process_index", 0)  # noqa: E731
-    idle = sorted({process(d) for d in devices} - {process(d) for d in chosen})
-    if idle:
-        raise errors.UserError(
-            f"a {num_replicas} x {num_stages} (replica x stage) mesh on {need} of the "
-            f"{len(devices)} devices leaves process(es) {idle[:4]} without any: every process "
-            f"must hold replicas. Use num_replicas={len(devices) // num_stages} "
-            f"(config.num_replicas) to use every device.")  # fmt: skip
-    grid = replicas._across_slices(chosen, dims)
+    chosen, grid = replicas._chosen_devices(
+        devices, dims, f"a {num_replicas} x {num_stages} (replica x stage) mesh on {need} of the "
+                       f"{len(devices)} devices leaves")  # fmt: skip
     grid = replicas._whole_replicas_per_process(chosen, dims) if grid is None else grid
     if grid is None:
         return jax.make_mesh(dims, (REPLICA, STAGE), devices=list(chosen))
