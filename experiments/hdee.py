@@ -87,7 +87,6 @@ def _bits(logp) -> float:
     return float(-np.asarray(logp).mean() / np.log(2))
 
 
-
 def base_config(c, tokenizer_vocab: int) -> models.LlamaConfig:
     """The experts' shared shape before their MLP widths: ``model.vocab_size`` 0 takes the
     tokenizer's (it built a 0-id model and died in LlamaConfig); a larger value pads the
@@ -98,6 +97,7 @@ def base_config(c, tokenizer_vocab: int) -> models.LlamaConfig:
                          f"vocabulary of {tokenizer_vocab}; set it to 0 (take the tokenizer's) "
                          f"or to at least {tokenizer_vocab}.")  # fmt: skip
     return models.get_preset(c.model.preset, vocab_size=vocab, max_seq_len=max(64, c.seq_len))
+
 
 def run_seed(c, domains, fixed_difficulty: dict, seed: int) -> dict:
     tok = ByteTokenizer()

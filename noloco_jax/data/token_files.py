@@ -140,7 +140,7 @@ class TokenFile:
         first = os.pread(self._fd, min(size, _PREAD_MAX), at)
         if len(first) == size:  # one read (under 2 GiB): the common case, no extra copy
             return np.frombuffer(first, self.dtype)
-        out = np.empty(size // self.dtype.itemsize, self.dtype)
+        out = np.empty(size // item, self.dtype)
         buf, done = memoryview(out.view(np.uint8)), len(first)
         buf[:done] = first
         while done < size:  # a read may return less (Linux: at most 0x7ffff000 bytes)
