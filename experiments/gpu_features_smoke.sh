@@ -1,5 +1,5 @@
 #!/bin/bash
-# Every method and the main features, 100 steps each of the tiny model, from the repo root:
+# Every method and the main features (and a padded vocabulary), 100 steps each of the tiny model, from the repo root:
 #   TOK=DIR bash experiments/gpu_features_smoke.sh
 # DIR holds train.npy and validation.npy (token streams, data.source=tokens; see
 # experiments/results/gpu_main_command_h100.md). PY (default .venv/bin/python) runs the trainer,
@@ -20,3 +20,4 @@ run bf16 --config=configs/tiny_noloco.py --config.outer.sync_every=25 --config.m
 run skipping --config=configs/exp_skippipe.py --config.skip.path_length=3 --config.model.preset=tiny
 run diloco --config=configs/tiny_diloco.py --config.outer.sync_every=25
 run dp --config=configs/tiny_dp.py
+run padded_vocab --config=configs/tiny_noloco.py --config.outer.sync_every=25 --config.model.vocab_size=384
