@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -161,6 +162,23 @@ def test_a_gzipped_file_is_read_decompressed(tmp_path):
     (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(text.encode())[:-9])
     with pytest.raises(errors.UserError, match=r"corpus file '.*cut\.txt\.gz': cannot be read"):
         data.load_corpus("files", path=str(tmp_path / "cut.txt.gz"), data_dir=tmp_path / "d")
+
+
+def test_a_gz_link_to_a_blob_without_the_suffix_is_read_decompressed(tmp_path):
+    """A cache's a.txt.gz linked to blobs/<hash>: the .gz test read the target's name, so a
+    latin-1 run trained on the compressed bytes (utf-8 refused the blob as not text)."""
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "snap").mkdir()
+    texts = ["the first linked play " * 40, "the second linked play " * 40]
+    for i, text in enumerate(texts):
+        (tmp_path / "blobs" / f"{i}f3a9c").write_bytes(gzip.compress(text.encode()))
+        (tmp_path / "snap" / f"play{i}.txt.gz").symlink_to(tmp_path / "blobs" / f"{i}f3a9c")
+    for encoding in ("utf-8", "latin-1"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # two files: one held out is half the text
+            c = data.load_corpus("files", path=str(tmp_path / "snap" / "*.txt.gz"),
+                                 data_dir=tmp_path / "d", encoding=encoding)  # fmt: skip
+        assert sorted(c.train + c.validation) == texts, encoding
 
 
 def test_a_file_the_process_cannot_read_is_a_user_error_naming_it(text_dir, tmp_path,

@@ -42,7 +42,7 @@ import urllib.parse
 import urllib.request
 import warnings
 import zlib
-from typing import Any, Iterable
+from typing import Any, Container, Iterable
 
 from noloco_jax.data.tokenizers import _well_formed
 from noloco_jax.errors import UserError, check_int, require
@@ -297,6 +297,13 @@ def _shakespeare(data_dir: pathlib.Path) -> Corpus:
 
 def _resolve_files(path: str) -> list[pathlib.Path]:
     """The files a ``path`` names: a file, every ``*.txt`` under a directory, or a glob."""
+    return sorted(_found_files(path))
+
+
+def _found_files(path: str) -> dict[pathlib.Path, bool]:
+    """``_resolve_files``'s real files (symlinks resolved), each with whether it is gzipped: its
+    name or that of a link it was found under ends in ``.gz`` (a cache's ``a.txt.gz`` is often a
+    link to a blob named by its hash)."""
     p = pathlib.Path(path).expanduser()
     if any(ch in path for ch in "*?[") and not p.exists():  # an existing path is taken literally
         files = [pathlib.Path(f) for f in glob_lib.glob(str(p), recursive=True)]
@@ -308,10 +315,18 @@ def _resolve_files(path: str) -> list[pathlib.Path]:
         files, what = [p], ""
     else:
         raise FileNotFoundError(f"corpus path {str(p)!r} does not exist.")
-    files = sorted({f.resolve() for f in files if f.is_file()})
-    if not files:
+    found: dict[pathlib.Path, bool] = {}
+    for f in files:
+        if f.is_file():
+            real = f.resolve()
+            found[real] = found.get(real, False) or _named_gz(f) or _named_gz(real)
+    if not found:
         raise ValueError(f"the corpus at {path!r} is empty: {what}.")
-    return files
+    return found
+
+
+def _named_gz(f: pathlib.Path) -> bool:
+    return f.name.endswith(".gz")
 
 
 def _txt_files_under(root: pathlib.Path) -> list[pathlib.Path]:
@@ -384,13 +399,14 @@ def _glob_match(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
 
 
 def _files_fingerprint(
-    files: Iterable[pathlib.Path], fraction: float, seed: int, encoding: str = "utf-8"
+    files: Iterable[pathlib.Path], fraction: float, seed: int, encoding: str = "utf-8",
+    gzipped: Container[pathlib.Path] = (),
 ) -> str:
     extra = "" if encoding == "utf-8" else f":{encoding}"
     h = hashlib.sha256(f"{fraction!r}:{seed}{extra}".encode())
     for f in files:
         st = f.stat()  # ctime and inode too: a copy that keeps size and mtime changes them
-        gz = ":gunzip" if f.name.endswith(".gz") else ""  # not the datasets of its raw bytes
+        gz = ":gunzip" if _named_gz(f) or f in gzipped else ""  # not the datasets of raw bytes
         h.update(os.fsencode(f) + f":{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:"
                  f"{st.st_ino}{gz}\n".encode())
     return h.hexdigest()[:16]
@@ -438,21 +454,23 @@ MAX_UNDECODABLE = 0.001
 _BOM_KEPT = ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
 
 
-def _read_bytes(f: pathlib.Path) -> bytes:
-    """``f``'s bytes, a ``.gz`` file's decompressed (they were decoded as text: a latin-1 run
-    trained on the compressed bytes); ``UserError`` naming the file when it cannot be read."""
+def _read_bytes(f: pathlib.Path, gz: bool = False) -> bytes:
+    """``f``'s bytes, a ``.gz`` file's (or with ``gz``) decompressed (they were decoded as text: a
+    latin-1 run trained on the compressed bytes); ``UserError`` naming the file when it cannot
+    be read."""
     try:
         raw = f.read_bytes()
-        return gzip.decompress(raw) if f.name.endswith(".gz") else raw
+        return gzip.decompress(raw) if gz or _named_gz(f) else raw
     except (PermissionError, gzip.BadGzipFile, zlib.error, EOFError) as err:  # was a traceback
         raise UserError(f"corpus file {_title(f)!r}: cannot be read ({type(err).__name__}: "
                         f"{err}); fix its permissions or contents, or leave it out.") from err
 
 
-def _read_text(f: pathlib.Path, encoding: str) -> str:
-    """``f`` decoded, a lone surrogate ('utf-7', 'unicode_escape') as U+FFFD, which UTF-8 (and so
-    TFDS) can hold; raises ``ValueError`` when too many bytes are not ``encoding``."""
-    raw = _read_bytes(f)
+def _read_text(f: pathlib.Path, encoding: str, gz: bool = False) -> str:
+    """``f`` decoded (``gz``: decompressed first, as ``_read_bytes``), a lone surrogate
+    ('utf-7', 'unicode_escape') as U+FFFD, which UTF-8 (and so TFDS) can hold; raises
+    ``ValueError`` when too many bytes are not ``encoding``."""
+    raw = _read_bytes(f, gz)
     text = raw.decode(encoding, errors="replace")
     bad = text.count("\ufffd") - raw.decode(encoding, errors="ignore").count("\ufffd")
     if bad > MAX_UNDECODABLE * max(len(raw), 1):
@@ -474,10 +492,12 @@ def _title(f: pathlib.Path) -> str:
 def _local_files(
     path: str, data_dir: pathlib.Path, fraction: float, seed: int, encoding: str = "utf-8"
 ) -> Corpus:
-    files = _resolve_files(path)
-    name = "noloco_files_" + _files_fingerprint(files, fraction, seed, encoding)
+    found = _found_files(path)
+    files = sorted(found)
+    gzipped = {f for f in files if found[f]}
+    name = "noloco_files_" + _files_fingerprint(files, fraction, seed, encoding, gzipped)
     if not _is_stored(data_dir, name):
-        docs = [(_title(f), _read_text(f, encoding)) for f in files]
+        docs = [(_title(f), _read_text(f, encoding, found[f])) for f in files]
         docs = [(t, x.replace("\x00", "")) for t, x in docs]
         docs = [(t, x) for t, x in docs if x.strip()]
         if not docs:
@@ -573,7 +593,7 @@ def load_corpus(
       data_dir: holds downloads, TFDS datasets (``data_dir/tensorflow_datasets``)
         and caches; default ``default_data_dir()``.
       path: for ``"files"``: a file, a directory (all ``*.txt`` below it) or a glob; files
-        named ``*.gz`` are read decompressed.
+        named ``*.gz`` (or found through a link so named) are read decompressed.
       tfds_name: for ``"tfds"``: the dataset name, optionally with config and
         version (``"lm1b"``, ``"c4/en:3.0.1"``); it must have a ``"text"`` feature.
       validation_fraction: share of the files held out (``"files"``).
