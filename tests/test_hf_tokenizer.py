@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 
@@ -187,6 +188,16 @@ def test_documents_start_with_the_cls_token_of_a_bert_or_roberta_processor(tmp_p
     tok = HFTokenizer(tmp_path)
     assert tok._tok.encode("the cat").ids == [13, 2, 3, 12]
     assert tok.bos_id == 13
+
+
+def test_the_readme_says_a_bert_or_roberta_processor_gives_the_first_token():
+    """The README said documents get no first token from a RobertaProcessing or BertProcessing,
+    and only the first of a template's; they get the cls token (test above) and all of them."""
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    text = " ".join(readme.read_text(encoding="utf-8").split())
+    assert "none from a `RobertaProcessing`" not in text
+    assert "starts with the first token of the tokenizer's" not in text
+    assert "the `cls` token of a `BertProcessing` or `RobertaProcessing`" in text
 
 
 def test_an_empty_vocabulary_names_the_file(tmp_path):
