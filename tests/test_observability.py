@@ -412,3 +412,39 @@ def test_tensorboard_gets_per_replica_scalars(tmp_path):
     writer.write(2, "train", {"train_loss": 3.0, "train_loss_per_replica": [3.0, float("nan")]})
     writer.close()
     assert scalars == {"train/train_loss": (3.0, 2), "train/train_loss_per_replica/r0": (3.0, 2)}
+
+
+def test_writing_the_profile_is_not_counted_in_tokens_per_sec(tmp_path, monkeypatch):
+    """The trace was stopped (and written, seconds on a GPU) before the chunk's time was read,
+    so the profiled chunk's tokens_per_sec counted the writing as training time."""
+    import types  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+    from noloco_jax.trainer.observability import Profiler  # noqa: PLC0415
+
+    clock, seconds = [0.0], []
+
+    def tick(dt):
+        clock[0] += dt
+
+    def steps(run, state, step, k, synced=None):  # each chunk trains for 1 s
+        tick(1.0)
+        return state, np.zeros((N, k))
+
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: None)
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: tick(100.0))  # a long write
+    monkeypatch.setattr(loop, "_run_blocks", steps)
+    monkeypatch.setattr(loop, "_train_metrics", lambda *a: seconds.append(a[-1]) or {})
+    monkeypatch.setattr(loop, "_after_chunk", lambda *a: False)
+    monkeypatch.setattr(loop.health, "nonfinite_resets", lambda state: 0.0)
+    run = types.SimpleNamespace(settings=types.SimpleNamespace(log_every=2, num_steps=6),
+                                calls=set(), resized_from=None)  # fmt: skip
+    ses = types.SimpleNamespace(
+        run=run, guard=types.SimpleNamespace(active=False), last={},
+        stop=types.SimpleNamespace(requested=None, agreed=None, training=False),
+        bar=types.SimpleNamespace(advance=lambda *a, **k: None))  # fmt: skip
+    loop._loop(ses, None, 2, 6, Profiler("2:4", tmp_path))
+    assert seconds == [1.0, 1.0]

@@ -282,8 +282,8 @@ def _loop(ses: _Session, state: TrainState, step: int, end: int, profiler: Profi
         synced = [] if ses.guard.active else None
         state, losses = _run_blocks(ses.run, state, step, k, synced)  # waits for the device
         step += k
-        profiler.after_chunk(step)
         seconds = time.perf_counter() - t0 - (compile_seconds() - compiled0)  # training only
+        profiler.after_chunk(step)  # writing the trace is no training either
         stopping = _after_chunk(ses, state, synced, step, _train_metrics(
             ses.run, state, step, k, losses, seconds))
         ses.bar.advance(step, ses.last, compiled=len(ses.run.calls) > programs)
