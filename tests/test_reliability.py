@@ -881,6 +881,23 @@ def test_resume_tolerates_new_default_fields_and_a_trailing_slash():
     settings_lib.check_resume_compatible(saved, current.to_dict())  # no error
 
 
+def test_resume_takes_a_relative_or_home_path_as_the_absolute_path_it_names(monkeypatch):
+    """The corpus given as "corpus" and then as $PWD/corpus (or "~/c" and then /home/u/c) is
+    the same corpus, whose token hash the batcher checks: the resume was refused."""
+    monkeypatch.chdir("/tmp")
+    monkeypatch.setenv("HOME", "/home/u")
+
+    def run(path, tok, init):
+        return settings_lib.TrainSettings(data=settings_lib.DataSettings(
+            path=path, tokenizer_path=tok), model=settings_lib.ModelSettings(init_from=init))
+
+    saved = run("corpus", "~/tok", "./llama/").to_dict()
+    settings_lib.check_resume_compatible(saved, run("/tmp/corpus", "/home/u/tok",
+                                                    "/tmp/llama").to_dict())  # no error
+    with pytest.raises(ValueError, match="cannot resume.*data.path: '/tmp/corpus' -> '/corpus'"):
+        settings_lib.check_resume_compatible(saved, run("/corpus", "~/tok", "llama").to_dict())
+
+
 # --- 7. input text ----------------------------------------------------------------------
 
 

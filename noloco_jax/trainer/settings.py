@@ -651,13 +651,21 @@ def from_config(config: Any) -> TrainSettings:
     return validate(TrainSettings(**kwargs))
 
 
+# Settings that name a local file or directory, compared as the absolute path they name.
+_PATH_FIELDS = ("data.path", "data.tokenizer_path", "model.init_from")
+
+
 def _dotted_pair(saved: dict, current: dict) -> tuple[dict, dict]:
-    """Both settings as dotted dicts; a field the checkpoint predates counts as its default."""
+    """Both settings as dotted dicts; a field the checkpoint predates counts as its default.
+
+    "corpus/", "./corpus", "$PWD/corpus" and "~/corpus" (run from home) name the same corpus.
+    """
     known = defaults.dotted(TrainSettings().to_dict())
     a, b = {**known, **defaults.dotted(saved)}, defaults.dotted(current)
-    for d in (a, b):  # "corpus/" and "corpus" name the same corpus
-        if d.get("data.path"):
-            d["data.path"] = os.path.normpath(d["data.path"])
+    for d in (a, b):
+        for key in _PATH_FIELDS:
+            if isinstance(d.get(key), str) and d[key]:
+                d[key] = os.path.abspath(os.path.expanduser(d[key]))
     return a, b
 
 
