@@ -22,7 +22,7 @@ def test_injected_nan_is_caught_reset_and_logged(tmp_path, corpus_dir, data_dir)
     s = tiny_settings(corpus_dir, data_dir, num_steps=12, log_every=3, eval_every=6,
                       checkpoint_every=6, outer={"sync_every": 3},
                       fault={"inject_nan_step": 4, "inject_nan_replica": 1})  # fmt: skip
-    train_and_evaluate(s, tmp_path, stop_at=9, progress=False)  # checkpoint 9 holds the count
+    train_and_evaluate(s, tmp_path, stop_at=9, progress=False)  # a crash: checkpoint 6 holds the count
     last = train_and_evaluate(s, tmp_path, progress=False)
     events = read_jsonl(tmp_path / "metrics.jsonl", "event")
     # One event, not repeated after the resume (the resumed run's first chunk re-reported it).
