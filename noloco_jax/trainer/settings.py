@@ -715,7 +715,10 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
         changes.pop("num_steps")
     if changes:
         hint = ""
-        if "num_steps" in changes:
+        if "num_steps" in changes and b["num_steps"] < a["num_steps"]:
+            hint = (" num_steps cannot be lowered on resume; to end early, stop the run (a "
+                    "stop signal saves a checkpoint) and use that checkpoint.")
+        elif "num_steps" in changes:
             hint = (" A run can be extended (num_steps raised) only when its learning-rate "
                     "schedule does not depend on num_steps: optim.min_lr_ratio=1 (warmup, then "
                     "constant); a cosine schedule would change the rate of the steps already "
