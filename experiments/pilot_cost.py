@@ -32,9 +32,12 @@ LENGTHS = flags.DEFINE_list("lengths", ["100", "300"], "Two run lengths in steps
 REPLICAS = flags.DEFINE_integer("replicas", 8, "Replicas N of the timed runs.", lower_bound=1)
 flags.register_validator("presets", lambda v: bool(v) and set(v) <= set(preset_names()),
                          message=f"takes model presets, comma-separated: {preset_names()}")
-flags.register_validator(
-    "lengths", lambda v: len(v) == 2 and all(x.isdigit() and int(x) > 0 for x in v)
-    and v[0] != v[1], message="takes two different positive step counts (e.g. 100,300)")
+_LOG, _WARMUP = plan.REGIME["log_every"], plan.REGIME["optim.warmup_steps"]
+flags.register_validator(  # a run as short as the plan's warmup failed on a field never set
+    "lengths", lambda v: len(v) == 2 and v[0] != v[1] and all(
+        x.isdigit() and int(x) > _WARMUP and int(x) % _LOG == 0 for x in v),
+    message=f"takes two different step counts above the plan's warmup of {_WARMUP} steps and "
+            f"multiples of its log_every={_LOG} (e.g. 100,300)")
 
 for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)

@@ -333,7 +333,10 @@ USER_ERRORS = [
     ("experiments.bench.sharded_memory", ["--devices=0"], "sharded_memory: error: flag "
      "--devices=0"),  # a RuntimeError traceback from the CPU backend
     ("experiments.pilot_cost", ["--lengths=a,b"], "pilot_cost: error: flag --lengths=['a', "
-     "'b']: takes two different positive step counts"),
+     "'b']: takes two different step counts above the plan's warmup of 80 steps"),
+    ("experiments.pilot_cost", ["--lengths=50,102"], "pilot_cost: error: flag --lengths=['50', "
+     "'102']: takes two different step counts above the plan's warmup of 80 steps and "
+     "multiples of its log_every=5"),  # failed on config.optim.warmup_steps, never set
     ("experiments.plot", ["/nope/run"], "plot: error: /nope/run: not a run's workdir"),
     ("experiments.table2", ["--data_path=/nope"], "table2: error: --data_path=/nope: no such "
      "file"),  # every run failed with a traceback
