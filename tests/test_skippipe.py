@@ -234,6 +234,7 @@ def _part_edit(edit):
     (lambda: sp.geo_distributed(4, compute_spread=1.0), "compute_spread"),
     (lambda: sp.geo_distributed(4, overhead_s=-1.0), "overhead_s"),
     (lambda: sp.region_link("mars", "nl"), "a"),
+    (lambda: sp.from_locations(["iowa", "mars"]), "locations"),  # was "a must be one of"
     (lambda: sp.Network(("a", "b"), np.zeros((3, 3)), np.ones((2, 2)), np.ones(2)), "latency_s"),
     (lambda: sp.Network(("a", "b"), np.zeros((2, 2)), np.zeros((2, 2)), np.ones(2)),
      "bytes_per_second"),

@@ -191,6 +191,9 @@ def from_locations(locations: Sequence[str], *, forward_s: float = 1.0,
     Returns:
       The ``Network``.
     """
+    for k, region in enumerate(locations):  # region_link would name its own argument "a"
+        if region not in REGIONS:
+            raise ValueError(f"locations[{k}] must be one of {sorted(REGIONS)}, got {region!r}")
     n = len(locations)
     lat = np.zeros((n, n))
     bw = np.full((n, n), DATACENTER_BYTES_PER_S)
