@@ -316,3 +316,18 @@ def test_capacity_check_counts_one_visit_per_stage_and_microbatch(kind):
         sp.make_schedule(kind, net, part, rules, microbatches=4, message_bytes=0.0)
     sched = sp.make_schedule(kind, net, part, rules, microbatches=3, message_bytes=0.0)
     assert len(sched.paths) == 3
+
+
+@pytest.mark.parametrize("kind", ["skip_agnostic", "skippipe_no_tc2", "skippipe"])
+def test_capacity_check_leaves_out_stages_no_path_reaches(kind):
+    # path_length 2 with max_jump 4: no path reaches stage 5, so its 9 slots serve nobody.
+    # Counting them let microbatches=9 through to a RuntimeError in the planner.
+    net = sp.geo_distributed(20)
+    part = sp.partition_nodes(net, sp.default_stage_sizes(20, 6), message_bytes=0.0,
+                              restarts=1, max_sweeps=0)  # fmt: skip
+    rules = sp.PathRules(6, 2)
+    with pytest.raises(ValueError, match=r"microbatches must be <= 7\b"):
+        sp.make_schedule(kind, net, part, rules, microbatches=9, message_bytes=0.0)
+    sched = sp.make_schedule(kind, net, part, rules, microbatches=7, message_bytes=0.0,
+                             max_restarts=2)  # fmt: skip
+    assert len(sched.paths) == 35 and {p[1] for p in sched.stage_paths} <= {1, 2, 3, 4}

@@ -231,8 +231,8 @@ def _plan(prob: _Problem, heads: Sequence[int], order: Sequence[int], mode: str,
         if not seqs:
             raise RuntimeError(f"no feasible path left for microbatch {mb}; raise memory or "
                                f"stage_cap, or lower microbatches (the capacity check counts "
-                               f"every later stage, also ones the path rules never reach, "
-                               f"e.g. beyond max_jump)")  # fmt: skip
+                               f"stage visits only; the order of stages the path rules allow "
+                               f"can leave fewer usable)")  # fmt: skip
         if mode == "random":
             seq = seqs[int(rng.integers(len(seqs)))]
             path = [head] + [int(rng.choice(loads.free_nodes(s))) for s in seq[1:]] + [head]
@@ -319,7 +319,10 @@ def _check(kind: str, partition: Partition, rules: PathRules, microbatches: int,
         raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
     sizes = [len(p) for p in partition]
     cap = max(sizes[1:]) * memory if stage_cap is None else errors.check_int("stage_cap", stage_cap)
-    caps = [min(cap, n * memory) for n in sizes[1:]]
+    # Only stages some valid path visits serve (e.g. none beyond max_jump from stage 0 when
+    # path_length = 2); counting the others let through counts the planner could not place.
+    reach = {s for p in valid_stage_paths(rules) for s in p[1:]} if kind != "full" else set()
+    caps = [min(cap, n * memory) for s, n in enumerate(sizes[1:], 1) if s in reach]
     heads, visits = sizes[0], rules.path_length - 1
     short = -_spare_visits(heads * microbatches, visits, caps)
     if kind != "full" and short > 0:
