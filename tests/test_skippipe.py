@@ -1,6 +1,7 @@
 """SkipPipe scheduler and iteration-time simulator (noloco_jax.skippipe)."""
 
 import collections
+import warnings
 
 import numpy as np
 import pytest
@@ -204,6 +205,11 @@ def test_network_link_costs():
     assert near.latency_s < 0.01 and near.bytes_per_second > 5e8
     assert np.allclose(net.cost_matrix(1e6), net.cost_matrix(1e6).T)
     assert sp.single_cluster(4).cost_matrix(0.0).max() == pytest.approx(1e-4)
+    zero_diagonal = sp.Network(("a", "b"), np.zeros((2, 2)), 1e6 * (1 - np.eye(2)), np.ones(2))
+    with warnings.catch_warnings():  # 'divide by zero' on every call, for the unused diagonal
+        warnings.simplefilter("error")
+        for size in (0.0, 1e6):
+            assert np.array_equal(zero_diagonal.cost_matrix(size), size * (1 - np.eye(2)) / 1e6)
     assert set(sp.five_clusters(10).locations) == {"iowa", "germany", "japan", "oregon",
                                                    "singapore"}  # fmt: skip
 
