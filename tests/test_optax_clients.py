@@ -404,6 +404,17 @@ def test_integer_params_pass_through_untouched():
         assert s.slow_params["n"] is None and p["n"].dtype == jnp.int32
 
 
+def test_data_parallel_passes_integer_leaves_through_unaveraged():
+    # The README's integer-buffer rule holds for data_parallel too; its mean refused them.
+    params = {"w": jnp.zeros((N, 2)), "n": jnp.arange(N * 3).reshape(N, 3)}
+    tx = data_parallel(optax.masked(optax.sgd(1.0), {"w": True, "n": False}))
+    reps = replicas.make_replicas(N, backend="vmap")
+    grads = {"w": jnp.arange(N * 2.0).reshape(N, 2), "n": params["n"] + 1}
+    updates, _ = reps.map(tx.update)(grads, reps.init(tx, params), params)
+    np.testing.assert_array_equal(updates["n"], grads["n"])  # each replica's own
+    np.testing.assert_allclose(updates["w"], -np.broadcast_to(grads["w"].mean(0), (N, 2)))
+
+
 def test_noloco_outer_alone_does_not_average_integer_leaves():
     tx = noloco_outer(learning_rate=1.0, momentum=0.0)
     phi = {"w": jnp.zeros((N, 2)), "n": jnp.arange(N * 3).reshape(N, 3)}

@@ -878,7 +878,8 @@ def data_parallel(
     The paper's "FSDP" baseline (really DDP: an all-reduce every step, no
     parameter sharding). To clip each replica's gradient before the mean, as
     the reference code does, chain the clipping before this transformation;
-    to clip the mean, put it inside ``inner``.
+    to clip the mean, put it inside ``inner``. Integer leaves (buffers) are not
+    averaged: each replica passes its own to ``inner``, as ``local_steps`` does.
 
     Args:
       inner: any optax transformation or chain.
@@ -907,8 +908,10 @@ def data_parallel(
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
         if axis_name is not None:
-            comm.axis_size(axis_name)
-            updates = comm.all_replica_mean(updates, axis_name)
+            comm.axis_size(axis_name)  # integer buffers are per replica: never averaged
+            mean = comm.all_replica_mean(float_leaves(updates), axis_name)
+            updates = jax.tree.map(lambda m, u: u if m is None else m, mean, updates,
+                                   is_leaf=lambda x: x is None)  # fmt: skip
         return inner.update(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(inner.init, update_fn)
