@@ -165,6 +165,29 @@ def test_flax_nnx_without_the_state_axes_is_refused():
         step(model, opt, jnp.ones((N, 5, 3)))
 
 
+def test_restore_nonfinite_takes_flax_nnx_params_and_optimizer_state():
+    """nnx.state(model, nnx.Param) holds Params and an nnx.Optimizer's state OptVariables:
+    restore_nonfinite raised a pytree structure error on the pair."""
+    tx = local_steps(optax.sgd(0.1), noloco_outer(), sync_every=2, nonfinite_guard=True)
+    model, opt = _nnx_replicas(tx)
+    axes = replicas.nnx_state_axes()
+
+    @nnx.jit
+    @nnx.vmap(in_axes=(0, axes, 0), axis_name="replica")
+    def step(model, opt, x):
+        _nnx_step(model, opt, x)
+        nnx.update(model, noloco_jax.restore_nonfinite(nnx.state(model, nnx.Param),
+                                                       opt.opt_state))  # fmt: skip
+
+    x = jnp.ones((N, 5, 3)).at[1].set(jnp.nan)  # replica 1 breaks
+    for _ in range(2):
+        step(model, opt, x)
+    slow = opt.opt_state.slow_params["linear"]["kernel"][...]
+    np.testing.assert_array_equal(model.linear.kernel[...][1], slow[1])  # put back on phi
+    assert np.isfinite(model.linear.kernel[...]).all()
+    assert opt.opt_state.nonfinite_resets[...].tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
 # ------------------------------------------------------------------ 2. pools connect
 
 

@@ -764,11 +764,17 @@ def restore_nonfinite(
         (e.g. pipeline "stage"); the check then covers the whole replica.
 
     Returns:
-      ``params``, or the slow weights where the replica's params are not finite.
+      ``params``, or the slow weights where the replica's params are not finite. Flax NNX
+      trees work as they are: ``params`` from ``nnx.state(model, nnx.Param)`` and the
+      ``opt_state`` of an ``nnx.Optimizer`` (their ``Variable``s are read as their values),
+      and the result has the structure of ``params``.
     """
     found = find_local_steps_state(opt_state)
     if found is None:
         return params
+    # NNX wraps the params as Params and the state as OptVariables: compare their values.
+    wrapped, params = params, _without_variables(params)
+    found = _without_variables(found)
     # Under optax.masked the slow weights hold MaskedNode where local_steps does not act:
     # those params are neither checked nor put back (the guard did not see them either).
     masked = lambda x: x is None or isinstance(x, optax.MaskedNode)  # noqa: E731
@@ -784,7 +790,14 @@ def restore_nonfinite(
     # A loop run once for a broken replica, never for a healthy one (BENCHMARKS.md).
     ok = _all_finite(mine, axis_name)
     _, params = lax.while_loop(lambda c: jnp.logical_not(c[0]), put_back, (ok, params))
-    return params
+    return jax.tree.unflatten(jax.tree.structure(wrapped), jax.tree.leaves(params))
+
+
+def _without_variables(tree: Any) -> Any:
+    """``tree`` with each Flax NNX ``Variable`` replaced by its value (other trees as they are)."""
+    from flax import nnx  # noqa: PLC0415
+
+    return nnx.as_pure(tree)
 
 
 def _check_not_an_outer_step(inner_state: optax.OptState) -> None:
