@@ -750,6 +750,30 @@ def test_masked_and_multi_transform():
     assert int(ls.outer_state.round) == 2 and ls.count.shape == ()
 
 
+def test_restore_nonfinite_repairs_every_local_steps_of_a_partition():
+    """Two local_steps (one per param group): restore_nonfinite read the first state only,
+    so a replica broken in the second group stayed NaN after its guard caught it."""
+    def guarded(outer, h):
+        return local_steps(optax.sgd(0.1), outer, h, nonfinite_guard=True)
+
+    tx = optax.partition({"a": guarded(noloco_outer(), 2), "b": guarded(diloco_outer(), 4)},
+                         {"w": "a", "b": "b"})  # fmt: skip
+    reps = replicas.make_replicas(N, backend="vmap")
+    params = {"w": jnp.ones((N, 2)), "b": jnp.ones((N, 3))}
+    state = reps.init(tx, params)
+
+    def step(p, s, g):
+        p, s = step_fn(tx)(p, s, g)
+        return noloco_jax.restore_nonfinite(p, s), s
+
+    grads = {"w": jnp.ones((N, 2)), "b": jnp.ones((N, 3)).at[1].set(jnp.nan)}
+    step = jax.jit(reps.map(step))
+    for _ in range(4):  # the "b" group syncs at step 4
+        params, state = step(params, state, grads)
+    np.testing.assert_array_equal(params["b"][1], np.ones(3))  # back on its slow weights
+    assert np.isfinite(params["w"]).all() and np.isfinite(params["b"]).all()
+
+
 def test_jit_with_donation_does_not_recompile():
     tx = local_steps(optax.adam(0.1), noloco_outer(), 2, nonfinite_guard=True)
     reps = replicas.make_replicas(N, backend="vmap")

@@ -750,7 +750,8 @@ def restore_nonfinite(
     """Replaces a replica's params by its slow weights when they are not all finite.
 
     Call after ``optax.apply_updates`` when ``local_steps(...,
-    nonfinite_guard=True)`` is in ``opt_state`` (anywhere in a chain). An
+    nonfinite_guard=True)`` is in ``opt_state`` (anywhere in a chain; with several, e.g.
+    one per group of an ``optax.partition``, each puts back its own params). An
     additive update cannot turn NaN back into numbers, so this is the step that
     actually resets theta <- phi for a replica the guard caught. Calling it
     after sync steps (with ``delay``, also merge steps) is enough (the guard
@@ -769,12 +770,18 @@ def restore_nonfinite(
       ``opt_state`` of an ``nnx.Optimizer`` (their ``Variable``s are read as their values),
       and the result has the structure of ``params``.
     """
-    found = find_local_steps_state(opt_state)
-    if found is None:
-        return params
     # NNX wraps the params as Params and the state as OptVariables: compare their values.
     wrapped, params = params, _without_variables(params)
-    found = _without_variables(found)
+    is_state = lambda x: isinstance(x, LocalStepsState)  # noqa: E731
+    for found in jax.tree.leaves(_without_variables(opt_state), is_leaf=is_state):
+        if is_state(found):  # each local_steps (e.g. of an optax.partition) repairs its own
+            params = _restore_one(params, found, axis_name)
+    return jax.tree.unflatten(jax.tree.structure(wrapped), jax.tree.leaves(params))
+
+
+def _restore_one(params: optax.Params, found: LocalStepsState, axis_name: AxisName | None
+                 ) -> optax.Params:  # fmt: skip
+    """``restore_nonfinite`` for the params one ``LocalStepsState`` holds slow weights of."""
     # Under optax.masked the slow weights hold MaskedNode where local_steps does not act:
     # those params are neither checked nor put back (the guard did not see them either).
     masked = lambda x: x is None or isinstance(x, optax.MaskedNode)  # noqa: E731
@@ -790,7 +797,7 @@ def restore_nonfinite(
     # A loop run once for a broken replica, never for a healthy one (BENCHMARKS.md).
     ok = _all_finite(mine, axis_name)
     _, params = lax.while_loop(lambda c: jnp.logical_not(c[0]), put_back, (ok, params))
-    return jax.tree.unflatten(jax.tree.structure(wrapped), jax.tree.leaves(params))
+    return params
 
 
 def _without_variables(tree: Any) -> Any:
