@@ -105,6 +105,24 @@ def test_sync_step_must_be_a_bool():
         tx.update(p, tx.init(p), p, sync_step=1)
 
 
+def test_numpy_phase_flags_equal_python_ones():
+    """``(t + 1) % H == 0`` for a step t of np.arange is an np.bool_, which was refused."""
+    tx = local_steps(optax.sgd(0.1), noloco_outer(axis_name=None), 2)
+    p = jnp.arange(3.0)
+
+    def run(flag):
+        params, state = p, tx.init(p)
+        for t in np.arange(4):
+            updates, state = tx.update(jnp.sin(params), state, params, sync_step=flag(t))
+            params = optax.apply_updates(params, updates)
+        return params, state
+
+    got, state = run(lambda t: (t + 1) % 2 == 0)
+    want, _ = run(lambda t: bool((t + 1) % 2 == 0))
+    np.testing.assert_array_equal(got, want)
+    assert int(state.phase_errors) == 0 and int(state.outer_state.round) == 2
+
+
 def _model_setup(h):
     graphdef, params = models.init_params(CFG, 0)
     tx = optax.chain(optax.clip_by_global_norm(1.0),

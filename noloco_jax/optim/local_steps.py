@@ -84,6 +84,7 @@ from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -232,6 +233,14 @@ def _theta_like(new_slow: Any, params: Any) -> Any:
         lambda s, p: p if s is None else s.astype(p.dtype), new_slow, params,
         is_leaf=lambda x: x is None,
     )  # fmt: skip
+
+
+def _host_flag(flag: Any) -> Any:
+    """A phase flag from NumPy (``(t + 1) % H == 0`` for a step ``t`` of ``np.arange``) as
+    Python's bool or int, which the checks and branches compare by identity."""
+    if isinstance(flag, np.bool_):
+        return bool(flag)
+    return int(flag) if isinstance(flag, np.integer) else flag
 
 
 def _check_sync_step(sync_step: Any, num_frags: int, name: str = "sync_step") -> None:
@@ -562,8 +571,8 @@ def local_steps(
                 f"leaves have a leading axis of {jnp.shape(state.nonfinite_resets)[0]}): "
                 "call it per replica, e.g. jax.jit(reps.map(train_step)) with reps = "
                 "noloco_jax.replicas.make_replicas(N).")
-        sync_step = extra_args.pop("sync_step", None)
-        merge_step = extra_args.pop("merge_step", None)
+        sync_step = _host_flag(extra_args.pop("sync_step", None))
+        merge_step = _host_flag(extra_args.pop("merge_step", None))
         _check_phases(sync_step, merge_step, num_frags, delay)
         inner_updates, local_opt_state = inner.update(updates, state.local_opt_state, params, **extra_args)
         count = optax.safe_int32_increment(state.count)
