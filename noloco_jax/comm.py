@@ -1194,8 +1194,16 @@ def _tree_bytes(tree: PyTree, dtype: Any) -> int:
 
 def _sent_leaves(params: PyTree) -> list:
     """The leaves an outer step sends: the float ones (integer buffers are neither sent nor
-    moved, ``noloco_outer``'s and ``diloco_outer``'s ``float_leaves``)."""
-    return [x for x in jax.tree.leaves(params) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    moved, ``noloco_outer``'s and ``diloco_outer``'s ``float_leaves``), a complex one as the
+    real (real, imag) pairs that travel (``optim.trees.as_real``)."""
+    def sent(x: Any) -> Any:
+        dtype = jnp.result_type(x)
+        if not jnp.issubdtype(dtype, jnp.complexfloating):
+            return x
+        return jax.ShapeDtypeStruct((*jnp.shape(x), 2), jnp.finfo(dtype).dtype)
+
+    return [sent(x) for x in jax.tree.leaves(params)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]  # fmt: skip
 
 
 def noloco_bytes_per_sync(

@@ -66,6 +66,22 @@ def test_byte_counts_leave_out_integer_leaves_which_never_travel(fmt):
         assert sent == {comm.noloco_bytes_per_sync(with_int, exchange_dtype=fmt)}
 
 
+@pytest.mark.parametrize("fmt", [jnp.bfloat16, "int8"])
+def test_byte_counts_take_a_complex_leaf_as_the_real_pairs_that_travel(fmt):
+    # A complex leaf travels as (real, imag) pairs: with a narrow wire it was counted at half.
+    single = {"c": jnp.ones((64,), jnp.complex64)}
+    pairs = {"c": jnp.ones((64, 2))}
+    assert comm.diloco_bytes_per_sync(single, N, exchange_dtype=fmt) == \
+        comm.diloco_bytes_per_sync(pairs, N, exchange_dtype=fmt)
+    tx = local_steps(optax.sgd(0.1), noloco_outer(exchange_dtype=fmt), 5)
+    reps = replicas.make_replicas(N, backend="shard_map")
+    params = reps.put({"c": jnp.ones((N, 64), jnp.complex64)})
+    f = jax.jit(reps.map(lambda g, s, p: tx.update(g, s, p, sync_step=True)))
+    text = hlo.compiled_text(f, params, reps.init(tx, params), params)
+    sent = set(hlo.bytes_by_computation(text, "collective-permute").values())
+    assert sent == {comm.noloco_bytes_per_sync(single, exchange_dtype=fmt)}
+
+
 # What users compile with: the suite's fast-compile flags hid a disagreement (a member's own
 # message was folded back into its unrounded values; the others decoded its bytes).
 OPTIMIZED = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
