@@ -505,6 +505,21 @@ def test_float32_params_land_on_bf16_slow_weights(backend):
             np.testing.assert_allclose(np.asarray(p["w"]), phi, rtol=0, atol=2.0**-21)
 
 
+def test_float32_master_weights_of_complex_params_keep_the_imaginary_part():
+    """slow_dtype=jnp.float32 cast a complex param's phi to float32 (imaginary part gone), so
+    the first sync landed the weights on their real part."""
+    params = {"c": jnp.full((N, 2), 1 + 2j, jnp.complex64), "w": jnp.ones((N, 2), jnp.bfloat16)}
+    tx = local_steps(optax.sgd(0.0), diloco_outer(), 2, slow_dtype=jnp.float32)
+    reps = replicas.make_replicas(N, backend="vmap")
+    state = reps.init(tx, params)
+    assert state.slow_params["c"].dtype == jnp.complex64
+    assert state.slow_params["w"].dtype == jnp.float32
+    step = jax.jit(reps.map(lambda p, s: step_fn(tx)(p, s, jax.tree.map(jnp.zeros_like, p))))
+    for _ in range(2):  # the second step syncs; zero steps leave every weight where it was
+        params, state = step(params, state)
+    np.testing.assert_array_equal(params["c"], np.full((N, 2), 1 + 2j, np.complex64))
+
+
 def test_slow_dtype_must_be_a_float():
     with pytest.raises(ValueError, match="slow_dtype"):
         local_steps(optax.sgd(0.1), noloco_outer(), 2, slow_dtype=jnp.int32)

@@ -141,6 +141,14 @@ def _update_dtype(p: Any) -> Any:
     return jnp.promote_types(jnp.result_type(p), jnp.float32)
 
 
+def _slow_dtype(p: Any, slow_dtype: Any) -> Any:
+    """phi's dtype for param ``p``: ``slow_dtype`` (None: ``p``'s own); a complex ``p`` keeps a
+    complex phi of at least that width (a real one dropped its imaginary part)."""
+    if slow_dtype is None:
+        return p.dtype
+    return jnp.promote_types(slow_dtype, jnp.complex64) if jnp.iscomplexobj(p) else slow_dtype
+
+
 def _keep_schedules(fresh: Any, old: Any) -> Any:
     """``fresh`` inner state at ``old``'s schedule positions.
 
@@ -442,7 +450,8 @@ def local_steps(
         split (e.g. pipeline "stage"); the finiteness check is then taken over
         the whole replica, so all its shards reset together.
       slow_dtype: dtype of phi and of the outer state (e.g. ``jnp.float32``
-        master weights for bf16 params); default: each param's own dtype.
+        master weights for bf16 params); default: each param's own dtype. A complex
+        param's phi is the complex dtype of that width (``complex64`` for float32).
         After every sync the params are phi rounded to their dtype: exactly for
         16-bit params, within one float32 rounding for float32 params (optax
         adds the jump phi - theta to theta, which rounds once).
@@ -536,8 +545,8 @@ def local_steps(
         if spec is not None:
             frag.check_spec(spec, params, sync_every)
         slow = jax.tree.map(
-            lambda p: jnp.array(p, dtype=slow_dtype or p.dtype, copy=True), float_leaves(params)
-        )
+            lambda p: jnp.array(p, dtype=_slow_dtype(p, slow_dtype), copy=True),
+            float_leaves(params))  # fmt: skip
         anchor = None
         if delay:
             anchor = jax.tree.map(lambda p: jnp.array(p, copy=True), float_leaves(params))
