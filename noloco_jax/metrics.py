@@ -13,7 +13,7 @@ from noloco_jax.optim.trees import is_float
 __all__ = ["replica_spread"]
 
 
-def replica_spread(params: Any, axis_name: str) -> jax.Array:
+def replica_spread(params: Any, axis_name: str | None) -> jax.Array:
     """The paper's pooled cross-replica weight standard deviation.
 
     sqrt( sum over leaves and elements of mean_replicas |p - mean_replicas p|^2
@@ -27,7 +27,8 @@ def replica_spread(params: Any, axis_name: str) -> jax.Array:
 
     Args:
       params: this replica's parameter tree.
-      axis_name: the replica axis bound by ``jax.vmap`` or ``jax.shard_map``.
+      axis_name: the replica axis bound by ``jax.vmap`` or ``jax.shard_map``; ``None``
+        for a single replica (its spread is 0), as the optimizers take it.
 
     Returns:
       A float32 scalar, identical on every replica.
@@ -38,8 +39,10 @@ def replica_spread(params: Any, axis_name: str) -> jax.Array:
       >>> jax.vmap(lambda x: replica_spread(x, "r"), axis_name="r")(p).tolist()
       [1.0, 1.0]
     """
-    if comm.axis_size(axis_name) == 1:  # one replica: no spread (and no collective, which
-        return jnp.zeros([], jnp.float32)  # XLA refuses over a size-1 axis of split leaves)
+    # One replica: no spread (and no collective, which XLA refuses over a size-1 axis of
+    # split leaves).
+    if axis_name is None or comm.axis_size(axis_name) == 1:
+        return jnp.zeros([], jnp.float32)
     leaves = [x.astype(jnp.complex64 if jnp.iscomplexobj(x) else jnp.float32)
               for x in jax.tree.leaves(params)  # a complex weight keeps its imaginary part
               if is_float(x) and jnp.size(x)]  # weights; empty ones add nothing (0 / 0 was NaN)

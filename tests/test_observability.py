@@ -162,6 +162,14 @@ def test_replica_spread_counts_the_imaginary_part_of_complex_weights():
     assert float(spread(tree)[0]) == pytest.approx(np.sqrt((2.0 + 1.0) / 2), rel=1e-6)
 
 
+def test_replica_spread_of_a_single_replica_takes_axis_name_none():
+    """axis_name=None (one replica, as the optimizers take it) raised an UnboundAxisError whose
+    advice was to pass axis_name=None."""
+    from noloco_jax import replica_spread  # noqa: PLC0415
+
+    assert float(replica_spread({"w": np.arange(3.0, dtype=np.float32)}, None)) == 0.0
+
+
 def test_plot_draws_per_replica_panels(run, tmp_path):
     workdir, _ = run
     png = tmp_path / "replicas.png"
