@@ -67,6 +67,23 @@ def test_vmapped_init_is_refused_with_the_fix():
         jax.vmap(tx.update, axis_name="replica")(params, state, params)
 
 
+def test_a_plain_vmap_without_the_state_out_axes_names_them():
+    """The refusal's hint, jax.vmap with in_axes=replica_axes(state), left out_axes=0: the
+    next step died in lax.cond with 'Pred must be a scalar'."""
+    tx = local_steps(optax.sgd(0.1), noloco_outer(), 2)
+    params = jnp.ones((N, 3))
+    state = replicas.make_replicas(N, backend="vmap").init(tx, params)
+    axes = replicas.replica_axes(state)
+    bad = jax.vmap(tx.update, in_axes=(0, axes, 0), axis_name="replica")
+    _, moved = bad(params, state, params)
+    with pytest.raises(ValueError, match="out_axes"):
+        bad(params, moved, params)
+    good = jax.vmap(tx.update, in_axes=(0, axes, 0), out_axes=(0, axes), axis_name="replica")
+    for _ in range(2):
+        _, state = good(params, state, params)
+    assert state.count.shape == () and int(state.outer_state.round) == 1
+
+
 class _Linear(nnx.Module):
     def __init__(self, rngs):
         self.linear = nnx.Linear(3, 2, rngs=rngs)
