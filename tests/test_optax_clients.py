@@ -84,6 +84,19 @@ def test_a_plain_vmap_without_the_state_out_axes_names_them():
     assert state.count.shape == () and int(state.outer_state.round) == 1
 
 
+@pytest.mark.parametrize("outer", [noloco_outer(), diloco_outer(dropout_prob=0.3)])
+def test_an_outer_step_vmapped_without_the_state_out_axes_names_them(outer):
+    """The outer steps alone died in the group / drop-out draw's fold_in ('Use jax.vmap for
+    batching') when a vmap's default out_axes=0 gave the round counter a replica axis."""
+    params = jnp.ones((N, 3))
+    state = replicas.make_replicas(N, backend="vmap").init(outer, params)
+    bad = jax.vmap(outer.update, in_axes=(0, replicas.replica_axes(state), 0),
+                   axis_name="replica")  # fmt: skip
+    _, moved = bad(params, state, params)
+    with pytest.raises(ValueError, match="round counter of shape .*out_axes"):
+        bad(params, moved, params)
+
+
 class _Linear(nnx.Module):
     def __init__(self, rngs):
         self.linear = nnx.Linear(3, 2, rngs=rngs)

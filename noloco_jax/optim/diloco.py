@@ -34,7 +34,8 @@ from noloco_jax.optim.noloco import (
     check_rate,
     check_static_args,
 )
-from noloco_jax.optim.trees import as_real, float_leaves, from_real, like_dtypes, zeros_where_none
+from noloco_jax.optim.trees import (as_real, check_scalar_round, float_leaves, from_real,
+                                    like_dtypes, zeros_where_none)
 
 __all__ = ["DiLoCoOuterState", "diloco_outer", "INJECT_STATIC_ARGS"]
 
@@ -184,6 +185,7 @@ def diloco_outer(
         **extra_args: Any,
     ) -> tuple[optax.Updates, DiLoCoOuterState]:
         del extra_args
+        check_scalar_round(state.round, "diloco_outer")
         full, params, outer_grad = params, float_leaves(params), float_leaves(outer_grad)
         residual = state.residual
         if axis_name is not None:

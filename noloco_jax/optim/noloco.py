@@ -41,8 +41,9 @@ import optax
 
 from noloco_jax import comm, errors, quantize
 from noloco_jax.comm import check_exchange_dtype
-from noloco_jax.optim.trees import (BATCHED_COUNTER_FIX, as_real, float_leaves, from_real,
-                                    is_batched, like_dtypes, zeros_where_none)
+from noloco_jax.optim.trees import (BATCHED_COUNTER_FIX, as_real, check_scalar_round,
+                                    float_leaves, from_real, is_batched, like_dtypes,
+                                    zeros_where_none)
 
 __all__ = [
     "NoLoCoOuterState",
@@ -376,6 +377,7 @@ def noloco_outer(
         if is_batched(state.round):
             raise ValueError(BATCHED_COUNTER_FIX.replace("local_steps: its step", "noloco_outer: "
                                                          "its round"))  # fmt: skip
+        check_scalar_round(state.round, "noloco_outer")
         phi, outer_grad = float_leaves(params), float_leaves(outer_grad)
         residual = state.residual
         if axis_name is None:

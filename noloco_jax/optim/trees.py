@@ -16,6 +16,7 @@ __all__ = [
     "as_real",
     "from_real",
     "BATCHED_COUNTER_FIX",
+    "check_scalar_round",
 ]
 
 
@@ -86,3 +87,16 @@ BATCHED_COUNTER_FIX = (
     "non-finite steps use local_steps(..., nonfinite_guard=True) instead of apply_if_finite, "
     "with params = noloco_jax.restore_nonfinite(params, opt_state) after optax.apply_updates."
 )
+
+
+def check_scalar_round(round_index: Any, who: str) -> None:
+    """Refuses a round counter with a shape (a ``jax.vmap`` whose default ``out_axes=0`` gave
+    the shared counter a replica axis), naming the fix; it failed in the group draw's
+    ``fold_in`` with advice to use ``jax.vmap``."""
+    if jnp.ndim(round_index) != 0:
+        raise ValueError(
+            f"{who}.update got a round counter of shape {jnp.shape(round_index)}; the shared "
+            "counters are scalars. A jax.vmap over the replicas needs "
+            "replicas.replica_axes(state) as the state's out_axes as well as its in_axes (the "
+            "default out_axes=0 gave the counter a replica axis); or step with "
+            "noloco_jax.replicas.make_replicas(N).map(...).")
