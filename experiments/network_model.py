@@ -47,7 +47,7 @@ for _name in options.OUT_FLAGS:
     flags.declare_key_flag(_name)
 _FIG_DIR = flags.DEFINE_string(
     "fig_dir", None, "Where figures go (default --out_dir; experiments/figures with --publish).")
-_SEED = flags.DEFINE_integer("seed", 0, "NumPy seed of the Monte Carlo runs.")
+_SEED = flags.DEFINE_integer("seed", 0, "NumPy seed of the Monte Carlo runs.", lower_bound=0)
 # One sync report instead of the experiment (--params given).
 _PARAMS = flags.DEFINE_float("params", None, "Number of parameters P, e.g. 125e6: print one "
                              "sync report and nothing else.")  # fmt: skip
@@ -440,7 +440,8 @@ def main(argv: Sequence[str]) -> None:
                              f"report: give --params too (e.g. --params=125e6).")
     out_dir = options.out_dir()
     publishing = out_dir.resolve() == harness.RESULTS.resolve()
-    fig_dir = pathlib.Path(_FIG_DIR.value or (harness.FIGURES if publishing else out_dir))
+    fig_dir = (options._folder("fig_dir", pathlib.Path(_FIG_DIR.value)) if _FIG_DIR.value
+               else harness.FIGURES if publishing else out_dir)
     run(smoke=_SMOKE.value, seed=_SEED.value, out_dir=out_dir, fig_dir=fig_dir)
 
 

@@ -350,6 +350,10 @@ USER_ERRORS = [
      "error: --out_dir=README.md/x: README.md is a file, not a folder"),
     ("experiments.streaming_netsim", ["--smoke", "--out_dir=README.md"], "streaming_netsim: "
      "error: --out_dir=README.md: README.md is a file, not a folder"),
+    ("experiments.network_model", ["--smoke", "--seed=-1"], "network_model: error: flag "
+     "--seed=-1"),  # a NumPy ValueError traceback
+    ("experiments.network_model", ["--smoke", "--fig_dir=README.md"], "network_model: error: "
+     "--fig_dir=README.md: README.md is a file, not a folder"),  # a FileExistsError traceback
 ]
 
 
