@@ -17,6 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
+from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
 from experiments import options  # noqa: E402
 from noloco_jax.trainer.writers import read_jsonl  # noqa: E402
@@ -88,6 +89,27 @@ def plot_replicas(workdir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     return out
 
 
+def image_path(flag: str, value: str) -> pathlib.Path:
+    """The file ``--flag=value`` names: ``~`` expanded (no shell expands it after ``=``) and
+    ``.png`` added to a name without a suffix (matplotlib adds it when it saves); refused before
+    drawing when it is a folder, has a suffix matplotlib cannot write, or a file is above it."""
+    path = pathlib.Path(value).expanduser()
+    if path.is_dir():
+        raise app.UsageError(f"--{flag}={value}: a folder; name the image file, e.g. "
+                             f"{path / 'curves.png'}.")
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    if path.suffix[1:].lower() not in FigureCanvasBase.get_supported_filetypes():
+        raise app.UsageError(f"--{flag}={value}: matplotlib cannot write {path.suffix} files; "
+                             f"end the name with .png, .pdf or .svg.")
+    for folder in path.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise app.UsageError(f"--{flag}={value}: {folder} is a file, not a folder.")
+            break
+    return path
+
+
 def main(argv: Sequence[str]) -> None:
     """Plots the runs whose workdirs follow the flags on the command line."""
     workdirs = [pathlib.Path(a) for a in argv[1:]]
@@ -97,10 +119,11 @@ def main(argv: Sequence[str]) -> None:
         if not (workdir / "metrics.jsonl").is_file():
             raise app.UsageError(f"{workdir}: not a run's workdir (no metrics.jsonl); train it "
                                  f"first with noloco-train --workdir={workdir}.")
-    out = pathlib.Path(OUT.value) if OUT.value else workdirs[0] / "curves.png"
+    out = image_path("out", OUT.value) if OUT.value else workdirs[0] / "curves.png"
+    replicas_png = image_path("replicas_png", REPLICAS.value) if REPLICAS.value else None
     print(f"wrote {plot_runs(workdirs, out)}")
-    if REPLICAS.value:
-        print(f"wrote {plot_replicas(workdirs[0], pathlib.Path(REPLICAS.value))}")
+    if replicas_png:
+        print(f"wrote {plot_replicas(workdirs[0], replicas_png)}")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,32 @@ def test_plot_script_on_a_smoke_run(dirs, tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_plot_image_flags_expand_a_tilde_and_refuse_what_cannot_be_written(tmp_path, monkeypatch,
+                                                                          capsys):  # fmt: skip
+    """--out=~/c drew into a folder named '~' under the current directory and said 'wrote ~/c'
+    (matplotlib wrote c.png); a folder as --out said 'wrote <folder>' and wrote <folder>.png; a
+    file above it or a suffix matplotlib cannot write: a traceback after drawing."""
+    from absl import app
+
+    from experiments import plot
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        '{"kind": "train", "step": 1, "train_loss": 3.0, "train_loss_per_replica": [3.0, 3.1]}\n'
+        '{"kind": "eval", "step": 1, "val_ppl": 9.0}\n')
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    run_main(plot, "--out=~/c", "--replicas_png=~/r.svg", str(run))
+    assert (tmp_path / "c.png").is_file() and (tmp_path / "r.svg").is_file()
+    assert not (tmp_path / "~").exists()
+    assert capsys.readouterr().out.split("\n")[0] == f"wrote {tmp_path / 'c.png'}"
+    for bad in (str(run), str(run / "metrics.jsonl" / "c.png"), "c.bogus"):
+        with pytest.raises(app.UsageError, match=f"--out={bad}: "):
+            run_main(plot, f"--out={bad}", str(run))
+    assert not (tmp_path / "run.png").exists()
+
+
 @pytest.mark.slow  # same harness as test_table2_smoke; ~30 s each
 def test_routing_ablation_smoke(dirs):
     results, md = _run("routing_ablation", dirs)
