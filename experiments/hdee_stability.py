@@ -98,7 +98,11 @@ def report(result: dict[str, dict[str, float]]) -> str:
 def _load(flag: str, path: str | None) -> dict:
     if not path:
         raise UserError(f"--{flag}: required; give the path of an hdee.json.")
-    return options.read_json(flag, path)
+    run = options.read_json(flag, path)
+    if not isinstance(run, dict) or not isinstance(run.get("seeds"), dict):
+        raise UserError(f"--{flag}: {path} is not an hdee.json (no 'seeds'); give the hdee.json "
+                        f"that experiments.hdee wrote.")
+    return run
 
 
 def main(argv: Sequence[str]) -> None:
