@@ -24,6 +24,7 @@ from absl import flags
 
 from experiments import options
 from experiments.spread_vs_lr import series
+from noloco_jax.errors import UserError
 from noloco_jax.experiments import harness, plan, stats
 
 TABLE2 = flags.DEFINE_string("table2", None, "The table2.json to read (default: the published "
@@ -42,6 +43,9 @@ def main(argv: Sequence[str]) -> None:
     options.start(argv)
     path = pathlib.Path(TABLE2.value) if TABLE2.value else harness.RESULTS / "table2.json"
     runs = options.read_json("table2", path)
+    if not isinstance(runs, dict) or not any(name.startswith("noloco_") for name in runs):
+        raise UserError(f"--table2: {path} has no NoLoCo runs (noloco_*); give the table2.json "
+                        f"that experiments.table2 wrote.")
     rows = {name: review(run) for name, run in sorted(runs.items())
             if name.startswith("noloco_")}  # fmt: skip
     print(harness.md_table(["run", "points", "partial r", "p", "lag-1 spread", "lag-1 lr",

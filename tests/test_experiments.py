@@ -378,6 +378,8 @@ USER_ERRORS = [
      "error: --out_dir=README.md: README.md is a file, not a folder"),
     ("experiments.hdee_stability", ["--before=experiments/results/table2.json"],  # KeyError
      "hdee_stability: error: --before: experiments/results/table2.json is not an hdee.json"),
+    ("experiments.fig3b_review", ["--table2=experiments/results/hdee.json"], "fig3b_review: "
+     "error: --table2: experiments/results/hdee.json has no NoLoCo runs"),  # ValueError
     ("experiments.network_model", ["--smoke", "--seed=-1"], "network_model: error: flag "
      "--seed=-1"),  # a NumPy ValueError traceback
     ("experiments.network_model", ["--smoke", "--fig_dir=README.md"], "network_model: error: "
