@@ -380,6 +380,9 @@ USER_ERRORS = [
      "hdee_stability: error: --before: experiments/results/table2.json is not an hdee.json"),
     ("experiments.fig3b_review", ["--table2=experiments/results/hdee.json"], "fig3b_review: "
      "error: --table2: experiments/results/hdee.json has no NoLoCo runs"),  # ValueError
+    ("experiments.bench.compile_scale", ["--smoke", "--baseline=experiments/results/"
+     "bench_comm_volume.json"], "compile_scale: error: --baseline: experiments/results/"
+     "bench_comm_volume.json is not a results json of this script"),  # KeyError after compiling
     ("experiments.network_model", ["--smoke", "--seed=-1"], "network_model: error: flag "
      "--seed=-1"),  # a NumPy ValueError traceback
     ("experiments.network_model", ["--smoke", "--fig_dir=README.md"], "network_model: error: "

@@ -27,7 +27,7 @@ import json
 import os
 import pathlib
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import optax
@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from experiments import options
 from experiments.bench import common
 from noloco_jax import local_steps, models, noloco_outer, replicas
+from noloco_jax.errors import UserError
 
 NS = [8, 16, 32, 64, 128, 256, 512, 1024]
 SMOKE_NS = [8, 16]
@@ -99,6 +100,21 @@ def measure(n: int, params0, tx, shard_map: bool = False) -> dict:
             "num_leaves": leaves}  # fmt: skip
 
 
+_ROW_KEYS = {"N", "lower_s", "compile_s", "hlo_bytes", "load"}
+
+
+def _baseline_rows(old: Any) -> list[dict]:
+    """The rows of a ``--baseline`` json, refused (before any compile) unless this script
+    wrote it."""
+    rows = old.get("rows") if isinstance(old, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and _ROW_KEYS <= set(r)
+                                             for r in rows):  # fmt: skip
+        raise UserError(f"--baseline: {BASELINE.value} is not a results json of this script "
+                        f"(rows with {', '.join(sorted(_ROW_KEYS))}); give a "
+                        f"bench_compile_scale*.json it wrote.")
+    return rows
+
+
 def _row(rec: dict, old: dict | None, with_old: bool) -> list:
     row = [rec["N"]]
     if with_old and old is None:
@@ -150,7 +166,7 @@ def main(argv: Sequence[str]) -> None:
     baseline = None
     if BASELINE.value:
         old = options.read_json("baseline", BASELINE.value)
-        baseline = {r["N"]: r for r in old["rows"]}
+        baseline = {r["N"]: r for r in _baseline_rows(old)}
     results = {"env": common.environment(), "label": label, "rows": [],
                "load_before": os.getloadavg()[0]}  # fmt: skip
     rows = []
