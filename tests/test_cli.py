@@ -536,6 +536,9 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
     (["--num_processes=8", "--process_id=3"], r"--num_processes and --process_id need "
                                               r"--coordinator_address=HOST:PORT"),
     (["--process_id=1"], r"--num_processes and --process_id need --coordinator_address"),
+    # An IndexError traceback from jax.distributed.initialize; a port out of range hung there.
+    (["--coordinator_address=h", "--num_processes=2", "--process_id=0"],
+     r"--coordinator_address='h' must be HOST:PORT with a port in 1..65535"),
 ])  # fmt: skip
 def test_process_flags_without_a_coordinator_are_user_errors(capsys, tmp_path, flags, pattern):
     code, err = run_cli(["noloco-train", f"--workdir={tmp_path}", *flags], capsys)
