@@ -62,7 +62,8 @@ def versions(results: pathlib.Path, names: list[str]) -> dict[str, list[str]]:
                 f"{results / name}.md has no {name}.json beside it, so the code version of "
                 f"its numbers cannot be checked; rerun the experiment or remove the .md.")
         if path.exists():
-            for label, what in provenance.versions_of(json.loads(path.read_text())).items():
+            saved = options.read_json("results_dir", path)  # a cut-short file: a UserError
+            for label, what in provenance.versions_of(saved).items():
                 found.setdefault(label, []).extend(f"{name}: {w}" for w in what)
     return found
 

@@ -194,6 +194,18 @@ def test_make_results_refuses_a_section_page_without_its_results_file(tmp_path):
     assert not (tmp_path / "RESULTS.md").exists()
 
 
+def test_make_results_refuses_a_results_file_that_is_not_json(tmp_path):
+    """A results json cut short (a run killed while it wrote) gave a JSONDecodeError traceback."""
+    from noloco_jax.errors import UserError  # noqa: PLC0415
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "table2.json").write_text('{"_provenance": ')
+    with pytest.raises(UserError, match=r"--results_dir: .*table2\.json is not JSON"):
+        _make_results(results)
+    assert not (tmp_path / "RESULTS.md").exists()
+
+
 def test_make_results_refuses_mixed_commits_unless_told(tmp_path, capsys):
     results = tmp_path / "results"
     results.mkdir()
