@@ -13,6 +13,7 @@ how many training domains changed tier. Reads only the two files; trains nothing
 
 from __future__ import annotations
 
+import pathlib
 import statistics
 from typing import Sequence
 
@@ -23,7 +24,9 @@ from experiments import options
 from noloco_jax.errors import UserError
 
 BEFORE = flags.DEFINE_string("before", None, "The earlier run's hdee.json.")
-AFTER = flags.DEFINE_string("after", "experiments/results/hdee.json", "The later run's hdee.json.")
+AFTER = flags.DEFINE_string(  # the published one; it was relative to the current directory
+    "after", str(pathlib.Path(__file__).resolve().parent / "results" / "hdee.json"),
+    "The later run's hdee.json (default: the published experiments/results/hdee.json).")
 HOMO = "M_Ho-I_Ho"
 
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -70,3 +71,14 @@ def test_cli_prints_table_and_missing_file_exits_2(tmp_path):
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and "--after: no file" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_the_default_after_is_the_published_run_from_any_directory(tmp_path):
+    """--after defaulted to the relative experiments/results/hdee.json: "no file" outside the
+    checkout's root."""
+    published = ROOT / "experiments" / "results" / "hdee.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "experiments.hdee_stability",
+                          f"--before={published}"], cwd=tmp_path, capture_output=True, text=True,
+                         env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr
