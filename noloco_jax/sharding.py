@@ -107,8 +107,12 @@ def check_divides(tree: Any, axis_sizes: dict[str, int], rules: dict[str, tuple]
 def _not_dividing(setting: str, size: int, n: int, where: str, what: str) -> str:
     if size > n and what in _COUNTED:
         return f"{setting} is more than the {n} {what} ({where}) it splits; choose a divisor of {n}."
+    pad = ""
+    if what == "vocabulary":  # a tokenizer's size (50257, 65) often has no useful divisor
+        pad = (f" or pad the vocabulary to a multiple of {size} (config.model.vocab_size="
+               f"{-(-n // size) * size})")
     what = f"the {what}, " if what else ""
-    return f"{setting} does not divide {where} ({what}size {n}); choose a divisor of {n}."
+    return f"{setting} does not divide {where} ({what}size {n}); choose a divisor of {n}{pad}."
 
 
 def shard_batch(x: Any) -> Any:

@@ -287,14 +287,16 @@ def test_a_split_that_does_not_divide_is_refused():
 
 def test_put_names_the_leaf_a_split_does_not_divide():
     """reps.put of a vocabulary of 65 over tensor=2 failed with JAX's IndivisibleError, which
-    names a shape (2, 65, 64) but not the leaf, the setting or the fix."""
+    names a shape (2, 65, 64) but not the leaf, the setting or the fix. The fix named was
+    only a divisor of 65 (5 or 13; of GPT-2's 50257: 29): padding the vocabulary is named too."""
     cfg = models.get_preset("nano", vocab_size=65, max_seq_len=32)
     reps = replicas.make_replicas(2, mesh_shape={"tensor": 2})
     state = replicas.replicate(TrainState(jnp.zeros([], jnp.int32), models.init_params(cfg, 0)[1],
                                           None), 2)  # fmt: skip
     with pytest.raises(ValueError, match=r"mesh.tensor=2 does not divide dim 0 of "
                                          r"\.params\['embedding'\] \(the vocabulary, size 65\); "
-                                         r"choose a divisor of 65\."):  # fmt: skip
+                                         r"choose a divisor of 65 or pad the vocabulary to a "
+                                         r"multiple of 2 \(config\.model\.vocab_size=66\)\."):
         reps.put(state)
 
 
