@@ -124,7 +124,17 @@ def select_replica(tree: PyTree, index: int, single_replica_like: PyTree) -> PyT
             index = int(index)  # a concrete 0-d integer array: checked as an int (not clamped)
     if sizes and not isinstance(index, jax.Array):
         errors.check_int("index", index, -sizes[0], sizes[0] - 1)
-    return jax.tree.map(lambda x, a: x if a is None else x[index], tree, axes)
+    return jax.tree.map(lambda x, a: x if a is None else _pick(x, index), tree, axes)
+
+
+def _pick(x: Any, index: Any) -> Any:
+    """``x[index]``; a replica axis placed on a mesh (``reps.put``, ``reps.map``) is gathered
+    first: indexing it raised JAX's ShardingTypeError ("out sharding could not be resolved").
+    A split inside the replica (``mesh.fsdp``, ``mesh.tensor``) stays as placed."""
+    sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
+    if sharding is not None and any(s is not None for s in sharding.spec):
+        x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, P()))
+    return x[index]
 
 
 def nnx_state_axes() -> Any:

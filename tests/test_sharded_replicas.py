@@ -285,6 +285,23 @@ def test_a_split_that_does_not_divide_is_refused():
         replicas.make_replicas(2, backend="shard_map", devices=[d[0], d[0]])  # then an assert
 
 
+@pytest.mark.parametrize("mesh_shape", [None, {"fsdp": 2, "tensor": 2}])
+def test_select_replica_of_a_placed_tree_keeps_the_split(mesh_shape):
+    """select_replica / unreplicate of a tree placed with reps.put raised JAX's
+    ShardingTypeError (eager: "out sharding could not be resolved"; under jit: "slicing on
+    sharded dims"), one device per replica or split."""
+    like = {"embedding": jnp.zeros((8, 4)), "step": jnp.int32(0)}
+    tree = {"embedding": jnp.arange(64.0).reshape(2, 8, 4), "step": jnp.int32(7)}
+    placed = replicas.make_replicas(2, backend="shard_map", mesh_shape=mesh_shape).put(tree)
+    picks = (replicas.select_replica(placed, -1, like), replicas.unreplicate(placed, like),
+             jax.jit(lambda t: replicas.select_replica(t, 1, like))(placed))  # fmt: skip
+    for got, want in zip(picks, (1, 0, 1)):
+        np.testing.assert_array_equal(got["embedding"], tree["embedding"][want])
+        assert int(got["step"]) == 7
+    if mesh_shape:  # replica 1's table stays split inside its replica: [V/T, D/F] per device
+        assert picks[0]["embedding"].addressable_shards[0].data.shape == (4, 2)
+
+
 def test_put_names_the_leaf_a_split_does_not_divide():
     """reps.put of a vocabulary of 65 over tensor=2 failed with JAX's IndivisibleError, which
     names a shape (2, 65, 64) but not the leaf, the setting or the fix. The fix named was
