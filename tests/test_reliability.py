@@ -1085,7 +1085,6 @@ def test_memory_check_counts_only_this_processs_devices_against_its_host(monkeyp
     assert jax.device_count() == 8 and seen == [4]
 
 
-
 def test_an_accelerator_without_allocator_statistics_is_not_measured_by_host_ram(monkeypatch):
     """A GPU whose memory_stats() gives nothing (a PJRT plugin without them) was checked against
     the host's free RAM ("CPU devices share it"): a state that fits the GPU was refused."""
@@ -1107,6 +1106,29 @@ def test_an_accelerator_without_allocator_statistics_is_not_measured_by_host_ram
         memory.check_fits(1 << 30, 2, preset="small", backend="shard_map")  # CPU still checked
     with pytest.raises(UserError, match=r"per device, model\.init_from='/hf/llama', backend"):
         memory.check_fits(1 << 30, 2, preset="tiny", backend="vmap", init_from="/hf/llama")
+
+
+def test_an_accelerator_that_is_full_is_told_to_split_its_replicas(monkeypatch):
+    """On a GPU or TPU, splitting a replica over devices (mesh.fsdp / mesh.tensor) is often the
+    fix, and the message never named it; on CPU it does not help (one host's memory)."""
+    from noloco_jax.trainer import memory
+
+    class Gpu:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 1 << 30, "bytes_in_use": 0}
+
+    cpu = jax.local_devices()
+    monkeypatch.setattr(jax, "local_devices", lambda: [Gpu()])
+    with pytest.raises(UserError, match=r"2\.0 GiB .* 1\.0 GiB free.*config\.mesh\.fsdp"):
+        memory.check_fits(2 << 30, 1, preset="small", backend="shard_map")
+    monkeypatch.setattr(jax, "local_devices", lambda: cpu)
+    monkeypatch.setattr(memory, "_host_available", lambda: 1 << 30)
+    with pytest.raises(UserError) as err:
+        memory.check_fits(1 << 30, 2, preset="small", backend="shard_map")
+    assert "mesh.fsdp" not in str(err.value)
+
 
 def test_extending_num_steps_is_allowed_only_for_a_constant_schedule():
     def settings(num_steps, ratio):

@@ -96,11 +96,13 @@ def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str,
     if free is None or need <= free:  # None: unknown; XLA reports running out itself
         return
     model = f"model.init_from={init_from!r}" if init_from else f"model.preset={preset!r}"
+    split = ("" if device.platform == "cpu" else  # CPU devices share the host's memory
+             "split each replica over several devices (config.mesh.fsdp, config.mesh.tensor), ")
     raise UserError(
         f"the training state needs at least {need / _GIB:.1f} GiB ({per_device / _GIB:.1f} GiB "
         f"per device, {model}, backend={backend!r}) but {where} has "
         f"{free / _GIB:.1f} GiB free. Put fewer replicas on each device (backend='shard_map' "
-        f"with one device per replica), split layers over pipeline stages on a replica x stage "
-        f"mesh (num_stages, with N x S devices), or use "
-        f"fewer replicas, a smaller model.preset or model.param_dtype='bfloat16'."
+        f"with one device per replica), {split}split layers over pipeline stages on a "
+        f"replica x stage mesh (num_stages, with N x S devices), or use fewer replicas, a "
+        f"smaller model.preset or model.param_dtype='bfloat16'."
     )
