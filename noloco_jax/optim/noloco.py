@@ -283,7 +283,8 @@ def noloco_outer(
         A gamma of its own needs a constant beta: with a schedule it is
         refused, and an injected beta must not change between rounds nor be 0
         (the update is beta times a pseudo-gradient holding gamma / beta, so a
-        round with beta = 0 drops the pull; a constant 0 with a gamma is refused).
+        round with beta = 0 drops the pull; a Python-number 0 with a Python-number gamma is
+        refused, array ones are not checked).
       group_size: n, replicas per group (paper: 2); must divide the number of
         replicas on the axis (a lone replica, N = 1, needs no group).
       axis_name: the replica axis bound by ``jax.vmap`` or ``jax.shard_map``;
