@@ -842,6 +842,26 @@ def test_a_workdir_a_recursive_glob_cannot_read_is_accepted(tmp_path, glob, work
         loop._check_outside_corpus(settings, tmp_path / workdir)
 
 
+def test_a_workdir_reached_through_a_symlinked_folder_of_the_corpus_is_refused(tmp_path):
+    """The corpus reader follows symlinked folders (DIR/out -> /scratch/out), and the check
+    did not: a run in /scratch/out/run trained its next start on its own checkpoints' files."""
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    corpus, scratch = tmp_path / "corpus", tmp_path / "scratch"
+    (corpus / "sub").mkdir(parents=True)
+    scratch.mkdir()
+    (corpus / "sub" / "out").symlink_to(scratch)
+    (corpus / "loop").symlink_to(corpus)  # a cycle: the walk must end
+    settings = types.SimpleNamespace(data=types.SimpleNamespace(source="files", path=str(corpus)))
+    for path in (str(corpus), f"{corpus}/**/*.txt", f"{corpus}/*/*/*/*/*/*.txt"):
+        settings.data.path = path
+        with pytest.raises(ValueError, match=r"lies inside config\.data\.path"):
+            loop._check_outside_corpus(settings, scratch / "run")
+    for path in (f"{corpus}/*.txt", f"{corpus}/*/*/*/*.txt", f"{corpus}/**/*.md"):
+        settings.data.path = path  # none of these reads run/checkpoints/N/commit_success.txt
+        loop._check_outside_corpus(settings, scratch / "run")
+
+
 def test_a_workdir_a_glob_without_double_star_reads_is_refused(tmp_path):
     """'DIR/*/*/*.txt' reads DIR/checkpoints/N/commit_success.txt and 'DIR/*/*/*/*.txt'
     DIR/run/checkpoints/N/commit_success.txt; only recursive globs were checked."""

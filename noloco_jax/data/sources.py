@@ -32,6 +32,7 @@ import gzip
 import hashlib
 import html
 import itertools
+import math
 import numbers
 import os
 import pathlib
@@ -363,11 +364,34 @@ def reads_any(path: str, directory: str | pathlib.Path, files: Iterable[str]) ->
       False
     """
     corpus = _corpus_pattern(path)
-    where = pathlib.Path(directory).expanduser().resolve()
-    if corpus is None or not where.is_relative_to(corpus[0]):
+    if corpus is None:
         return False
-    parts = where.relative_to(corpus[0]).parts
-    return any(_glob_match(corpus[1], parts + pathlib.PurePath(f).parts) for f in files)
+    where = pathlib.Path(directory).expanduser().resolve()
+    for seen, real in _folders_reached(*corpus):  # through symlinked folders too, as it reads
+        if where.is_relative_to(real):
+            parts = seen + where.relative_to(real).parts
+            if any(_glob_match(corpus[1], parts + pathlib.PurePath(f).parts) for f in files):
+                return True
+    return False
+
+
+def _folders_reached(root: pathlib.Path, pattern: tuple[str, ...]
+                     ) -> Iterable[tuple[tuple[str, ...], pathlib.Path]]:  # fmt: skip
+    """(parts below ``root`` as a glob or the directory walk sees them, real folder): ``root``
+    itself, then each folder reached through a symlink, which both follow, to the depth the
+    pattern can reach (no limit with '**'), hidden ones only for a pattern that names some."""
+    yield (), root
+    depth = math.inf if "**" in pattern else len(pattern) - 1
+    hidden, done = any(part.startswith(".") for part in pattern), set()
+    for folder, subfolders, _ in os.walk(root, followlinks=True):
+        seen, real = pathlib.Path(folder).relative_to(root).parts, os.path.realpath(folder)
+        subfolders[:] = [] if len(seen) + 1 > depth or real in done else [
+            d for d in subfolders if hidden or not d.startswith(".")]  # each real folder once
+        done.add(real)
+        for d in subfolders:
+            link = pathlib.Path(folder, d)
+            if link.is_symlink():
+                yield (*seen, d), link.resolve()
 
 
 def _corpus_pattern(path: str) -> tuple[pathlib.Path, tuple[str, ...]] | None:
