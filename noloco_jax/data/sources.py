@@ -383,7 +383,7 @@ def _folders_reached(root: pathlib.Path, pattern: tuple[str, ...]
     yield (), root
     depth = math.inf if "**" in pattern else len(pattern) - 1
     hidden, done = any(part.startswith(".") for part in pattern), set()
-    for folder, subfolders, _ in os.walk(root, followlinks=True):
+    for folder, subfolders, _names in os.walk(root, followlinks=True):
         seen, real = pathlib.Path(folder).relative_to(root).parts, os.path.realpath(folder)
         subfolders[:] = [] if len(seen) + 1 > depth or real in done else [
             d for d in subfolders if hidden or not d.startswith(".")]  # each real folder once
