@@ -247,8 +247,10 @@ def pool_index(
     """Which pool entry outer round ``round_index`` uses (traced, replica-uniform).
 
     ``stream`` (e.g. a streaming fragment's index) draws from a separate stream;
-    ``None`` is the original draw.
+    ``None`` is the original draw. ``seed`` must be in [0, 2**32 - 1] (the key keeps 32 bits:
+    -1 drew seed 2**32 - 1's groups).
     """
+    errors.check_int("seed", seed, 0, 2**32 - 1, "2**32 - 1")
     if pool_size == 1:
         return jnp.zeros([], jnp.int32)
     key = jax.random.key(seed)

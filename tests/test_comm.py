@@ -50,6 +50,14 @@ def test_groups_for_round_refuses_a_bad_round_or_stream(kwargs, field):
         groups_for_round(**args)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32, True, 1.5])
+def test_pool_index_refuses_a_seed_its_key_cannot_hold(seed):
+    """The key keeps 32 bits: seed=-1 drew seed 2**32 - 1's groups, 2**32 seed 0's, True
+    seed 1's, and 1.5 died in JAX naming a tracer."""
+    with pytest.raises(ValueError, match=r"^seed: must be an integer in \[0, 2\*\*32 - 1\]"):
+        comm.pool_index(0, 7, seed)
+
+
 def test_groups_for_round_is_deterministic_and_redrawn():
     rounds = [groups_for_round(r, 8, 2, seed=5) for r in range(30)]
     again = [groups_for_round(r, 8, 2, seed=5) for r in range(30)]

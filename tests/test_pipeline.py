@@ -60,6 +60,15 @@ def test_route_indices_refuses_a_pool_size_below_one():
             pl.route_indices(0, num_boundaries=2, num_microbatches=6, pool_size=pool_size, seed=0)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32, True, 1.5])
+def test_route_indices_refuses_a_seed_its_key_cannot_hold(seed):
+    """The key keeps 32 bits: seed=-1 drew seed 2**32 - 1's routes, 2**32 seed 0's, True
+    seed 1's (permutation_pool refuses -1 and True, and draws 2**32's own pool), and 1.5 died
+    in JAX naming a tracer."""
+    with pytest.raises(ValueError, match=r"^seed: must be an integer in \[0, 2\*\*32 - 1\]"):
+        pl.route_indices(0, num_boundaries=1, num_microbatches=2, pool_size=24, seed=seed)
+
+
 def test_route_boundary_moves_each_microbatch_to_its_destination():
     x = jnp.arange(N * B).reshape(N, B)
     perm = jnp.array([[1, 2, 3, 0], [0, 1, 2, 3], [3, 2, 1, 0]])  # [B, N]
