@@ -76,14 +76,16 @@ def intra_replica_axes(path: tuple, local: Any, rules: dict[str, tuple] = LLAMA_
     return _rule(path, local, rules)[1]
 
 
-def check_divides(tree: Any, axis_sizes: dict[str, int], rules: dict[str, tuple] = LLAMA_RULES
-                  ) -> None:  # fmt: skip
+def check_divides(tree: Any, axis_sizes: dict[str, int], rules: dict[str, tuple] = LLAMA_RULES,
+                  *, pad_vocab: bool = True) -> None:  # fmt: skip
     """Raises ``ValueError`` naming the leaf and dim a mesh axis does not divide.
 
     Args:
       tree: one replica's params (or any tree of its leaves).
       axis_sizes: e.g. ``{"fsdp": 4, "tensor": 2}``.
       rules: the logical rules.
+      pad_vocab: whether a vocabulary it does not divide may be padded
+        (``config.model.vocab_size``; not an ``init_from`` checkpoint's table).
 
     Raises:
       UserError: (a ``ValueError``) e.g. ``mesh.tensor=8 is more than the 4 key/value
@@ -101,14 +103,15 @@ def check_divides(tree: Any, axis_sizes: dict[str, int], rules: dict[str, tuple]
                 names = _DIM_NAMES.get(name, ()) if rules is LLAMA_RULES else ()
                 where = f"dim {dim} of {jax.tree_util.keystr(path).removesuffix('.value')}"
                 raise UserError(_not_dividing(f"mesh.{axis}={size}", size, x.shape[dim], where,
-                                              names[dim] if names else ""))  # fmt: skip
+                                              names[dim] if names else "", pad_vocab))  # fmt: skip
 
 
-def _not_dividing(setting: str, size: int, n: int, where: str, what: str) -> str:
+def _not_dividing(setting: str, size: int, n: int, where: str, what: str, pad_vocab: bool = True
+                  ) -> str:  # fmt: skip
     if size > n and what in _COUNTED:
         return f"{setting} is more than the {n} {what} ({where}) it splits; choose a divisor of {n}."
     pad = ""
-    if what == "vocabulary":  # a tokenizer's size (50257, 65) often has no useful divisor
+    if what == "vocabulary" and pad_vocab:  # 50257 or 65 ids often have no useful divisor
         pad = (f" or pad the vocabulary to a multiple of {size} (config.model.vocab_size="
                f"{-(-n // size) * size})")
     what = f"the {what}, " if what else ""

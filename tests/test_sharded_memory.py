@@ -280,3 +280,19 @@ def test_step_memory_refuses_a_split_that_does_not_divide_the_model():
     with pytest.raises(UserError, match=r"mesh\.tensor=3 does not divide dim 2 of "
                                         r"\['blocks'\]\['attn'\]\['wk'\]"):
         aot.step_memory(s, VOCAB)
+
+
+def test_a_split_of_an_init_from_vocabulary_names_no_padding(tmp_path):
+    """mesh.tensor=2 on an init_from model of 301 ids said to pad it with
+    config.model.vocab_size=302, which the trainer then refused (it must equal the
+    checkpoint's table); the message now names only a divisor."""
+    import json  # noqa: PLC0415
+
+    from noloco_jax.models import hf  # noqa: PLC0415
+
+    cfg = models.get_preset("nano", vocab_size=301)
+    (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(cfg)))
+    s = _settings(2, 1, 2, model={"init_from": str(tmp_path)})
+    with pytest.raises(UserError, match=r"\(the vocabulary, size 301\); choose a divisor of "
+                                        r"301\.$"):  # fmt: skip
+        aot.step_memory(s, VOCAB)

@@ -189,7 +189,9 @@ def _abstract_model(s: Any, vocab_size: int) -> tuple[Any, Any, Any]:
 
     cfg = build.model_config(s, vocab_size)
     graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
-    sharding.check_divides(params, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
+    # an init_from table keeps its size (model.vocab_size must equal it): no padding hint
+    sharding.check_divides(params, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor},
+                           pad_vocab=not s.model.init_from)
     return cfg, graphdef, params
 
 

@@ -266,7 +266,9 @@ def build_run(s: TrainSettings) -> tuple[Run, TrainState]:
     cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size, abstract=True)
     spec, build_tx = optimizer_factory(s, params0)
     check_memory(s, data.tokenizer.vocab_size, build_tx())
-    sharding.check_divides(params0, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor})
+    # an init_from table keeps its size (model.vocab_size must equal it): no padding hint
+    sharding.check_divides(params0, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor},
+                           pad_vocab=not s.model.init_from)
     programs = _reuse(_COMPILED, _program_key(s, data),
                       lambda: _Programs.make(s, cfg, graphdef, build_tx, spec, data, params0))
     fresh = functools.partial(programs.first_state, params0 if _given(params0) else None)
