@@ -898,6 +898,22 @@ def test_resume_takes_a_relative_or_home_path_as_the_absolute_path_it_names(monk
         settings_lib.check_resume_compatible(saved, run("/corpus", "~/tok", "llama").to_dict())
 
 
+def test_resume_takes_a_relative_path_under_a_linked_working_directory(tmp_path, monkeypatch):
+    """Run from a folder reached through a symbolic link (a linked home), "corpus" and
+    $PWD/corpus name the same corpus, but os.getcwd() is the resolved folder: the resume was
+    refused (data.path: '<link>/corpus' -> '<real>/corpus')."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.chdir(tmp_path / "link")
+
+    def run(path):
+        return settings_lib.TrainSettings(data=settings_lib.DataSettings(path=path)).to_dict()
+
+    settings_lib.check_resume_compatible(run(str(tmp_path / "link" / "corpus")), run("corpus"))
+    with pytest.raises(ValueError, match="cannot resume.*data.path"):
+        settings_lib.check_resume_compatible(run(str(tmp_path / "corpus")), run("corpus"))
+
+
 # --- 7. input text ----------------------------------------------------------------------
 
 

@@ -651,21 +651,23 @@ def from_config(config: Any) -> TrainSettings:
     return validate(TrainSettings(**kwargs))
 
 
-# Settings that name a local file or directory, compared as the absolute path they name.
+# Settings that name a local file or directory, compared as the real path they name (links
+# resolved: os.getcwd() is the resolved folder, so "corpus" under a linked $PWD was another path).
 _PATH_FIELDS = ("data.path", "data.tokenizer_path", "model.init_from")
 
 
 def _dotted_pair(saved: dict, current: dict) -> tuple[dict, dict]:
     """Both settings as dotted dicts; a field the checkpoint predates counts as its default.
 
-    "corpus/", "./corpus", "$PWD/corpus" and "~/corpus" (run from home) name the same corpus.
+    "corpus/", "./corpus", "$PWD/corpus" and "~/corpus" (run from home) name the same corpus,
+    also when $PWD goes through a symbolic link.
     """
     known = defaults.dotted(TrainSettings().to_dict())
     a, b = {**known, **defaults.dotted(saved)}, defaults.dotted(current)
     for d in (a, b):
         for key in _PATH_FIELDS:
             if isinstance(d.get(key), str) and d[key]:
-                d[key] = os.path.abspath(os.path.expanduser(d[key]))
+                d[key] = os.path.realpath(os.path.expanduser(d[key]))
     return a, b
 
 
