@@ -34,8 +34,9 @@ flags.register_validator("presets", lambda v: bool(v) and set(v) <= set(preset_n
                          message=f"takes model presets, comma-separated: {preset_names()}")
 _LOG, _WARMUP = plan.REGIME["log_every"], plan.REGIME["optim.warmup_steps"]
 flags.register_validator(  # a run as short as the plan's warmup failed on a field never set
-    "lengths", lambda v: len(v) == 2 and v[0] != v[1] and all(
-        x.isdigit() and int(x) > _WARMUP and int(x) % _LOG == 0 for x in v),
+    "lengths", lambda v: len(v) == 2 and all(
+        x.isdigit() and int(x) > _WARMUP and int(x) % _LOG == 0 for x in v)
+    and int(v[0]) != int(v[1]),  # 100,0100: two runs, then a ZeroDivisionError in the fit
     message=f"takes two different step counts above the plan's warmup of {_WARMUP} steps and "
             f"multiples of its log_every={_LOG} (e.g. 100,300)")
 

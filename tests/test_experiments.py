@@ -363,6 +363,8 @@ USER_ERRORS = [
     ("experiments.pilot_cost", ["--lengths=50,102"], "pilot_cost: error: flag --lengths=['50', "
      "'102']: takes two different step counts above the plan's warmup of 80 steps and "
      "multiples of its log_every=5"),  # failed on config.optim.warmup_steps, never set
+    ("experiments.pilot_cost", ["--lengths=100,0100"], "pilot_cost: error: flag --lengths=['100', "
+     "'0100']: takes two different step counts"),  # both timed, then a ZeroDivisionError
     ("experiments.plot", ["/nope/run"], "plot: error: /nope/run: not a run's workdir"),
     ("experiments.table2", ["--data_path=/nope"], "table2: error: --data_path=/nope: no such "
      "file"),  # every run failed with a traceback
