@@ -190,16 +190,16 @@ def read_json(flag: str, path: str | pathlib.Path | None) -> Any:
 
     Args:
       flag: the flag's name, for the message.
-      path: the file.
+      path: the file; ``~`` is expanded (no shell expands it after ``--flag=``).
 
     Returns:
       The parsed JSON.
     """
-    if not path or not pathlib.Path(path).is_file():
+    if not path or not pathlib.Path(path).expanduser().is_file():
         raise UserError(f"--{flag}: no file {str(path or '')!r}; give the path of the .json an "
                         f"experiment wrote.")
     try:
-        return json.loads(pathlib.Path(path).read_text())
+        return json.loads(pathlib.Path(path).expanduser().read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"--{flag}: {path} is not JSON ({err}).") from None
 

@@ -82,3 +82,15 @@ def test_the_default_after_is_the_published_run_from_any_directory(tmp_path):
                           f"--before={published}"], cwd=tmp_path, capture_output=True, text=True,
                          env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr
+
+
+def test_a_json_flag_expands_a_tilde(tmp_path, monkeypatch):
+    """--before=~/a.json (no shell expands ~ after '=') said "no file '~/a.json'" for a file that
+    is there; options.read_json, which the scripts' JSON flags share, now expands it."""
+    from experiments import hdee_stability  # noqa: PLC0415
+
+    (tmp_path / "a.json").write_text(json.dumps(BEFORE))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert hdee_stability._load("before", "~/a.json") == BEFORE
+    with pytest.raises(UserError, match=r"--before: no file '~/none.json'"):
+        hdee_stability._load("before", "~/none.json")
