@@ -200,9 +200,10 @@ def _maybe_initialize_distributed() -> None:
         jax.distributed.initialize(num_processes=f.num_processes, process_id=f.process_id)
         return
     host, _, port = f.coordinator_address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    ipv6_unbracketed = ":" in host and not (host.startswith("[") and host.endswith("]"))
+    if not host or ipv6_unbracketed or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--coordinator_address={f.coordinator_address!r} must be HOST:PORT "
-                         f"with a port in 1..65535 (e.g. 10.0.0.1:1234).")
+                         f"with a port in 1..65535 (e.g. 10.0.0.1:1234, [::1]:1234).")
     if f.num_processes is None or f.process_id is None:
         raise ValueError("--coordinator_address needs --num_processes and --process_id.")
     if not 0 <= f.process_id < f.num_processes:

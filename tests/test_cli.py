@@ -539,6 +539,8 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
     # An IndexError traceback from jax.distributed.initialize; a port out of range hung there.
     (["--coordinator_address=h", "--num_processes=2", "--process_id=0"],
      r"--coordinator_address='h' must be HOST:PORT with a port in 1..65535"),
+    (["--coordinator_address=::1", "--num_processes=2", "--process_id=0"],  # host ':', port 1
+     r"--coordinator_address='::1' must be HOST:PORT"),
 ])  # fmt: skip
 def test_process_flags_without_a_coordinator_are_user_errors(capsys, tmp_path, flags, pattern):
     code, err = run_cli(["noloco-train", f"--workdir={tmp_path}", *flags], capsys)
