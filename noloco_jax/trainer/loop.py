@@ -148,9 +148,9 @@ def train_and_evaluate(
       workdir: where checkpoints, metrics.jsonl and TensorBoard files go; a
         workdir that holds a checkpoint is resumed from its latest step.
       stop_at: stop after this step, as if the process died there (tests and experiments):
-        no checkpoint is saved unless the step is on the ``checkpoint_every`` grid, so a
-        later call resumes from the last one (a stop signal, unlike this, saves). An integer
-        >= 0, or None.
+        no checkpoint is saved unless the step is on the ``checkpoint_every`` grid or is
+        ``num_steps`` (the run's end), so a later call resumes from the last one (a stop
+        signal, unlike this, saves). An integer >= 0, or None.
       progress: show a console progress bar.
 
     Returns:
