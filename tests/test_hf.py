@@ -289,3 +289,17 @@ def test_shards_follow_the_index_and_a_tensor_stored_twice_is_refused(tmp_path):
         **{n: "model-00001-of-00002.safetensors" for n in half},
         **{n: "model-00002-of-00002.safetensors" for n in rest}}}))  # fmt: skip
     assert sorted(hf._checkpoint_tensors(directory)) == names  # the index wins
+
+
+def test_model_safetensors_is_read_before_an_index_as_transformers_does(tmp_path):
+    """save_llama over a sharded checkpoint left its index: load_llama read the old shards
+    while transformers (model.safetensors first) read the new weights."""
+    directory, cfg = _saved(tmp_path)
+    old = {k: np.array(v) + 1.0 for k, v in hf.read_safetensors(directory / "model.safetensors")
+           .items()}  # fmt: skip
+    hf.write_safetensors(directory / "model-00001-of-00001.safetensors", old)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        n: "model-00001-of-00001.safetensors" for n in old}}))  # fmt: skip
+    new = hf.read_safetensors(directory / "model.safetensors")
+    loaded = hf.load_llama(directory)[2]
+    np.testing.assert_array_equal(loaded["embedding"][...], new["model.embed_tokens.weight"])

@@ -1,9 +1,9 @@
 """Hugging Face Llama checkpoints: import into the Flax ``Llama`` and export back.
 
 A checkpoint directory holds ``config.json`` (a ``LlamaForCausalLM`` config) and one or more
-``*.safetensors`` files: as transformers, the shards ``model.safetensors.index.json`` lists,
-else ``model.safetensors``, else every ``*.safetensors`` of the folder (a tensor stored in
-two of them is an error). Both formats are plain JSON and raw little-endian arrays,
+``*.safetensors`` files: as transformers, ``model.safetensors``, else the shards
+``model.safetensors.index.json`` lists, else every ``*.safetensors`` of the folder (a tensor
+stored in two of them is an error). Both formats are plain JSON and raw little-endian arrays,
 so this module reads and writes them with NumPy alone (bfloat16 through ``ml_dtypes``, which
 JAX already needs): importing or exporting needs neither ``torch`` nor ``transformers``.
 Tensors are memory-mapped, so a checkpoint is read once, tensor by tensor.
@@ -155,7 +155,9 @@ def _checkpoint_tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
             f"save_pretrained(..., safe_serialization=True))."
         )
     index = directory / "model.safetensors.index.json"
-    if index.is_file():  # the shards it lists (a stale file beside them is not read)
+    if (directory / "model.safetensors").is_file():  # transformers reads it before an index
+        files = [directory / "model.safetensors"]
+    elif index.is_file():  # the shards it lists (a stale file beside them is not read)
         try:
             listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (json.JSONDecodeError, KeyError, AttributeError) as err:
@@ -164,8 +166,6 @@ def _checkpoint_tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{index} lists shards that are not there: {missing}.")
-    elif (directory / "model.safetensors").is_file():
-        files = [directory / "model.safetensors"]
     out: dict[str, np.ndarray] = {}
     for f in files:
         tensors = read_safetensors(f)
