@@ -303,3 +303,16 @@ def test_model_safetensors_is_read_before_an_index_as_transformers_does(tmp_path
     new = hf.read_safetensors(directory / "model.safetensors")
     loaded = hf.load_llama(directory)[2]
     np.testing.assert_array_equal(loaded["embedding"][...], new["model.embed_tokens.weight"])
+
+
+def test_a_rope_theta_in_rope_scaling_is_read_or_refused_when_it_disagrees():
+    """transformers 5 reads rope_scaling's rope_theta (500 here); it was ignored and the model
+    ran at 10000 (logits off from transformers'), also beside another value at the top."""
+    d = hf.config_to_hf(models.LlamaConfig(vocab_size=16, hidden_size=16, num_layers=1,
+                                           num_heads=2, mlp_hidden_size=16))  # fmt: skip
+    d = {k: v for k, v in d.items() if k not in ("rope_theta", "rope_parameters")}
+    scaling = {"rope_type": "default", "rope_theta": 500.0}
+    assert hf.config_from_hf({**d, "rope_scaling": scaling}).rope_theta == 500.0
+    with pytest.raises(ValueError, match="two rope_theta values, 10000.0 at the top and 500.0 "
+                                         "in rope_scaling"):  # fmt: skip
+        hf.config_from_hf({**d, "rope_theta": 10000.0, "rope_scaling": scaling})

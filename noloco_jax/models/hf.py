@@ -219,11 +219,15 @@ def _rope_theta(d: dict) -> float:
         )
     # Passed on as written: LlamaConfig refuses 0 (transformers divides by 0**x), strings and
     # bools, which float() would have turned into numbers or errors naming no field.
-    thetas = [t for t in (d.get("rope_theta"), params.get("rope_theta")) if t is not None]
-    if len(thetas) == 2 and thetas[0] != thetas[1]:
-        raise ValueError(f"config.json gives two rope_theta values, {d['rope_theta']} at the top "
-                         f"and {params['rope_theta']} in rope_parameters; make them agree.")
-    return thetas[0] if thetas else 10000.0
+    # transformers 5 also reads one in rope_scaling (it replaces rope_parameters there).
+    places = (("at the top", d), ("in rope_parameters", params), ("in rope_scaling", scaling))
+    thetas = [(where, x["rope_theta"]) for where, x in places if x.get("rope_theta") is not None]
+    if any(t != thetas[0][1] for _, t in thetas):
+        given = " and ".join(f"{t} {where}" for where, t in thetas)
+        count = "two" if len(thetas) == 2 else "three"
+        raise ValueError(f"config.json gives {count} rope_theta values, {given}; make them "
+                         f"agree.")  # fmt: skip
+    return thetas[0][1] if thetas else 10000.0
 
 
 def config_from_hf(
