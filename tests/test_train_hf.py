@@ -238,3 +238,35 @@ def test_a_padded_hf_checkpoint_trains_and_exports_its_padded_table(tmp_path, co
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 384
     exported = transformers.LlamaForCausalLM.from_pretrained(out)
     assert exported.get_input_embeddings().weight.shape == (384, 32)
+
+
+def test_an_init_from_config_changed_in_the_same_process_is_not_run_by_old_programs(
+        tmp_path, corpus_dir, hf_dir):  # fmt: skip
+    """The compiled programs and evaluator were kept by the settings alone: after config.json's
+    rope_theta and rms_norm_eps changed under the same init_from path, a second run in the
+    process evaluated (and trained) the model of the old config.json."""
+    from noloco_jax.models import hf  # noqa: PLC0415
+    from noloco_jax.trainer.build import build_run  # noqa: PLC0415
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").symlink_to(hf_dir / "model.safetensors")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config))
+    s = _settings(corpus_dir, tmp_path / "data", hf_dir, init_from=str(model))
+
+    def val_loss() -> float:
+        run = build_run(s)[0]
+        return float(run.evaluate(run.fresh().params)["val_loss"])
+
+    before = val_loss()
+    rope = {**config.get("rope_parameters", {}), "rope_theta": 3.0}
+    (model / "config.json").write_text(json.dumps({**config, "rope_theta": 3.0,
+                                                   "rope_parameters": rope, "rms_norm_eps": 0.5}))
+    after = val_loss()
+    windows = prepare_data(s).eval_windows
+    _, graphdef, params = hf.load_llama(model)
+    logp = jax.nn.log_softmax(models.apply(graphdef, params, windows[:, :-1]))
+    ce = -np.take_along_axis(np.asarray(logp), windows[:, 1:, None].astype(np.int64), -1).mean()
+    assert after != before
+    np.testing.assert_allclose(after, ce, rtol=1e-5)

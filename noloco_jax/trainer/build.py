@@ -269,7 +269,7 @@ def build_run(s: TrainSettings) -> tuple[Run, TrainState]:
     # an init_from table keeps its size (model.vocab_size must equal it): no padding hint
     sharding.check_divides(params0, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor},
                            pad_vocab=not s.model.init_from)
-    programs = _reuse(_COMPILED, _program_key(s, data),
+    programs = _reuse(_COMPILED, _program_key(s, data, cfg),
                       lambda: _Programs.make(s, cfg, graphdef, build_tx, spec, data, params0))
     fresh = functools.partial(programs.first_state, params0 if _given(params0) else None)
     rounds = s.method in ROUND_METHODS
@@ -315,7 +315,7 @@ class _Programs:
         target = aot.abstract_state(reps, tx, params0)
         init = None if _given(params0) else (lambda: models.init_params(cfg, s.seed)[1])
         inner, sync = run_programs(s, reps, step_kwargs, spec)
-        evaluate = _reuse(_EVALUATORS, _evaluator_key(s, data),
+        evaluate = _reuse(_EVALUATORS, _evaluator_key(s, data, cfg),
                           lambda: make_evaluator(reps, graphdef, data.eval_windows))
         return cls(reps, inner, sync, evaluate, target,
                    first_state(target, tx, s.num_replicas, init))  # fmt: skip
@@ -357,21 +357,22 @@ _HOST_RUN = ("eval_every", "checkpoint_every", "keep_checkpoints", "profile_step
 _EVALUATOR_FIELDS = ("num_replicas", "backend", "num_stages", "data.seq_len")
 
 
-def _program_key(s: TrainSettings, data: DataBundle) -> tuple:
-    """What the compiled programs depend on: the settings less host-only fields, the data."""
+def _program_key(s: TrainSettings, data: DataBundle, cfg: models.LlamaConfig) -> tuple:
+    """What the compiled programs depend on: the settings less host-only fields, the data and
+    the model config (an ``init_from`` config.json may change under the same settings)."""
     d = s.to_dict()
     for name in _HOST_RUN:
         d.pop(name)
     for name in _HOST_DATA:
         d["data"].pop(name)
-    return repr(sorted(defaults.dotted(d).items())), *_data_key(data)
+    return repr(sorted(defaults.dotted(d).items())), repr(cfg), *_data_key(data)
 
 
-def _evaluator_key(s: TrainSettings, data: DataBundle) -> tuple:
+def _evaluator_key(s: TrainSettings, data: DataBundle, cfg: models.LlamaConfig) -> tuple:
     """What the evaluator depends on: the model, the topology and the data, not the optimizer."""
     own = {k: v for k, v in defaults.dotted(s.to_dict()).items()
            if k.startswith(("model.", "mesh.")) or k in _EVALUATOR_FIELDS}  # fmt: skip
-    return repr(sorted(own.items())), *_data_key(data)
+    return repr(sorted(own.items())), repr(cfg), *_data_key(data)
 
 
 def _data_key(data: DataBundle) -> tuple[int, bytes]:
