@@ -104,6 +104,10 @@ def test_safetensors_round_trip_bfloat16(tmp_path):
 def test_bad_checkpoint_directories(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         hf.load_llama(tmp_path / "missing")
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a file was said not to exist
+    with pytest.raises(FileNotFoundError, match="model.safetensors' is a file, not a directory"):
+        hf.load_llama(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         hf.load_llama(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(

@@ -183,8 +183,9 @@ def _checkpoint_tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
 def _read_config(directory: str | pathlib.Path) -> tuple[pathlib.Path, dict]:
     directory = pathlib.Path(directory).expanduser()
     if not directory.is_dir():
+        what = "is a file, not a directory" if directory.exists() else "does not exist"
         raise FileNotFoundError(
-            f"Hugging Face checkpoint directory {str(directory)!r} does not exist (it must hold "
+            f"Hugging Face checkpoint directory {str(directory)!r} {what} (it must hold "
             f"config.json and *.safetensors, e.g. what save_pretrained wrote)."
         )
     path = directory / "config.json"
