@@ -320,3 +320,14 @@ def test_a_rope_theta_in_rope_scaling_is_read_or_refused_when_it_disagrees():
     with pytest.raises(ValueError, match="two rope_theta values, 10000.0 at the top and 500.0 "
                                          "in rope_scaling"):  # fmt: skip
         hf.config_from_hf({**d, "rope_theta": 10000.0, "rope_scaling": scaling})
+
+
+def test_a_rope_theta_in_rope_parameters_beside_a_rope_scaling_is_not_read():
+    """transformers 5 replaces rope_parameters by a non-empty rope_scaling (and 4 never reads
+    rope_parameters): the model ran at rope_parameters' 500, transformers at 10000."""
+    d = hf.config_to_hf(models.LlamaConfig(vocab_size=16, hidden_size=16, num_layers=1,
+                                           num_heads=2, mlp_hidden_size=16))  # fmt: skip
+    d = {k: v for k, v in d.items() if k != "rope_theta"}
+    d.update(rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+             rope_scaling={"rope_type": "default"})  # fmt: skip
+    assert hf.config_from_hf(d).rope_theta == 10000.0

@@ -220,13 +220,14 @@ def _rope_theta(d: dict) -> float:
         )
     # Passed on as written: LlamaConfig refuses 0 (transformers divides by 0**x), strings and
     # bools, which float() would have turned into numbers or errors naming no field.
-    # transformers 5 also reads one in rope_scaling (it replaces rope_parameters there).
-    places = (("at the top", d), ("in rope_parameters", params), ("in rope_scaling", scaling))
+    # transformers 5 also reads one in rope_scaling, which then replaces rope_parameters whole
+    # (transformers 4 reads only the top one): a rope_parameters beside it is read by neither.
+    places = (("at the top", d), ("in rope_parameters", {} if scaling else params),
+              ("in rope_scaling", scaling))  # fmt: skip
     thetas = [(where, x["rope_theta"]) for where, x in places if x.get("rope_theta") is not None]
     if any(t != thetas[0][1] for _, t in thetas):
         given = " and ".join(f"{t} {where}" for where, t in thetas)
-        count = "two" if len(thetas) == 2 else "three"
-        raise ValueError(f"config.json gives {count} rope_theta values, {given}; make them "
+        raise ValueError(f"config.json gives two rope_theta values, {given}; make them "
                          f"agree.")  # fmt: skip
     return thetas[0][1] if thetas else 10000.0
 
