@@ -215,7 +215,10 @@ def test_a_padded_vocabulary_trains_exports_and_resumes_only_as_itself(tmp_path,
     assert (meta["vocab_size"], meta["tokenizer_vocab_size"]) == (384, 256)
     # The export keeps the padded table; its config.json names the model's vocabulary.
     out = export_run(s, tmp_path / "run", tmp_path / "export")
-    assert json.loads((out / "config.json").read_text())["vocab_size"] == 384
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["vocab_size"] == 384
+    # The byte tokenizer's end id (0) and no first token; transformers assumed Llama's 1 and 2.
+    assert (exported["eos_token_id"], exported["bos_token_id"]) == (0, None)
     assert hf.load_llama(out)[2]["embedding"].shape == (384, 64)
     # Resuming with another vocabulary is refused, as any changed model setting.
     with pytest.raises(ValueError, match=r"cannot resume.*vocab_size: 384 -> 0"):

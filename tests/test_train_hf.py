@@ -98,6 +98,10 @@ def test_init_from_starts_every_replica_at_the_hf_weights(tmp_path, corpus_dir, 
         theirs = exported(torch.from_numpy(windows[:2, :-1].astype(np.int64))).logits.numpy()
     np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
     assert not np.allclose(ours, logits[:2].numpy(), atol=1e-3)  # it did train
+    # Its special ids are the run's tokenizer's (transformers assumed Llama's 1 and 2).
+    tok = prepare_data(s).tokenizer
+    assert (exported.config.eos_token_id, exported.config.bos_token_id) == (tok.eos_id,
+                                                                            tok.bos_id)
 
 
 def test_hf_bad_inputs(tmp_path, corpus_dir, hf_dir):

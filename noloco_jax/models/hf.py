@@ -441,7 +441,8 @@ def load_llama(
 
 
 def save_llama(
-    directory: str | pathlib.Path, cfg: LlamaConfig, params: Any, *, dtype: str = "float32"
+    directory: str | pathlib.Path, cfg: LlamaConfig, params: Any, *, dtype: str = "float32",
+    eos_token_id: int | None = None, bos_token_id: int | None = None,
 ) -> pathlib.Path:
     """Exports one replica's parameters as a Hugging Face ``LlamaForCausalLM`` directory.
 
@@ -450,6 +451,10 @@ def save_llama(
       cfg: the model config.
       params: single-replica parameters (``init_params`` layout, no replica axis).
       dtype: "float32" or "bfloat16", the dtype of the saved tensors.
+      eos_token_id: the tokenizer's end-of-text id; given, ``config.json`` names it and
+        ``bos_token_id`` (None: the tokenizer puts none first). Left out, transformers
+        assumes Llama's 1 and 2, which generation then stops at.
+      bos_token_id: the tokenizer's first-token id, if any (with ``eos_token_id``).
 
     Returns:
       The directory (``LlamaForCausalLM.from_pretrained(directory)`` loads it).
@@ -476,6 +481,8 @@ def save_llama(
     tensors = {k: np.ascontiguousarray(v.astype(out_dtype)) for k, v in tensors.items()}
     write_safetensors(directory / "model.safetensors", tensors)
     config = config_to_hf(cfg, torch_dtype=dtype)
+    if eos_token_id is not None:
+        config.update(bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
 

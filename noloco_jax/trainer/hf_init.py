@@ -63,6 +63,8 @@ def export_run(
 ) -> pathlib.Path:
     """Saves a run's latest checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
 
+    ``config.json`` names the run's tokenizer's ``eos_token_id`` and ``bos_token_id``.
+
     Args:
       s: the run's settings.
       workdir: the run's workdir.
@@ -90,7 +92,9 @@ def export_run(
     # died in JAX's explicit-sharding gather ("out sharding could not be resolved").
     single = jax.tree.map(lambda x: x.mean(0) if replica is None else to_host(x)[replica],
                           params)  # fmt: skip
-    return save_llama(out, cfg, single)
+    tok = data.tokenizer  # its special ids, or generation in transformers stops at Llama's
+    return save_llama(out, cfg, single, eos_token_id=tok.eos_id,
+                      bos_token_id=getattr(tok, "bos_id", None))
 
 
 def _check_finite(params: Any, replica: int | None) -> None:
