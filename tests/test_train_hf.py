@@ -165,7 +165,7 @@ def test_export_run_checks_replica_before_reading_the_run(tmp_path, monkeypatch)
     cfg = models.LlamaConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
                              mlp_hidden_size=8)  # fmt: skip
     reps = [models.init_params(cfg, i)[1] for i in range(2)]
-    data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16))
+    data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16, eos_id=0))
     run = (None, jax.tree.map(lambda *x: np.stack(x), *reps), data)
     monkeypatch.setattr(loop, "load_run", lambda s, workdir: run)
     monkeypatch.setattr(build, "prepare_model", lambda s, v, abstract=False: (cfg, None, None))
@@ -191,7 +191,7 @@ def test_export_run_of_one_replica_split_over_devices(tmp_path, monkeypatch):
     split = replicas.make_replicas(2, mesh_shape={"fsdp": 2})
     params = split.put(jax.tree.map(lambda *x: np.stack(x), *reps))
     assert not params["embedding"][...].sharding.is_fully_replicated  # spread over the mesh
-    data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16))
+    data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16, eos_id=0))
     monkeypatch.setattr(loop, "load_run", lambda s, workdir: (None, params, data))
     monkeypatch.setattr(build, "prepare_model", lambda s, v, abstract=False: (cfg, None, None))
     out = export_run(types.SimpleNamespace(num_replicas=2), tmp_path / "run", tmp_path / "out",
@@ -211,7 +211,7 @@ def test_export_run_refuses_non_finite_weights(tmp_path, monkeypatch):
                              mlp_hidden_size=8)  # fmt: skip
     reps = [models.init_params(cfg, i)[1] for i in range(2)]
     params = jax.tree.map(lambda a, b: np.stack([a, np.full_like(b, np.nan)]), *reps)
-    data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16))
+    data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16, eos_id=0))
     monkeypatch.setattr(loop, "load_run", lambda s, workdir: (None, params, data))
     monkeypatch.setattr(build, "prepare_model", lambda s, v, abstract=False: (cfg, None, None))
     s = types.SimpleNamespace(num_replicas=2)
