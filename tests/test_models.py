@@ -377,6 +377,65 @@ def test_causal_attention_matches_naive_softmax():
     np.testing.assert_allclose(causal_attention(q, k, v), expected, rtol=1e-5, atol=1e-5)
 
 
+def _numpy_llama(cfg, params, tokens_BxT):
+    """The documented forward pass in float64 NumPy: [B, T] ids -> [B, T, V] logits."""
+    w = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(params))
+    n, g, h = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    t = tokens_BxT.shape[1]
+    half = np.arange(h // 2)
+    angles_TxHh = np.arange(t)[:, None] * cfg.rope_theta ** (-2.0 * half / h)[None, :]
+    cos, sin = np.cos(angles_TxHh)[None, :, None], np.sin(angles_TxHh)[None, :, None]
+
+    def norm(x, scale):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * scale
+
+    def rope(x):  # pairs (i, i + H/2)
+        a, b = x[..., : h // 2], x[..., h // 2 :]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+    x = w["embedding"][np.asarray(tokens_BxT)]
+    causal = np.tril(np.ones((t, t), bool))
+    for i in range(cfg.num_layers):
+        attn, mlp = w["blocks"]["attn"], w["blocks"]["mlp"]
+        y = norm(x, w["blocks"]["attn_norm"]["scale"][i])
+        q = rope(np.einsum("btd,dnh->btnh", y, attn["wq"][i]))
+        k = rope(np.einsum("btd,dgh->btgh", y, attn["wk"][i]))
+        v = np.einsum("btd,dgh->btgh", y, attn["wv"][i])
+        k, v = np.repeat(k, n // g, axis=2), np.repeat(v, n // g, axis=2)  # head j reads j // (N/G)
+        s = np.where(causal, np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(h), -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        o = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), v)
+        x = x + np.einsum("btnh,nhd->btd", o, attn["wo"][i])
+        y = norm(x, w["blocks"]["mlp_norm"]["scale"][i])
+        gate, up = y @ mlp["w_gate"][i], y @ mlp["w_up"][i]
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ mlp["w_down"][i]
+    head = w["embedding"].T if cfg.tie_embeddings else w["lm_head"]
+    return norm(x, w["final_norm"]["scale"]) @ head
+
+
+@pytest.mark.parametrize("kv_heads,tied", [(0, False), (2, True), (1, False)])
+def test_forward_and_loss_match_a_numpy_oracle(kv_heads, tied):
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=4,
+                      mlp_hidden_size=24, rope_theta=100.0, norm_eps=1e-5,
+                      num_kv_heads=kv_heads, tie_embeddings=tied)  # fmt: skip
+    graphdef, params = init_params(cfg, 0)
+    # Norm scales away from their init of ones, so that a misplaced scale shows.
+    scales = jax.random.normal(jax.random.key(11), (3, 2, 16))
+    params["blocks"]["attn_norm"]["scale"][...] = 1.0 + 0.3 * scales[0]
+    params["blocks"]["mlp_norm"]["scale"][...] = 1.0 + 0.3 * scales[1]
+    params["final_norm"]["scale"][...] = 1.0 + 0.3 * scales[2, 0]
+    tokens = _tokens(12, (2, 8), cfg.vocab_size)
+    expected = _numpy_llama(cfg, params, tokens[:, :-1])
+    got = _apply(graphdef, params, tokens[:, :-1])
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    # Loss: targets are the inputs shifted by one; the mean over all B x T positions.
+    log_z = np.log(np.exp(expected).sum(-1))
+    picked = np.take_along_axis(expected, np.asarray(tokens[:, 1:])[..., None], -1)[..., 0]
+    assert float(_loss(graphdef, params, tokens)) == pytest.approx(np.mean(log_z - picked),
+                                                                  rel=1e-5)  # fmt: skip
+    assert count_params(params) == param_count(cfg)
+
+
 @pytest.mark.parametrize("builds", [True, False])
 def test_causal_attention_falls_back_when_cudnn_fails_to_compile(monkeypatch, builds):
     """cuDNN may refuse a graph only when XLA compiles it (no engine for it); the fallback
