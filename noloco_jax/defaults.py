@@ -95,15 +95,17 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("data.data_dir", "", "Data dir for TFDS datasets and caches; \"\" = $NOLOCO_DATA_DIR or "
      "~/.cache/noloco_jax."),
     ("data.encoding", "utf-8",
-     "Text encoding of local corpus files; a file with > 0.1 % undecodable bytes is refused."),
+     'For source="files": the text encoding of the corpus files; a file with > 0.1 % '
+     "undecodable bytes is refused."),
     ("data.tokenizer", "byte",
      '"byte" (256 ids), "sentencepiece" (trained locally) or "hf" (tokenizer_path\'s '
      'tokenizer.json).'),
     ("data.tokenizer_vocab_size", 0, "SentencePiece vocabulary size (sentencepiece only)."),
     ("data.tokenizer_path", "", 'tokenizer="hf": a directory holding tokenizer.json.'),
     ("data.seq_len", 64, "Tokens per training sequence."),
-    ("data.validation_fraction", 0.1, "Fraction of documents held out for validation (files: "
-                                       "whole files, drawn with config.seed; one file: its end)."),
+    ("data.validation_fraction", 0.1,
+     'For source="files": the fraction of the files held out for validation, drawn with '
+     "config.seed (one file: its end); the other sources have their own split."),
     ("data.eval_windows", 64, "Validation windows evaluated per replica at each evaluation."),
     ("optim.learning_rate", 3e-3,
      "Peak inner learning rate (Adam): linear warmup, then cosine to peak * min_lr_ratio."),

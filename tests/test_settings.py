@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -325,6 +326,26 @@ def test_the_exchange_dtype_help_names_every_value_the_settings_accept():
     for value in settings_lib.EXCHANGE_DTYPES:
         assert f'"{value}"' in meaning, value
     assert "DiLoCo: 16-bit params travel as float32" in meaning
+
+
+@pytest.mark.parametrize("field,value", [
+    ("data.path", "/corpus"), ("data.tfds_name", "c4"), ("data.max_documents", 5),
+    ("data.encoding", "latin-1"), ("data.validation_fraction", 0.2),
+    ("data.tokenizer_path", "/tok"),
+])
+def test_the_help_of_a_field_of_one_source_names_that_source(field, value):
+    """A data field refused outside one source (or tokenizer) says so in its --help meaning:
+    data.validation_fraction read as a fraction of any corpus's documents and data.encoding as
+    that of any local text, yet both are refused unless data.source="files"."""
+    with pytest.raises(ValueError, match=re.escape(f"config.{field}: applies to")) as err:
+        settings_lib.from_config(_tiny(**{field: value}))
+    key, *values = re.search(r"applies to data\.(\w+)=((?:'\w+'(?: or )?)+) only",
+                             str(err.value)).groups()  # fmt: skip
+    names = re.findall(r"'(\w+)'", values[0])
+    meaning = {name: m for name, _, m in defaults.FIELDS}[field]
+    assert f'{key}="{names[0]}"' in meaning, (field, meaning)
+    for name in names[1:]:
+        assert f'"{name}"' in meaning, (field, name, meaning)
 
 
 def test_the_never_sync_warning_counts_the_rounds_of_streaming_fragments():
