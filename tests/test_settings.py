@@ -348,6 +348,20 @@ def test_the_help_of_a_field_of_one_source_names_that_source(field, value):
         assert f'"{name}"' in meaning, (field, name, meaning)
 
 
+def test_the_help_of_routing_pool_size_names_the_device_mesh_cap():
+    """--help gave routing_pool_size no upper bound, but random routing on the (replica, stage)
+    device mesh refuses a pool above build.MAX_MESH_ROUTING_POOL."""
+    from noloco_jax.trainer import build  # noqa: PLC0415
+
+    cap = build.MAX_MESH_ROUTING_POOL
+    s = settings_lib.from_config(_tiny(num_stages=2, backend="shard_map",
+                                       routing_pool_size=cap + 1))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"^config\.routing_pool_size: must be in \[1, {cap}\]"):
+        build._check_mesh_pool(s)
+    meaning = {name: m for name, _, m in defaults.FIELDS}["routing_pool_size"]
+    assert f"device mesh takes at most {cap}" in meaning, meaning
+
+
 def test_the_never_sync_warning_counts_the_rounds_of_streaming_fragments():
     """Fragment p syncs first at step (p + 1) H / P: with H = 8, P = 2 and 4 steps, fragment 0
     syncs (bytes are sent), but the warning said the replicas never sync (acts as 'local')."""
