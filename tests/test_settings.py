@@ -362,6 +362,25 @@ def test_the_help_of_routing_pool_size_names_the_device_mesh_cap():
     assert f"device mesh takes at most {cap}" in meaning, meaning
 
 
+@pytest.mark.parametrize("tokenizer,good,bad", [
+    ("byte", (0, 256), (255, 257)), ("sentencepiece", (259,), (0, 258)), ("hf", (0,), (512,)),
+])
+def test_tokenizer_vocab_size_bounds_are_those_of_the_readme(tokenizer, good, bad):
+    """README's bad-input row listed the byte and sentencepiece bounds of
+    data.tokenizer_vocab_size but not that the hf tokenizer refuses any but 0."""
+    extra = {"data.tokenizer_path": "/tok"} if tokenizer == "hf" else {}
+    for size in good:
+        settings_lib.from_config(_tiny(**{"data.tokenizer": tokenizer, **extra,
+                                          "data.tokenizer_vocab_size": size}))  # fmt: skip
+    for size in bad:
+        with pytest.raises(ValueError, match=r"^config\.data\.tokenizer_vocab_size: "):
+            settings_lib.from_config(_tiny(**{"data.tokenizer": tokenizer, **extra,
+                                              "data.tokenizer_vocab_size": size}))  # fmt: skip
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    row = next(line for line in readme.splitlines() if "a `data.tokenizer_vocab_size` the" in line)
+    assert f"{tokenizer}: " in row, row
+
+
 def test_the_never_sync_warning_counts_the_rounds_of_streaming_fragments():
     """Fragment p syncs first at step (p + 1) H / P: with H = 8, P = 2 and 4 steps, fragment 0
     syncs (bytes are sent), but the warning said the replicas never sync (acts as 'local')."""
