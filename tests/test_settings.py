@@ -381,6 +381,19 @@ def test_tokenizer_vocab_size_bounds_are_those_of_the_readme(tokenizer, good, ba
     assert f"{tokenizer}: " in row, row
 
 
+def test_the_readme_names_the_configs_that_keep_one_checkpoint():
+    """README said only the tiny configs keep one checkpoint and "the others keep 2", but
+    exp_table2.py (and exp_routing.py, exp_skippipe.py built on it) keep one too."""
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    for path in TRAINING_FILES:
+        keep = load_config(path).keep_checkpoints
+        family = "paper" if path.stem.startswith("paper") else path.stem.split("_")[0]
+        named = {"tiny": "The tiny configs", "exp": "experiment configs (`exp_*.py`)",
+                 "paper": "paper configs keep 2"}[family]  # fmt: skip
+        assert named in readme, (path.stem, named)
+        assert keep == (2 if family == "paper" else 1), (path.stem, keep)
+
+
 def test_the_never_sync_warning_counts_the_rounds_of_streaming_fragments():
     """Fragment p syncs first at step (p + 1) H / P: with H = 8, P = 2 and 4 steps, fragment 0
     syncs (bytes are sent), but the warning said the replicas never sync (acts as 'local')."""
