@@ -216,6 +216,18 @@ def test_a_bool_field_given_as_text_in_a_plain_dict_is_refused(table, field):
         settings_lib.from_config(plain)
 
 
+@pytest.mark.parametrize("table,field", [("model", "init_from"), ("data", "data_dir"),
+                                         ("data", "path"), ("log", "wandb_project"),
+                                         ("log", "wandb_run_name")])  # fmt: skip
+def test_a_text_field_given_as_a_number_in_a_plain_dict_is_refused(table, field):
+    """from_config, which "validates every field", accepted model.init_from=5 and the like
+    from a plain dict (a ConfigDict keeps the string type; the CLI was safe)."""
+    plain = {"model": {"preset": "nano"}, "data": {"source": "files", "path": "corpus"}}
+    plain.setdefault(table, {})[field] = 5
+    with pytest.raises(ValueError, match=rf"config\.{table}\.{field}: must be a string, got 5"):
+        settings_lib.from_config(plain)
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("momentum", np.float64(1.5), r"must be in \[0, 1\)"),
     ("learning_rate", np.float64("nan"), "must be a finite number"),

@@ -260,11 +260,16 @@ def validate(s: TrainSettings) -> TrainSettings:
 
 
 def _check_bools(s: TrainSettings) -> None:
-    """Every ``bool`` field is True or False (not 0, 1 or "yes")."""
+    """Every ``bool`` field is True or False (not 0, 1 or "yes"), every ``str`` one a string
+    (a plain dict's ``model.init_from=5`` was accepted, and failed later in the run)."""
     for prefix, obj in [("", s), *((f"{n}.", getattr(s, n)) for n in _SECTIONS)]:
         for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
             if f.type in (bool, "bool"):
-                check_bool(f"config.{prefix}{f.name}", getattr(obj, f.name))
+                check_bool(f"config.{prefix}{f.name}", value)
+            elif f.type in (str, "str"):
+                require(isinstance(value, (str, os.PathLike)), f"config.{prefix}{f.name}",
+                        f"must be a string, got {value!r} ({type(value).__name__}).")
 
 
 def _validate_run(s: TrainSettings) -> None:
