@@ -44,8 +44,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("method", "noloco", 'Optimizer: "noloco", "diloco", "dp" (all-reduce every step), "local".'),
     ("num_replicas", 8, "Data-parallel replicas N."),
     ("backend", "auto",
-     'Where replicas run: "auto" (one per device if enough devices, else vmap), "vmap", '
-     '"shard_map".'),
+     'Where replicas run: "auto" (one per device if enough devices, else vmap; with '
+     'mesh.fsdp or mesh.tensor > 1 always shard_map), "vmap", "shard_map".'),
     ("num_stages", 1, "Pipeline stages S per replica (must divide the layers); 1 = no pipeline."),
     # "random" draws a fresh bijection of replicas per micro-batch and stage boundary, as the
     # paper; evaluation always routes "fixed".
@@ -125,7 +125,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     # The gradient is the whole batch's either way (to float rounding); a larger k holds fewer
     # activations at once. With the plain model only (no pipeline stages, no stage skipping).
     ("optim.micro_batches", 1,
-     "Gradient accumulation: each replica's batch in k slices, one after another; 1 = off."),
+     "Gradient accumulation: each replica's batch in k slices, one after another; 1 = off. "
+     "Not with pipeline or skip stages."),
     ("outer.sync_every", 50, "H: inner steps per outer step (paper: 50 NoLoCo, 100 DiLoCo)."),
     ("outer.learning_rate", 0.7, "beta, the outer learning rate (paper: 0.7)."),
     ("outer.momentum", 0.5, "alpha, the outer momentum (paper: 0.5 NoLoCo, 0.3 DiLoCo)."),
@@ -146,9 +147,11 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("outer.error_feedback", False,
      "With an 8-bit exchange: add each replica's last quantisation residual to its next send."),
     # Streaming: fragment p (a run of layers) syncs at t mod H = (p + 1) H / P.
-    ("outer.fragments", 1, "P: split the model into P fragments, each synced H / P steps apart."),
+    ("outer.fragments", 1, "P: split the model into P fragments, each synced H / P steps apart "
+     "(noloco or diloco, num_stages=1)."),
     # Overlap: a round's exchange starts tau steps before the round ends and is merged at its end.
-    ("outer.delay", 0, "tau: inner steps run while an exchange travels (0 = none; < H / P)."),
+    ("outer.delay", 0, "tau: inner steps run while an exchange travels (0 = none; < H / P; "
+     "noloco or diloco, num_stages=1)."),
     ("outer.mixing", 1.0, "m: share of the delay's local progress the merge keeps (0..1)."),
     ("outer.seed", 0, "Seed of the NoLoCo group draws (and of fault.dropout_prob's draws)."),
     # Missing NoLoCo partners step alone; DiLoCo leaves the replica out of its all-reduce.
@@ -159,7 +162,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     # A caught replica poisons no partner, restarts from its last slow weights and an "event"
     # record goes to metrics.jsonl.
     ("fault.nonfinite_guard", True, "Exclude and reset replicas whose weights are not finite."),
-    ("fault.inject_nan_step", -1, "Tests and demos: make a replica's weights NaN at this step."),
+    ("fault.inject_nan_step", -1,
+     "Tests and demos: make a replica's weights NaN at this step (-1 = never)."),
     ("fault.inject_nan_replica", 0, "Tests and demos: the replica that inject_nan_step breaks."),
     # Each sequence runs stage 0 and path_length - 1 random others: skip ratio
     # (num_stages - path_length) / num_stages.
@@ -172,8 +176,10 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("log.wandb_project", "noloco_jax", "The W&B project."),
     ("log.wandb_run_name", "", 'The W&B run name; "" = W&B\'s default.'),
     # Devices = num_replicas x fsdp x tensor; NoLoCo / DiLoCo still talk over replicas only.
-    ("mesh.fsdp", 1, "Devices each replica's weights and optimizer state are split over (FSDP)."),
-    ("mesh.tensor", 1, "Devices each replica's attention heads and MLP are split over."),
+    ("mesh.fsdp", 1, "Devices each replica's weights and optimizer state are split over (FSDP; "
+     "backend auto or shard_map, num_stages=1)."),
+    ("mesh.tensor", 1, "Devices each replica's attention heads and MLP are split over (backend "
+     "auto or shard_map, num_stages=1)."),
 )
 
 
