@@ -1,4 +1,4 @@
-"""Command-line entry point: ``noloco-train`` or ``python -m noloco_jax.train``.
+r"""Command-line entry point: ``noloco-train`` or ``python -m noloco_jax.train``.
 
     noloco-train --config=configs/tiny_noloco.py --workdir=runs/tiny_noloco \
         --config.num_replicas=4 --config.outer.group_size=2
