@@ -864,6 +864,34 @@ def test_a_workdir_reached_through_a_symlinked_folder_of_the_corpus_is_refused(t
         loop._check_outside_corpus(settings, scratch / "run")
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_symlinked_folder_reached_deep_first_is_still_walked_from_its_shallow_link(
+        tmp_path, monkeypatch, reverse):  # fmt: skip
+    """R is linked at corpus/a/b/deep and at corpus/z, and R/out -> scratch: the glob reads
+    corpus/z/out/run/checkpoints/N/commit_success.txt, but the walk, reaching R deep first
+    (the listing order decides), marked it done there and the run was accepted."""
+    from noloco_jax.trainer import loop  # noqa: PLC0415
+
+    corpus, scratch, real = tmp_path / "corpus", tmp_path / "scratch", tmp_path / "R"
+    for folder in (corpus / "a" / "b", scratch, real):
+        folder.mkdir(parents=True)
+    (corpus / "a" / "b" / "deep").symlink_to(real)
+    (corpus / "z").symlink_to(real)
+    (real / "out").symlink_to(scratch)
+    walk = os.walk
+
+    def ordered(*args, **kwargs):  # both listing orders, each in one run of the test
+        for folder, subfolders, names in walk(*args, **kwargs):
+            subfolders.sort(reverse=reverse)
+            yield folder, subfolders, names
+
+    monkeypatch.setattr(os, "walk", ordered)
+    path = f"{corpus}/*/*/*/*/*/*.txt"  # corpus/z/out/run/checkpoints/N/commit_success.txt
+    settings = types.SimpleNamespace(data=types.SimpleNamespace(source="files", path=path))
+    with pytest.raises(ValueError, match=r"lies inside config\.data\.path"):
+        loop._check_outside_corpus(settings, scratch / "run")
+
+
 def test_a_workdir_a_glob_without_double_star_reads_is_refused(tmp_path):
     """'DIR/*/*/*.txt' reads DIR/checkpoints/N/commit_success.txt and 'DIR/*/*/*/*.txt'
     DIR/run/checkpoints/N/commit_success.txt; only recursive globs were checked."""

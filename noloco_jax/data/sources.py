@@ -379,15 +379,18 @@ def _folders_reached(root: pathlib.Path, pattern: tuple[str, ...]
                      ) -> Iterable[tuple[tuple[str, ...], pathlib.Path]]:  # fmt: skip
     """(parts below ``root`` as a glob or the directory walk sees them, real folder): ``root``
     itself, then each folder reached through a symlink, which both follow, to the depth the
-    pattern can reach (no limit with '**'), hidden ones only for a pattern that names some."""
+    pattern can reach (no limit with '**'), hidden ones only for a pattern that names some.
+    Without '**' each real folder is walked once per depth: the walk may reach it deep first,
+    where the pattern ends, and a glob also reads it through a shallower link."""
     yield (), root
     depth = math.inf if "**" in pattern else len(pattern) - 1
     hidden, done = any(part.startswith(".") for part in pattern), set()
     for folder, subfolders, _names in os.walk(root, followlinks=True):
         seen, real = pathlib.Path(folder).relative_to(root).parts, os.path.realpath(folder)
-        subfolders[:] = [] if len(seen) + 1 > depth or real in done else [
+        key = real if depth == math.inf else (real, len(seen))
+        subfolders[:] = [] if len(seen) + 1 > depth or key in done else [
             d for d in subfolders if hidden or not d.startswith(".")]  # each real folder once
-        done.add(real)
+        done.add(key)
         for d in subfolders:
             link = pathlib.Path(folder, d)
             if link.is_symlink():
