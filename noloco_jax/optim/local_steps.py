@@ -90,7 +90,8 @@ from jax import lax
 
 from noloco_jax import comm, errors
 from noloco_jax.optim import fragments as frag
-from noloco_jax.optim.trees import BATCHED_COUNTER_FIX, float_leaves, is_batched, is_float
+from noloco_jax.optim.trees import (BATCHED_COUNTER_FIX, check_scalar_round, float_leaves,
+                                    is_batched, is_float)
 
 AxisName = Union[str, tuple[str, ...]]
 
@@ -580,13 +581,7 @@ def local_steps(
                 f"leaves have a leading axis of {jnp.shape(state.nonfinite_resets)[0]}): "
                 "call it per replica, e.g. jax.jit(reps.map(train_step)) with reps = "
                 "noloco_jax.replicas.make_replicas(N).")
-        if jnp.ndim(state.count) != 0:  # unbatched but shaped: a vmap's default out_axes=0
-            raise ValueError(
-                f"local_steps.update got a step counter of shape {jnp.shape(state.count)}; the "
-                "shared counters are scalars. A jax.vmap over the replicas needs "
-                "replicas.replica_axes(state) as the state's out_axes as well as its in_axes "
-                "(the default out_axes=0 gave the counter a replica axis); or step with "
-                "jax.jit(reps.map(train_step)), reps = noloco_jax.replicas.make_replicas(N).")
+        check_scalar_round(state.count, "local_steps", "step")  # a vmap's default out_axes=0
         sync_step = _host_flag(extra_args.pop("sync_step", None))
         merge_step = _host_flag(extra_args.pop("merge_step", None))
         _check_phases(sync_step, merge_step, num_frags, delay)

@@ -89,13 +89,13 @@ BATCHED_COUNTER_FIX = (
 )
 
 
-def check_scalar_round(round_index: Any, who: str) -> None:
-    """Refuses a round counter with a shape (a ``jax.vmap`` whose default ``out_axes=0`` gave
-    the shared counter a replica axis), naming the fix; it failed in the group draw's
-    ``fold_in`` with advice to use ``jax.vmap``."""
+def check_scalar_round(round_index: Any, who: str, what: str = "round") -> None:
+    """Refuses a ``what`` counter with a shape (a ``jax.vmap`` whose default ``out_axes=0``
+    gave the shared counter a replica axis), naming the fix; it failed in the group draw's
+    ``fold_in`` (``local_steps``: in ``lax.cond``) with advice to use ``jax.vmap``."""
     if jnp.ndim(round_index) != 0:
         raise ValueError(
-            f"{who}.update got a round counter of shape {jnp.shape(round_index)}; the shared "
+            f"{who}.update got a {what} counter of shape {jnp.shape(round_index)}; the shared "
             "counters are scalars. A jax.vmap over the replicas needs "
             "replicas.replica_axes(state) as the state's out_axes as well as its in_axes (the "
             "default out_axes=0 gave the counter a replica axis); or step with "
