@@ -426,14 +426,14 @@ def _glob_match(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
 
 
 def _files_fingerprint(
-    files: Iterable[pathlib.Path], fraction: float, seed: int, encoding: str = "utf-8",
-    gzipped: Container[pathlib.Path] = (),
+    files: Iterable[pathlib.Path], fraction: float, seed: int, encoding: str,
+    gzipped: Container[pathlib.Path],
 ) -> str:
     extra = "" if encoding == "utf-8" else f":{encoding}"
     h = hashlib.sha256(f"{fraction!r}:{seed}{extra}".encode())
     for f in files:
         st = f.stat()  # ctime and inode too: a copy that keeps size and mtime changes them
-        gz = ":gunzip" if _named_gz(f) or f in gzipped else ""  # not the datasets of raw bytes
+        gz = ":gunzip" if f in gzipped else ""  # not the datasets of its raw bytes
         h.update(os.fsencode(f) + f":{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:"
                  f"{st.st_ino}{gz}\n".encode())
     return h.hexdigest()[:16]
@@ -481,19 +481,19 @@ MAX_UNDECODABLE = 0.001
 _BOM_KEPT = ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
 
 
-def _read_bytes(f: pathlib.Path, gz: bool = False) -> bytes:
-    """``f``'s bytes, a ``.gz`` file's (or with ``gz``) decompressed (they were decoded as text: a
-    latin-1 run trained on the compressed bytes); ``UserError`` naming the file when it cannot
-    be read."""
+def _read_bytes(f: pathlib.Path, gz: bool) -> bytes:
+    """``f``'s bytes, decompressed with ``gz`` (``_found_files``' flag: a ``.gz`` file's were
+    decoded as text, and a latin-1 run trained on them); ``UserError`` naming the file when it
+    cannot be read."""
     try:
         raw = f.read_bytes()
-        return gzip.decompress(raw) if gz or _named_gz(f) else raw
+        return gzip.decompress(raw) if gz else raw
     except (PermissionError, gzip.BadGzipFile, zlib.error, EOFError) as err:  # was a traceback
         raise UserError(f"corpus file {_title(f)!r}: cannot be read ({type(err).__name__}: "
                         f"{err}); fix its permissions or contents, or leave it out.") from err
 
 
-def _read_text(f: pathlib.Path, encoding: str, gz: bool = False) -> str:
+def _read_text(f: pathlib.Path, encoding: str, gz: bool) -> str:
     """``f`` decoded (``gz``: decompressed first, as ``_read_bytes``), a lone surrogate
     ('utf-7', 'unicode_escape') as U+FFFD, which UTF-8 (and so TFDS) can hold; raises
     ``ValueError`` when too many bytes are not ``encoding``."""
