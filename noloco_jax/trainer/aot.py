@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from noloco_jax import models, replicas, sharding
+from noloco_jax import models, replicas
 from noloco_jax.trainer.settings import ROUND_METHODS
 from noloco_jax.trainer.step import TrainState
 
@@ -189,9 +189,7 @@ def _abstract_model(s: Any, vocab_size: int) -> tuple[Any, Any, Any]:
 
     cfg = build.model_config(s, vocab_size)
     graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
-    # an init_from table keeps its size (model.vocab_size must equal it): no padding hint
-    sharding.check_divides(params, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor},
-                           pad_vocab=not s.model.init_from)
+    build.check_split(s, params)
     return cfg, graphdef, params
 
 

@@ -144,6 +144,13 @@ def prepare_model(s: TrainSettings, vocab_size: int, abstract: bool = False
     return cfg, *models.init_params(cfg, s.seed)
 
 
+def check_split(s: TrainSettings, params: Any) -> None:
+    """Refuses a ``config.mesh`` split that does not divide the model's dims, naming the fix;
+    an ``init_from`` table keeps its size (``model.vocab_size`` must equal it): no padding hint."""
+    sharding.check_divides(params, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor},
+                           pad_vocab=not s.model.init_from)
+
+
 def model_config(s: TrainSettings, vocab_size: int) -> models.LlamaConfig:
     """The run's model config for a tokenizer of ``vocab_size`` ids (``model_vocab``'s rule)."""
     if s.model.init_from:  # the checkpoint's config.json replaces the preset
@@ -266,9 +273,7 @@ def build_run(s: TrainSettings) -> tuple[Run, TrainState]:
     cfg, graphdef, params0 = prepare_model(s, data.tokenizer.vocab_size, abstract=True)
     spec, build_tx = optimizer_factory(s, params0)
     check_memory(s, data.tokenizer.vocab_size, build_tx())
-    # an init_from table keeps its size (model.vocab_size must equal it): no padding hint
-    sharding.check_divides(params0, {"fsdp": s.mesh.fsdp, "tensor": s.mesh.tensor},
-                           pad_vocab=not s.model.init_from)
+    check_split(s, params0)
     programs = _reuse(_COMPILED, _program_key(s, data, cfg),
                       lambda: _Programs.make(s, cfg, graphdef, build_tx, spec, data, params0))
     fresh = functools.partial(programs.first_state, params0 if _given(params0) else None)
