@@ -1,10 +1,14 @@
 """Corpora through TFDS, tokenizers, token-stream cache and the per-replica batcher."""
 
+import bz2
 import gzip
+import io
+import lzma
 import os
 import pathlib
 import subprocess
 import sys
+import tarfile
 import warnings
 
 import numpy as np
@@ -813,3 +817,34 @@ def test_eval_windows_refuse_a_stream_that_is_not_1d(shape):
 def test_importing_the_package_does_not_import_tensorflow():
     code = "import sys, noloco_jax.data; assert 'tensorflow' not in sys.modules, 'TF imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _tar_of(text: str) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("play.txt")
+        info.size = len(text.encode())
+        tar.addfile(info, io.BytesIO(text.encode()))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name, contents, what", [
+    ("plays.tar.gz", lambda t: gzip.compress(_tar_of(t)), "a tar archive"),
+    ("plays.tar", _tar_of, "a tar archive"),
+    ("plays.txt", lambda t: gzip.compress(t.encode()), "gzip data"),
+    ("plays.txt", lambda t: bz2.compress(t.encode()), "bzip2 data"),
+    ("plays.txt", lambda t: lzma.compress(t.encode()), "xz data"),
+    ("plays.txt", lambda t: b"version https://git-lfs.github.com/spec/v1\noid sha256:"
+                            + b"0" * 64 + b"\nsize 1234\n", "a git-lfs pointer"),
+])  # fmt: skip
+def test_an_archive_or_compressed_stream_is_refused_not_trained_on(tmp_path, name, contents,
+                                                                   what):
+    """A *.gz glob that met a .tar.gz trained on the tar's headers (ASCII; its NULs dropped),
+    and with encoding='latin-1' a bzip2/xz file or a gzip one not named .gz trained on its
+    compressed bytes; a git-lfs pointer trained as a short text."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / name).write_bytes(contents("the archived play " * 60))
+    for encoding in ("utf-8", "latin-1"):
+        with pytest.raises(errors.UserError, match=rf"corpus file '.*{name}' is {what}"):
+            data.load_corpus("files", path=str(tmp_path / "c" / name), data_dir=tmp_path / "d",
+                             encoding=encoding)  # fmt: skip

@@ -487,10 +487,36 @@ def _read_bytes(f: pathlib.Path, gz: bool) -> bytes:
     cannot be read."""
     try:
         raw = f.read_bytes()
-        return gzip.decompress(raw) if gz else raw
+        raw = gzip.decompress(raw) if gz else raw
     except (PermissionError, gzip.BadGzipFile, zlib.error, EOFError) as err:  # was a traceback
         raise UserError(f"corpus file {_title(f)!r}: cannot be read ({type(err).__name__}: "
                         f"{err}); fix its permissions or contents, or leave it out.") from err
+    _refuse_packed(f, raw)
+    return raw
+
+
+# Contents that are not text but pass for it: a tar's headers are ASCII (and its NULs were
+# dropped), and with encoding='latin-1' any compressed stream decodes without a complaint.
+_PACKED = (
+    (lambda b: b[257:263] in (b"ustar\x00", b"ustar "),
+     "a tar archive; unpack it (tar xf) and name the files"),
+    (lambda b: b[:4] == b"PK\x03\x04", "a zip archive; unzip it and name the files"),
+    (lambda b: b[:2] == b"\x1f\x8b", "gzip data; name the file *.gz, or gunzip it"),
+    (lambda b: b[:3] == b"BZh" and b[4:10] == b"1AY&SY", "bzip2 data; bunzip2 it"),
+    (lambda b: b[:6] == b"\xfd7zXZ\x00", "xz data; unxz it"),
+    (lambda b: b[:4] == b"\x28\xb5\x2f\xfd", "zstd data; unzstd it"),
+    (lambda b: b[:6] == b"7z\xbc\xaf\x27\x1c", "a 7z archive; unpack it and name the files"),
+    (lambda b: b.startswith(b"version https://git-lfs.github.com/spec/"),
+     "a git-lfs pointer, not the file; run `git lfs pull` in its repository"),
+)
+
+
+def _refuse_packed(f: pathlib.Path, raw: bytes) -> None:
+    """``UserError`` when ``raw`` (decompressed) is an archive, a compressed stream or a git-lfs
+    pointer: the run would train on its headers or compressed bytes."""
+    for looks_like, what in _PACKED:
+        if looks_like(raw):
+            raise UserError(f"corpus file {_title(f)!r} is {what}.")
 
 
 def _read_text(f: pathlib.Path, encoding: str, gz: bool) -> str:
@@ -620,7 +646,8 @@ def load_corpus(
       data_dir: holds downloads, TFDS datasets (``data_dir/tensorflow_datasets``)
         and caches; default ``default_data_dir()``.
       path: for ``"files"``: a file, a directory (all ``*.txt`` below it) or a glob; files
-        named ``*.gz`` (or found through a link so named) are read decompressed.
+        named ``*.gz`` (or found through a link so named) are read decompressed; a tar or
+        zip archive, another compressed stream or a git-lfs pointer is refused.
       tfds_name: for ``"tfds"``: the dataset name, optionally with config and
         version (``"lm1b"``, ``"c4/en:3.0.1"``); it must have a ``"text"`` feature.
       validation_fraction: share of the files held out (``"files"``).
