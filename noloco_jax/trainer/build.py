@@ -286,6 +286,8 @@ def build_run(s: TrainSettings) -> tuple[Run, TrainState]:
         "vocab_size": int(cfg.vocab_size),  # the model's (padded: above the tokenizer's)
         "tokenizer_vocab_size": int(data.tokenizer.vocab_size),
     }
+    if s.model.init_from:  # its config.json shapes the model but is no setting: a resume checks it
+        meta["init_model"] = dataclasses.asdict(cfg)
     return Run(s, data, programs.reps, params0, graphdef, programs.inner, programs.sync, block,
                 period, programs.evaluate, meta, fresh, calls=programs.calls,
                 delay=s.outer.delay if rounds else 0), programs.target  # fmt: skip

@@ -69,6 +69,7 @@ def check_resume(saved_meta: dict, current_meta: dict, allow_resize: bool) -> in
     """
     from noloco_jax.data.batches import ReplicaBatcher  # noqa: PLC0415
 
+    _check_init_model(saved_meta.get("init_model"), current_meta.get("init_model"))
     saved, current = saved_meta["settings"], current_meta["settings"]
     old_n, new_n = saved["num_replicas"], current["num_replicas"]
     if old_n == new_n or not allow_resize:
@@ -89,6 +90,19 @@ def check_resume(saved_meta: dict, current_meta: dict, allow_resize: bool) -> in
     batcher = current_meta["batcher"]
     ReplicaBatcher.check_compatible(_with(saved_meta["batcher"], batcher, _BATCHER_FIELDS), batcher)
     return old_n
+
+
+def _check_init_model(saved: dict | None, current: dict | None) -> None:
+    """Refuses a resume whose ``init_from`` config.json changed since the checkpoint: only its
+    path is a setting, and the restored weights would run under another rope_theta or eps."""
+    if saved is None or current is None or saved == current:
+        return
+    changed = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
+                        for k in sorted(saved.keys() | current.keys())
+                        if saved.get(k) != current.get(k))  # fmt: skip
+    raise ValueError(f"cannot resume: config.model.init_from's config.json changed since the "
+                     f"checkpoint was written ({changed}). Put the original config.json back, "
+                     f"or start a new run in another --workdir.")
 
 
 def _resize_leaf(x: Any, axis: Any, new_n: int) -> Any:
