@@ -13,7 +13,6 @@ from noloco_jax.errors import UserError
 from noloco_jax.trainer import settings as settings_lib
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.loop import train_and_evaluate
-from noloco_jax.trainer.resize import check_resume
 from noloco_jax.trainer.writers import read_jsonl
 from tests.helpers import copy_run, variant
 
@@ -228,13 +227,15 @@ def test_a_padded_vocabulary_trains_exports_and_resumes_only_as_itself(tmp_path,
     # trains in test_train_hf.py::test_a_padded_hf_checkpoint_trains_and_exports_its_padded_table).
     s = tiny_settings(corpus_dir, data_dir, model={"init_from": str(out)}, **short)
     assert build.model_config(s, data.tokenizer.vocab_size).vocab_size == 384
-    # Only init_from's path is a setting: a resume after its config.json changed was run with
-    # the restored weights under the new RMSNorm epsilon, silently.
-    saved = build.build_run(s)[0].meta
+    # Only init_from's path is a setting: a resume (or a load) after its config.json changed
+    # ran the restored weights under the new RMSNorm epsilon, silently.
+    train_and_evaluate(s, tmp_path / "tuned", progress=False)
     (out / "config.json").write_text(json.dumps({**exported, "rms_norm_eps": 0.5}))
-    with pytest.raises(ValueError, match=r"init_from's config.json changed since the checkpoint "
-                                         r"was written \(norm_eps: 1e-06 -> 0.5\)"):
-        check_resume(saved, build.build_run(s)[0].meta, allow_resize=False)
+    changed = r"init_from's config.json changed since the checkpoint was written \(norm_eps: "
+    with pytest.raises(ValueError, match=rf"cannot resume: config.model.{changed}1e-06 -> 0.5"):
+        train_and_evaluate(s, tmp_path / "tuned", progress=False)
+    with pytest.raises(ValueError, match=rf"cannot load the run: config.model.{changed}"):
+        load_run(s, tmp_path / "tuned")
 
 
 def test_missing_corpus_path(tmp_path, data_dir):

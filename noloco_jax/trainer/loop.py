@@ -31,7 +31,7 @@ from noloco_jax.trainer.build import (DataBundle, Run, build_run, prepare_data, 
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer.observability import Profiler, check_sinks, compile_seconds, make_sinks
-from noloco_jax.trainer.resize import check_resume, restore_resized
+from noloco_jax.trainer.resize import check_init_model, check_resume, restore_resized
 from noloco_jax.trainer.settings import (TrainSettings, check_delay_windows, check_loadable,
                                          guard_acts, warnings_for)
 from noloco_jax.trainer.step import TrainState
@@ -470,7 +470,9 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
         step = ckpt.latest_step()
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {directory}.")
-        check_loadable(_checked_meta(ckpt, step)["settings"], run.meta["settings"])  # not "corrupt"
+        meta = _checked_meta(ckpt, step)
+        check_loadable(meta["settings"], run.meta["settings"])  # not "corrupt"
+        check_init_model(meta, run.meta, "load the run")
         restored, _ = ckpt.restore(step, target)
     finally:  # its manager's threads and files, also when the checkpoint is refused
         ckpt.close()

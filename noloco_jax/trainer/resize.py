@@ -32,7 +32,7 @@ from noloco_jax import replicas
 from noloco_jax.optim.local_steps import LocalStepsState
 from noloco_jax.trainer.settings import check_resume_compatible
 
-__all__ = ["RESIZE_FIELDS", "check_resume", "resize_state", "restore_resized"]
+__all__ = ["RESIZE_FIELDS", "check_init_model", "check_resume", "resize_state", "restore_resized"]
 
 # Settings a resize may change (with allow_resize); everything else must match. NoLoCo's
 # group size must divide the new N, and no state depends on it.
@@ -69,7 +69,7 @@ def check_resume(saved_meta: dict, current_meta: dict, allow_resize: bool) -> in
     """
     from noloco_jax.data.batches import ReplicaBatcher  # noqa: PLC0415
 
-    _check_init_model(saved_meta.get("init_model"), current_meta.get("init_model"))
+    check_init_model(saved_meta, current_meta, "resume")
     saved, current = saved_meta["settings"], current_meta["settings"]
     old_n, new_n = saved["num_replicas"], current["num_replicas"]
     if old_n == new_n or not allow_resize:
@@ -92,15 +92,17 @@ def check_resume(saved_meta: dict, current_meta: dict, allow_resize: bool) -> in
     return old_n
 
 
-def _check_init_model(saved: dict | None, current: dict | None) -> None:
-    """Refuses a resume whose ``init_from`` config.json changed since the checkpoint: only its
-    path is a setting, and the restored weights would run under another rope_theta or eps."""
+def check_init_model(saved_meta: dict, current_meta: dict, verb: str) -> None:
+    """Refuses to ``verb`` (resume, load the run) once the ``init_from`` config.json changed
+    since the checkpoint: only its path is a setting, and the weights would run under another
+    rope_theta or eps. Checkpoints older than this check record no model config."""
+    saved, current = saved_meta.get("init_model"), current_meta.get("init_model")
     if saved is None or current is None or saved == current:
         return
     changed = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
                         for k in sorted(saved.keys() | current.keys())
                         if saved.get(k) != current.get(k))  # fmt: skip
-    raise ValueError(f"cannot resume: config.model.init_from's config.json changed since the "
+    raise ValueError(f"cannot {verb}: config.model.init_from's config.json changed since the "
                      f"checkpoint was written ({changed}). Put the original config.json back, "
                      f"or start a new run in another --workdir.")
 
