@@ -760,6 +760,20 @@ def test_multisteps_inside_local_steps_and_refused_outside():
         check_composition(outside.init(random_tree(jax.random.key(0))))
 
 
+def test_multisteps_that_can_end_off_a_sync_step_is_refused():
+    """A count schedule was read at step 0 only (a jnp count not at all: k=3 under sync_every=4
+    passed), and should_skip_update_fn does not count a skipped call: a NaN gradient moved every
+    later accumulation end off the sync steps, silently."""
+    with pytest.raises(ValueError, match=r"needs an int every_k_schedule: a count that changes"):
+        local_steps(optax.MultiSteps(optax.sgd(0.1), lambda step: jnp.int32(3)), noloco_outer(), 4)
+    with pytest.raises(ValueError, match=r"needs an int every_k_schedule"):
+        local_steps(optax.MultiSteps(optax.sgd(0.1), lambda step: 2 + step // 8), noloco_outer(), 4)
+    skipping = optax.MultiSteps(optax.sgd(0.1), 2, should_skip_update_fn=optax.skip_not_finite)
+    with pytest.raises(ValueError, match=r"cannot take should_skip_update_fn.*nonfinite_guard"):
+        local_steps(optax.chain(optax.clip(1.0), skipping.gradient_transformation()),
+                    noloco_outer(), 4)  # fmt: skip
+
+
 def test_multisteps_inside_a_chain_is_checked_or_refused():
     """An accumulation inside the inner chain escaped the check: with k=3 and sync_every=4 a
     sync fell in the middle of an accumulation, silently."""

@@ -390,14 +390,34 @@ def _check_accumulation(inner: Any, sync_every: int, num_fragments: int = 1) -> 
     name = f"sync_every={sync_every}" if num_fragments == 1 else \
         f"sync_every / fragments = {sync_every} / {num_fragments} = {period}"
     for owner in owners:
-        k = owner._every_k_schedule(0)  # noqa: SLF001 - optax keeps the count private
-        if isinstance(k, int) and k > 0 and period % k:
+        k = _constant_k(owner)
+        if k > 0 and period % k:
             raise ValueError(
                 f"{name} must be a multiple of the MultiSteps accumulation "
                 f"count k={k} (local_steps counts micro-steps): a sync would otherwise fall in "
                 f"the middle of an accumulation."
             )
     return len(owners)
+
+
+def _constant_k(owner: optax.MultiSteps) -> int:
+    """The accumulation count of a ``MultiSteps`` that ends an accumulation every k calls;
+    ``ValueError`` for a count schedule (a function of the step) or a ``should_skip_update_fn``
+    (a skipped call is not counted): either moves the ends off the sync steps, unchecked."""
+    schedule = owner._every_k_schedule  # noqa: SLF001 - optax keeps the count private
+    cells = [c.cell_contents for c in getattr(schedule, "__closure__", None) or ()]
+    if not (schedule.__qualname__.startswith("MultiSteps.") and len(cells) == 1
+            and isinstance(cells[0], int)):  # optax's wrapper of an int count
+        raise ValueError("optax.MultiSteps inside local_steps needs an int every_k_schedule: a "
+                         "count that changes with the step ends accumulations off the sync "
+                         "steps. Pass the count as an int.")  # fmt: skip
+    skip = owner._should_skip_update_fn  # noqa: SLF001 - optax's default one never skips
+    if not getattr(skip, "__qualname__", "").startswith("MultiSteps."):
+        raise ValueError("optax.MultiSteps inside local_steps cannot take should_skip_update_fn: "
+                         "a skipped call is not counted, so its accumulations end off the sync "
+                         "steps. For non-finite gradients use local_steps(..., "
+                         "nonfinite_guard=True).")  # fmt: skip
+    return cells[0]
 
 
 def _check_accumulators_seen(state: Any, checked: int) -> None:
