@@ -100,7 +100,7 @@ def run_case(network_name: str, nodes: int, stages: int, lengths: Sequence[int],
 
 
 def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean and std over seeds per (network, setting, skip), with the change vs full.
+    """Mean and sample std (n - 1) over seeds per (network, setting, skip); change vs full.
 
     Args:
       records: ``run_case`` outputs.
@@ -122,7 +122,8 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         full_mean = float(np.mean([r["makespan_s"] for r in full]))
         for kind, rs in both.items():
             spans = np.array([r["makespan_s"] for r in rs])
-            row[kind] = {"mean_s": float(spans.mean()), "std_s": float(spans.std()),
+            sd = float(spans.std(ddof=1)) if spans.size > 1 else 0.0  # over seeds, as elsewhere
+            row[kind] = {"mean_s": float(spans.mean()), "std_s": sd,
                          "vs_full_pct": 100 * (float(spans.mean()) / full_mean - 1),
                          "scheduler_s": float(np.mean([r["scheduler_s"] for r in rs]))}  # fmt: skip
         rows.append(row)

@@ -195,6 +195,26 @@ def test_skippipe_schedules_smoke(tmp_path, capsys):
     assert "python -m experiments.skippipe_schedules --smoke" in md and "SkipPipe vs full" in md
 
 
+def test_skippipe_schedules_summary_std_over_seeds_is_the_sample_std():
+    from experiments import skippipe_schedules
+
+    def rec(length, kind, seed, span):
+        return {"network": "net", "nodes": 18, "stages": 4, "path_length": length,
+                "skip_pct": 0 if length == 4 else 25, "schedule": kind, "seed": seed,
+                "makespan_s": span, "scheduler_s": 0.0}  # fmt: skip
+
+    spans = {"full": [10.0, 12.0, 14.0], "skippipe": [5.0, 6.0]}
+    records = [rec(4, "full", s, v) for s, v in enumerate(spans["full"])]
+    records += [rec(3, "skippipe", s, v) for s, v in enumerate(spans["skippipe"])]
+    (row,) = skippipe_schedules.summarise(records)
+    # by hand: full mean 12, sum of squares 8 over n - 1 = 2 -> 2.0; skippipe 0.5 / 1 -> sqrt 0.5
+    assert row["full"]["std_s"] == pytest.approx(2.0)
+    assert row["skippipe"]["std_s"] == pytest.approx(0.5**0.5)
+    assert row["skippipe"]["vs_full_pct"] == pytest.approx(100 * (5.5 / 12 - 1))
+    (one,) = skippipe_schedules.summarise(records[:1] + records[3:4])
+    assert one["full"]["std_s"] == 0.0  # one seed: no spread, not nan
+
+
 @pytest.mark.slow  # 40 s to 2 min (CPU load): a few dozen small programs to compile (3 sizes x group shapes)
 def test_hdee_smoke(tmp_path):
     from experiments import hdee
