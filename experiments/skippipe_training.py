@@ -61,7 +61,8 @@ def equal_time_runs(runs: list[harness.Run], times: dict[str, float], smoke: boo
         sec = _seconds_per_iteration(run, times)
         if sec is None:
             continue
-        chunks = max(1, round(base.num_steps * sec / times["full"] / base.log_every))
+        fit = base.num_steps * sec / times["full"] / base.log_every  # chunks in the budget
+        chunks = max(1, math.floor(fit + 1e-9))  # not round(): 29.7 chunks would overrun it
         steps = chunks * base.log_every
         out.append(harness.Run(f"full_until_{run.name}", {"skip.num_stages": 0},
                                pinned={"num_steps": steps, "checkpoint_every": steps}))

@@ -161,6 +161,22 @@ def test_a_full_run_does_not_take_a_smoke_runs_simulated_times(tmp_path):
     assert skippipe_training._iteration_times(tmp_path, smoke=True) == {"full": 1.0}
 
 
+def test_skippipe_equal_time_full_runs_fit_in_the_skip_runs_time():
+    from experiments import skippipe_training  # noqa: PLC0415
+
+    # 600 steps, log chunks of 10: skip25 at 4.95 s of the full pipeline's 10 s per iteration
+    # has 2970 s, 29.7 chunks of the full pipeline: 29 fit (290 steps, 2900 s), 30 overrun.
+    times = {"full": 10.0, "skip25": 4.95, "skip50": 3.0}
+    runs = skippipe_training.grid(False)
+    steps = {r.name: r.pinned["num_steps"]
+             for r in skippipe_training.equal_time_runs(runs, times, False)}  # fmt: skip
+    # skip50_full10: (9 x 3 + 10) / 10 = 3.7 s -> 2220 s, 22.2 chunks -> 220 steps
+    assert steps == {"full_until_skip25": 290, "full_until_skip50": 180,
+                     "full_until_skip50_full10": 220}  # fmt: skip
+    exact = skippipe_training.equal_time_runs(runs, {"full": 10.0, "skip25": 5.0}, False)
+    assert exact[0].pinned["num_steps"] == 300  # a budget of exactly 30 chunks keeps all 30
+
+
 @pytest.mark.slow  # two training processes next to the same two runs in this one (~1-2 min)
 def test_parallel_jobs_train_the_same_runs_as_in_process(dirs, tmp_path):
     from noloco_jax.experiments import table2
