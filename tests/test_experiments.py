@@ -69,7 +69,7 @@ def test_spread_vs_lr_smoke_reuses_table2_runs(dirs):
     stats, md = _run("spread_vs_lr", dirs)
     runs = {k: v for k, v in stats.items() if not k.startswith("_")}  # _provenance
     assert runs and all(-1.0 <= v["pearson"] <= 1.0 for v in runs.values())
-    assert "partial r (lr | step)" in md and "mid-round" in md
+    assert "partial r (lr \\| step)" in md and "mid-round" in md  # the header cell, escaped
 
 
 def test_sweeps_smoke(dirs):

@@ -137,3 +137,15 @@ def test_smoke_runs_keep_the_sync_periods_the_full_plan_tells_apart(tmp_path):
         aligned = cfg.num_steps // math.lcm(h["diloco"], cfg.eval_every)
         assert aligned >= plan.LAST_K
     assert [harness.smoke_sync_every(v) for v in (5, 10, 20, 50)] == [1, 2, 4, 10]
+
+
+def test_md_table_escapes_a_pipe_inside_a_cell():
+    from experiments.bench import common  # noqa: PLC0415
+
+    for md_table in (harness.md_table, common.md_table):
+        table = md_table(["run", "partial r (lr | step)"], [["a", "max |d|"], ["b", 0.5]])
+        lines = table.splitlines()
+        # every line has 3 unescaped pipes: 2 cells, as many as the delimiter row
+        assert [line.replace("\\|", "").count("|") for line in lines] == [3, 3, 3, 3]
+        assert lines[0] == "| run | partial r (lr \\| step) |"
+        assert lines[2] == "| a | max \\|d\\| |" and lines[3] == "| b | 0.5 |"

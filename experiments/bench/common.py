@@ -117,10 +117,10 @@ def write(name: str, results: dict, markdown: str, out_dir: pathlib.Path = SCRAT
 
 
 def md_table(header: list[str], rows: list[list[Any]]) -> str:
-    def fmt(v: Any) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    def fmt(v: Any) -> str:  # a "|" in a cell ("max |loss, grad diff|") would split it: escaped
+        return (f"{v:.4g}" if isinstance(v, float) else str(v)).replace("|", "\\|")
 
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = ["| " + " | ".join(map(fmt, header)) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]) + "\n"
 
 

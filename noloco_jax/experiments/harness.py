@@ -462,9 +462,9 @@ def save_figure(fig: Any, path: pathlib.Path, dpi: int = 110) -> pathlib.Path:
 
 
 def md_table(header: list[str], rows: list[list[Any]]) -> str:
-    def fmt(v: Any) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    def fmt(v: Any) -> str:  # a "|" in a cell ("r (lr | step)") would split it: escaped
+        return (f"{v:.4g}" if isinstance(v, float) else str(v)).replace("|", "\\|")
 
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = ["| " + " | ".join(map(fmt, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
