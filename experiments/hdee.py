@@ -158,6 +158,12 @@ def _at_least(k: int, n: int, p: float) -> float:
     return stats.binomial_tail(n, k, p)
 
 
+def chance_p(p: float) -> str:
+    """A chance probability to two decimals, or to one significant digit below 0.005 (a clean
+    sweep of 17 domains, 0.001, printed as 0.00 read as impossible by chance)."""
+    return f"{p:.2f}" if p >= 0.005 else f"{p:.1g}"
+
+
 def power_note(n: int) -> str:
     """The power of the count test with ``n`` domains if the paper's rate (20 / 21) is true,
     and the fewest domains that reach power 0.8 (issue 23: compute the power first)."""
@@ -207,7 +213,7 @@ def report(results: dict, c, opts: harness.Options) -> str:
             count = sum(min(ENSEMBLES, key=lambda k: mean_ppl(k, n, rule)) in HETERO
                         for n in members)  # fmt: skip
             split_rows.append([rule, group, f"{count} / {len(members)}",
-                               f"{_at_least(count, len(members), 2 / 3):.2f}"])
+                               chance_p(_at_least(count, len(members), 2 / 3))])
     # Paired over seeds: domains where the better heterogeneous ensemble beats M_Ho-I_Ho in
     # every seed, which a difference within seed noise rarely does.
     paired = {rule: sum(all(min(r["ppl"][k][n][rule] for k in HETERO)
@@ -287,7 +293,8 @@ def report(results: dict, c, opts: harness.Options) -> str:
         + ", ".join(f"{r} {all_rows[r][2]} (P = {all_rows[r][3]})" for r in paper_rules)
         + f". Under the same null the paper's 20 of 21 has P = {_at_least(20, 21, 2 / 3):.4f}; "
         f"with {len(names)} domains even a clean sweep would have P = "
-        f"{_at_least(len(names), len(names), 2 / 3):.2f}. Where it comes from (dev_prior rule): "
+        f"{chance_p(_at_least(len(names), len(names), 2 / 3))}. Where it comes from (dev_prior "
+        "rule): "
         "M_Ho-I_He (steps moved from easy to hard domains) changes perplexity by "
         + ", ".join(f"{tier_mean['dev_prior', t, 'M_Ho-I_He']:+.1f} % ({t})"
                     for t in ("easy", "medium", "hard", "held out"))

@@ -231,6 +231,21 @@ def test_skippipe_schedules_summary_std_over_seeds_is_the_sample_std():
     assert one["full"]["std_s"] == 0.0  # one seed: no spread, not nan
 
 
+def test_hdee_report_prints_a_small_chance_probability_as_it_is_not_as_zero():
+    from experiments import hdee
+
+    published = json.loads((harness.RESULTS / "hdee.json").read_text())
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["experiments.hdee"])
+        md = hdee.report(published, hdee._settings(False), harness.Options())
+    # 17 of 17 by chance: (2/3)^17 = 0.00101; it read "P = 0.00"
+    assert "even a clean sweep would have P = 0.001." in md
+    # the page's other chance probabilities keep their two decimals: 16 / 17 is 0.0096
+    assert "| log_average | all | 16 / 17 | 0.01 |" in md and "(P = 0.28)" in md
+    assert hdee.chance_p(0.0044) == "0.004" and hdee.chance_p(0.005) == "0.01"
+
+
 @pytest.mark.slow  # 40 s to 2 min (CPU load): a few dozen small programs to compile (3 sizes x group shapes)
 def test_hdee_smoke(tmp_path):
     from experiments import hdee
