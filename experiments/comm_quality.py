@@ -112,10 +112,16 @@ def summarise(results: dict, smoke: bool) -> list[dict]:
     return rows
 
 
+def p_text(p: float) -> str:
+    """A p-value to three decimals, or to one significant digit below 0.0005 (0.00048 read
+    "0.000", a p of zero)."""
+    return f"{p:.3f}" if p >= 0.0005 else f"{p:.1g}"
+
+
 def report(rows: list[dict], opts: harness.Options) -> str:
     table = [[r["method"], r["option"], f"{r['mean']:.4f} ± {r['std']:.4f}",
               "" if "diff" not in r else f"{r['diff']:+.4f} vs {r['baseline']}",
-              "" if "p" not in r else f"{r['p']:.3f}",
+              "" if "p" not in r else p_text(r["p"]),
               "" if "better" not in r else f"{r['better']}/{r['n']}"] for r in rows]  # fmt: skip
     cmd = options.command("experiments.comm_quality")
     return (

@@ -231,6 +231,20 @@ def test_skippipe_schedules_summary_std_over_seeds_is_the_sample_std():
     assert one["full"]["std_s"] == 0.0  # one seed: no spread, not nan
 
 
+def test_comm_quality_report_prints_a_small_p_as_it_is_not_as_zero():
+    from experiments import comm_quality
+
+    published = json.loads((harness.RESULTS / "comm_quality.json").read_text())
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["experiments.comm_quality"])
+        md = comm_quality.report(published["_rows"], harness.Options())
+    # NoLoCo tau = 5: p = 0.00048 read "0.000"; the other p's keep their three decimals
+    assert "| noloco | tau5 | 11.7742 ± 0.0346 | +0.4212 vs f32 | 0.0005 | 0/3 |" in md
+    assert "| diloco | P2 | 11.1969 ± 0.0185 | +0.1867 vs f32 | 0.002 | 0/3 |" in md
+    assert comm_quality.p_text(0.0004) == "0.0004" and comm_quality.p_text(0.0296) == "0.030"
+
+
 def test_hdee_report_prints_a_small_chance_probability_as_it_is_not_as_zero():
     from experiments import hdee
 
