@@ -83,6 +83,17 @@ def test_quadratic_theory_smoke(dirs):
     verdicts = {(r["gamma"], r["bounded"]) for r in results["records"] if r["gamma"] is not None}
     assert (0.7, True) in verdicts and (2.2, False) in verdicts
     assert "spread / omega" in md
+    # the rule the page states is the one applied: the cap of 10 was applied but not stated
+    assert "below 1.5x the second-quarter mean and below 10." in md
+
+
+def test_quadratic_theory_bounded_rule():
+    from experiments import quadratic_theory
+
+    assert quadratic_theory.bounded(0.10, 0.14)  # below 1.5 x 0.10
+    assert not quadratic_theory.bounded(0.10, 0.16)  # grew by more than half
+    assert not quadratic_theory.bounded(20.0, 25.0)  # slow growth, but above 10
+    assert not quadratic_theory.bounded(0.10, float("nan"))
 
 
 def test_plot_script_on_a_smoke_run(dirs, tmp_path):
