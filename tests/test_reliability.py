@@ -567,6 +567,26 @@ def test_lock_file_of_a_dead_process_is_taken_over(tmp_path):
             WorkdirLock(tmp_path).acquire()  # another open of the same lock conflicts too
 
 
+@pytest.mark.parametrize("how", ["another user's", "a folder"])
+def test_a_lock_file_that_cannot_be_opened_is_a_short_error(tmp_path, monkeypatch, how):
+    """A .lock of another user (a run under sudo left it) or a folder was an OSError
+    traceback (exit 1) from os.open, not a user error naming the file and the fix."""
+    if how == "a folder":
+        (tmp_path / ".lock").mkdir()
+    else:  # as root no permission is refused: os.open refuses as it would for another user
+        real_open = os.open
+
+        def refused(path, *args, **kwargs):
+            if str(path).endswith(".lock"):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(UserError, match=r"its lock file .*\.lock' cannot be opened .*Error.*"
+                                        r"remove it if no trainer uses the workdir"):
+        WorkdirLock(tmp_path).acquire()
+
+
 # --- 4. runs that cannot learn -----------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ import pathlib
 import socket
 import warnings
 
-from noloco_jax.errors import WorkdirLockedError
+from noloco_jax.errors import UserError, WorkdirLockedError
 
 __all__ = ["WorkdirLock"]
 
@@ -28,9 +28,17 @@ class WorkdirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Takes the lock or raises ``WorkdirLockedError`` naming the holder; on a filesystem
-        without file locks it warns and goes on unlocked."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Takes the lock or raises ``WorkdirLockedError`` naming the holder (``UserError``
+        when the lock file cannot be opened); on a filesystem without file locks it warns and
+        goes on unlocked."""
+        try:  # a lock file of another user (a run under sudo) or a folder was a traceback
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise UserError(
+                f"--workdir {str(self.path.parent)!r}: its lock file {str(self.path)!r} cannot "
+                f"be opened ({type(err).__name__}: {err}); make it this user's (a run of "
+                f"another user or under sudo left it) or remove it if no trainer uses the "
+                f"workdir, or use another --workdir.") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
