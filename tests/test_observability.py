@@ -353,6 +353,23 @@ def test_a_full_disk_at_the_writer_s_close_is_a_metrics_write_error(tmp_path, mo
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1]
 
 
+def test_numpy_and_jax_integers_and_bools_are_logged_exactly(tmp_path):
+    """A NumPy or JAX integer went through float(): np.int64(2**53 + 1) was logged as
+    9007199254740992.0, np.int64(7) as 7.0 and np.bool_(True) as 1.0, where Python's int and
+    bool are written as they are."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    writer = MetricWriter(tmp_path)  # TensorBoard too: it takes the exact values as well
+    writer.write(1, "train", {"big": np.int64(2**53 + 1), "count": jnp.asarray(7),
+                              "flag": np.bool_(True), "per_replica": np.array([1, 2]),
+                              "loss": np.float32(1.5)})  # fmt: skip
+    writer.close()
+    (rec,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rec == {"step": 1, "kind": "train", "big": 2**53 + 1, "count": 7, "flag": True,
+                   "per_replica": [1, 2], "loss": 1.5}  # fmt: skip
+    assert [type(rec[k]) for k in ("big", "count", "flag")] == [int, int, bool]
+
+
 def test_a_new_session_hides_what_an_abandoned_one_logged_past_its_start(tmp_path):
     """A run killed before its first checkpoint and started again with another log_every kept
     the first session's records (steps 3 and 6 beside the new 4 and 8); so did a resume that

@@ -200,6 +200,8 @@ class Progress:
 def _jsonable(v: Any) -> Any:
     if isinstance(v, (list, tuple)) or getattr(v, "ndim", 0) > 0:
         return [_jsonable(x) for x in list(v)]  # per-replica values
+    if getattr(getattr(v, "dtype", None), "kind", "") in ("i", "u", "b"):
+        return v.item()  # a NumPy or JAX integer or bool: an exact int or bool, not a float
     try:
         return float(v) if not isinstance(v, (str, bool, int)) else v
     except (TypeError, ValueError):
