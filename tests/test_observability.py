@@ -353,6 +353,17 @@ def test_a_full_disk_at_the_writer_s_close_is_a_metrics_write_error(tmp_path, mo
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1]
 
 
+def test_a_write_refused_for_another_reason_than_space_does_not_say_free_space(tmp_path):
+    """Any refused write (a metrics.jsonl that is a folder, or read-only) told the user to
+    "Free space", which cannot help; only a full disk or quota still says so."""
+    (tmp_path / "metrics.jsonl").mkdir()
+    writer = MetricWriter(tmp_path, tensorboard=False)
+    with pytest.raises(MetricsWriteError) as caught:
+        writer.write(0, "eval", {"val_loss": 1.0})
+    assert "IsADirectoryError" in str(caught.value) and "Free space" not in str(caught.value)
+    assert "Make what the error names writable" in str(caught.value)
+
+
 def test_numpy_and_jax_integers_and_bools_are_logged_exactly(tmp_path):
     """A NumPy or JAX integer went through float(): np.int64(2**53 + 1) was logged as
     9007199254740992.0, np.int64(7) as 7.0 and np.bool_(True) as 1.0, where Python's int and

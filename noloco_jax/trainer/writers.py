@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import pathlib
@@ -79,7 +80,8 @@ class MetricWriter:
             raise MetricsWriteError(
                 f"could not write the metrics of step {step} under {self.workdir} "
                 f"({type(err).__name__}: {err}); the run stopped; the checkpoints already "
-                f"written are intact. Free space and run again to resume.") from err  # fmt: skip
+                f"written are intact. {_remedy(err)} and run again to resume."
+            ) from err
 
     def _write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if self._jsonl is None:
@@ -112,7 +114,8 @@ class MetricWriter:
             raise MetricsWriteError(
                 f"could not finish writing the metrics under {self.workdir} "
                 f"({type(error).__name__}: {error}); the last records may be missing; the "
-                f"checkpoints already written are intact. Free space.") from error  # fmt: skip
+                f"checkpoints already written are intact. {_remedy(error)}."
+            ) from error
 
     def _closers(self) -> list[Callable[[], None]]:
         closers = [sink.close for sink in self._sinks]
@@ -195,6 +198,13 @@ class Progress:
         if self._bar is not None:
             self._bar.leave = True  # the last bar stays on the console
             self._bar.close()
+
+
+def _remedy(err: OSError) -> str:
+    """What to do about a refused write: free space only helps a full disk or quota."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "Free space"
+    return "Make what the error names writable (a file, not a folder)"
 
 
 def _jsonable(v: Any) -> Any:
