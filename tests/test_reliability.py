@@ -1051,8 +1051,8 @@ def test_exchange_settings_of_a_lone_replica_are_warned(corpus_dir, data_dir):  
 def test_state_that_cannot_fit_is_refused_with_the_estimate(tmp_path, corpus_dir, data_dir):  # noqa
     s = _settings(corpus_dir, data_dir, model={"preset": "large"})  # ~6.7e9 params x 4 replicas
     start = time.perf_counter()
-    with pytest.raises(UserError, match=r"needs at least \d+\.\d GiB .* GiB free\. Put fewer "
-                                        r"replicas on each device"):  # fmt: skip
+    with pytest.raises(UserError, match=r"needs at least \d+\.\d GiB .* GiB free\. CPU devices "
+                                        r"share this memory.* Use fewer replicas"):  # fmt: skip
         train_and_evaluate(s, tmp_path, progress=False)
     assert time.perf_counter() - start < 60  # refused from shapes, before allocating or compiling
 
@@ -1067,6 +1067,26 @@ def test_memory_estimate_counts_params_and_optimizer_state():
     one = memory.state_bytes_per_device(params, adam, num_replicas=4, backend="shard_map")
     assert one == 4000 * 3 + 4
     assert memory.state_bytes_per_device(params, adam, num_replicas=4, backend="vmap") == 4 * one
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_memory_remedies_that_spread_the_state_are_offered_only_off_the_cpu(monkeypatch,
+                                                                          platform):
+    """CPU devices share the host's RAM: shard_map, a split or stages leave its total as it is
+    (small, N = 4 on CPU: 8.47 GiB with vmap and shard_map, 8.50 GiB with 2 stages), yet the
+    refusal on CPU advised shard_map and stages first."""
+    from noloco_jax.trainer import memory
+
+    device = types.SimpleNamespace(platform=platform)
+    monkeypatch.setattr(jax, "local_devices", lambda: [device])
+    monkeypatch.setattr(memory, "available_bytes", lambda d: (2**30, "the device"))
+    with pytest.raises(UserError) as caught:
+        memory.check_fits(2**32, 4, preset="small", backend="vmap")
+    text = str(caught.value)
+    assert text.endswith("fewer replicas, a smaller model.preset or model.param_dtype='bfloat16'.")
+    assert ("backend='shard_map'" in text) == ("mesh.fsdp" in text) == ("num_stages" in text) \
+        == (platform != "cpu"), text
+    assert ("CPU devices share this memory" in text) == (platform == "cpu"), text
 
 
 @pytest.mark.parametrize("kwargs, field", [
