@@ -707,6 +707,28 @@ def test_the_consecutive_reset_count_survives_a_resume(finished_run, monkeypatch
     assert step == 12 and run.streak == [0, 2, 0, 0]
 
 
+@pytest.mark.parametrize("min_lr_ratio", [0.1, 1.0])
+def test_the_unrepaired_warning_offers_a_longer_run_only_where_one_can_resume(min_lr_ratio):
+    """The warning said "resuming with a larger num_steps repairs them" under every schedule,
+    but a resume with a larger num_steps is refused unless optim.min_lr_ratio=1 (the default
+    0.1 is a cosine to 10 %)."""
+    from noloco_jax.trainer.step import TrainState  # noqa: PLC0415
+
+    s = settings_lib.from_config({"method": "noloco", "num_replicas": 2, "global_batch_size": 2,
+                                  "model": {"preset": "nano"},
+                                  "optim": {"min_lr_ratio": min_lr_ratio}})  # fmt: skip
+    state = TrainState(jnp.zeros([], jnp.int32), {"w": jnp.asarray([[1.0], [jnp.nan]])}, ())
+    guard = health.Escalation(types.SimpleNamespace(settings=s, streak=None), state, None)
+    text = guard.unrepaired(state, 5)
+    assert text.startswith("the fast weights of replica(s) [1] are non-finite at the last step")
+    assert ("resuming with a larger num_steps repairs them" in text) == (min_lr_ratio == 1), text
+    if min_lr_ratio != 1:  # what check_resume_compatible would refuse is not offered
+        with pytest.raises(ValueError, match="only when its learning-rate schedule"):
+            longer = {**s.to_dict(), "num_steps": s.num_steps + 1}
+            settings_lib.check_resume_compatible(s.to_dict(), longer)
+        assert "cannot be extended" in text and "optim.min_lr_ratio=1" in text
+
+
 def test_without_guard_nan_shows_in_the_loss_and_keeps_the_finite_checkpoint(
     tmp_path, corpus_dir, data_dir  # noqa: F811
 ):

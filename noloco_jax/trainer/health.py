@@ -103,11 +103,15 @@ class Escalation:
         ok = _finite_replicas(state.params)
         if ok.all():
             return None
+        # A larger num_steps resumes only with a constant schedule (check_resume_compatible).
+        extend = ("resuming with a larger num_steps repairs them at the next sync"
+                  if self._settings.optim.min_lr_ratio == 1 else
+                  "this run cannot be extended to repair them (a larger num_steps resumes only "
+                  "with optim.min_lr_ratio=1, a constant schedule)")  # fmt: skip
         return (f"the fast weights of replica(s) {np.flatnonzero(~ok).tolist()} are non-finite "
                 f"at the last step {step}, after the last sync: no sync is left to repair them, "
                 f"so their evaluation is NaN. Their slow weights are finite and checkpointed; "
-                f"resuming with a larger num_steps repairs them at the next sync (a num_steps "
-                f"that is a multiple of outer.sync_every ends on a sync).")
+                f"{extend} (a num_steps that is a multiple of outer.sync_every ends on a sync).")
 
     def _fail(self, step: int, what: str) -> None:
         s = self._settings
