@@ -26,7 +26,7 @@ from noloco_jax.data import ByteTokenizer
 from noloco_jax.data.batches import eval_windows
 from noloco_jax.errors import UserError
 from noloco_jax.experiments import harness, provenance, stats
-from noloco_jax.hdee import (ENSEMBLES, RULES, assign_tiers, compute, difficulty_bits_per_byte,
+from noloco_jax.hdee import (ENSEMBLES, HELD_OUT_DOMAINS, RULES, TRAINING_DOMAINS, assign_tiers, compute, difficulty_bits_per_byte,
                              make_domains, ngram_bits_per_byte, plan_ensemble, posterior_weight_on,
                              rule_perplexities, size_config, token_logprobs, train_group)  # fmt: skip
 
@@ -178,11 +178,18 @@ def power_note(n: int) -> str:
             f"least {need} domains (and stays above it for every count from {need} to {upto}).")
 
 
+def _page_order(names: list[str], tiers: dict) -> list[str]:
+    """Training domains first, then the held-out ones, each in ``domains``' order (a saved
+    hdee.json has its keys sorted: --report_only listed them alphabetically, mixed)."""
+    known = {n: i for i, n in enumerate((*TRAINING_DOMAINS, *HELD_OUT_DOMAINS))}
+    return sorted(names, key=lambda n: (n not in tiers, known.get(n, len(known))))
+
+
 def report(results: dict, c, opts: harness.Options) -> str:
     difficulty = results["difficulty"]
     seeds = sorted(results["seeds"])
     runs = [results["seeds"][s] for s in seeds]
-    names = list(difficulty["zlib"])  # training domains first, then the held-out ones
+    names = _page_order(list(difficulty["zlib"]), runs[0]["tiers"])
     trained = [n for n in names if n in runs[0]["tiers"]]
     held = [n for n in names if n not in trained]
 
@@ -256,7 +263,7 @@ def report(results: dict, c, opts: harness.Options) -> str:
         f"expert per training domain: T = {c.steps} steps, delta = {c.delta}, {c.batch_size} x "
         f"{c.seq_len} tokens per step, {len(seeds)} seed(s); experts of one size train together "
         "as vmapped independent replicas. Equal compute, sum of non-embedding params x steps: "
-        + ", ".join(f"{k} {v:,}" for k, v in comp.items()) + ".\n\n"
+        + ", ".join(f"{k} {comp[k]:,}" for k in ENSEMBLES) + ".\n\n"
         f"Domains. Tiers are thirds of the training domains by {measure} (a tier that differs "
         "between seeds is listed per seed). Other measured difficulties: zlib level-9 bits/byte of "
         "the train text, and bits/byte of an interpolated byte 3-gram fit on train and scored on "

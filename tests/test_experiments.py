@@ -269,6 +269,12 @@ def test_hdee_report_prints_a_small_chance_probability_as_it_is_not_as_zero():
     # the page's other chance probabilities keep their two decimals: 16 / 17 is 0.0096
     assert "| log_average | all | 16 / 17 | 0.01 |" in md and "(P = 0.28)" in md
     assert hdee.chance_p(0.0044) == "0.004" and hdee.chance_p(0.005) == "0.01"
+    # The saved json's keys are sorted: --report_only listed the domains alphabetically,
+    # training and held-out mixed, and the ensembles' compute in another order than the page.
+    page = (harness.RESULTS / "hdee.md").read_text().splitlines()
+    changed = [(a, b) for a, b in zip(page, md.splitlines()) if a != b]
+    assert len(page) == len(md.splitlines()) and len(changed) == 1
+    assert "sweep would have P = 0.00." in changed[0][0]  # the one line the P fix changes
 
 
 @pytest.mark.slow  # 40 s to 2 min (CPU load): a few dozen small programs to compile (3 sizes x group shapes)
