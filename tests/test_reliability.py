@@ -593,7 +593,7 @@ def test_a_lock_file_that_cannot_be_opened_is_a_short_error(tmp_path, monkeypatc
 @pytest.mark.parametrize("field,value,pattern", [
     ("learning_rate", float("inf"), "optim.learning_rate: must be a finite number > 0"),
     ("learning_rate", float("nan"), "optim.learning_rate: must be a finite number > 0"),
-    ("eps", 0.0, r"optim.eps: must be > 0"),
+    ("eps", 0.0, r"optim.eps: must be >= 1.18e-38"),
     ("weight_decay", float("inf"), "optim.weight_decay: must be a finite number"),
 ])  # fmt: skip
 def test_values_that_cannot_learn_are_refused(corpus_dir, data_dir, field, value, pattern):  # noqa

@@ -155,6 +155,15 @@ def test_bad_settings_name_the_field(overrides, field):
         settings_lib.from_config(_tiny(**overrides))
 
 
+@pytest.mark.parametrize("eps", [0.0, 1e-40, 1e-46])
+def test_an_eps_that_is_zero_in_float32_is_refused(eps):
+    """Adam's moments are float32: eps = 1e-40 (subnormal, flushed) or 1e-46 passed the
+    eps > 0 check, was 0 there and made the unused embedding rows NaN on the first step."""
+    with pytest.raises(ValueError, match=r"config\.optim\.eps: must be >= 1\.18e-38"):
+        settings_lib.from_config(_tiny(**{"optim.eps": eps}))
+    assert settings_lib.from_config(_tiny(**{"optim.eps": 2.0**-126})).optim.eps == 2.0**-126
+
+
 def test_the_group_size_of_a_lone_noloco_replica_is_warned():
     s = settings_lib.from_config(_tiny(num_replicas=1, **{"outer.group_size": 4}))
     assert settings_lib.warnings_for(s) == [

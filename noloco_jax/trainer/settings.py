@@ -32,6 +32,7 @@ BACKENDS = ("auto", "vmap", "shard_map")
 DTYPES = ("float32", "bfloat16")
 EXCHANGE_DTYPES = ("", "bfloat16", "float32", "int8", "float8_e4m3fn")  # outer.exchange_dtype
 SLOW_DTYPES = ("", "float32")  # outer.slow_dtype: the params' own dtype, or master weights
+FLOAT32_TINY = 2.0**-126  # the smallest normal float32 (np.finfo(np.float32).tiny)
 MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overflow there
 # Settings that may change when a run resumes; any other change is refused. log_every is
 # not among them: it sets the fused chunks, and a resume with other chunks is not bit-identical.
@@ -601,9 +602,11 @@ def _validate_optim(o: OptimSettings, num_steps: int) -> None:
     for name in ("eps", "weight_decay", "clip_norm"):
         check_number(f"config.optim.{name}", getattr(o, name))
     # Adam divides by sqrt(v) + eps: with eps = 0 a parameter whose gradient is 0
-    # (an unused embedding row) gets 0 / 0 = NaN on the first step.
-    require(o.eps > 0, "config.optim.eps", f"must be > 0 (Adam divides by sqrt(v) + eps), got "
-            f"{o.eps!r}; the usual value is 1e-8.")
+    # (an unused embedding row) gets 0 / 0 = NaN on the first step. The moments are float32,
+    # where an eps below the smallest normal number (1.2e-38) is 0 (XLA flushes subnormals).
+    require(o.eps >= FLOAT32_TINY, "config.optim.eps", f"must be >= {FLOAT32_TINY:.3g} (Adam "
+            f"divides by sqrt(v) + eps in float32, where a smaller eps is 0), got {o.eps!r}; the "
+            f"usual value is 1e-8.")  # fmt: skip
 
 
 def _check_micro_batches(s: TrainSettings) -> None:
