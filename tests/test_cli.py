@@ -142,6 +142,10 @@ CASES = {
                                                     r"'sentencepiece'.*got 0; e\.g\. 4096"),  # fmt: skip
         (["--config.data.tokenizer_vocab_size=4096"], r"config\.data\.tokenizer_vocab_size: the "
                                                       r"byte tokenizer has exactly 256 ids"),  # fmt: skip
+        # The corpus check named the Python argument, vocab_size=259, not the config field:
+        (["--config.data.tokenizer=sentencepiece", "--config.data.tokenizer_vocab_size=259"],
+         r"config\.data\.tokenizer_vocab_size=259 leaves room for only 1 character piece.*use a "
+         r"larger config\.data\.tokenizer_vocab_size"),
     ],
     "a `tokenizer.json` that is a git-lfs pointer or not JSON": [
         (["--config.data.tokenizer_path={corpus}"], r"config\.data\.tokenizer_path: applies to "

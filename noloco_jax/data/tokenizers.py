@@ -159,7 +159,8 @@ def _split_long(line: str, limit: int = _MAX_LINE_BYTES) -> list[str]:
     return [p for p in pieces if p.strip()]
 
 
-def _training_lines(texts: Iterable[str], vocab_size: int) -> list[str]:
+def _training_lines(texts: Iterable[str], vocab_size: int, field: str = "vocab_size"
+                    ) -> list[str]:  # fmt: skip
     """Non-blank lines of ``texts``, restricted to the characters the vocabulary can afford.
 
     SentencePiece needs a piece for every character it trains on. With a small
@@ -181,9 +182,9 @@ def _training_lines(texts: Iterable[str], vocab_size: int) -> list[str]:
         lines = [line for line in lines if line.strip()]
         if not lines:
             raise ValueError(
-                f"vocab_size={vocab_size} leaves room for only {budget} character piece(s) "
+                f"{field}={vocab_size} leaves room for only {budget} character piece(s) "
                 f"besides the {SP_RESERVED} reserved ones, and the {budget} most frequent "
-                f"character(s) leave no text to learn merges from; use a larger vocab_size, "
+                f"character(s) leave no text to learn merges from; use a larger {field}, "
                 f"e.g. {SP_RESERVED + 2 * 64} or more.")  # fmt: skip
     return lines
 
@@ -194,6 +195,7 @@ def train_sentencepiece(
     vocab_size: int,
     model_path: str | pathlib.Path,
     seed: int = 0,
+    field: str = "vocab_size",
 ) -> SentencePieceTokenizer:
     """Trains a byte-fallback BPE SentencePiece model locally; reuses ``model_path`` if it exists.
 
@@ -210,6 +212,8 @@ def train_sentencepiece(
       model_path: where the ``.model`` file goes (written atomically).
       seed: seeds SentencePiece's sampling of lines (used when the corpus has
         more than two million lines).
+      field: the name the messages give ``vocab_size`` ("config.data.tokenizer_vocab_size"
+        in the trainer).
 
     Returns:
       The tokenizer.
@@ -231,7 +235,7 @@ def train_sentencepiece(
         )
     import sentencepiece as spm  # noqa: PLC0415
 
-    lines = _training_lines(texts, vocab_size)
+    lines = _training_lines(texts, vocab_size, field)
     if not lines:
         raise ValueError("cannot train sentencepiece: the training texts are empty.")
     spm.set_random_generator_seed(seed)
@@ -257,7 +261,7 @@ def train_sentencepiece(
         )
     except RuntimeError as err:
         raise ValueError(
-            f"sentencepiece training with vocab_size={vocab_size} failed (more pieces than this "
+            f"sentencepiece training with {field}={vocab_size} failed (more pieces than this "
             f"corpus has merges for, or too few for its characters): {err}"
         ) from err
     model_path.parent.mkdir(parents=True, exist_ok=True)
@@ -274,6 +278,7 @@ def make_tokenizer(
     vocab_size: int | None = None,
     cache_dir: str | pathlib.Path | None = None,
     path: str | pathlib.Path | None = None,
+    field: str = "vocab_size",
 ) -> Tokenizer:
     """A tokenizer by name.
 
@@ -285,6 +290,7 @@ def make_tokenizer(
         ``cache_dir/tokenizers``, keyed by corpus name, a hash of its training
         text and the vocabulary size; default ``default_data_dir()``.
       path: for ``"hf"``: the directory holding ``tokenizer.json``.
+      field: the name a SentencePiece training error gives ``vocab_size``.
 
     Returns:
       The tokenizer.
@@ -305,7 +311,8 @@ def make_tokenizer(
         # v2: lines over 4000 bytes are split (SentencePiece skipped them); v3: words too
         key = f"{corpus.name}-{texts_digest(corpus.train)}-sp{vocab_size}v3.model"
         path = root / "tokenizers" / key
-        return train_sentencepiece(corpus.train, vocab_size=vocab_size, model_path=path)
+        return train_sentencepiece(corpus.train, vocab_size=vocab_size, model_path=path,
+                                   field=field)
     if kind == "hf":
         if not path:
             raise ValueError("the hf tokenizer needs path= (a directory with tokenizer.json).")

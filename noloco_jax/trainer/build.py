@@ -117,6 +117,7 @@ def _token_streams(s: TrainSettings, data_dir: pathlib.Path) -> tuple[Any, Any, 
         vocab_size=s.data.tokenizer_vocab_size or None,
         cache_dir=data_dir,
         path=s.data.tokenizer_path or None,
+        field="config.data.tokenizer_vocab_size",
     )
     # Streams stay on disk and are read window by window (data larger than RAM).
     if corpus is None:
