@@ -412,6 +412,22 @@ def test_bad_input_is_a_short_error_with_exit_2(row, tmp_path, corpus_dir, data_
     assert not (ckpts.exists() and any(ckpts.iterdir()))  # nothing trained, nothing saved
 
 
+@pytest.mark.parametrize("fraction,pattern", [
+    (0.999, r"training stream is too small.*config\.data\.validation_fraction=0\.999 sets the "
+            r"split of the files: lower it"),
+    (1e-9, r"validation split has fewer than .*config\.data\.validation_fraction=1e-09 sets "
+           r"the split of the files: raise it"),
+])  # fmt: skip
+def test_a_split_that_starves_a_stream_names_validation_fraction(fraction, pattern, tmp_path,
+                                                                 corpus_dir, data_dir, capsys):
+    """One file's split is its end: the messages advised a larger corpus or fewer replicas,
+    not the held-out share that left a stream too short."""
+    one = max(corpus_dir.glob("*.txt"), key=lambda p: p.stat().st_size)
+    argv = nano_argv(tmp_path / "run", corpus_dir, data_dir, f"--config.data.path={one}",
+                     f"--config.data.validation_fraction={fraction}")
+    assert_user_error(*run_cli(argv, capsys), pattern)
+
+
 @pytest.mark.parametrize("name, text, pattern", [
     ("nope.py", None, r"no such config file"),
     ("noget.py", "from configs import common\n\n\ndef get_cfg():\n    return common.get_config()\n",

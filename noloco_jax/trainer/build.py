@@ -70,20 +70,32 @@ def prepare_data(s: TrainSettings) -> DataBundle:
             f"{where}); the first run on a corpus prepares it there. Point "
             f"config.data.data_dir (or $NOLOCO_DATA_DIR) to a writable directory with free "
             f"space.") from err  # fmt: skip
-    batcher = data_lib.ReplicaBatcher(
-        train,
-        num_replicas=s.num_replicas,
-        batch_size=s.batch_per_replica,
-        seq_len=s.data.seq_len,
-        seed=s.seed,
-    )
+    try:
+        batcher = data_lib.ReplicaBatcher(
+            train,
+            num_replicas=s.num_replicas,
+            batch_size=s.batch_per_replica,
+            seq_len=s.data.seq_len,
+            seed=s.seed,
+        )
+    except ValueError as err:  # too few windows: the split may hold the text back
+        raise errors.UserError(f"{err}{_split_hint(s, 'lower')}") from err
     windows = data_lib.eval_windows(val, seq_len=s.data.seq_len, max_windows=s.data.eval_windows)
     if len(windows) == 0:
         raise ValueError(
             f"the validation split has fewer than seq_len + 1 = {s.data.seq_len + 1} tokens; "
             f"use a larger corpus, more validation data or a shorter config.data.seq_len."
+            f"{_split_hint(s, 'raise')}"
         )
     return DataBundle(tokenizer, batcher, windows, int(len(train)))
+
+
+def _split_hint(s: TrainSettings, change: str) -> str:
+    """With local files, the share held out for validation may be what starves a split."""
+    if s.data.source != "files":
+        return ""
+    return (f" config.data.validation_fraction={s.data.validation_fraction!r} sets the split "
+            f"of the files: {change} it.")
 
 
 def _refused_write(err: OSError, data_dir: pathlib.Path) -> bool:
