@@ -164,6 +164,20 @@ def test_an_eps_that_is_zero_in_float32_is_refused(eps):
     assert settings_lib.from_config(_tiny(**{"optim.eps": 2.0**-126})).optim.eps == 2.0**-126
 
 
+@pytest.mark.parametrize("field", ["num_steps", "outer.sync_every", "fault.inject_nan_step",
+                                   "skip.full_every", "log_every"])
+def test_step_counts_past_int32_are_refused(field):
+    """outer.sync_every or fault.inject_nan_step = 2**31 passed validation and the run stopped
+    at its first compiled step with a JAX OverflowError traceback (the step counter is int32)."""
+    with pytest.raises(ValueError, match=rf"config\.{re.escape(field)}: must be an integer in "
+                       r"\[-?\d, 2\*\*31 - 1 \(the int32 step counter\)\], got 2147483648"):
+        settings_lib.from_config(_tiny(**{field: 2**31}))
+    sync = 25 * (2**31 // 25)  # the largest multiple of log_every=25 that fits
+    top = settings_lib.from_config(_tiny(**{"outer.sync_every": sync,
+                                            "fault.inject_nan_step": 2**31 - 1}))
+    assert (top.outer.sync_every, top.fault.inject_nan_step) == (sync, 2**31 - 1)
+
+
 def test_the_group_size_of_a_lone_noloco_replica_is_warned():
     s = settings_lib.from_config(_tiny(num_replicas=1, **{"outer.group_size": 4}))
     assert settings_lib.warnings_for(s) == [

@@ -34,6 +34,7 @@ EXCHANGE_DTYPES = ("", "bfloat16", "float32", "int8", "float8_e4m3fn")  # outer.
 SLOW_DTYPES = ("", "float32")  # outer.slow_dtype: the params' own dtype, or master weights
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32 (np.finfo(np.float32).tiny)
 MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overflow there
+MAX_STEP = 2**31 - 1  # step counts meet the int32 step counter in compiled code
 # Settings that may change when a run resumes; any other change is refused. log_every is
 # not among them: it sets the fused chunks, and a resume with other chunks is not bit-identical.
 RESUMABLE = frozenset(
@@ -203,6 +204,10 @@ def _check_seed(field: str, value: Any) -> None:
     check_int(field, value, 0, MAX_SEED, "2**32 - 1")
 
 
+def _check_steps(field: str, value: Any, minimum: int = 1) -> None:
+    check_int(field, value, minimum, MAX_STEP, "2**31 - 1 (the int32 step counter)")
+
+
 def _check_known(values: dict, cls: type, prefix: str) -> None:
     """Refuses a key of ``values`` that is not a field of ``cls`` (``prefix``: "" or "model.")."""
     known = sorted(f.name for f in dataclasses.fields(cls))
@@ -283,9 +288,11 @@ def _validate_run(s: TrainSettings) -> None:
     check_choice("config.method", s.method, METHODS)
     check_choice("config.backend", s.backend, BACKENDS)
     check_choice("config.routing", s.routing, ("random", "fixed"))
-    for name in ("num_replicas", "global_batch_size", "num_steps", "log_every", "eval_every",
-                 "checkpoint_every", "keep_checkpoints", "num_stages", "routing_pool_size"):
+    for name in ("num_replicas", "global_batch_size", "keep_checkpoints", "num_stages",
+                 "routing_pool_size"):
         check_int(f"config.{name}", getattr(s, name))
+    for name in ("num_steps", "log_every", "eval_every", "checkpoint_every"):
+        _check_steps(f"config.{name}", getattr(s, name))
     _check_seed("config.seed", s.seed)
     for name in ("fsdp", "tensor"):
         check_int(f"config.mesh.{name}", getattr(s.mesh, name))
@@ -575,7 +582,7 @@ def _slow_dtype_warnings(s: TrainSettings) -> list[str]:
 
 def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
     check_int("config.skip.num_stages", k.num_stages, minimum=0)
-    check_int("config.skip.full_every", k.full_every, minimum=0)
+    _check_steps("config.skip.full_every", k.full_every, minimum=0)
     if k.num_stages == 0:
         return
     check_path_length(k.path_length, k.num_stages, field="config.skip.path_length",
@@ -586,7 +593,7 @@ def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
 
 def _validate_fault(f: FaultSettings, num_replicas: int) -> None:
     check_dropout_prob(f.dropout_prob, "config.fault.dropout_prob")
-    check_int("config.fault.inject_nan_step", f.inject_nan_step, minimum=-1)
+    _check_steps("config.fault.inject_nan_step", f.inject_nan_step, minimum=-1)
     check_int("config.fault.inject_nan_replica", f.inject_nan_replica, 0, num_replicas - 1,
               f"num_replicas - 1 = {num_replicas - 1}")  # fmt: skip
 
@@ -623,6 +630,7 @@ def _check_micro_batches(s: TrainSettings) -> None:
 
 def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     check_sync_every(o.sync_every, "config.outer.sync_every")
+    _check_steps("config.outer.sync_every", o.sync_every)
     check_rate("config.outer.learning_rate", o.learning_rate)
     check_momentum("config.outer.momentum", o.momentum)
     if o.gamma is not None:
