@@ -281,6 +281,20 @@ def test_log_every_and_sync_every_must_divide_one_another(log, sync, method):
                                        **{"outer.sync_every": 18}))
 
 
+def test_the_divide_one_another_hint_is_quick_and_within_the_step_limit():
+    """The suggested log_every came from a scan of every number up to log_every (a minute for
+    log_every near 10**9), and the suggested sync_every could pass the int32 limit the settings
+    refuse (log_every=4, sync_every=2**31 - 2 suggested 2**31)."""
+    big = dict(log_every=1_500_000_000, eval_every=1_500_000_000, checkpoint_every=1_500_000_000,
+               num_steps=1_500_000_000)  # fmt: skip
+    with pytest.raises(ValueError, match=r"e\.g\. log_every=500000000 or outer\.sync_every="
+                                         r"1500000000:"):
+        settings_lib.from_config(_tiny(**big, **{"outer.sync_every": 10**9}))
+    big = dict(log_every=4, eval_every=4 * 10**8, checkpoint_every=4 * 10**8, num_steps=4 * 10**8)
+    with pytest.raises(ValueError, match=r"e\.g\. log_every=2 or outer\.sync_every=2147483644:"):
+        settings_lib.from_config(_tiny(**big, **{"outer.sync_every": 2**31 - 2}))
+
+
 def test_num_layers_changes_the_depth_and_zero_keeps_the_preset():
     """model.num_layers = 4 deepens nano (2 blocks) at the same width; 0 keeps the preset."""
     from noloco_jax.trainer.build import model_config as _model_config  # noqa: PLC0415

@@ -328,14 +328,22 @@ def check_log_and_sync_every(s: TrainSettings) -> None:
     if log % sync == 0 or sync % log == 0:
         return
     common = math.gcd(sync, s.eval_every, s.checkpoint_every)
-    new_log = max(d for d in range(1, min(log, common) + 1) if common % d == 0)
+    new_log = _largest_divisor(common, at_most=log)
     unit = math.lcm(log, s.outer.fragments)
-    new_sync = max(1, round(sync / unit)) * unit
+    new_sync = max(1, min(round(sync / unit), MAX_STEP // unit)) * unit
+    other = f" or outer.sync_every={new_sync}" if new_sync <= MAX_STEP else ""
     raise UserError(
         f"config.log_every={log} and config.outer.sync_every={sync} must divide one another "
-        f"(one a multiple of the other), e.g. log_every={new_log} or outer.sync_every="
-        f"{new_sync}: the trainer compiles one chunk of log_every inner steps and one sync step."
+        f"(one a multiple of the other), e.g. log_every={new_log}{other}: the trainer compiles "
+        f"one chunk of log_every inner steps and one sync step."
     )
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` not above ``at_most``, from the divisor pairs up to
+    sqrt(n) (a scan of every number up to ``at_most`` took minutes for counts near 2**31)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return max(d for q in small for d in (q, n // q) if d <= at_most)
 
 
 def check_delay_windows(s: TrainSettings, stop_at: int | None = None) -> None:
