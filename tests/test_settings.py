@@ -164,6 +164,19 @@ def test_an_eps_that_is_zero_in_float32_is_refused(eps):
     assert settings_lib.from_config(_tiny(**{"optim.eps": 2.0**-126})).optim.eps == 2.0**-126
 
 
+@pytest.mark.parametrize("field, allowed", [("learning_rate", ""),
+                                            ("clip_norm", r"0 \(no clipping\) or ")])
+def test_a_rate_or_norm_that_is_zero_in_float32_is_refused(field, allowed):
+    """optim.learning_rate = 1e-50 (or clip_norm = 1e-50) is 0 in the float32 step: the run
+    logged learning_rate 0.0 and trained nothing, without a word."""
+    for value in (1e-40, 1e-50):
+        with pytest.raises(ValueError, match=rf"config\.optim\.{field}: must be {allowed}>= "
+                                             r"1\.18e-38"):
+            settings_lib.from_config(_tiny(**{f"optim.{field}": value}))
+    assert getattr(settings_lib.from_config(_tiny(**{f"optim.{field}": 2.0**-126})).optim,
+                   field) == 2.0**-126  # fmt: skip
+
+
 @pytest.mark.parametrize("field", ["num_steps", "outer.sync_every", "fault.inject_nan_step",
                                    "skip.full_every", "log_every"])
 def test_step_counts_past_int32_are_refused(field):

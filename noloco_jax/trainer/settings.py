@@ -622,6 +622,13 @@ def _validate_optim(o: OptimSettings, num_steps: int) -> None:
     require(o.eps >= FLOAT32_TINY, "config.optim.eps", f"must be >= {FLOAT32_TINY:.3g} (Adam "
             f"divides by sqrt(v) + eps in float32, where a smaller eps is 0), got {o.eps!r}; the "
             f"usual value is 1e-8.")  # fmt: skip
+    # Rates and norms are float32 in the compiled step, where a positive value below the
+    # smallest normal is 0: the run logged learning_rate 0.0 and trained nothing.
+    for name, allowed in (("learning_rate", ""), ("clip_norm", "0 (no clipping) or ")):
+        value = getattr(o, name)
+        require(value == 0 or value >= FLOAT32_TINY, f"config.optim.{name}",
+                f"must be {allowed}>= {FLOAT32_TINY:.3g} (it is float32 in the step, where a "
+                f"smaller value is 0), got {value!r}.")  # fmt: skip
 
 
 def _check_micro_batches(s: TrainSettings) -> None:
