@@ -1020,6 +1020,12 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
     for skip in ({"swaps": True}, {"num_stages": 2, "path_length": 2, "swaps": True}):
         assert [w for w in settings_lib.warnings_for(_settings(corpus_dir, data_dir, skip=skip))
                 if w.startswith(swaps)], skip  # silently ignored before
+    alone = _settings(corpus_dir, data_dir, skip={"num_stages": 2, "path_length": 1})
+    assert settings_lib.warnings_for(alone) == [  # stage 1 kept its initial weights, silently
+        "config.skip.path_length=1 with full_every=0: every sequence runs stage 0 alone, so "
+        "stage 1 is never trained (evaluation runs them at their initial weights). Raise "
+        "path_length or set skip.full_every."]
+    assert settings_lib.warnings_for(variant(alone, skip={"full_every": 4})) == []
     frozen = _settings(corpus_dir, data_dir, outer={"learning_rate": 0.0})  # learned nothing
     assert settings_lib.warnings_for(frozen) == [
         "config.outer.learning_rate=0: the slow weights never move and every sync puts the "

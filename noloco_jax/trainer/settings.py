@@ -491,6 +491,12 @@ def warnings_for(s: TrainSettings) -> list[str]:
     if s.skip.swaps and (s.skip.num_stages == 0 or s.skip.path_length < 3):
         out.append("config.skip.swaps=True does nothing: a swap needs stage skipping "
                    "(config.skip.num_stages) and two stages after stage 0 (path_length >= 3).")
+    k = s.skip
+    if k.num_stages and k.path_length == 1 and k.full_every == 0:
+        rest = "stage 1 is" if k.num_stages == 2 else f"stages 1 to {k.num_stages - 1} are"
+        out.append(f"config.skip.path_length=1 with full_every=0: every sequence runs stage 0 "
+                   f"alone, so {rest} never trained (evaluation runs them at their initial "
+                   f"weights). Raise path_length or set skip.full_every.")
     if s.method in ROUND_METHODS and s.outer.learning_rate == 0:
         out.append("config.outer.learning_rate=0: the slow weights never move and every sync "
                    "puts the replicas back on them, so the run learns nothing.")
