@@ -52,7 +52,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("routing", "random", 'With num_stages > 1: "random" or "fixed" routing between stages.'),
     ("routing_pool_size", 64,
      "Routing bijections come from a seeded pool of this many (all N! when N! <= it); random "
-     "routing on the (replica, stage) device mesh takes at most 1024 (vmap: any)."),
+     "routing on the (replica, stage) device mesh takes at most 1024 (vmap: 2**20)."),
     ("global_batch_size", 32, "Sequences per optimizer step over all replicas (N must divide it)."),
     ("num_steps", 500, "Inner (optimizer) steps in total."),
     ("log_every", 25, "Steps fused into one compiled call; train loss is logged at this cadence."),

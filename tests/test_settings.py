@@ -421,7 +421,12 @@ def test_the_help_of_routing_pool_size_names_the_device_mesh_cap():
     with pytest.raises(ValueError, match=rf"^config\.routing_pool_size: must be in \[1, {cap}\]"):
         build._check_mesh_pool(s)
     meaning = {name: m for name, _, m in defaults.FIELDS}["routing_pool_size"]
-    assert f"device mesh takes at most {cap}" in meaning, meaning
+    assert f"device mesh takes at most {cap} (vmap: 2**20)" in meaning, meaning
+    # vmap took any size: 10**9 rows were drawn one by one on the host (an hour, 64 GB).
+    assert settings_lib.from_config(_tiny(routing_pool_size=2**20)).routing_pool_size == 2**20
+    with pytest.raises(ValueError, match=r"^config\.routing_pool_size: must be an integer in "
+                                         r"\[1, 2\*\*20 = 1048576\], got 1000000000"):
+        settings_lib.from_config(_tiny(routing_pool_size=10**9))
 
 
 @pytest.mark.parametrize("tokenizer,good,bad", [

@@ -33,6 +33,7 @@ DTYPES = ("float32", "bfloat16")
 EXCHANGE_DTYPES = ("", "bfloat16", "float32", "int8", "float8_e4m3fn")  # outer.exchange_dtype
 SLOW_DTYPES = ("", "float32")  # outer.slow_dtype: the params' own dtype, or master weights
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32 (np.finfo(np.float32).tiny)
+MAX_ROUTING_POOL = 2**20  # routing_pool_size on vmap (the device mesh takes at most 1024)
 MAX_SEED = 2**32 - 1  # seeds reach numpy and jax.random.key; larger ones overflow there
 MAX_STEP = 2**31 - 1  # step counts meet the int32 step counter in compiled code
 # Settings that may change when a run resumes; any other change is refused. log_every is
@@ -288,9 +289,11 @@ def _validate_run(s: TrainSettings) -> None:
     check_choice("config.method", s.method, METHODS)
     check_choice("config.backend", s.backend, BACKENDS)
     check_choice("config.routing", s.routing, ("random", "fixed"))
-    for name in ("num_replicas", "global_batch_size", "keep_checkpoints", "num_stages",
-                 "routing_pool_size"):
+    for name in ("num_replicas", "global_batch_size", "keep_checkpoints", "num_stages"):
         check_int(f"config.{name}", getattr(s, name))
+    # The pool is drawn row by row on the host: 10**9 rows took an hour and 64 GB, unannounced.
+    check_int("config.routing_pool_size", s.routing_pool_size, 1, MAX_ROUTING_POOL,
+              "2**20 = 1048576")  # more bijections than a run draws
     for name in ("num_steps", "log_every", "eval_every", "checkpoint_every"):
         _check_steps(f"config.{name}", getattr(s, name))
     _check_seed("config.seed", s.seed)
