@@ -207,3 +207,24 @@ def test_first_cell_keeps_an_installed_tensorflow_in_a_fresh_venv(tmp_path):
     out = subprocess.run([py, "-c", check, str(corpus), str(tmp_path / "data")], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0 and out.stdout.split()[-2:] == ["2", "1"], out.stderr[-3000:]
+
+
+def test_table2_notebook_shows_the_curve_as_an_image(tmp_path, monkeypatch):
+    """The notebook promises the relative-difference curve, but the report's markdown links it
+    relative to opts.out_dir ("table2_fig3a.png"), which a notebook resolves against its own
+    folder (Colab not at all): a broken image. The last cell now displays the PNG itself."""
+    import IPython.display  # noqa: PLC0415
+
+    from noloco_jax.experiments import harness  # noqa: PLC0415
+
+    nb = nbformat.read(ROOT / "colabs" / "table2_miniature.ipynb", as_version=4)
+    last = [c.source for c in nb.cells if c.cell_type == "code"][-1]
+    opts = harness.Options(smoke=True, runs_dir=tmp_path / "runs", out_dir=tmp_path / "results")
+    png = harness.figure_path(opts, "table2_fig3a")
+    png.write_bytes(b"\x89PNG\r\n\x1a\n the curve")
+    shown: list = []
+    monkeypatch.setattr(IPython.display, "display", lambda *objs, **kw: shown.extend(objs))
+    markdown = f"![Fig. 3A in miniature]({harness.figure_link(opts, png)})"
+    exec(last, {"harness": harness, "opts": opts, "markdown": markdown})  # noqa: S102
+    images = [o for o in shown if isinstance(o, IPython.display.Image)]
+    assert [i.data for i in images] == [png.read_bytes()], shown
