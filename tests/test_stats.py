@@ -361,3 +361,34 @@ def test_sweeps_rows_show_a_diverged_seed_as_inf():
     rows, _ = sweeps._sweep_rows(runs, sweep, 20)  # crashed in statistics.stdev
     row = next(r for r in rows if r[0] == value)
     assert row[1] == "inf ± nan (3)"
+
+
+def test_table2_report_describes_the_runs_it_reports(tmp_path):
+    """The regime sentence was the plan's whatever was run: the colab's smoke grid on local
+    files (12 steps of 8 x 32 tokens, H = 2 and 4) printed '2000 inner steps of 32 x 64
+    tokens ... byte-level Shakespeare'. The published page is still rewritten as it stands."""
+    import copy
+    import json
+
+    from noloco_jax.experiments import harness, table2
+
+    published = json.loads((harness.RESULTS / "table2.json").read_text())
+    runs = {k: v for k, v in published.items() if k != "_analysis"}
+    md = table2.report(runs, harness.Options(out_dir=tmp_path))[1].splitlines()
+    page = (harness.RESULTS / "table2.md").read_text().splitlines()
+    assert [(a, b) for a, b in zip(page, md) if a != b] == [  # the figure's folder only
+        ("![Fig. 3A in miniature](../figures/table2_fig3a.png)",
+         "![Fig. 3A in miniature](table2_fig3a.png)")] and len(md) == len(page)
+    smoke = copy.deepcopy(runs)
+    for name, run in smoke.items():
+        if not name.startswith("_"):
+            cfg = run["run_info"]["config"]
+            cfg.update(num_steps=12, global_batch_size=8)
+            cfg["data"].update(seq_len=32, source="files", path="/texts")
+            cfg["optim"]["warmup_steps"] = 1
+            cfg["outer"]["sync_every"] = table2.sync_period(run) // 5
+    md = table2.report(smoke, harness.Options(smoke=True, out_dir=tmp_path))[1]
+    assert ("Llama preset `nano`, byte-level text files (/texts), 12 inner steps of 8 x 32 "
+            "tokens for every method") in md
+    assert "1 warmup steps" in md and "NoLoCo: H = 2, alpha" in md and "DiLoCo: H = 4," in md
+    assert "DiLoCo at NoLoCo's H = 2 (the control)" in md

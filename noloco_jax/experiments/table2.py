@@ -51,6 +51,34 @@ def sync_period(run: dict, method: str = "diloco") -> int:
     return int(cfg.get("outer", {}).get("sync_every") or METHODS[method]["outer.sync_every"])
 
 
+def _regime(results: dict) -> dict:
+    """The settings the runs were trained with (a smoke or local-data grid's own), from the
+    first run's run_info; the plan's for results saved without it."""
+    for name, run in results.items():
+        cfg = (run.get("run_info") or {}).get("config") if not name.startswith("_") else None
+        if cfg:
+            return cfg
+    r = plan.REGIME
+    return {"model": {"preset": r["model.preset"]}, "num_steps": r["num_steps"],
+            "global_batch_size": 32, "data": {"source": "shakespeare", "seq_len": 64},
+            "optim": {"warmup_steps": r["optim.warmup_steps"]}}  # fmt: skip
+
+
+def _method_period(results: dict, method: str) -> int:
+    """``method``'s H as trained (its first run's), else the plan's."""
+    runs = [run for name, run in results.items()
+            if not name.startswith("_") and parse_name(name)[0] == method]  # fmt: skip
+    return sync_period(runs[0], method) if runs else int(METHODS[method]["outer.sync_every"])
+
+
+def _data_text(data: dict) -> str:
+    """How the report names the training text."""
+    tokens = "byte-level" if data.get("tokenizer", "byte") == "byte" else data["tokenizer"]
+    if data.get("source", "shakespeare") == "shakespeare":
+        return f"{tokens} Shakespeare"
+    return f"{tokens} text files ({data.get('path') or data.get('tfds_name')})"
+
+
 def reference_period(results: dict) -> int:
     """DiLoCo's H in these results (4 in the smoke version): the steps the metric reads."""
     diloco = [run for name, run in results.items()
@@ -193,15 +221,17 @@ def report(results: dict, opts: harness.Options, command: str | None = None) -> 
     cmd = command or " ".join(
         ["python -m experiments.table2", *(["--smoke"] if opts.smoke else []),
          *([f"--data_path={shlex.quote(opts.data_path)}"] if opts.data_path else [])])
-    r = plan.REGIME
+    r, h = _regime(results), {m: _method_period(results, m) for m in OUTER}
     md = (
         "## Table 2 in miniature: DP vs DiLoCo vs NoLoCo\n\n"
         f"```bash\n{cmd}\n```\n\n"
-        f"Llama preset `{r['model.preset']}`, byte-level Shakespeare, {r['num_steps']} inner "
-        "steps of 32 x 64 tokens for every method (the global batch split over the N replicas), "
-        f"Adam 3e-3, {r['optim.warmup_steps']} warmup steps, cosine to 3e-4, clip 1.0. NoLoCo: "
-        "H = 10, alpha = 0.5, beta = gamma = 0.7, pairs. DiLoCo: H = 20, alpha = 0.3, beta = 0.7; "
-        "diloco_h10: DiLoCo at NoLoCo's H = 10 (the control). Metric (fixed before the runs, "
+        f"Llama preset `{r['model']['preset']}`, {_data_text(r['data'])}, {r['num_steps']} "
+        f"inner steps of {r['global_batch_size']} x {r['data']['seq_len']} tokens for every "
+        "method (the global batch split over the N replicas), "
+        f"Adam 3e-3, {r['optim']['warmup_steps']} warmup steps, cosine to 3e-4, clip 1.0. "
+        f"NoLoCo: H = {h['noloco']}, alpha = 0.5, beta = gamma = 0.7, pairs. DiLoCo: "
+        f"H = {h['diloco']}, alpha = 0.3, beta = 0.7; diloco_h10: DiLoCo at NoLoCo's "
+        f"H = {h['diloco_h10']} (the control). Metric (fixed before the runs, "
         f"experiments/README.md): pooled validation PPL averaged over the last {plan.LAST_K} "
         f"evaluations at DiLoCo's sync steps (multiples of {analysis['period']}); mean ± std "
         "(seeds):\n\n"
