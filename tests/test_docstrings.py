@@ -6,14 +6,16 @@ import importlib
 import pytest
 
 from noloco_jax import comm, determinism, metrics, replicas
-from noloco_jax.experiments import stats
+from noloco_jax.data import sources
+from noloco_jax.experiments import provenance, stats
 from noloco_jax.trainer import aot
 
 _OPTIM = [importlib.import_module(f"noloco_jax.optim.{m}")
           for m in ("local_steps", "noloco", "diloco", "clipping", "fragments")]  # fmt: skip
 
 
-@pytest.mark.parametrize("module", [*_OPTIM, comm, replicas, metrics, stats, aot, determinism],
+@pytest.mark.parametrize("module", [*_OPTIM, comm, replicas, metrics, stats, aot, determinism,
+                                    sources, provenance],
                          ids=lambda m: m.__name__)  # fmt: skip
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)

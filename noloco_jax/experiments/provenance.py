@@ -46,12 +46,13 @@ def git_state(root: pathlib.Path) -> dict[str, Any]:
     Returns:
       ``{"commit": sha or None, "dirty": bool or None, "diff_sha256": str or None}``; None
       where ``root`` is not in a git checkout or holds no tracked file (an installed package,
-      inside another project's checkout or not); ``dirty`` None with a
-      commit where ``git status`` failed (a damaged index, its timeout): not known clean. ``diff_sha256`` hashes the
-      uncommitted changes (``git diff HEAD``, and the names and contents of new files) so that
-      two dirty runs can still be told apart.
+      inside another project's checkout or not); ``dirty`` None with a commit where
+      ``git status`` failed (a damaged index, its timeout): not known clean. ``diff_sha256``
+      hashes the uncommitted changes (``git diff HEAD``, and the names and contents of new
+      files) so that two dirty runs can still be told apart.
 
     Example:
+      >>> from noloco_jax.experiments.harness import ROOT  # this checkout
       >>> git_state(ROOT)["commit"]  # doctest: +SKIP
       '8158966...'
     """
