@@ -107,7 +107,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("data.validation_fraction", 0.1,
      'For source="files": the fraction of the files held out for validation, drawn with '
      "config.seed (one file: its end); the other sources have their own split."),
-    ("data.eval_windows", 64, "Validation windows evaluated per replica at each evaluation."),
+    ("data.eval_windows", 64, "Validation windows evaluated per replica at each evaluation "
+                              "(at most: fewer when the validation text holds fewer)."),
     ("optim.learning_rate", 3e-3,
      "Peak inner learning rate (Adam): linear warmup, then cosine to peak * min_lr_ratio."),
     # noloco-train shortens an inherited warmup that does not fit a shorter run (with a note).
