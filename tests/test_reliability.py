@@ -1026,6 +1026,12 @@ def test_sync_every_beyond_num_steps_is_warned(corpus_dir, data_dir):  # noqa: F
         "stage 1 is never trained (evaluation runs them at their initial weights). Raise "
         "path_length or set skip.full_every."]
     assert settings_lib.warnings_for(variant(alone, skip={"full_every": 4})) == []
+    for log in ({"wandb_run_name": "a"}, {"wandb_project": "mine"}):  # taken without a word
+        assert settings_lib.warnings_for(_settings(corpus_dir, data_dir, log=log)) == [
+            "config.log.wandb_project / wandb_run_name are ignored without config.log.wandb="
+            "True (nothing is sent to Weights & Biases)."]
+    named = {"wandb": True, "wandb_run_name": "a", "wandb_project": "mine"}
+    assert settings_lib.warnings_for(_settings(corpus_dir, data_dir, log=named)) == []
     frozen = _settings(corpus_dir, data_dir, outer={"learning_rate": 0.0})  # learned nothing
     assert settings_lib.warnings_for(frozen) == [
         "config.outer.learning_rate=0: the slow weights never move and every sync puts the "

@@ -494,6 +494,10 @@ def warnings_for(s: TrainSettings) -> list[str]:
     if s.skip.swaps and (s.skip.num_stages == 0 or s.skip.path_length < 3):
         out.append("config.skip.swaps=True does nothing: a swap needs stage skipping "
                    "(config.skip.num_stages) and two stages after stage 0 (path_length >= 3).")
+    named = (s.log.wandb_project != defaults.default("log.wandb_project"), s.log.wandb_run_name)
+    if not s.log.wandb and any(named):
+        out.append("config.log.wandb_project / wandb_run_name are ignored without "
+                   "config.log.wandb=True (nothing is sent to Weights & Biases).")
     k = s.skip
     if k.num_stages and k.path_length == 1 and k.full_every == 0:
         rest = "stage 1 is" if k.num_stages == 2 else f"stages 1 to {k.num_stages - 1} are"
