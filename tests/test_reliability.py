@@ -545,6 +545,22 @@ def test_second_trainer_on_a_workdir_is_refused(tmp_path, corpus_dir, data_dir):
     lock.release()
 
 
+def test_a_lock_refused_to_process_0_stops_the_other_processes_too(
+        tmp_path, corpus_dir, data_dir, monkeypatch):  # noqa: F811
+    """Process 1 of 2, told by the start's gather that process 0's lock was refused: it went on
+    into the run's first collective and died there in a C++ abort (exit 134) without a message."""
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: np.stack([np.ones_like(x), x]))  # process 0: refused
+    monkeypatch.setattr(loop, "_train", lambda *args: pytest.fail("process 1 trained"))
+    with pytest.raises(WorkdirLockedError, match="process 0 could not lock it for this run"):
+        train_and_evaluate(_settings(corpus_dir, data_dir), tmp_path, progress=False)
+    assert not (tmp_path / ".lock").exists()  # process 1 never takes the lock
+
+
 def test_a_workdir_without_file_locks_warns_and_trains_unlocked(tmp_path, monkeypatch):
     """flock's ENOLCK (Lustre without -o flock, some NFS) was a traceback: no run could start."""
     import errno  # noqa: PLC0415

@@ -21,7 +21,8 @@ import jax
 import numpy as np
 
 from noloco_jax import determinism, replicas
-from noloco_jax.errors import CorruptCheckpointError, UserError, check_int, check_utf8_path
+from noloco_jax.errors import (CorruptCheckpointError, UserError, WorkdirLockedError, check_int,
+                               check_utf8_path)
 from noloco_jax.data import sources
 from noloco_jax.data.token_files import sharded_batches
 from noloco_jax.trainer import health
@@ -166,13 +167,37 @@ def train_and_evaluate(
     check_sinks(settings)
     check_delay_windows(settings, stop_at)  # no run stops inside an overlap window
     lock = WorkdirLock(workdir)
-    if jax.process_index() == 0:  # in a multi-process run, process 0's lock stands for all
-        lock.acquire()
+    _lock_for_all(lock)
     try:
         with _stop_signals() as stop:
             return _train(settings, workdir, stop_at, progress, stop)
     finally:
         lock.release()
+
+
+def _lock_for_all(lock: WorkdirLock) -> None:
+    """Process 0 takes the lock for the run; when it is refused, every process raises.
+
+    The other processes went on into the run's first collective while process 0 left with
+    the message, and died there in a C++ abort (exit 134) without it.
+    """
+    refused = None
+    if jax.process_index() == 0:
+        try:
+            lock.acquire()
+        except UserError as err:
+            refused = err
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        flag = np.asarray([refused is not None], np.int32)
+        if np.max(multihost_utils.process_allgather(flag)) and refused is None:
+            refused = WorkdirLockedError(
+                f"--workdir {str(lock.path.parent)!r}: process 0 could not lock it for this "
+                f"run (another trainer holds it, or its lock file cannot be opened); process "
+                f"0's log names which and what to do.")
+    if refused is not None:
+        raise refused
 
 
 def _check_dtype_promotion() -> None:
