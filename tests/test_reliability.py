@@ -556,9 +556,32 @@ def test_a_lock_refused_to_process_0_stops_the_other_processes_too(
     monkeypatch.setattr(multihost_utils, "process_allgather",
                         lambda x: np.stack([np.ones_like(x), x]))  # process 0: refused
     monkeypatch.setattr(loop, "_train", lambda *args: pytest.fail("process 1 trained"))
-    with pytest.raises(WorkdirLockedError, match="process 0 could not lock it for this run"):
+    with pytest.raises(UserError, match="process 0 of the run stopped with an error while "
+                                        "preparing it; its log names the error"):
         train_and_evaluate(_settings(corpus_dir, data_dir), tmp_path, progress=False)
     assert not (tmp_path / ".lock").exists()  # process 1 never takes the lock
+
+
+def test_a_user_error_on_another_process_stops_this_one_after_building_the_run(
+        tmp_path, corpus_dir, data_dir, monkeypatch):  # noqa: F811
+    """Process 0 of 2 while process 1's corpus path is missing on its host: process 1 exited 2
+    with the message, process 0 waited in its next collective and died 30 s later with a Gloo
+    deadline traceback (exit 1)."""
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    built = []
+    build_run = loop.build_run
+    monkeypatch.setattr(loop, "build_run", lambda s: built.append(1) or build_run(s))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather",  # process 1 fails in build_run
+                        lambda x: np.stack([x, np.full_like(x, len(built))]))
+    monkeypatch.setattr(loop, "Checkpointer",  # orbax's needs a real multi-process runtime
+                        lambda *a, **k: types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(loop, "_restore_or_init", lambda *a: pytest.fail("process 0 went on"))
+    with pytest.raises(UserError, match="process 1 of the run stopped with an error while "
+                                        "preparing it; its log names the error"):
+        train_and_evaluate(_settings(corpus_dir, data_dir), tmp_path, progress=False)
+    assert built == [1]
 
 
 def test_a_workdir_without_file_locks_warns_and_trains_unlocked(tmp_path, monkeypatch):

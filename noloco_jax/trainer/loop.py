@@ -15,14 +15,13 @@ import signal
 import threading
 import time
 import types
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
 
 from noloco_jax import determinism, replicas
-from noloco_jax.errors import (CorruptCheckpointError, UserError, WorkdirLockedError, check_int,
-                               check_utf8_path)
+from noloco_jax.errors import CorruptCheckpointError, UserError, check_int, check_utf8_path
 from noloco_jax.data import sources
 from noloco_jax.data.token_files import sharded_batches
 from noloco_jax.trainer import health
@@ -160,14 +159,10 @@ def train_and_evaluate(
     """
     if stop_at is not None:  # a float died in the batcher after training, -1 did nothing
         check_int("stop_at", stop_at, minimum=0)
-    _check_dtype_promotion()
     _check_equal_processes()
-    workdir = _writable_workdir(workdir)
-    _check_outside_corpus(settings, workdir)
-    check_sinks(settings)
-    check_delay_windows(settings, stop_at)  # no run stops inside an overlap window
+    workdir = _agreed(_check_start, settings, workdir, stop_at)
     lock = WorkdirLock(workdir)
-    _lock_for_all(lock)
+    _agreed(_lock, lock)  # a refusal stops every process, not process 0 alone
     try:
         with _stop_signals() as stop:
             return _train(settings, workdir, stop_at, progress, stop)
@@ -175,29 +170,49 @@ def train_and_evaluate(
         lock.release()
 
 
-def _lock_for_all(lock: WorkdirLock) -> None:
-    """Process 0 takes the lock for the run; when it is refused, every process raises.
+def _check_start(settings: TrainSettings, workdir: str | pathlib.Path, stop_at: int | None
+                 ) -> pathlib.Path:  # fmt: skip
+    """This process's checks of the run's input before anything runs; returns the workdir."""
+    _check_dtype_promotion()
+    workdir = _writable_workdir(workdir)
+    _check_outside_corpus(settings, workdir)
+    check_sinks(settings)
+    check_delay_windows(settings, stop_at)  # no run stops inside an overlap window
+    return workdir
 
-    The other processes went on into the run's first collective while process 0 left with
-    the message, and died there in a C++ abort (exit 134) without it.
+
+def _agreed(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on every process; a user error on one process stops them all.
+
+    Input one process alone sees as wrong (a corpus path or workdir missing on its host)
+    exited that process with the message while the others waited in their next collective
+    until the runtime's timeout and died with a traceback (a Gloo deadline, 30 s on CPU).
     """
-    refused = None
-    if jax.process_index() == 0:
-        try:
-            lock.acquire()
-        except UserError as err:
-            refused = err
+    error = None
+    try:
+        result = fn(*args)
+    except (ValueError, FileNotFoundError, NotADirectoryError,
+            sources.CorpusUnavailableError) as err:  # the CLI's user errors
+        if jax.process_count() == 1:
+            raise
+        error, result = err, None
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils  # noqa: PLC0415
 
-        flag = np.asarray([refused is not None], np.int32)
-        if np.max(multihost_utils.process_allgather(flag)) and refused is None:
-            refused = WorkdirLockedError(
-                f"--workdir {str(lock.path.parent)!r}: process 0 could not lock it for this "
-                f"run (another trainer holds it, or its lock file cannot be opened); process "
-                f"0's log names which and what to do.")
-    if refused is not None:
-        raise refused
+        flags = multihost_utils.process_allgather(np.asarray([error is not None], np.int32))
+        failed = np.flatnonzero(np.ravel(flags))
+        if error is None and failed.size:
+            raise UserError(f"process {int(failed[0])} of the run stopped with an error while "
+                            f"preparing it; its log names the error and the fix.")
+    if error is not None:
+        raise error
+    return result
+
+
+def _lock(lock: WorkdirLock) -> None:
+    """Process 0 takes the lock; in a multi-process run it stands for all."""
+    if jax.process_index() == 0:
+        lock.acquire()
 
 
 def _check_dtype_promotion() -> None:
@@ -243,7 +258,7 @@ def _train(settings: TrainSettings, workdir: pathlib.Path, stop_at: int | None, 
     writer = bar = None
     profiler = Profiler(settings.profile_steps, workdir)
     try:
-        run, target = build_run(settings)
+        run, target = _agreed(build_run, settings)
         writer = MetricWriter(workdir, enabled=first,
                               sinks=lambda: make_sinks(settings, workdir))  # fmt: skip
         state, step = _restore_or_init(run, target, ckpt, writer)
