@@ -554,7 +554,7 @@ def test_a_lock_refused_to_process_0_stops_the_other_processes_too(
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     monkeypatch.setattr(multihost_utils, "process_allgather",
-                        lambda x: np.stack([np.ones_like(x), x]))  # process 0: refused
+                        lambda x: np.stack([np.ones_like(x) if x.size == 1 else x, x]))  # 0 refused
     monkeypatch.setattr(loop, "_train", lambda *args: pytest.fail("process 1 trained"))
     with pytest.raises(UserError, match="process 0 of the run stopped with an error while "
                                         "preparing it; its log names the error"):
@@ -574,7 +574,7 @@ def test_a_user_error_on_another_process_stops_this_one_after_building_the_run(
     monkeypatch.setattr(loop, "build_run", lambda s: built.append(1) or build_run(s))
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(multihost_utils, "process_allgather",  # process 1 fails in build_run
-                        lambda x: np.stack([x, np.full_like(x, len(built))]))
+                        lambda x: np.stack([x, np.full_like(x, len(built)) if x.size == 1 else x]))
     monkeypatch.setattr(loop, "Checkpointer",  # orbax's needs a real multi-process runtime
                         lambda *a, **k: types.SimpleNamespace(close=lambda: None))
     monkeypatch.setattr(loop, "_restore_or_init", lambda *a: pytest.fail("process 0 went on"))
@@ -582,6 +582,32 @@ def test_a_user_error_on_another_process_stops_this_one_after_building_the_run(
                                         "preparing it; its log names the error"):
         train_and_evaluate(_settings(corpus_dir, data_dir), tmp_path, progress=False)
     assert built == [1]
+
+
+def test_processes_started_with_different_settings_are_refused(
+        tmp_path, corpus_dir, data_dir, monkeypatch):  # noqa: F811
+    """Process 1 started with another learning rate (a flag on one host's command line): each
+    process trained its replicas at its own rate, silently, under process 0's settings."""
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    from noloco_jax import defaults  # noqa: PLC0415
+
+    settings = _settings(corpus_dir, data_dir)
+    per_host = getattr(loop, "_PER_HOST", ())  # fields each process may give for itself
+    names = [k for k in defaults.dotted(settings.to_dict()) if not k.startswith(per_host)]
+
+    def gather(x):  # process 1's settings: another optim.learning_rate
+        other = x.copy()
+        if x.size == len(names):
+            other[names.index("optim.learning_rate")] += 1
+        return np.stack([x, other])
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", gather)
+    monkeypatch.setattr(loop, "_train", lambda *args: pytest.fail("trained"))
+    with pytest.raises(UserError, match=r"the 2 processes were started with different settings "
+                                        r"\(config.optim.learning_rate differs\)"):
+        train_and_evaluate(settings, tmp_path, progress=False)
 
 
 def test_a_workdir_without_file_locks_warns_and_trains_unlocked(tmp_path, monkeypatch):

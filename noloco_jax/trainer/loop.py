@@ -15,12 +15,13 @@ import signal
 import threading
 import time
 import types
+import zlib
 from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
 
-from noloco_jax import determinism, replicas
+from noloco_jax import defaults, determinism, replicas
 from noloco_jax.errors import CorruptCheckpointError, UserError, check_int, check_utf8_path
 from noloco_jax.data import sources
 from noloco_jax.data.token_files import sharded_batches
@@ -160,6 +161,7 @@ def train_and_evaluate(
     if stop_at is not None:  # a float died in the batcher after training, -1 did nothing
         check_int("stop_at", stop_at, minimum=0)
     _check_equal_processes()
+    _check_same_settings(settings)
     workdir = _agreed(_check_start, settings, workdir, stop_at)
     lock = WorkdirLock(workdir)
     _agreed(_lock, lock)  # a refusal stops every process, not process 0 alone
@@ -168,6 +170,31 @@ def train_and_evaluate(
             return _train(settings, workdir, stop_at, progress, stop)
     finally:
         lock.release()
+
+
+# Settings a process may give for itself: its own copies of files, process 0's metric sinks.
+_PER_HOST = ("data.path", "data.data_dir", "data.tokenizer_path", "model.init_from", "log.")
+
+
+def _check_same_settings(settings: TrainSettings) -> None:
+    """Refuses processes started with different settings (another flag or config file on one
+    host): each trained its own replicas with its own (say) learning rate, silently, and the
+    checkpoint recorded process 0's."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    fields = {k: v for k, v in defaults.dotted(settings.to_dict()).items()
+              if not k.startswith(_PER_HOST)}  # fmt: skip
+    mine = np.asarray([zlib.crc32(repr(v).encode()) for v in fields.values()], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+    differ = [name for name, column in zip(fields, every.T) if len(set(column.tolist())) > 1]
+    if differ:
+        shown = ", ".join(f"config.{name}" for name in differ[:5])
+        raise UserError(
+            f"the {len(every)} processes were started with different settings ({shown} "
+            f"differ{'s' if len(differ) == 1 else ''}); start every process with the same "
+            f"config file and flags.")
 
 
 def _check_start(settings: TrainSettings, workdir: str | pathlib.Path, stop_at: int | None
