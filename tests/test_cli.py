@@ -321,9 +321,11 @@ CASES = {
 }
 # Rows raised by the Python API only (optimizer transformations), each with its own tests.
 API_ONLY: tuple[str, ...] = ()  # the optimizer API has its own table in the README
-# Rows that need an existing run: test_refused_resumes_are_short_errors.
+# Rows that need an existing run: test_refused_resumes_are_short_errors; the init_from one
+# (an init_from run to resume) through the API, in test_train.py.
 NEED_A_RUN = ("restart of a run with different settings", "changed training text under",
-              "restart with another `num_replicas`")
+              "restart with another `num_replicas`", "restart (or `load_run`, `export_run`) "
+              "after the `model.init_from`")
 
 
 def readme_rows():
