@@ -477,12 +477,18 @@ def _butterfly_sum(
     """Butterfly sum of each flat buffer over the group, in the buffers' dtypes.
 
     Partial sums travel, so each step sends what the previous one summed: one
-    ``ppermute`` of one message holding all buffers per step.
+    ``ppermute`` of one message holding all buffers per step. Step b's sums of 2**b
+    values travel divided by 2**b, so a 16-bit wire carries a partial mean, not a sum
+    past its range (float16 ends at 65504). The scaling is exact and the wire rounds
+    the same bits (float32 and bfloat16: bit for bit as a sum would travel), except
+    for float16 partial means below its smallest normal number (6.1e-5), which can
+    lose their last subnormal bit (at most 1.5e-8).
     """
     acc = list(buffers)
-    for perm in _exchange_perms(partition):
-        received = lax.ppermute(_encode(acc, wires), axis_name, perm)
-        acc = [a + r for a, r in zip(acc, _decode(received, acc, wires))]
+    for b, perm in enumerate(_exchange_perms(partition)):
+        scale = float(2**b)
+        received = lax.ppermute(_encode([a / scale for a in acc], wires), axis_name, perm)
+        acc = [a + r * scale for a, r in zip(acc, _decode(received, acc, wires))]
     return acc
 
 

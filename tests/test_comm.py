@@ -171,6 +171,21 @@ def test_group_mean_bf16_exchange_rounds_only_what_travels():
     assert mean.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("leaf_dtype,wire", [(jnp.float16, None), (jnp.float32, jnp.float16)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_group_mean_of_float16_near_its_range_is_finite(n, leaf_dtype, wire, weighted):
+    """A butterfly (n = 4, 8) sent its partial sums in float16, which ends at 65504: a group
+    of weights of 30,000 to 40,000 (each one in range) came back inf."""
+    x = jnp.asarray(np.linspace(30000, 40000, 8 * 3).reshape(8, 3), leaf_dtype)
+    pool = comm.partition_pool(8, n, seed=0)
+    weight = jnp.ones(8) if weighted else None
+    mean = jax.vmap(lambda v, w: comm.group_mean(v, "r", pool, 0, wire, w), axis_name="r")(
+        x, weight)  # fmt: skip
+    np.testing.assert_allclose(mean, _numpy_group_mean(np.asarray(x, np.float64), pool[0]),
+                               rtol=2e-3)  # fmt: skip
+
+
 def test_exchange_steps():
     assert [comm.exchange_steps(n) for n in (2, 3, 4, 6, 8)] == [1, 2, 2, 5, 3]
 
