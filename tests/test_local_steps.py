@@ -142,6 +142,19 @@ def test_composes_in_optax_chain_and_keeps_dtypes():
     assert step._cache_size() == 1
 
 
+def test_a_python_float_leaf_is_taken_like_optax_takes_it():
+    """``init`` and an eager ``update`` read ``.dtype`` off every leaf, so a Python-float
+    leaf (which optax.sgd takes) failed with AttributeError."""
+    tx = local_steps(optax.sgd(0.5), noloco_outer(1.0, 0.0, axis_name=None), 1)
+    params = {"t": 1.0, "w": jnp.ones(2)}
+    state = tx.init(params)
+    updates, new_state = tx.update({"t": 1.0, "w": jnp.ones(2)}, state, params)
+    new = optax.apply_updates(params, updates)
+    assert float(new["t"]) == 0.5 and new["w"].tolist() == [0.5, 0.5]
+    assert float(new_state.slow_params["t"]) == 0.5
+    assert jax.tree.map(lambda x: x.dtype, new_state) == jax.tree.map(lambda x: x.dtype, state)
+
+
 @pytest.mark.parametrize("outer", [diloco_outer, noloco_outer])
 def test_bfloat16_params_keep_the_outer_states_dtype_across_rounds(outer):
     """DiLoCo's all-replica mean came back in float32, so its bfloat16 momentum turned float32

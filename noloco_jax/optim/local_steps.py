@@ -563,6 +563,7 @@ def local_steps(
                    resync_caught)
 
     def init_fn(params: optax.Params) -> LocalStepsState:
+        params = jax.tree.map(jnp.asarray, params)  # a Python-number leaf has no dtype
         if spec is not None:
             frag.check_spec(spec, params, sync_every)
         slow = jax.tree.map(
@@ -593,6 +594,8 @@ def local_steps(
     ) -> tuple[optax.Updates, LocalStepsState]:
         if params is None:
             raise ValueError("local_steps.update needs params= the current (fast) weights.")
+        # a Python-number leaf has no dtype
+        updates, params = jax.tree.map(jnp.asarray, (updates, params))
         if is_batched(state.count):
             raise ValueError(BATCHED_COUNTER_FIX)
         if jnp.ndim(state.nonfinite_resets) != 0:  # a per-replica scalar, seen with its N axis
