@@ -555,6 +555,16 @@ def test_slow_dtype_must_be_a_float():
         local_steps(optax.sgd(0.1), noloco_outer(), 2, slow_dtype=jnp.int32)
 
 
+@pytest.mark.parametrize("slow_dtype,match", [(jnp.float8_e4m3fn, "2 bytes or more"),
+                                              (jnp.float8_e5m2, "2 bytes or more"),
+                                              (jnp.float64, "jax_enable_x64")])
+def test_slow_dtype_must_hold_the_slow_weights(slow_dtype, match):
+    """A float8 phi turned a bf16 weight of 500 into NaN (1.3 into 1.25) at the first sync of
+    a step that moved nothing; float64 without x64 was float32 with only JAX's warning."""
+    with pytest.raises(ValueError, match=f"slow_dtype.*{match}"):
+        local_steps(optax.sgd(0.1), noloco_outer(), 2, slow_dtype=slow_dtype)
+
+
 # ------------------------------------------------------------------ composing
 
 

@@ -150,6 +150,25 @@ def _slow_dtype(p: Any, slow_dtype: Any) -> Any:
     return jnp.promote_types(slow_dtype, jnp.complex64) if jnp.iscomplexobj(p) else slow_dtype
 
 
+def _check_slow_dtype(slow_dtype: Any) -> None:
+    """None, or a float dtype of 2 bytes or more that JAX holds as it is; else a ``ValueError``.
+
+    A 1-byte float (float8_e4m3fn) made phi NaN past 448 and rounded it to 3 mantissa bits;
+    float64 without jax_enable_x64 was silently float32.
+    """
+    if slow_dtype is None:
+        return
+    if not jnp.issubdtype(slow_dtype, jnp.floating):
+        raise ValueError(f"slow_dtype must be None or a float dtype, got {slow_dtype!r}.")
+    dtype = jnp.dtype(slow_dtype)
+    if dtype.itemsize < 2:
+        raise ValueError(f"slow_dtype must be None or a float dtype of 2 bytes or more "
+                         f"(e.g. jnp.float32), got {slow_dtype!r}.")  # fmt: skip
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise ValueError(f"slow_dtype: {dtype} needs jax_enable_x64 (JAX holds it as "
+                         f"{jax.dtypes.canonicalize_dtype(dtype)}), got {slow_dtype!r}.")
+
+
 def _keep_schedules(fresh: Any, old: Any) -> Any:
     """``fresh`` inner state at ``old``'s schedule positions.
 
@@ -471,8 +490,9 @@ def local_steps(
         split (e.g. pipeline "stage"); the finiteness check is then taken over
         the whole replica, so all its shards reset together.
       slow_dtype: dtype of phi and of the outer state (e.g. ``jnp.float32``
-        master weights for bf16 params); default: each param's own dtype. A complex
-        param's phi is the complex dtype of that width (``complex64`` for float32).
+        master weights for bf16 params; a float of 2 bytes or more); default: each
+        param's own dtype. A complex param's phi is the complex dtype of that
+        width (``complex64`` for float32).
         After every sync the params are phi rounded to their dtype: exactly for
         16-bit params, within one float32 rounding for float32 params (optax
         adds the jump phi - theta to theta, which rounds once).
@@ -542,8 +562,7 @@ def local_steps(
       Computation in DiLoCo", 2025, https://arxiv.org/abs/2502.12996.
     """
     check_sync_every(sync_every)
-    if slow_dtype is not None and not jnp.issubdtype(slow_dtype, jnp.floating):
-        raise ValueError(f"slow_dtype must be None or a float dtype, got {slow_dtype!r}.")
+    _check_slow_dtype(slow_dtype)
     errors.check_bool("nonfinite_guard", nonfinite_guard)
     errors.check_bool("resync_caught", resync_caught)
     if not isinstance(check_phase, bool) and check_phase != "count":  # `in` took 1 and 0.0
