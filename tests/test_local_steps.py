@@ -312,6 +312,21 @@ def test_data_parallel_averages_gradients_every_step():
     assert_trees_close(u, jax.tree.map(lambda x: -0.1 * x, single))
 
 
+def test_data_parallel_averages_integer_gradients_of_float_params():
+    """An int32 gradient of a float param was left out of the mean (taken for a buffer's), so
+    each replica stepped by its own gradient and the replicas drifted apart; an int buffer's
+    own update still stays per replica."""
+    reps = replicas.make_replicas(4, backend="vmap")
+    tx = data_parallel(optax.sgd(1.0))
+    params = {"w": jnp.zeros((4, 2), jnp.bfloat16), "buf": jnp.zeros((4, 2), jnp.int32)}
+    grads = {"w": jnp.arange(8, dtype=jnp.int32).reshape(4, 2),
+             "buf": jnp.arange(8, dtype=jnp.int32).reshape(4, 2)}
+    updates, _ = reps.map(tx.update)(grads, reps.init(tx, params), params)
+    np.testing.assert_array_equal(updates["w"], np.tile([[-3.0, -4.0]], (4, 1)))
+    assert updates["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(updates["buf"], -np.arange(8).reshape(4, 2))
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
 def test_sync_every_must_be_positive_integer(bad):
     with pytest.raises(ValueError, match="sync_every"):

@@ -952,6 +952,20 @@ def find_local_steps_state(opt_state: optax.OptState) -> LocalStepsState | None:
     return found[0] if found else None
 
 
+def _averaged(updates: optax.Updates, params: optax.Params | None) -> Any:
+    """The updates ``data_parallel`` averages: float ones, and integer ones of a float param
+    (in its dtype; left out, they moved each replica by its own gradient); others ``None``."""
+    if params is None:
+        return float_leaves(updates)
+
+    def pick(u: Any, p: Any) -> Any:
+        if u is None or is_float(u):
+            return u
+        return u.astype(jnp.result_type(p)) if is_float(p) else None
+
+    return jax.tree.map(pick, updates, params, is_leaf=lambda x: x is None)
+
+
 def data_parallel(
     inner: optax.GradientTransformation, axis_name: str | None = "replica"
 ) -> optax.GradientTransformationExtraArgs:
@@ -991,7 +1005,7 @@ def data_parallel(
     ) -> tuple[optax.Updates, optax.OptState]:
         if axis_name is not None:
             comm.axis_size(axis_name)  # integer buffers are per replica: never averaged
-            mean = comm.all_replica_mean(float_leaves(updates), axis_name)
+            mean = comm.all_replica_mean(_averaged(updates, params), axis_name)
             updates = jax.tree.map(lambda m, u: u if m is None else m, mean, updates,
                                    is_leaf=lambda x: x is None)  # fmt: skip
         return inner.update(updates, state, params, **extra_args)
