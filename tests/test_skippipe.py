@@ -306,6 +306,7 @@ def _part_edit(edit):
     (lambda: sp.geo_distributed(4.0), "num_nodes"),
     (lambda: _net3().link_time(-1, 0, 1.0), "src"),
     (lambda: _net3().link(0, 3), "dst"),
+    (lambda: sp.PathRules(4, 4, allow_swaps="no"), "allow_swaps"),  # was truthy: swaps allowed
 ])  # fmt: skip
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):

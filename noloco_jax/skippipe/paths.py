@@ -60,6 +60,8 @@ class PathRules:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not isinstance(self.allow_swaps, (bool, np.bool_)):  # "no" was truthy: swaps on
+            raise ValueError(f"allow_swaps must be True or False, got {self.allow_swaps!r}")
         if self.num_stages < 2:
             raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
         if not 2 <= self.path_length <= self.num_stages:
