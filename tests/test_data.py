@@ -650,6 +650,8 @@ def test_tokenize_documents_and_stream_cache(tmp_path, monkeypatch):
     tok = data.ByteTokenizer()
     assert data.tokenize_documents(["ab", "", "c"], tok).tolist() == [97, 98, 0, 0, 99, 0]
     assert data.tokenize_documents([], tok).dtype == np.int32
+    with pytest.raises(TypeError, match=r"docs must be a sequence.*\[docs\]"):
+        data.tokenize_documents("ab", tok)  # was [97, 0, 98, 0]: one document per character
     corpus = data.Corpus(train=["ab", "c"], validation=["d"], name="t")
     stream = data.load_token_stream(corpus, tok, "train", tmp_path)
     assert stream.dtype == np.int32 and stream.tolist() == [97, 98, 0, 99, 0]

@@ -29,6 +29,9 @@ __all__ = ["tokenize_documents", "load_token_stream", "ReplicaBatcher", "eval_wi
 def tokenize_documents(docs: Sequence[str], tokenizer: Any) -> np.ndarray:
     """One int32 stream: each document's ids followed by ``tokenizer.eos_id`` (and preceded by
     ``tokenizer.bos_ids``, else ``tokenizer.bos_id`` where it is not None: Hugging Face Llamas)."""
+    if isinstance(docs, (str, bytes)):  # iterated, each character was a document of its own
+        raise TypeError(f"docs must be a sequence of documents (e.g. a list of str), got one "
+                        f"{type(docs).__name__}; pass [docs] for a single document.")
     bos = getattr(tokenizer, "bos_ids", None)
     if bos is None:
         bos = () if getattr(tokenizer, "bos_id", None) is None else (tokenizer.bos_id,)
