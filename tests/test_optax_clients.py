@@ -553,6 +553,8 @@ def test_float32_master_weights_of_complex_params_keep_the_imaginary_part():
 def test_slow_dtype_must_be_a_float():
     with pytest.raises(ValueError, match="slow_dtype"):
         local_steps(optax.sgd(0.1), noloco_outer(), 2, slow_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="slow_dtype"):  # was NumPy's TypeError, no field named
+        local_steps(optax.sgd(0.1), noloco_outer(), 2, slow_dtype="float33")
 
 
 @pytest.mark.parametrize("slow_dtype,match", [(jnp.float8_e4m3fn, "2 bytes or more"),

@@ -158,7 +158,7 @@ def _check_slow_dtype(slow_dtype: Any) -> None:
     """
     if slow_dtype is None:
         return
-    if not jnp.issubdtype(slow_dtype, jnp.floating):
+    if not _is_float_dtype(slow_dtype):
         raise ValueError(f"slow_dtype must be None or a float dtype, got {slow_dtype!r}.")
     dtype = jnp.dtype(slow_dtype)
     if dtype.itemsize < 2:
@@ -338,6 +338,14 @@ def _check_phase(count: jax.Array, sync_every: int, sync_step: Any, num_frags: i
 def check_sync_every(sync_every: int, field: str = "sync_every") -> int:
     """H, the inner steps per outer step: an integer >= 1; returns it."""
     return errors.check_int(field, sync_every)
+
+
+def _is_float_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` names a float dtype; a name NumPy does not know (``"float33"``) is not."""
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:  # NumPy's "data type 'float33' not understood", naming no argument
+        return False
 
 
 def check_delay(delay: int, sync_every: int, num_fragments: int = 1, *, field: str = "delay",
