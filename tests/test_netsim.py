@@ -273,6 +273,11 @@ BAD_CALLS = [
     ("exchange_bytes_per_param",
      lambda: netsim.sync_report(1e6, 8, LINK, exchange_bytes_per_param=3, **_OK)),
     ("allreduce", lambda: netsim.sync_report(1e6, 8, LINK, allreduce="butterfly", **_OK)),
+    # seeds: NumPy's "expected non-negative integer" or SeedSequence's TypeError named none
+    ("seed", lambda: netsim.expected_max_of_two_mc(0.0, 1.0, num_samples=4, seed=-1)),
+    ("seed", lambda: netsim.simulate_tree_allreduce(4, 1.0, num_trials=2, seed=-1)),
+    ("seed", lambda: netsim.allreduce_pairwise_ratio(4, 1.0, num_trials=2, seed=1.5)),
+    ("seed", lambda: netsim.simulate_global_blocking(8, 100, seed=-1)),
 ]
 
 

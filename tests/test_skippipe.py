@@ -307,6 +307,11 @@ def _part_edit(edit):
     (lambda: _net3().link_time(-1, 0, 1.0), "src"),
     (lambda: _net3().link(0, 3), "dst"),
     (lambda: sp.PathRules(4, 4, allow_swaps="no"), "allow_swaps"),  # was truthy: swaps allowed
+    # seeds: NumPy's "expected non-negative integer" or SeedSequence's TypeError named none
+    (lambda: sp.geo_distributed(4, seed=-1), "seed"),
+    (lambda: sp.partition_nodes(_net3(), (1, 1, 1), message_bytes=0, seed=1.5), "seed"),
+    (lambda: sp.make_schedule("full", _net3(), ((0,), (1,), (2,)), sp.PathRules(3, 3),
+                              message_bytes=0, seed=-1), "seed"),
 ])  # fmt: skip
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):

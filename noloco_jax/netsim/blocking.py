@@ -93,6 +93,7 @@ def simulate_global_blocking(
         num_workers, inner_steps, diloco_sync_every, noloco_sync_every, group_size, sigma2, mu
     )
     _checks.int_at_least("num_trials", num_trials, 1)
+    _checks.int_at_least("seed", seed, 0)  # NumPy's message named no argument
     step_rng, group_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     chunk = math.gcd(diloco_sync_every, noloco_sync_every)
     diloco = np.zeros((num_trials, num_workers))

@@ -105,6 +105,7 @@ def expected_max_of_two_mc(
     _checks.finite("mu", mu)
     s = _checks.non_negative("sigma", sigma)
     n = _checks.int_at_least("num_samples", num_samples, 1)
+    seed = _checks.int_at_least("seed", seed, 0)  # NumPy's message named no argument
     t = np.random.default_rng(seed).lognormal(mu, s, size=(n, 2))
     return float(t.max(axis=1).mean())
 
@@ -158,7 +159,7 @@ def simulate_tree_allreduce(
     s = _checks.non_negative("sigma", sigma)
     trials = _checks.int_at_least("num_trials", num_trials, 1)
     t_c = _checks.positive("mean", mean)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(_checks.int_at_least("seed", seed, 0))
     per_chunk = max(1, _MAX_DRAWS_PER_CHUNK // (2 * n))
     chunks = [
         _tree_chunk(rng, n, s, min(per_chunk, trials - start))

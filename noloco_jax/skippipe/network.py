@@ -173,7 +173,7 @@ def _compute(num_nodes: int, forward_s: float, compute_spread: float, seed: int)
     forward_s = _checks.positive("forward_s", forward_s)
     if not 0 <= compute_spread < 1:
         raise ValueError(f"compute_spread must be in [0, 1), got {compute_spread}")
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(errors.check_int("seed", seed, 0))
     return forward_s * (1 + rng.uniform(-compute_spread, compute_spread, num_nodes))
 
 

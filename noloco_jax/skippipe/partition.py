@@ -110,6 +110,7 @@ def partition_nodes(network: Network, stage_sizes: Sequence[int], *, message_byt
         raise ValueError(f"stage_sizes must sum to num_nodes={network.num_nodes}, got {sum(sizes)}")
     errors.check_int("restarts", restarts)
     errors.check_int("max_sweeps", max_sweeps, 0)
+    errors.check_int("seed", seed, 0)  # NumPy's message named no argument
     cost = network.cost_matrix(_checks.non_negative("message_bytes", message_bytes))
     rng = np.random.default_rng(seed)
     base = np.repeat(np.arange(len(sizes)), sizes)

@@ -361,6 +361,7 @@ def make_schedule(kind: str, network: Network, partition: Partition, rules: Path
         raise ValueError(f"message_bytes must be a finite number >= 0, got {message_bytes!r}")
     cap = _check(kind, partition, rules, microbatches, memory, stage_cap, time_limit_s,
                  max_restarts)  # fmt: skip
+    errors.check_int("seed", seed, 0)  # NumPy's message named no argument
     t0 = time.perf_counter()
     heads = [h for _ in range(microbatches) for h in partition[0]]  # round-robin priority
     order = list(range(len(heads)))
