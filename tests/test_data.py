@@ -646,6 +646,16 @@ def test_sentencepiece_trained_locally_and_cached(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- token streams
 
 
+def test_corpus_unavailable_error_is_public(tmp_path, monkeypatch):
+    """load_corpus documents raising it; it was importable only from data.sources."""
+    def offline(data_dir):
+        raise RuntimeError("could not obtain the offline default corpus: no network")
+    monkeypatch.setattr(sources, "_shakespeare", offline)
+    with pytest.raises(data.CorpusUnavailableError, match="no network"):
+        data.load_corpus("shakespeare", data_dir=tmp_path)
+    assert "CorpusUnavailableError" in data.__all__
+
+
 def test_tokenize_documents_and_stream_cache(tmp_path, monkeypatch):
     tok = data.ByteTokenizer()
     assert data.tokenize_documents(["ab", "", "c"], tok).tolist() == [97, 98, 0, 0, 99, 0]

