@@ -248,9 +248,10 @@ def pool_index(
 
     ``stream`` (e.g. a streaming fragment's index) draws from a separate stream;
     ``None`` is the original draw. ``seed`` must be in [0, 2**32 - 1] (the key keeps 32 bits:
-    -1 drew seed 2**32 - 1's groups).
+    -1 drew seed 2**32 - 1's groups). ``pool_size`` is an integer >= 1.
     """
     errors.check_int("seed", seed, 0, 2**32 - 1, "2**32 - 1")
+    errors.check_int("pool_size", pool_size)  # 0, -3 or 1.5 gave index 0 of no pool
     if pool_size == 1:
         return jnp.zeros([], jnp.int32)
     key = jax.random.key(seed)

@@ -58,6 +58,13 @@ def test_pool_index_refuses_a_seed_its_key_cannot_hold(seed):
         comm.pool_index(0, 7, seed)
 
 
+@pytest.mark.parametrize("pool_size", [0, -3, 1.5, True])
+def test_pool_index_refuses_a_bad_pool_size(pool_size):
+    """Each returned index 0 (of an empty or fractional pool) without a word."""
+    with pytest.raises(ValueError, match=r"^pool_size: must be an integer >= 1"):
+        comm.pool_index(0, pool_size, 0)
+
+
 def test_groups_for_round_is_deterministic_and_redrawn():
     rounds = [groups_for_round(r, 8, 2, seed=5) for r in range(30)]
     again = [groups_for_round(r, 8, 2, seed=5) for r in range(30)]
