@@ -87,6 +87,11 @@ def test_take_and_put_round_trip():
     back = frag.put(p, jax.tree.map(lambda x: x + 1, part), spec, 1)
     np.testing.assert_array_equal(back["blocks"]["w"][:2], p["blocks"]["w"][:2])
     np.testing.assert_array_equal(back["blocks"]["w"][2:], p["blocks"]["w"][2:] + 1)
+    for bad in (2, -1, 1.5):  # take gave a tree of Nones, put the tree unchanged
+        with pytest.raises(ValueError, match=r"^p: must be an integer in \[0, 1\]"):
+            frag.take(p, spec, bad)
+        with pytest.raises(ValueError, match=r"^p: must be an integer in \[0, 1\]"):
+            frag.put(p, part, spec, bad)
 
 
 def test_sync_fragment_schedule():

@@ -136,6 +136,11 @@ def fragment_sizes(spec: PyTree, params: PyTree) -> list[int]:
     return [sum(int(np.prod(x.shape)) for x in jax.tree.leaves(part)) for part in parts]
 
 
+def _check_index(spec: PyTree, p: int) -> None:
+    """p names one of the spec's fragments: past them ``take`` gave all None, ``put`` no change."""
+    errors.check_int("p", p, 0, num_fragments(spec) - 1)
+
+
 def _rows(s: Any, p: int) -> tuple[int, int] | None:
     """The [start, stop) rows of fragment p in a leaf spec, None if the leaf has none of p."""
     if isinstance(s, tuple):
@@ -201,6 +206,7 @@ def check_fragments(num_fragments: int, sync_every: int | None = None, *,
 
 def take(tree: PyTree, spec: PyTree, p: int) -> PyTree:
     """Fragment p of ``tree``: its leaves or rows, ``None`` where it has none."""
+    _check_index(spec, p)
 
     def leaf(x: Any, s: Any) -> Any:
         if x is None:
@@ -215,6 +221,7 @@ def take(tree: PyTree, spec: PyTree, p: int) -> PyTree:
 
 def put(tree: PyTree, part: PyTree, spec: PyTree, p: int) -> PyTree:
     """``tree`` with fragment p replaced by ``part`` (a ``take`` of the same spec)."""
+    _check_index(spec, p)
 
     def leaf(x: Any, y: Any, s: Any) -> Any:
         rows = _rows(s, p)
