@@ -76,6 +76,8 @@ def test_route_boundary_moves_each_microbatch_to_its_destination():
     for b in range(B):
         for k in range(N):
             assert int(y[perm[b, k], b]) == int(x[k, b])
+    with pytest.raises(ValueError, match=r"^perm_BxN must have shape \[B, N\] = \[3, 4\]"):
+        pl.route_boundary(x, perm[:, :3])  # was a [3, B] result: replica 3's batches dropped
 
 
 def _sequence_loss(params, graphdef, tokens, path, r, b):

@@ -22,7 +22,15 @@ __all__ = ["route_boundary", "routed_losses"]
 
 
 def route_boundary(x_NxB: jax.Array, perm_BxN: jax.Array) -> jax.Array:
-    """Moves micro-batch b held by replica k to replica ``perm[b, k]``."""
+    """Moves micro-batch b held by replica k to replica ``perm[b, k]``.
+
+    Raises:
+      ValueError: ``perm_BxN``'s shape is not [B, N] of ``x_NxB`` ([N, B, ...]).
+    """
+    want = tuple(x_NxB.shape[1::-1])
+    if jnp.ndim(x_NxB) < 2 or tuple(jnp.shape(perm_BxN)) != want:  # a gather clamped or dropped
+        raise ValueError(f"perm_BxN must have shape [B, N] = {list(want)} for x_NxB of shape "
+                         f"{list(jnp.shape(x_NxB))}, got {list(jnp.shape(perm_BxN))}.")
     inv_BxN = jnp.argsort(perm_BxN, axis=-1)  # source of each destination
     b = jnp.arange(x_NxB.shape[1])
     return x_NxB[inv_BxN.T, b[None, :]]
