@@ -1243,6 +1243,8 @@ def noloco_bytes_per_sync(
     Returns:
       Bytes sent per replica per sync (received bytes are equal).
     """
+    errors.check_bool("gamma_equals_beta", gamma_equals_beta)  # "no" was truthy
+    errors.check_bool("with_presence", with_presence)
     params = _sent_leaves(params)
     tensors = 1 if gamma_equals_beta else 2
     flag = 4 if with_presence else 0
@@ -1280,6 +1282,7 @@ def diloco_bytes_per_sync(
     Returns:
       Bytes sent per replica per sync (received bytes are equal).
     """
+    errors.check_bool("with_presence", with_presence)  # "no" was a TypeError or truthy
     if errors.check_int("num_replicas", num_replicas) == 1:
         return 0.0
     params = _sent_leaves(params)

@@ -73,6 +73,8 @@ def log_average_mixture(
             raise ValueError(f"tokens_BxT must be ids in [0, {vocab}) (the vocabulary of "
                              f"logp_KxBxTxV), got ids from {low} to {high}; a gather would "
                              f"give NaN.")  # fmt: skip
+    if not isinstance(normalize, bool):  # "no" was truthy: normalised
+        raise ValueError(f"normalize must be True or False, got {normalize!r}.")
     mean = jnp.mean(logp_KxBxTxV.astype(jnp.float32), axis=0)  # [B, T, V]
     if normalize:
         mean = mean - jax.nn.logsumexp(mean, axis=-1, keepdims=True)

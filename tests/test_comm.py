@@ -204,6 +204,11 @@ def test_byte_helpers():
     assert comm.noloco_bytes_per_sync(params, gamma_equals_beta=False) == 2 * base
     assert comm.noloco_bytes_per_sync(params, exchange_dtype=jnp.bfloat16) == 105 * 2
     assert comm.noloco_bytes_per_sync(params, group_size=4) == 2 * base
+    for flag in ("gamma_equals_beta", "with_presence"):  # "no" counted as True
+        with pytest.raises(ValueError, match=f"^{flag}: must be True or False"):
+            comm.noloco_bytes_per_sync(params, **{flag: "no"})
+    with pytest.raises(ValueError, match="^with_presence: must be True or False"):
+        comm.diloco_bytes_per_sync(params, 8, with_presence="no")  # a TypeError from str * float
     assert comm.allreduce_bytes_per_replica(params, 8) == pytest.approx(2 * 7 / 8 * base)
     assert comm.allreduce_bytes_per_replica(params, 1) == 0.0
     # all_replica_mean sums 16-bit leaves in float32, which is what travels

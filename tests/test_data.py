@@ -666,6 +666,8 @@ def test_tokenize_documents_and_stream_cache(tmp_path, monkeypatch):
     stream = data.load_token_stream(corpus, tok, "train", tmp_path)
     assert stream.dtype == np.int32 and stream.tolist() == [97, 98, 0, 99, 0]
     assert data.load_token_stream(corpus, tok, "validation", tmp_path).tolist() == [100, 0]
+    with pytest.raises(ValueError, match="^on_disk: must be True or False"):  # "no": a TokenFile
+        data.load_token_stream(corpus, tok, "train", tmp_path, on_disk="no")
     calls = spy(monkeypatch, data.batches, "tokenize_documents")
     assert data.load_token_stream(corpus, tok, "train", tmp_path).tolist() == stream.tolist()
     assert calls == []  # served from the .npy cache

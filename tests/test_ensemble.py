@@ -151,6 +151,13 @@ def test_log_average_refuses_no_models():
         ensemble.log_average_mixture(jnp.zeros((0, 1, 3, 4)), jnp.zeros((1, 3), jnp.int32))
 
 
+def test_log_average_refuses_a_non_bool_normalize():
+    """normalize="no" was truthy and renormalised."""
+    with pytest.raises(ValueError, match=r"^normalize must be True or False, got 'no'"):
+        ensemble.log_average_mixture(jnp.zeros((2, 1, 3, 4)), jnp.zeros((1, 3), jnp.int32),
+                                     normalize="no")  # fmt: skip
+
+
 def test_log_average_refuses_non_integer_tokens():
     """A float id 1.7 was silently truncated and scored as token 1."""
     logp = jnp.log(jnp.full((2, 1, 3, 4), 0.25))

@@ -98,6 +98,12 @@ def test_paper_presets_match_reference_counts(name, non_embedding_m, total_m):
     assert round(param_count(cfg) / 1e6, 1) == total_m
 
 
+def test_param_count_refuses_a_non_bool_non_embedding():
+    """non_embedding="no" was truthy and left the embeddings out."""
+    with pytest.raises(ValueError, match=r"^non_embedding must be True or False"):
+        param_count(get_preset("nano", vocab_size=256), non_embedding="no")
+
+
 @pytest.mark.parametrize("name, lo_m, hi_m", [("nano", 0.1, 0.3), ("tiny", 0.8, 1.3),
                                               ("mini", 9.0, 11.0)])
 def test_cpu_presets_hit_their_size_targets(name, lo_m, hi_m):

@@ -21,7 +21,7 @@ import numpy as np
 
 from noloco_jax.data.sources import texts_digest
 from noloco_jax.data.token_files import TokenFile, write_tokens
-from noloco_jax.errors import check_int
+from noloco_jax.errors import check_bool, check_int
 
 __all__ = ["tokenize_documents", "load_token_stream", "ReplicaBatcher", "eval_windows"]
 
@@ -66,6 +66,7 @@ def load_token_stream(
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}.")
+    check_bool("on_disk", on_disk)  # "no" was truthy: a TokenFile came back
     docs = getattr(corpus, split)
     key = f"{corpus.name}-{texts_digest(docs)}-{tokenizer.name}-{split}.npy"
     path = pathlib.Path(cache_dir) / "tokens" / key

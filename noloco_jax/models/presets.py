@@ -175,6 +175,8 @@ def param_count(cfg: LlamaConfig, *, non_embedding: bool = False) -> int:
     Returns:
       The number of scalar parameters.
     """
+    if not isinstance(non_embedding, bool):  # "no" was truthy: embeddings left out
+        raise ValueError(f"non_embedding must be True or False, got {non_embedding!r}.")
     d, f = cfg.hidden_size, cfg.mlp_hidden_size
     kv_width = cfg.kv_heads * cfg.head_dim
     per_block = 2 * d * d + 2 * d * kv_width + 3 * d * f + 2 * d

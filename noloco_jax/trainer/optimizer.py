@@ -212,7 +212,7 @@ def bytes_sent(
 def _sync_bytes(method: str, outer: OuterSettings, num_replicas: int, fault: FaultSettings,
                 tree: Any) -> float:  # fmt: skip
     """Bytes one replica sends in one exchange of ``tree`` (the params or a fragment)."""
-    presence = fault.nonfinite_guard or fault.dropout_prob > 0
+    presence = bool(fault.nonfinite_guard or fault.dropout_prob > 0)  # a NumPy bool is refused
     wire = _exchange_dtype(outer.exchange_dtype)
     slow = _slow_dtype(outer.slow_dtype)
     if slow is not None:  # the outer step exchanges the slow weights: "" sends them as held,
@@ -224,7 +224,7 @@ def _sync_bytes(method: str, outer: OuterSettings, num_replicas: int, fault: Fau
                                           with_presence=presence)  # fmt: skip
     return comm.noloco_bytes_per_sync(
         tree, group_size=outer.group_size, exchange_dtype=wire, with_presence=presence,
-        gamma_equals_beta=outer.gamma is None or outer.gamma == outer.learning_rate)
+        gamma_equals_beta=bool(outer.gamma is None or outer.gamma == outer.learning_rate))
 
 
 def _stage_local(params: Any, num_stages: int) -> Any:
