@@ -98,6 +98,14 @@ def test_paper_presets_match_reference_counts(name, non_embedding_m, total_m):
     assert round(param_count(cfg) / 1e6, 1) == total_m
 
 
+@pytest.mark.parametrize("bad", [V, -1])
+def test_apply_refuses_token_ids_outside_the_vocabulary(nano, bad):
+    """An id past the table gave NaN logits, -1 the last row's logits, without a word."""
+    _, graphdef, params = nano
+    with pytest.raises(ValueError, match=rf"^tokens_BxT must be ids in \[0, {V}\).*{bad}"):
+        apply(graphdef, params, jnp.asarray([[1, 2, bad]]))
+
+
 def test_param_count_refuses_a_non_bool_non_embedding():
     """non_embedding="no" was truthy and left the embeddings out."""
     with pytest.raises(ValueError, match=r"^non_embedding must be True or False"):

@@ -380,12 +380,23 @@ def apply(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array) -> j
     Args:
       graphdef: static structure from ``init_params``.
       params: parameter pytree from ``init_params`` (or one of the same structure).
-      tokens_BxT: integer token ids.
+      tokens_BxT: integer token ids in [0, vocab_size).
 
     Returns:
       logits_BxTxV in float32.
+
+    Raises:
+      ValueError: a concrete ``tokens_BxT`` holds an id outside [0, vocab_size) (the lookup
+        gave NaN logits past the table and wrapped -1 to its last row).
     """
-    return nnx.merge(graphdef, params)(tokens_BxT)
+    model = nnx.merge(graphdef, params)
+    if not isinstance(tokens_BxT, jax.core.Tracer) and jnp.size(tokens_BxT) and \
+            jnp.issubdtype(jnp.result_type(tokens_BxT), jnp.integer):
+        low, high, vocab = int(jnp.min(tokens_BxT)), int(jnp.max(tokens_BxT)), model.cfg.vocab_size
+        if not 0 <= low <= high < vocab:
+            raise ValueError(f"tokens_BxT must be ids in [0, {vocab}) (the model's vocab_size), "
+                             f"got ids from {low} to {high}.")  # fmt: skip
+    return model(tokens_BxT)
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
