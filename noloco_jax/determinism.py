@@ -21,7 +21,7 @@ import pathlib
 import re
 import sys
 
-from noloco_jax.errors import UserError
+from noloco_jax.errors import UserError, check_bool
 
 __all__ = ["FLAG", "xla_flags", "request", "unmet", "warning"]
 
@@ -71,12 +71,14 @@ def xla_flags(deterministic: bool, flags_text: str) -> str:
       with it appended); otherwise ``flags_text`` unchanged.
 
     Raises:
-      UserError: ``deterministic`` but ``XLA_FLAGS`` sets the flag to false.
+      UserError: ``deterministic`` but ``XLA_FLAGS`` sets the flag to false, or
+        ``deterministic`` not True or False.
 
     Example:
       >>> xla_flags(True, "--xla_force_host_platform_device_count=8")
       '--xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true'
     """
+    check_bool("deterministic", deterministic)  # "no" was truthy: the flag was added
     flags = _flags_in(flags_text)
     given = _flag_value(flags)
     if not deterministic or given:
@@ -102,6 +104,7 @@ def request(deterministic: bool) -> None:
 
 def unmet(deterministic: bool, platform: str, flags_text: str) -> str | None:
     """Why a run asked to be deterministic will not be (a GPU without the flag), else None."""
+    check_bool("deterministic", deterministic)  # "no" was truthy: a warning for a GPU run
     if not deterministic or platform != "gpu" or _flag_value(_flags_in(flags_text)):
         return None
     return (f"config.deterministic=True, but JAX started its GPU backend without {FLAG}=true, "

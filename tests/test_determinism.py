@@ -42,6 +42,15 @@ def test_a_contradicting_or_bad_xla_flag_is_refused(given, pattern):
         determinism.xla_flags(True, given)
 
 
+@pytest.mark.parametrize("call", [lambda: determinism.xla_flags("no", ""),
+                                  lambda: determinism.unmet("no", "gpu", ""),
+                                  lambda: determinism.request(0)])  # fmt: skip
+def test_deterministic_must_be_a_bool(call):
+    """A str "no" and 0 were read as truthy/falsy: "no" added the flag and warned on a GPU."""
+    with pytest.raises(UserError, match=r"^deterministic: must be True or False"):
+        call()
+
+
 @pytest.mark.parametrize("deterministic, platform, given, warned", [
     (True, "gpu", DEVICES, True),
     (True, "gpu", f"{FLAG}=false", True),
