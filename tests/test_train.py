@@ -298,6 +298,16 @@ def test_stages_must_divide_layers(tmp_path, corpus_dir, data_dir):
         train_and_evaluate(s, tmp_path, progress=False)
 
 
+@pytest.mark.parametrize("batch_size", [0, -1, 1.5])
+def test_eval_window_losses_refuses_a_bad_batch_size(batch_size):
+    """0 was a ZeroDivisionError, -1 and 1.5 TypeErrors from JAX's reshape."""
+    from noloco_jax.trainer import step  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="^batch_size: must be an integer >= 1"):
+        step.eval_window_losses(None, np.zeros((3, 9), np.int32), graphdef=None,
+                                batch_size=batch_size)  # fmt: skip
+
+
 def test_an_awkward_number_of_eval_windows_is_padded_not_run_one_by_one():
     """17 windows ran as 17 batches of one; now as two of 16 with the padding dropped."""
     import jax.numpy as jnp  # noqa: PLC0415

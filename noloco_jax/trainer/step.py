@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from noloco_jax import errors
 from noloco_jax.models import apply, cross_entropy
 from noloco_jax.optim.local_steps import restore_nonfinite
 
@@ -185,6 +186,7 @@ def eval_token_losses(
 
     Windows are evaluated ``batch_size`` at a time (``lax.map``) to bound memory.
     """
+    errors.check_int("batch_size", batch_size)  # 0 was a ZeroDivisionError, 1.5 JAX's TypeError
     num = windows_WxT1.shape[0]
     if num % batch_size:
         raise ValueError(f"{num} eval windows are not divisible by batch_size={batch_size}.")
