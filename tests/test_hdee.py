@@ -160,6 +160,8 @@ def test_one_expert_ensemble_is_that_expert_and_weights_are_normalised():
     lp = ex.token_logprobs(graphdef, one, windows)
     full = ex.token_logprobs(graphdef, one, windows, full=True)
     assert lp.shape == (1, 3, 16) and full.shape == (1, 3, 16, 256)
+    with pytest.raises(ValueError, match="^full: must be True or False"):  # "no": the full one
+        ex.token_logprobs(graphdef, one, windows, full="no")
     np.testing.assert_allclose(jnp.exp(full).sum(-1), 1.0, rtol=1e-5)
     np.testing.assert_allclose(
         jnp.take_along_axis(full, windows[None, :, 1:, None], axis=-1)[..., 0], lp, atol=1e-6)

@@ -229,4 +229,5 @@ def token_logprobs(graphdef: Any, params_K: Any, windows_WxT1: jax.Array, *,
     With ``full``, the whole next-token distributions instead, [K, W, T, V] (the targets are
     ``windows_WxT1[:, 1:]``).
     """
+    errors.check_bool("full", full)  # "no" was truthy: [K, W, T, V] came back
     return _token_logprobs(params_K, jnp.asarray(windows_WxT1), graphdef=graphdef, full=full)
