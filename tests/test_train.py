@@ -238,6 +238,22 @@ def test_a_padded_vocabulary_trains_exports_and_resumes_only_as_itself(tmp_path,
         load_run(s, tmp_path / "tuned")
 
 
+def test_settings_made_as_a_dataclass_are_checked_too(tmp_path):
+    """TrainSettings built directly (not by from_config) were never validated: num_replicas=0
+    died in a ZeroDivisionError, a bad method trained as something else."""
+    from noloco_jax.trainer.loop import load_run  # noqa: PLC0415
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    for bad, match in ((dict(num_replicas=0), r"config\.num_replicas: must be an integer >= 1"),
+                       (dict(method="bogus"), r"config\.method")):  # fmt: skip
+        s = settings_lib.TrainSettings(**bad)
+        with pytest.raises(ValueError, match=match):
+            train_and_evaluate(s, tmp_path / "run", progress=False)
+        with pytest.raises(ValueError, match=match):
+            load_run(s, tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_missing_corpus_path(tmp_path, data_dir):
     s = tiny_settings(tmp_path / "nowhere", data_dir)
     with pytest.raises(FileNotFoundError, match="nowhere"):

@@ -34,7 +34,7 @@ from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer.observability import Profiler, check_sinks, compile_seconds, make_sinks
 from noloco_jax.trainer.resize import check_init_model, check_resume, restore_resized
 from noloco_jax.trainer.settings import (TrainSettings, check_delay_windows, check_loadable,
-                                         guard_acts, warnings_for)
+                                         guard_acts, validate, warnings_for)
 from noloco_jax.trainer.step import TrainState
 from noloco_jax.trainer.writers import MetricWriter, Progress, read_jsonl
 
@@ -200,6 +200,7 @@ def _check_same_settings(settings: TrainSettings) -> None:
 def _check_start(settings: TrainSettings, workdir: str | pathlib.Path, stop_at: int | None
                  ) -> pathlib.Path:  # fmt: skip
     """This process's checks of the run's input before anything runs; returns the workdir."""
+    validate(settings)  # settings built as a dataclass, not by from_config, were not checked
     _check_dtype_promotion()
     workdir = _writable_workdir(workdir)
     _check_outside_corpus(settings, workdir)
@@ -531,7 +532,7 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
     (auto) mesh axes, so ``x[i]`` picks replica ``i`` whatever the backend.
     """
     directory = _checkpoint_dir(workdir)
-    run, target = build_run(settings)
+    run, target = build_run(validate(settings))
     ckpt = Checkpointer(directory, keep=settings.keep_checkpoints)
     try:
         step = ckpt.latest_step()
