@@ -862,3 +862,13 @@ def test_an_archive_or_compressed_stream_is_refused_not_trained_on(tmp_path, nam
         with pytest.raises(errors.UserError, match=rf"corpus file '.*{name}' is {what}"):
             data.load_corpus("files", path=str(tmp_path / "c" / name), data_dir=tmp_path / "d",
                              encoding=encoding)  # fmt: skip
+
+
+def test_a_text_with_ustar_at_the_tar_magic_offset_is_not_taken_for_a_tar(tmp_path):
+    """Only the magic at offset 257 was checked, so a Spanish text with 'gustar ' there was
+    refused as 'a tar archive'; a tar's header checksum must match too."""
+    text = "Me " + "x" * 252 + " gustar mucho el texto. " * 30
+    assert text[257:263] == "ustar "
+    (tmp_path / "es.txt").write_text(text)
+    corpus = data.load_corpus("files", path=str(tmp_path / "es.txt"), data_dir=tmp_path / "d")
+    assert "gustar" in corpus.train[0]

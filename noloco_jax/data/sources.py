@@ -495,11 +495,23 @@ def _read_bytes(f: pathlib.Path, gz: bool) -> bytes:
     return raw
 
 
+def _is_tar(b: bytes) -> bool:
+    """A tar header: its magic at 257 and its checksum (148:156, octal) matching the header's
+    bytes, so a text with 'ustar ' at 257 (Spanish 'gustar ') is not taken for one."""
+    if len(b) < 512 or b[257:263] not in (b"ustar\x00", b"ustar "):
+        return False
+    try:
+        stored = int(b[148:156].replace(b"\x00", b" ").strip() or b"-", 8)
+    except ValueError:
+        return False
+    header = b[:148] + b" " * 8 + b[156:512]
+    return stored in (sum(header), sum(header) - 256 * sum(c > 127 for c in header))
+
+
 # Contents that are not text but pass for it: a tar's headers are ASCII (and its NULs were
 # dropped), and with encoding='latin-1' any compressed stream decodes without a complaint.
 _PACKED = (
-    (lambda b: b[257:263] in (b"ustar\x00", b"ustar "),
-     "a tar archive; unpack it (tar xf) and name the files"),
+    (_is_tar, "a tar archive; unpack it (tar xf) and name the files"),
     (lambda b: b[:4] == b"PK\x03\x04", "a zip archive; unzip it and name the files"),
     (lambda b: b[:2] == b"\x1f\x8b", "gzip data; name the file *.gz, or gunzip it"),
     (lambda b: b[:3] == b"BZh" and b[4:10] == b"1AY&SY", "bzip2 data; bunzip2 it"),
