@@ -230,6 +230,11 @@ def test_a_padded_vocabulary_trains_exports_and_resumes_only_as_itself(tmp_path,
     # Only init_from's path is a setting: a resume (or a load) after its config.json changed
     # ran the restored weights under the new RMSNorm epsilon, silently.
     train_and_evaluate(s, tmp_path / "tuned", progress=False)
+    # model.remat may change on resume and load; it was recorded with the config.json and
+    # refused as a change of it.
+    remat = variant(s, model={"remat": True})
+    assert train_and_evaluate(remat, tmp_path / "tuned", progress=False)["step"] == 4
+    load_run(remat, tmp_path / "tuned")
     (out / "config.json").write_text(json.dumps({**exported, "rms_norm_eps": 0.5}))
     changed = r"init_from's config.json changed since the checkpoint was written \(norm_eps: "
     with pytest.raises(ValueError, match=rf"cannot resume: config.model.{changed}1e-06 -> 0.5"):

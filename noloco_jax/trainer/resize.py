@@ -92,12 +92,21 @@ def check_resume(saved_meta: dict, current_meta: dict, allow_resize: bool) -> in
     return old_n
 
 
+# Model config fields that come from settings, not the config.json: the settings check them
+# (model.remat may change on resume and load).
+_FROM_SETTINGS = ("dtype", "param_dtype", "remat")
+
+
 def check_init_model(saved_meta: dict, current_meta: dict, verb: str) -> None:
     """Refuses to ``verb`` (resume, load the run) once the ``init_from`` config.json changed
     since the checkpoint: only its path is a setting, and the weights would run under another
     rope_theta or eps. Checkpoints older than this check record no model config."""
     saved, current = saved_meta.get("init_model"), current_meta.get("init_model")
-    if saved is None or current is None or saved == current:
+    if saved is None or current is None:
+        return
+    saved, current = ({k: v for k, v in m.items() if k not in _FROM_SETTINGS}
+                      for m in (saved, current))  # fmt: skip
+    if saved == current:
         return
     changed = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
                         for k in sorted(saved.keys() | current.keys())
