@@ -26,9 +26,10 @@ from noloco_jax.data import ByteTokenizer
 from noloco_jax.data.batches import eval_windows
 from noloco_jax.errors import UserError
 from noloco_jax.experiments import harness, provenance, stats
-from noloco_jax.hdee import (ENSEMBLES, HELD_OUT_DOMAINS, RULES, TRAINING_DOMAINS, assign_tiers, compute, difficulty_bits_per_byte,
-                             make_domains, ngram_bits_per_byte, plan_ensemble, posterior_weight_on,
-                             rule_perplexities, size_config, token_logprobs, train_group)  # fmt: skip
+from noloco_jax.hdee import (ENSEMBLES, HELD_OUT_DOMAINS, RULES, TRAINING_DOMAINS, assign_tiers,
+                             compute, difficulty_bits_per_byte, make_domains, ngram_bits_per_byte,
+                             plan_ensemble, posterior_weight_on, rule_perplexities, size_config,
+                             token_logprobs, train_group)  # fmt: skip
 
 CONFIG = harness.ROOT / "configs" / "exp_hdee.py"
 HETERO = ("M_Ho-I_He", "M_He-I_Ho")

@@ -481,9 +481,10 @@ def _butterfly_sum(
     ``ppermute`` of one message holding all buffers per step. Step b's sums of 2**b
     values travel divided by 2**b, so a 16-bit wire carries a partial mean, not a sum
     past its range (float16 ends at 65504). The scaling is exact and the wire rounds
-    the same bits (float32 and bfloat16: bit for bit as a sum would travel), except
-    for float16 partial means below its smallest normal number (6.1e-5), which can
-    lose their last subnormal bit (at most 1.5e-8).
+    the same bits (float32 and bfloat16: bit for bit as a sum would travel, but for
+    partial sums below 2**-126 * 2**b, whose subnormal mean XLA:CPU flushes to 0), and
+    float16 partial means below its smallest normal number (6.1e-5) can lose their
+    last subnormal bit (at most 1.5e-8).
     """
     acc = list(buffers)
     for b, perm in enumerate(_exchange_perms(partition)):

@@ -111,7 +111,8 @@ class Escalation:
         return (f"the fast weights of replica(s) {np.flatnonzero(~ok).tolist()} are non-finite "
                 f"at the last step {step}, after the last sync: no sync is left to repair them, "
                 f"so their evaluation is NaN. Their slow weights are finite and checkpointed; "
-                f"{extend} (a num_steps that is a multiple of outer.sync_every ends on a sync).")
+                f"{extend}. A run whose num_steps is a multiple of outer.sync_every ends on a "
+                f"sync, which repairs them.")
 
     def _fail(self, step: int, what: str) -> None:
         s = self._settings

@@ -172,8 +172,10 @@ def train_and_evaluate(
         lock.release()
 
 
-# Settings a process may give for itself: its own copies of files, process 0's metric sinks.
-_PER_HOST = ("data.path", "data.data_dir", "data.tokenizer_path", "model.init_from", "log.")
+# Settings a process may give for itself: its own copies of files, process 0's metric sinks,
+# a profile of one host's steps (the trace changes no chunk).
+_PER_HOST = ("data.path", "data.data_dir", "data.tokenizer_path", "model.init_from", "log.",
+             "profile_steps")
 
 
 def _check_same_settings(settings: TrainSettings) -> None:
