@@ -195,6 +195,22 @@ def test_flax_nnx_without_the_state_axes_is_refused():
         step(model, opt, jnp.ones((N, 5, 3)))
 
 
+def test_flax_nnx_optimizer_built_without_the_state_axes_names_out_axes():
+    """An nnx.Optimizer built with out_axes=0 and stepped with in_axes=nnx_state_axes():
+    the error told the user to pass in_axes=nnx_state_axes(), which they already did."""
+    tx = local_steps(optax.adam(1e-2), noloco_outer(), sync_every=3)
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        m = _Linear(nnx.Rngs(key))
+        return m, nnx.Optimizer(m, tx, wrt=nnx.Param)
+
+    model, opt = make(jax.random.split(jax.random.key(0), N))
+    step = nnx.vmap(_nnx_step, in_axes=(0, replicas.nnx_state_axes(), 0), axis_name="replica")
+    with pytest.raises(ValueError, match=r"out_axes=replicas\.nnx_state_axes\(\)"):
+        step(model, opt, jnp.ones((N, 5, 3)))
+
+
 def test_restore_nonfinite_takes_flax_nnx_params_and_optimizer_state():
     """nnx.state(model, nnx.Param) holds Params and an nnx.Optimizer's state OptVariables:
     restore_nonfinite raised a pytree structure error on the pair."""

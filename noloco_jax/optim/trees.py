@@ -83,7 +83,10 @@ BATCHED_COUNTER_FIX = (
     "shared: build the state with noloco_jax.replicas.make_replicas(N).init(tx, params) and "
     "step with .map(tx.update) (or jax.vmap with the state's in_axes and out_axes "
     "replicas.replica_axes(state)); "
-    "with Flax NNX use nnx.vmap(..., in_axes=(..., replicas.nnx_state_axes(), ...)). For "
+    "with Flax NNX build the nnx.Optimizer under nnx.vmap(..., "
+    "out_axes=replicas.nnx_state_axes()) and step it under nnx.vmap(..., in_axes=(..., "
+    "replicas.nnx_state_axes(), ...)): an optimizer built with out_axes=0 has a counter per "
+    "replica, which the step's nnx_state_axes() then maps as a replica axis. For "
     "non-finite steps use local_steps(..., nonfinite_guard=True) instead of apply_if_finite, "
     "with params = noloco_jax.restore_nonfinite(params, opt_state) after optax.apply_updates."
 )
