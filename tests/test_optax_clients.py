@@ -211,6 +211,22 @@ def test_flax_nnx_optimizer_built_without_the_state_axes_names_out_axes():
         step(model, opt, jnp.ones((N, 5, 3)))
 
 
+def test_restore_nonfinite_given_the_whole_nnx_state_names_the_params_filter():
+    """nnx.state(model) (BatchStats, RNG state too) instead of nnx.state(model, nnx.Param)
+    was a bare pytree structure error from inside restore_nonfinite."""
+
+    class WithDropout(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(3, 2, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    tx = local_steps(optax.sgd(0.1), noloco_outer(), sync_every=2, nonfinite_guard=True)
+    model = WithDropout(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    with pytest.raises(ValueError, match=r"restore_nonfinite: .*nnx\.state\(model, nnx\.Param\)"):
+        noloco_jax.restore_nonfinite(nnx.state(model), opt.opt_state)
+
+
 def test_restore_nonfinite_takes_flax_nnx_params_and_optimizer_state():
     """nnx.state(model, nnx.Param) holds Params and an nnx.Optimizer's state OptVariables:
     restore_nonfinite raised a pytree structure error on the pair."""

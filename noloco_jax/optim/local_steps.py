@@ -855,8 +855,14 @@ def _restore_one(params: optax.Params, found: LocalStepsState, axis_name: AxisNa
     # Under optax.masked the slow weights hold MaskedNode where local_steps does not act:
     # those params are neither checked nor put back (the guard did not see them either).
     masked = lambda x: x is None or isinstance(x, optax.MaskedNode)  # noqa: E731
-    slow = jax.tree.map(lambda s, p: None if masked(s) else s, found.slow_params, params,
-                        is_leaf=masked)  # fmt: skip
+    try:
+        slow = jax.tree.map(lambda s, p: None if masked(s) else s, found.slow_params, params,
+                            is_leaf=masked)  # fmt: skip
+    except ValueError as err:  # e.g. nnx.state(model): BatchStats and RNG state too
+        raise ValueError(
+            "restore_nonfinite: params must have the structure of the params the optimizer "
+            "was built on (its slow weights'); with Flax NNX pass nnx.state(model, nnx.Param) "
+            "(the wrt of nnx.Optimizer), not nnx.state(model).") from err
     mine = jax.tree.map(lambda s, p: None if s is None else p, slow, params,
                         is_leaf=lambda x: x is None)  # fmt: skip
 
