@@ -557,6 +557,14 @@ def test_byte_tokenizer():
         data.make_tokenizer("tiktoken")
 
 
+def test_the_hf_tokenizer_without_its_package_is_a_user_error(tmp_path, monkeypatch):
+    """Without the [hf] extra it was an ImportError: a traceback from the CLI, not exit 2."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers -> ImportError
+    with pytest.raises(errors.UserError, match=r"tokenizer='hf' needs .*noloco-jax\[hf\]"):
+        data.make_tokenizer("hf", path=tmp_path)
+
+
 def test_sentencepiece_trains_on_paragraphs_longer_than_its_line_limit(tmp_path):
     """SentencePiece skips training lines over 4192 bytes: one paragraph per line (text without
     line breaks) trained on nothing and failed. Such lines are cut before whitespace."""

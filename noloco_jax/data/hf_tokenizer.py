@@ -10,6 +10,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from noloco_jax.data.tokenizers import _well_formed, decode_ids
+from noloco_jax.errors import UserError
 
 __all__ = ["HFTokenizer"]
 
@@ -37,7 +38,8 @@ class HFTokenizer:
 
     Raises:
       FileNotFoundError: no tokenizer.json there.
-      ImportError: the ``tokenizers`` package is missing (``pip install 'noloco-jax[hf]'``).
+      UserError: (a ``ValueError``) the ``tokenizers`` package is missing (``pip install
+        'noloco-jax[hf]'``).
       ValueError: no end-of-document token can be found, or the configured one is unknown, or
         the post-processor puts an id outside the vocabulary first, or ``add_bos_token: true``
         names an unknown ``bos_token`` (or none, and the post-processor puts none first).
@@ -54,7 +56,7 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer  # noqa: PLC0415
         except ImportError as err:
-            raise ImportError(
+            raise UserError(
                 "config.data.tokenizer='hf' needs the 'tokenizers' package: "
                 "pip install 'noloco-jax[hf]' (or pip install tokenizers)."
             ) from err
