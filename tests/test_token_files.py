@@ -11,7 +11,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from noloco_jax import data, replicas
+from noloco_jax import data, errors, replicas
+from noloco_jax.data import token_files
 from noloco_jax.data.token_files import (
     TokenFile,
     open_token_dir,
@@ -146,6 +147,20 @@ def test_tokens_source_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="1-D integer"):
         TokenFile(tmp_path / "y.npy")
 
+
+
+def test_a_tokens_file_the_process_cannot_read_is_a_user_error_naming_it(tmp_path, monkeypatch):
+    """A train.npy without read permission was a PermissionError traceback, not exit 2."""
+    for split in ("train", "validation"):
+        write_tokens(tmp_path / f"{split}.npy", [np.arange(10)], vocab_size=256)
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(token_files, "open", refuse, raising=False)  # TokenFile's open()
+    with pytest.raises(errors.UserError, match=r"config.data.path: '.*train\.npy' cannot be "
+                                               r"read \(Permission denied\)"):  # fmt: skip
+        open_token_dir(tmp_path, 256)
 
 _RSS_SCRIPT = textwrap.dedent("""
     import json, os, sys

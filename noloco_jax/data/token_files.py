@@ -25,6 +25,8 @@ from typing import Any, Iterable, Iterator
 import jax
 import numpy as np
 
+from noloco_jax.errors import UserError
+
 __all__ = ["TokenFile", "token_dtype", "write_tokens", "open_token_dir", "sharded_batches"]
 
 _CHUNK = 1 << 24  # tokens per chunk of a full pass (16M)
@@ -223,7 +225,11 @@ def open_token_dir(directory: str | pathlib.Path, vocab_size: int) -> tuple[Toke
                 f"config.data.source='tokens' needs {str(path)!r}: a 1-D .npy array of token "
                 f"ids per split (noloco_jax.data.token_files.write_tokens writes one)."
             )
-        stream = TokenFile(path)
+        try:
+            stream = TokenFile(path)
+        except PermissionError as err:  # was a traceback (the CLI's user errors exit 2)
+            raise UserError(f"config.data.path: {str(path)!r} cannot be read ({err.strerror}); "
+                            f"fix its permissions.") from err  # fmt: skip
         if stream.min_id() < 0:
             raise ValueError(
                 f"{path} holds token id {stream.min_id()}; ids must be in [0, {vocab_size}) "
