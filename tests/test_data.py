@@ -651,6 +651,21 @@ def test_sentencepiece_trained_locally_and_cached(tmp_path, monkeypatch):
         data.make_tokenizer("sentencepiece", corpus=corpus, cache_dir=tmp_path)
 
 
+
+def test_a_full_disk_while_a_sentencepiece_model_is_written_leaves_no_temporary_file(
+        tmp_path, monkeypatch):
+    """Its half-written ``*.model.tmp.<uuid>`` stayed in the data dir, one per failed try."""
+    write_bytes = pathlib.Path.write_bytes
+
+    def full(path, blob):
+        write_bytes(path, blob[: len(blob) // 2])
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", full)
+    with pytest.raises(OSError, match="No space left"):
+        data.train_sentencepiece(TEXTS[:2], vocab_size=300, model_path=tmp_path / "m.model")
+    assert list(tmp_path.iterdir()) == []
+
 # ---------------------------------------------------------------- token streams
 
 

@@ -266,8 +266,11 @@ def train_sentencepiece(
         ) from err
     model_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = model_path.with_name(f"{model_path.name}.tmp.{uuid.uuid4().hex}")  # hosts share pids
-    tmp.write_bytes(proto.getvalue())
-    tmp.replace(model_path)
+    try:
+        tmp.write_bytes(proto.getvalue())
+        tmp.replace(model_path)
+    finally:  # a full disk leaves no partial temporary file behind
+        tmp.unlink(missing_ok=True)
     return SentencePieceTokenizer(model_path)
 
 
