@@ -87,6 +87,26 @@ def test_a_broken_tokenizer_config_names_the_file(tmp_path):
         HFTokenizer(d)
 
 
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_tokenizer_file_the_process_cannot_read_names_the_file_and_the_setting(
+        tmp_path, monkeypatch, name):
+    """Without read permission it was a PermissionError traceback (the CLI's user errors are
+    ValueErrors: exit 2)."""
+    directory = _save(tmp_path / "tok", eos_config="</s>")
+    read_bytes = pathlib.Path.read_bytes
+
+    def refuse(path):
+        if path.name == name:
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_bytes(path)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", refuse)
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda path, *a, **k: refuse(path).decode())
+    with pytest.raises(ValueError, match=rf"{name}' cannot be read \(Permission denied\).*"
+                                         r"config\.data\.tokenizer_path"):  # fmt: skip
+        HFTokenizer(directory)
+
 @pytest.mark.parametrize("text", ['["eos"]', '{"eos_token": 5}', '{"eos_token": {"content": 5}}'])
 def test_a_tokenizer_config_of_the_wrong_shape_names_the_file(tmp_path, text):
     """A list was an AttributeError, a number a TypeError inside tokenizers."""

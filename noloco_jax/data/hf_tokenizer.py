@@ -60,7 +60,7 @@ class HFTokenizer:
                 "config.data.tokenizer='hf' needs the 'tokenizers' package: "
                 "pip install 'noloco-jax[hf]' (or pip install tokenizers)."
             ) from err
-        blob = file.read_bytes()
+        blob = _read_bytes(file)
         self._tok = _parse(Tokenizer, blob, file)
         # A document that spells "</s>" out is text: only the loader ends documents. A saved
         # truncation or padding would cut or pad every whole document: both are turned off.
@@ -171,12 +171,23 @@ class HFTokenizer:
         return self._tok.decode(arr[~np.isin(arr, drop)].tolist(), skip_special_tokens=False)
 
 
+def _read_bytes(file: pathlib.Path) -> bytes:
+    """``file``'s bytes, or a ``UserError`` naming it and the setting (a file the process may
+    not read was a PermissionError traceback)."""
+    try:
+        return file.read_bytes()
+    except PermissionError as err:
+        raise UserError(f"{str(file)!r} cannot be read ({err.strerror}); fix its permissions "
+                        f"or point config.data.tokenizer_path elsewhere.") from err
+
+
 def _read_config(config: pathlib.Path) -> Any:
     """The parsed ``tokenizer_config.json`` (any JSON value), or None when there is none."""
     if not config.is_file():
         return None
+    raw = _read_bytes(config)
     try:
-        return json.loads(config.read_text())
+        return json.loads(raw.decode("utf-8"))
     except ValueError as err:
         raise ValueError(f"{config} is not valid JSON ({err}); fix or remove it.") from err
 
