@@ -666,6 +666,23 @@ def test_a_full_disk_while_a_sentencepiece_model_is_written_leaves_no_temporary_
         data.train_sentencepiece(TEXTS[:2], vocab_size=300, model_path=tmp_path / "m.model")
     assert list(tmp_path.iterdir()) == []
 
+
+def test_a_damaged_cached_sentencepiece_model_is_named_and_trained_again(tmp_path, capsys):
+    """A truncated cached model was a C++ RuntimeError traceback, an emptied one 'already holds
+    a model with vocab_size=0'; a damaged token cache is rebuilt, and so is this now."""
+    corpus = data.Corpus(train=TEXTS[:2], validation=[], name="topics")
+    tok = data.make_tokenizer("sentencepiece", corpus=corpus, vocab_size=300, cache_dir=tmp_path)
+    blob = tok.model_path.read_bytes()
+    for damaged in [blob[: len(blob) // 2], b""]:
+        tok.model_path.write_bytes(damaged)
+        again = data.make_tokenizer("sentencepiece", corpus=corpus, vocab_size=300,
+                                    cache_dir=tmp_path)  # fmt: skip
+        assert again.name == tok.name and tok.model_path.read_bytes() == blob
+        assert "cached SentencePiece model is damaged" in capsys.readouterr().out
+    (tmp_path / "user.model").write_bytes(blob[: len(blob) // 2])  # a path given by the user
+    with pytest.raises(ValueError, match=r"user\.model is not a SentencePiece model"):
+        data.train_sentencepiece(TEXTS, vocab_size=300, model_path=tmp_path / "user.model")
+
 # ---------------------------------------------------------------- token streams
 
 

@@ -97,8 +97,13 @@ class SentencePieceTokenizer:
 
         self.model_path = pathlib.Path(model_path)
         blob = self.model_path.read_bytes()
-        self._sp = spm.SentencePieceProcessor(model_proto=blob)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=blob)
+        except RuntimeError as err:  # a truncated or damaged file: a C++ parse error
+            raise ValueError(f"{self.model_path} is not a SentencePiece model ({err}).") from err
         self.vocab_size = int(self._sp.get_piece_size())
+        if not self.vocab_size:  # an empty file parses as a model of no pieces
+            raise ValueError(f"{self.model_path} is not a SentencePiece model (no pieces).")
         self.eos_id = int(self._sp.eos_id())
         self.name = "sp" + hashlib.sha256(blob).hexdigest()[:12]
 
@@ -274,6 +279,24 @@ def train_sentencepiece(
     return SentencePieceTokenizer(model_path)
 
 
+def _drop_damaged(path: pathlib.Path, vocab_size: int) -> None:
+    """Removes a cached model that does not load, or not with the ``vocab_size`` its name
+    says (a truncated or emptied file), with a warning: it is trained again, as a damaged
+    token cache is rebuilt."""
+    if not path.exists():
+        return
+    try:
+        loaded = SentencePieceTokenizer(path).vocab_size
+    except ValueError as err:
+        loaded, why = None, str(err)
+    else:
+        why = f"{path} holds {loaded} pieces, not {vocab_size}."
+    if loaded != vocab_size:
+        print(f"WARNING: a cached SentencePiece model is damaged: {why[:400]} Training it "
+              f"again.", flush=True)  # fmt: skip
+        path.unlink(missing_ok=True)
+
+
 def make_tokenizer(
     kind: str,
     *,
@@ -314,6 +337,7 @@ def make_tokenizer(
         # v2: lines over 4000 bytes are split (SentencePiece skipped them); v3: words too
         key = f"{corpus.name}-{texts_digest(corpus.train)}-sp{vocab_size}v3.model"
         path = root / "tokenizers" / key
+        _drop_damaged(path, vocab_size)
         return train_sentencepiece(corpus.train, vocab_size=vocab_size, model_path=path,
                                    field=field)
     if kind == "hf":
