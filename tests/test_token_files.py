@@ -149,6 +149,24 @@ def test_tokens_source_bad_inputs(tmp_path):
 
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.int16])
+def test_a_token_file_too_narrow_for_the_tokenizer_is_refused(tmp_path, dtype):
+    """Llama-3 ids (128,256) saved as uint16, as nanoGPT-style scripts do, wrapped around
+    (70,000 became 4,464) and passed the range check: the model trained on the wrong ids."""
+    ids = np.array([5, 70_000, 128_000, 9])
+    for split in ("train", "validation"):
+        np.save(tmp_path / f"{split}.npy", ids.astype(dtype))
+    with pytest.raises(ValueError, match=rf"train\.npy is {np.dtype(dtype)}, which holds 65536 "
+                                         r"distinct ids, but the tokenizer has 128256.*as uint32"):
+        open_token_dir(tmp_path, 128_256)
+    for split in ("train", "validation"):  # a byte stream as int8: its ids >= 128 are negative
+        np.save(tmp_path / f"{split}.npy", np.array([65, 66, 67], np.int8))
+    assert open_token_dir(tmp_path, 256)[0].max_id() == 67
+    for split in ("train", "validation"):
+        np.save(tmp_path / f"{split}.npy", ids.astype(np.uint32))
+    assert open_token_dir(tmp_path, 128_256)[0].max_id() == 128_000
+
+
 def test_a_tokens_file_the_process_cannot_read_is_a_user_error_naming_it(tmp_path, monkeypatch):
     """A train.npy without read permission was a PermissionError traceback, not exit 2."""
     for split in ("train", "validation"):

@@ -214,7 +214,8 @@ def open_token_dir(directory: str | pathlib.Path, vocab_size: int) -> tuple[Toke
 
     Raises:
       FileNotFoundError: a missing directory or file.
-      ValueError: an id outside the vocabulary (below 0 or not below ``vocab_size``).
+      ValueError: an id outside the vocabulary (below 0 or not below ``vocab_size``), or a
+        dtype too narrow for the vocabulary (uint16 for more than 65,536 ids).
     """
     directory = pathlib.Path(directory).expanduser()
     out = []
@@ -230,6 +231,7 @@ def open_token_dir(directory: str | pathlib.Path, vocab_size: int) -> tuple[Toke
         except PermissionError as err:  # was a traceback (the CLI's user errors exit 2)
             raise UserError(f"config.data.path: {str(path)!r} cannot be read ({err.strerror}); "
                             f"fix its permissions.") from err  # fmt: skip
+        _check_wide_enough(stream, path, vocab_size)  # before the range: wrapped ids pass it
         if stream.min_id() < 0:
             raise ValueError(
                 f"{path} holds token id {stream.min_id()}; ids must be in [0, {vocab_size}) "
@@ -242,6 +244,18 @@ def open_token_dir(directory: str | pathlib.Path, vocab_size: int) -> tuple[Toke
             )
         out.append(stream)
     return out[0], out[1]
+
+
+def _check_wide_enough(stream: TokenFile, path: pathlib.Path, vocab_size: int) -> None:
+    """Refuses a file whose dtype has fewer values than the tokenizer has ids (uint16 for
+    Llama-3's 128,256): ids written into it wrapped around onto ids in range, silently (a
+    signed dtype with enough values wraps the large ids to negatives, which are refused)."""
+    values = 2 ** (8 * stream.dtype.itemsize)
+    if values < vocab_size:
+        raise ValueError(
+            f"{path} is {stream.dtype}, which holds {values} distinct ids, but the tokenizer "
+            f"has {vocab_size}: larger ids written into it wrapped around. Write the ids as "
+            f"{token_dtype(vocab_size)} (noloco_jax.data.token_files.write_tokens does).")
 
 
 def sharded_batches(batcher: Any, reps: Any, start: int, count: int) -> jax.Array:
