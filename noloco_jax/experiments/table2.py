@@ -53,15 +53,17 @@ def sync_period(run: dict, method: str = "diloco") -> int:
 
 def _regime(results: dict) -> dict:
     """The settings the runs were trained with (a smoke or local-data grid's own), from the
-    first run's run_info; the plan's for results saved without it."""
-    for name, run in results.items():
-        cfg = (run.get("run_info") or {}).get("config") if not name.startswith("_") else None
-        if cfg:
-            return cfg
+    first run's run_info; the plan's for the fields it does not record."""
     r = plan.REGIME
-    return {"model": {"preset": r["model.preset"]}, "num_steps": r["num_steps"],
-            "global_batch_size": 32, "data": {"source": "shakespeare", "seq_len": 64},
-            "optim": {"warmup_steps": r["optim.warmup_steps"]}}  # fmt: skip
+    out = {"model": {"preset": r["model.preset"]}, "num_steps": r["num_steps"],
+           "global_batch_size": 32, "data": {"source": "shakespeare", "seq_len": 64},
+           "optim": {"warmup_steps": r["optim.warmup_steps"]}}  # fmt: skip
+    cfg = next((run["run_info"]["config"] for name, run in results.items()
+                if not name.startswith("_") and (run.get("run_info") or {}).get("config")), {})
+    for key, value in out.items():
+        got = cfg.get(key, value)
+        out[key] = {**value, **got} if isinstance(value, dict) and isinstance(got, dict) else got
+    return out
 
 
 def _method_period(results: dict, method: str) -> int:
