@@ -106,6 +106,17 @@ def test_apply_refuses_token_ids_outside_the_vocabulary(nano, bad):
         apply(graphdef, params, jnp.asarray([[1, 2, bad]]))
 
 
+def test_apply_takes_concrete_token_ids_closed_over_in_a_trace(nano):
+    """Ids closed over in a jit (or eval_shape) died in int() of a tracer; bad ones still raise."""
+    _, graphdef, params = nano
+    tokens = jnp.asarray([[1, 2, V - 1]])
+    shape = jax.eval_shape(lambda p: apply(graphdef, p, tokens), params).shape
+    assert shape == (1, 3, V)
+    bad = tokens + 1
+    with pytest.raises(ValueError, match=rf"^tokens_BxT must be ids in \[0, {V}\)"):
+        jax.eval_shape(lambda p: apply(graphdef, p, bad), params)
+
+
 def test_param_count_refuses_a_non_bool_non_embedding():
     """non_embedding="no" was truthy and left the embeddings out."""
     with pytest.raises(ValueError, match=r"^non_embedding must be True or False"):

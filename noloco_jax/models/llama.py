@@ -392,7 +392,9 @@ def apply(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array) -> j
     model = nnx.merge(graphdef, params)
     if not isinstance(tokens_BxT, jax.core.Tracer) and jnp.size(tokens_BxT) and \
             jnp.issubdtype(jnp.result_type(tokens_BxT), jnp.integer):
-        low, high, vocab = int(jnp.min(tokens_BxT)), int(jnp.max(tokens_BxT)), model.cfg.vocab_size
+        with jax.ensure_compile_time_eval():  # concrete ids closed over in a jit: no tracers
+            low, high = int(jnp.min(tokens_BxT)), int(jnp.max(tokens_BxT))
+        vocab = model.cfg.vocab_size
         if not 0 <= low <= high < vocab:
             raise ValueError(f"tokens_BxT must be ids in [0, {vocab}) (the model's vocab_size), "
                              f"got ids from {low} to {high}.")  # fmt: skip
