@@ -642,6 +642,9 @@ def test_sentencepiece_trained_locally_and_cached(tmp_path, monkeypatch):
         tok.decode([300])
     with pytest.raises(ValueError, match="vocab_size"):
         data.train_sentencepiece(TEXTS, vocab_size=100, model_path=tmp_path / "x.model")
+    with pytest.raises(TypeError, match=r"^texts must be a sequence.*\[texts\]"):
+        data.train_sentencepiece(TEXTS[0], vocab_size=300, model_path=tmp_path / "s.model")
+    assert not (tmp_path / "s.model").exists()  # was trained on one document per character
     with pytest.raises(ValueError, match="already holds a model with vocab_size=300"):
         data.train_sentencepiece(TEXTS, vocab_size=400, model_path=tmp_path / "b.model")
     with pytest.raises(ValueError, match=r"vocab_size=259 leaves room for only 1 character "

@@ -222,7 +222,13 @@ def train_sentencepiece(
 
     Returns:
       The tokenizer.
+
+    Raises:
+      TypeError: ``texts`` is one str or bytes (its characters were taken for documents).
     """
+    if isinstance(texts, (str, bytes)):  # iterated, each character was a document of its own
+        raise TypeError(f"texts must be a sequence of documents (e.g. a list of str), got one "
+                        f"{type(texts).__name__}; pass [texts] for a single document.")
     model_path = pathlib.Path(model_path)
     if model_path.exists():
         tokenizer = SentencePieceTokenizer(model_path)
