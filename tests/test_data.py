@@ -682,6 +682,10 @@ def test_a_damaged_cached_sentencepiece_model_is_named_and_trained_again(tmp_pat
                                     cache_dir=tmp_path)  # fmt: skip
         assert again.name == tok.name and tok.model_path.read_bytes() == blob
         assert "cached SentencePiece model is damaged" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"^vocab_size must be an integer > 258"):
+        data.make_tokenizer("sentencepiece", corpus=corpus, vocab_size="300", cache_dir=tmp_path)
+    assert tok.model_path.read_bytes() == blob  # was removed as "damaged" (300 pieces, not 300)
+    assert "damaged" not in capsys.readouterr().out
     (tmp_path / "user.model").write_bytes(blob[: len(blob) // 2])  # a path given by the user
     with pytest.raises(ValueError, match=r"user\.model is not a SentencePiece model"):
         data.train_sentencepiece(TEXTS, vocab_size=300, model_path=tmp_path / "user.model")

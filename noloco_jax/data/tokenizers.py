@@ -238,12 +238,7 @@ def train_sentencepiece(
                 f"not {vocab_size}; remove it or choose another model_path."
             )
         return tokenizer
-    valid = isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
-    if not valid or vocab_size <= SP_RESERVED:
-        raise ValueError(
-            f"vocab_size must be an integer > {SP_RESERVED} for sentencepiece (256 byte-fallback "
-            f"pieces, unk and eos are reserved), got {vocab_size!r}."
-        )
+    _check_vocab_size(vocab_size)
     import sentencepiece as spm  # noqa: PLC0415
 
     lines = _training_lines(texts, vocab_size, field)
@@ -283,6 +278,15 @@ def train_sentencepiece(
     finally:  # a full disk leaves no partial temporary file behind
         tmp.unlink(missing_ok=True)
     return SentencePieceTokenizer(model_path)
+
+
+def _check_vocab_size(vocab_size: object) -> None:
+    valid = isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
+    if not valid or vocab_size <= SP_RESERVED:
+        raise ValueError(
+            f"vocab_size must be an integer > {SP_RESERVED} for sentencepiece (256 byte-fallback "
+            f"pieces, unk and eos are reserved), got {vocab_size!r}."
+        )
 
 
 def _drop_damaged(path: pathlib.Path, vocab_size: int) -> None:
@@ -343,6 +347,8 @@ def make_tokenizer(
         # v2: lines over 4000 bytes are split (SentencePiece skipped them); v3: words too
         key = f"{corpus.name}-{texts_digest(corpus.train)}-sp{vocab_size}v3.model"
         path = root / "tokenizers" / key
+        if not isinstance(vocab_size, (int, np.integer)):  # "300" took the cache of 300 for
+            _check_vocab_size(vocab_size)  # a damaged one and removed it
         _drop_damaged(path, vocab_size)
         return train_sentencepiece(corpus.train, vocab_size=vocab_size, model_path=path,
                                    field=field)
