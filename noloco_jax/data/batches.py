@@ -53,8 +53,8 @@ def load_token_stream(
     The cache file, ``cache_dir/tokens/<corpus name>-<text hash>-<tokenizer
     name>-<split>.npy``, is keyed by the corpus name, a hash of the split's
     text and the tokenizer's identity (``"byte256"``, the SentencePiece
-    model's hash, or the Hugging Face tokenizer's hash of its files and special
-    ids), so a corpus is tokenized once and a changed one again. It
+    model's hash, or the Hugging Face tokenizer's hash of its tokenizer.json and
+    its end/start ids), so a corpus is tokenized once and a changed one again. It
     holds the smallest unsigned dtype of the vocabulary (``token_dtype``).
 
     Args:
