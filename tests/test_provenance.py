@@ -167,6 +167,23 @@ def test_parts_and_dry_run(monkeypatch, tmp_path, capsys):
                          harness.Options(jobs=1, runs_dir=tmp_path, part=(3, 2)), runs_subdir="g")
 
 
+def test_a_stop_signal_stops_the_whole_grid_not_only_its_run(monkeypatch, tmp_path):
+    """SIGTERM / Ctrl-C during a run of an in-process grid stopped that run (saved), and the
+    grid went on to train every other run: the signal is now the grid's stop too."""
+    trained = []
+
+    def stopped(config, workdir):  # the trainer's answer to a stop signal: saved, returned
+        trained.append(workdir.name)
+        return {"stopped_by": "SIGTERM", "step": 2}
+
+    monkeypatch.setattr(harness, "_train", stopped)
+    runs = [harness.Run(f"r{i}", {"seed": i}) for i in range(3)]
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path)
+    with pytest.raises(harness.GridIncomplete, match="did not reach their last step"):
+        harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+    assert trained == ["r0"]
+
+
 def _results_json(folder, name, commit, dirty=False):
     state = {"commit": commit, "dirty": dirty, "diff_sha256": "ab" if dirty else None}
     prov = {"writer": state, "runs": {"run_a": dict(state, seed=0)}}

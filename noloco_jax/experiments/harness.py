@@ -161,13 +161,14 @@ def _done(workdir: pathlib.Path, num_steps: int) -> bool:
     return ckpt.is_dir() and (workdir / "metrics.jsonl").exists()
 
 
-def _train(config: config_dict.ConfigDict, workdir: pathlib.Path) -> None:
+def _train(config: config_dict.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+    """Trains one run; returns its last metrics (``"stopped_by"``: a stop signal ended it)."""
     from noloco_jax.trainer import from_config  # noqa: PLC0415
     from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
 
     settings = from_config(config)
     determinism.request(settings.deterministic)  # in effect in a worker whose JAX has not started
-    train_and_evaluate(settings, workdir, progress=False)
+    return train_and_evaluate(settings, workdir, progress=False)
 
 
 def _train_logged(config: config_dict.ConfigDict, workdir: pathlib.Path,
@@ -365,7 +366,8 @@ def run_grid(
     else:
         for workdir, cfg in todo:
             print(f"training {workdir.name}", flush=True)
-            _train(cfg, workdir)
+            if (_train(cfg, workdir) or {}).get("stopped_by"):  # the signal stops the grid too
+                break
     missing = [run.name for run, workdir, cfg, _ in planned
                if not _done(workdir, int(cfg.num_steps))]  # fmt: skip
     if missing and opts.part:
