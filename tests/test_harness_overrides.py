@@ -66,6 +66,28 @@ def test_a_run_refused_in_a_worker_is_a_user_error_naming_the_run(tmp_path):
         harness.train_in_processes([(tmp_path / "bad", bad)], jobs=1)
 
 
+def test_a_run_stopped_by_a_signal_in_a_worker_starts_no_further_run(monkeypatch, tmp_path):
+    """--jobs > 1 handed every run to the pool at once, so after Ctrl-C (each worker's run
+    stopped and saved) the pool went on to train every run still queued."""
+    import concurrent.futures  # noqa: PLC0415
+
+    class Threads(concurrent.futures.ThreadPoolExecutor):  # the pool's part, in threads
+        def __init__(self, jobs, mp_context=None, max_tasks_per_child=None):
+            super().__init__(jobs)
+
+    trained = []
+
+    def train_logged(config, workdir, log):
+        trained.append(workdir.name)
+        return "SIGINT"
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Threads)
+    monkeypatch.setattr(harness, "_train_logged", train_logged)
+    cfg = harness.load_config(CONFIG, {})
+    harness.train_in_processes([(tmp_path / f"r{i}", cfg) for i in range(3)], jobs=1)
+    assert trained == ["r0"]
+
+
 def test_read_run_skips_a_line_cut_short_by_a_crash(tmp_path):
     # The writer starts a fresh line after a cut one and read_jsonl skips it; read_run raised
     # a JSONDecodeError on it at the end of a grid.

@@ -172,40 +172,51 @@ def _train(config: config_dict.ConfigDict, workdir: pathlib.Path) -> dict[str, A
 
 
 def _train_logged(config: config_dict.ConfigDict, workdir: pathlib.Path,
-                  log: pathlib.Path) -> None:  # fmt: skip
-    """One run in a worker process of its own, everything it prints into ``log``."""
+                  log: pathlib.Path) -> str | None:  # fmt: skip
+    """One run in a worker process of its own, everything it prints into ``log``; returns
+    the stop signal that ended it early, if any."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow loads
     with open(log, "w") as f:
         os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
-    _train(config, workdir)
+    return _train(config, workdir).get("stopped_by")
 
 
 def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
                        jobs: int) -> None:  # fmt: skip
     """Trains ``jobs`` runs at a time, each in a fresh process (a spawned worker per run).
 
+    A run is handed to a worker only when one is free, so a stop (Ctrl-C, a run stopped by a
+    signal, a failed run) starts no further run; the runs under way finish or stop first.
+
     Args:
       todo: (workdir, config) of each run; a run's output goes to ``<workdir>.log``.
       jobs: runs at a time.
     """
     context = multiprocessing.get_context("spawn")
+    waiting = list(todo)
     with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=context,
                                                 max_tasks_per_child=1) as pool:  # fmt: skip
-        futures = {}
-        for workdir, cfg in todo:
-            workdir.parent.mkdir(parents=True, exist_ok=True)
-            log = workdir.parent / f"{workdir.name}.log"
-            futures[pool.submit(_train_logged, cfg, workdir, log)] = (workdir.name, log)
-        for fut in concurrent.futures.as_completed(futures):
-            name, log = futures[fut]
-            try:
-                fut.result()
-            except errors.UserError as err:  # a bad setting or input: the message says it all
-                raise errors.UserError(f"run {name}: {err}") from None
-            except Exception as err:
-                raise RuntimeError(f"run {name} failed; see {log}") from err
-            print(f"finished {name}", flush=True)
+        futures: dict = {}
+        while waiting or futures:
+            while waiting and len(futures) < max(1, jobs):
+                workdir, cfg = waiting.pop(0)
+                workdir.parent.mkdir(parents=True, exist_ok=True)
+                log = workdir.parent / f"{workdir.name}.log"
+                futures[pool.submit(_train_logged, cfg, workdir, log)] = (workdir.name, log)
+            done, _ = concurrent.futures.wait(futures,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            for fut in done:
+                name, log = futures.pop(fut)
+                try:
+                    stopped = fut.result()
+                except errors.UserError as err:  # a bad setting or input: the message says all
+                    raise errors.UserError(f"run {name}: {err}") from None
+                except Exception as err:
+                    raise RuntimeError(f"run {name} failed; see {log}") from err
+                print(f"{'stopped' if stopped else 'finished'} {name}", flush=True)
+                if stopped:  # a signal stopped the run: it stops the grid too
+                    waiting.clear()
 
 
 class GridIncomplete(RuntimeError):
