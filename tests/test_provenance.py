@@ -118,6 +118,16 @@ def test_runs_record_commit_config_and_seed_and_refuse_another_config(monkeypatc
         harness.run_grid(CONFIG, runs, opts, runs_subdir="grid")
 
 
+def test_a_dry_run_refuses_a_run_trained_with_another_config(monkeypatch, tmp_path):
+    """--dry_run listed a run trained with another config as "done"; the grid then refused it."""
+    monkeypatch.setattr(harness, "_train", _fake_train([]))
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path)
+    harness.run_grid(CONFIG, [harness.Run("a", {"outer.gamma": 0.3})], opts, runs_subdir="g")
+    dry = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path, dry_run=True)
+    with pytest.raises(ValueError, match=r"another config \(outer.gamma: 0.3 -> 0.5\)"):
+        harness.run_grid(CONFIG, [harness.Run("a", {"outer.gamma": 0.5})], dry, runs_subdir="g")
+
+
 def test_a_run_that_never_trained_takes_the_version_that_trains_it(monkeypatch, tmp_path):
     """run_info.json is written for every run before the first trains: a grid stopped in its
     first run and re-run from commit B recorded runs B trained entirely as commit A's (with B

@@ -360,16 +360,17 @@ def run_grid(
         _check_saved_configs(found, plan_grid(config, runs, opts, runs_subdir), opts.out_dir)
         return found
     planned = plan_grid(config, runs, opts, runs_subdir)
+    selected = {run.name for run, *_ in _part(planned, opts.part)}
+    state = provenance.git_state(ROOT)
+    # A dry run checks the recorded runs too (a run of another config is refused, not "done").
+    infos = {run.name: _check_run_info(workdir, provenance.run_info(cfg, ROOT, state), done,
+                                       write=run.name in selected and not opts.dry_run)
+             for run, workdir, cfg, done in planned}  # fmt: skip
     if opts.dry_run:
         for run, workdir, cfg, done in planned:
             print(f"{'done' if done else 'todo'} {run.name} ({cfg.num_steps} steps) {workdir}")
         raise GridIncomplete(f"dry run: {sum(not p[3] for p in planned)} of {len(planned)} "
                              "runs to train.")  # fmt: skip
-    selected = {run.name for run, *_ in _part(planned, opts.part)}
-    state = provenance.git_state(ROOT)
-    infos = {run.name: _check_run_info(workdir, provenance.run_info(cfg, ROOT, state), done,
-                                       write=run.name in selected)
-             for run, workdir, cfg, done in planned}  # fmt: skip
     todo = [(workdir, cfg) for run, workdir, cfg, done in planned
             if run.name in selected and not done]  # fmt: skip
     if opts.jobs > 1:
