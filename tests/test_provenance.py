@@ -154,6 +154,30 @@ def test_a_run_that_never_trained_takes_the_version_that_trains_it(monkeypatch, 
     assert list(provenance.versions_of(saved)) == ["b" * 12]
 
 
+def test_a_run_stopped_before_its_first_checkpoint_takes_the_version_that_restarts_it(
+        monkeypatch, tmp_path):
+    """A run killed before its first checkpoint (every killed smoke run) starts again at step
+    0 and its earlier records are dropped, yet it was recorded as the killed commit's, resumed
+    by the new one, and make_results saw mixed commits."""
+    a, b = ({"commit": c * 40, "dirty": False, "diff_sha256": None} for c in "ab")
+    runs = [harness.Run("r0", {"seed": 0})]
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path / "out")
+
+    def killed(config, workdir):  # what the trainer leaves before its first checkpoint
+        (workdir / "checkpoints").mkdir()
+        (workdir / "metrics.jsonl").write_text('{"step": -1, "kind": "session"}\n')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(provenance, "git_state", lambda root: a)
+    monkeypatch.setattr(harness, "_train", killed)
+    with pytest.raises(KeyboardInterrupt):
+        harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+    monkeypatch.setattr(provenance, "git_state", lambda root: b)
+    monkeypatch.setattr(harness, "_train", _fake_train([]))
+    info = harness.run_grid(CONFIG, runs, opts, runs_subdir="g")["r0"]["run_info"]
+    assert info["commit"] == b["commit"] and "resumed_at" not in info
+
+
 def test_parts_and_dry_run(monkeypatch, tmp_path, capsys):
     trained = []
     monkeypatch.setattr(harness, "_train", _fake_train(trained))

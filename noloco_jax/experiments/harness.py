@@ -269,10 +269,18 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _resumable(workdir: pathlib.Path) -> bool:
+    """Whether a run saved a checkpoint to resume from; one stopped before its first starts
+    again at step 0 (its earlier records dropped), all of it trained by the code run now."""
+    folder = workdir / "checkpoints"
+    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+
+
 def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) -> dict:
     """The run_info.json a run keeps: the recorded one if it trained before (refused if its
     config differs from ``info``'s), else ``info``, written now if ``write`` (it is about to
-    train; a record left by a grid stopped before this run trained is replaced)."""
+    train; a record left by a grid stopped before this run trained, or before it saved a
+    checkpoint to resume from, is replaced)."""
     path = workdir / "run_info.json"
     started = done or (workdir / "metrics.jsonl").exists() or (workdir / "checkpoints").exists()
     if started and not path.exists():
@@ -292,6 +300,9 @@ def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) 
         raise errors.UserError(
             f"run {workdir} was trained with another config ({shown}); use another "
             f"--runs_dir or another run name, or delete that workdir.")
+    if write and not done and not _resumable(workdir):  # it starts again at step 0
+        _write_atomic(path, json.dumps(info, indent=1, sort_keys=True))
+        return info
     if write and not done and provenance.version_label(saved) != provenance.version_label(info):
         saved.setdefault("resumed_at", []).append(
             {k: info[k] for k in ("commit", "dirty", "diff_sha256")})
