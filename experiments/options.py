@@ -23,7 +23,7 @@ from absl import app, flags, logging
 
 from noloco_jax.errors import UserError
 from noloco_jax.experiments import harness
-from noloco_jax.train import USAGE_ERROR_EXIT
+from noloco_jax.train import RUN_FAILURE_EXIT, USAGE_ERROR_EXIT
 
 SMOKE = flags.DEFINE_bool("smoke", False, "Seconds-long version, for tests.")
 OUT_DIR = flags.DEFINE_string(
@@ -236,8 +236,10 @@ def run(main: Callable[[list[str]], Any]) -> None:
 
     A bad or unknown flag, an ``app.UsageError`` or a ``UserError`` (a ``ValueError`` that
     names the field and what is allowed) prints the message and where the flags are listed,
-    with no traceback and no listing of every flag. Any other exception is a bug and keeps
-    its traceback.
+    with no traceback and no listing of every flag. A run of the grid that failed
+    (``harness.RUN_FAILURES``: diverged, a checkpoint that could not be written) prints its
+    message, which names the run, and exits with status 1. Any other exception is a bug and
+    keeps its traceback.
 
     ``--help`` (and ``--helpshort``, ``--helpfull``) exits 0 (absl exits 1 after it).
 
@@ -269,6 +271,8 @@ def _reporting(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
             return main(argv)
         except (app.UsageError, UserError) as err:
             _refuse(str(err))
+        except harness.RUN_FAILURES as err:  # a run diverged or could not save: no bug
+            _failed(str(err))
 
     return wrapped
 
@@ -286,6 +290,14 @@ def _check_shared_flags() -> None:
     if SMOKE.value and PUBLISH.value and not OUT_DIR.value:
         raise app.UsageError("--smoke with --publish would overwrite the published results with "
                              "smoke numbers; give --out_dir=DIR for a smoke run's pages.")
+
+
+def _failed(message: str) -> NoReturn:
+    """Prints ``<script>: error: <message>`` for a run that failed and exits with status 1."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    script = spec.name if spec is not None else pathlib.Path(sys.argv[0]).stem
+    print(f"{script.rpartition('.')[2]}: error: {message.strip()}", file=sys.stderr)
+    sys.exit(RUN_FAILURE_EXIT)
 
 
 def _refuse(message: str) -> NoReturn:

@@ -552,6 +552,30 @@ def test_user_errors_print_two_lines_and_exit_2(case, user_error_runs):
     assert "Traceback" not in stderr and "flags:" not in stderr, stderr[-3000:]
 
 
+def test_a_diverged_run_of_a_grid_is_named_in_a_line_and_exits_1(monkeypatch, tmp_path, capsys):
+    """It was a traceback (as for a bug) that did not say which run of the grid diverged."""
+    from experiments import options  # noqa: PLC0415
+    from noloco_jax.errors import TrainingDivergedError  # noqa: PLC0415
+
+    def diverged(config, workdir):
+        raise TrainingDivergedError("training diverged: the weights are non-finite")
+
+    monkeypatch.setattr(harness, "_train", diverged)
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path)
+    runs = [harness.Run("ok", {"seed": 0})]
+
+    def main(argv):
+        harness.run_grid(ROOT / "configs" / "exp_table2.py", runs, opts, runs_subdir="g")
+
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["x"])
+        with pytest.raises(SystemExit) as stop:
+            options._reporting(main)(["x"])
+    assert stop.value.code == 1
+    assert "error: run ok: training diverged" in capsys.readouterr().err
+
+
 def test_every_script_runs_main_through_options_run():
     for name in SCRIPTS:
         source = (ROOT / (name.replace(".", "/") + ".py")).read_text()

@@ -52,7 +52,14 @@ __all__ = ["ROOT", "RESULTS", "FIGURES", "RUNS", "SCRATCH", "Options", "Run", "G
            "smoke_overrides", "smoke_sync_every", "data_overrides", "load_config", "run_grid",
            "read_run",
            "train_in_processes", "plan_grid", "provenance_entry", "write_outputs", "figure_path", "figure_link", "save_figure",
-           "md_table"]  # fmt: skip
+           "md_table", "RUN_FAILURES"]  # fmt: skip
+
+
+# A run's own failures (not the code's): raised again naming the run; the scripts print them
+# in a line and exit 1, as noloco-train does.
+RUN_FAILURES = (errors.TrainingDivergedError, errors.CheckpointSaveError,
+                errors.MetricsWriteError, errors.CorruptCheckpointError,
+                errors.CheckpointRestoreError)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +219,8 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
                     stopped = fut.result()
                 except errors.UserError as err:  # a bad setting or input: the message says all
                     raise errors.UserError(f"run {name}: {err}") from None
+                except RUN_FAILURES as err:  # diverged, a save that failed: the message says
+                    raise type(err)(f"run {name}: {err} (its log: {log})") from err
                 except Exception as err:
                     raise RuntimeError(f"run {name} failed; see {log}") from err
                 print(f"{'stopped' if stopped else 'finished'} {name}", flush=True)
@@ -389,7 +398,11 @@ def run_grid(
     else:
         for workdir, cfg in todo:
             print(f"training {workdir.name}", flush=True)
-            if (_train(cfg, workdir) or {}).get("stopped_by"):  # the signal stops the grid too
+            try:
+                stopped = (_train(cfg, workdir) or {}).get("stopped_by")
+            except (errors.UserError, *RUN_FAILURES) as err:  # the message says which run
+                raise type(err)(f"run {workdir.name}: {err}") from err
+            if stopped:  # the signal stops the grid too
                 break
     missing = [run.name for run, workdir, cfg, _ in planned
                if not _done(workdir, int(cfg.num_steps))]  # fmt: skip
