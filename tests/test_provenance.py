@@ -218,6 +218,17 @@ def test_a_stop_signal_stops_the_whole_grid_not_only_its_run(monkeypatch, tmp_pa
     assert trained == ["r0"]
 
 
+def test_a_part_stopped_by_a_signal_says_its_own_runs_are_left(monkeypatch, tmp_path):
+    """A part whose run a signal stopped said it 'trained 2 runs' and that the missing runs
+    were another part's, though its own stopped and untrained runs were among them."""
+    monkeypatch.setattr(harness, "_train", lambda config, workdir: {"stopped_by": "SIGINT"})
+    runs = [harness.Run(f"r{i}", {"seed": i}) for i in range(4)]
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path, part=(1, 2))
+    with pytest.raises(harness.GridIncomplete,
+                       match=r"runs \['r0', 'r2'\] did not reach their last step"):
+        harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+
+
 def _results_json(folder, name, commit, dirty=False):
     state = {"commit": commit, "dirty": dirty, "diff_sha256": "ab" if dirty else None}
     prov = {"writer": state, "runs": {"run_a": dict(state, seed=0)}}

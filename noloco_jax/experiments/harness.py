@@ -406,13 +406,14 @@ def run_grid(
                 break
     missing = [run.name for run, workdir, cfg, _ in planned
                if not _done(workdir, int(cfg.num_steps))]  # fmt: skip
-    if missing and opts.part:
+    stopped = [name for name in missing if name in selected]
+    if stopped:  # stopped early (a signal) or failed without an error
+        raise GridIncomplete(f"runs {stopped} did not reach their last step; run the same "
+                             "command again to resume them.")
+    if missing:
         raise GridIncomplete(f"part {opts.part[0]}/{opts.part[1]} trained {len(todo)} runs; "
                              f"{len(missing)} of the grid's {len(planned)} are missing "
                              f"(another part trains them): no report until all are done.")
-    if missing:  # stopped early (a signal) or failed without an error
-        raise GridIncomplete(f"runs {missing} did not reach their last step; run the same "
-                             "command again to resume them.")
     return {run.name: {**read_run(workdir), "run_info": infos[run.name]}
             for run, workdir, _, _ in planned}  # fmt: skip
 
