@@ -178,6 +178,30 @@ def test_a_run_stopped_before_its_first_checkpoint_takes_the_version_that_restar
     assert info["commit"] == b["commit"] and "resumed_at" not in info
 
 
+def test_a_run_another_grid_is_training_keeps_its_record(monkeypatch, tmp_path):
+    """A second grid sharing a run (table2 and spread_vs_lr at once) rewrote the run_info.json of
+    the run the first was training (its version, as resumed by the second) before the
+    trainer's lock refused it; it is refused before the record is touched."""
+    from noloco_jax.errors import WorkdirLockedError  # noqa: PLC0415
+    from noloco_jax.trainer.lock import WorkdirLock  # noqa: PLC0415
+
+    a, b = ({"commit": c * 40, "dirty": False, "diff_sha256": None} for c in "ab")
+    runs = [harness.Run("r0", {"seed": 0})]
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path)
+    monkeypatch.setattr(provenance, "git_state", lambda root: a)
+    monkeypatch.setattr(harness, "_train", lambda config, workdir: {"stopped_by": "SIGTERM"})
+    with pytest.raises(harness.GridIncomplete):  # its record written, a checkpoint saved
+        harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+    workdir = tmp_path / "g" / "r0"
+    (workdir / "checkpoints" / "2").mkdir(parents=True)
+    record = (workdir / "run_info.json").read_text()
+    monkeypatch.setattr(provenance, "git_state", lambda root: b)
+    monkeypatch.setattr(harness, "_train", lambda config, workdir: WorkdirLock(workdir).acquire())
+    with WorkdirLock(workdir), pytest.raises(WorkdirLockedError, match="in use by another"):
+        harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+    assert (workdir / "run_info.json").read_text() == record
+
+
 def test_parts_and_dry_run(monkeypatch, tmp_path, capsys):
     trained = []
     monkeypatch.setattr(harness, "_train", _fake_train(trained))

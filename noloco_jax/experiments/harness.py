@@ -40,6 +40,7 @@ from ml_collections import config_dict
 
 from noloco_jax import determinism, errors
 from noloco_jax.experiments import provenance
+from noloco_jax.trainer.lock import WorkdirLock
 from noloco_jax.trainer.writers import read_jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository (configs/, experiments/)
@@ -309,6 +310,9 @@ def _check_run_info(workdir: pathlib.Path, info: dict, done: bool, write: bool) 
         raise errors.UserError(
             f"run {workdir} was trained with another config ({shown}); use another "
             f"--runs_dir or another run name, or delete that workdir.")
+    if write and not done:  # another grid training it now: refused before its record changes
+        with WorkdirLock(workdir):
+            pass
     if write and not done and not _resumable(workdir):  # it starts again at step 0
         _write_atomic(path, json.dumps(info, indent=1, sort_keys=True))
         return info
