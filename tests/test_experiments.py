@@ -638,3 +638,24 @@ def _script(name, *argv):
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
+
+
+def test_readme_plan_cost_is_the_pilot_fit_and_the_grids():
+    """experiments/README.md section 10 gave dropout's 4 runs as 0.35 h; the pilot's fit gives
+    0.34 h. The launch commands' run counts are the grids' (new runs only)."""
+    from experiments import dropout, sweeps, table2  # noqa: PLC0415
+    from noloco_jax.experiments import plan  # noqa: PLC0415
+
+    readme = " ".join((ROOT / "experiments" / "README.md").read_text(encoding="utf-8").split())
+    fit = json.loads((ROOT / "experiments" / "results" / "pilot_cost.json").read_text())
+    nano = fit["fits"]["nano"]
+    run_h = (nano["fixed_s"] + plan.REGIME["num_steps"] * nano["per_step_s"]) / 3600
+    for name, runs, digits in (("table2", 42, 1), ("sweeps", 24, 1), ("dropout", 4, 2)):
+        assert f"{name} {runs} runs, {runs * run_h:.{digits}f} h" in readme, name
+    assert f"measured as above: {70 * run_h:.1f} h" in readme
+    seen: set[str] = set()
+    for module in (table2, sweeps, dropout):  # "# 42 runs", "# 24 more", "# 6 more"
+        new = {r.name for r in module.grid(False)} - seen
+        seen |= new
+        name = module.__name__.split(".")[-1]
+        assert f"experiments.{name} --jobs 2 --publish # {len(new)} " in readme, name
