@@ -242,6 +242,24 @@ def test_a_stop_signal_stops_the_whole_grid_not_only_its_run(monkeypatch, tmp_pa
     assert trained == ["r0"]
 
 
+def test_a_stop_signal_in_the_last_chunk_of_a_run_stops_the_grid(monkeypatch, tmp_path):
+    """A signal in a run's last chunk lets that run finish (no "stopped_by"), and the grid went
+    on to train every other run though the trainer had said it was stopping."""
+    trained = []
+    fake = _fake_train(trained)
+
+    def finished_late(config, workdir):  # the trainer's answer: finished, the signal noted
+        fake(config, workdir)
+        return {"step": config.num_steps, "late_signal": "SIGINT"}
+
+    monkeypatch.setattr(harness, "_train", finished_late)
+    runs = [harness.Run(f"r{i}", {"seed": i}) for i in range(3)]
+    opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path)
+    with pytest.raises(harness.GridIncomplete, match=r"runs \['r1', 'r2'\] did not reach"):
+        harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+    assert trained == ["r0"]
+
+
 def test_a_part_stopped_by_a_signal_says_its_own_runs_are_left(monkeypatch, tmp_path):
     """A part whose run a signal stopped said it 'trained 2 runs' and that the missing runs
     were another part's, though its own stopped and untrained runs were among them."""

@@ -233,6 +233,7 @@ def test_a_signal_during_the_last_chunk_lets_the_run_finish(tmp_path, finished_r
     monkeypatch.setattr(loop, "_after_chunk", after)
     last = train_and_evaluate(s, run, progress=False)
     assert last["step"] == s.num_steps and "stopped_by" not in last
+    assert last["late_signal"] == "SIGTERM"  # a grid of runs stops after this one
     assert "resume" not in capsys.readouterr().out  # was "... run the same command again"
     assert Checkpointer(run / "checkpoints").latest_step() == s.num_steps
 

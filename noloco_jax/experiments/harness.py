@@ -170,7 +170,8 @@ def _done(workdir: pathlib.Path, num_steps: int) -> bool:
 
 
 def _train(config: config_dict.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
-    """Trains one run; returns its last metrics (``"stopped_by"``: a stop signal ended it)."""
+    """Trains one run; returns its last metrics (``"stopped_by"``: a stop signal ended it;
+    ``"late_signal"``: one came in its last chunk, so it finished)."""
     from noloco_jax.trainer import from_config  # noqa: PLC0415
     from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
 
@@ -187,7 +188,13 @@ def _train_logged(config: config_dict.ConfigDict, workdir: pathlib.Path,
     with open(log, "w") as f:
         os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
-    return _train(config, workdir).get("stopped_by")
+    return _stop_signal(_train(config, workdir))
+
+
+def _stop_signal(last: dict[str, Any] | None) -> str | None:
+    """The stop signal a run got, if any: it stops the grid too, even when it came too late
+    to stop the run before its last step."""
+    return (last or {}).get("stopped_by") or (last or {}).get("late_signal")
 
 
 def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
@@ -403,7 +410,7 @@ def run_grid(
         for workdir, cfg in todo:
             print(f"training {workdir.name}", flush=True)
             try:
-                stopped = (_train(cfg, workdir) or {}).get("stopped_by")
+                stopped = _stop_signal(_train(cfg, workdir))
             except (errors.UserError, *RUN_FAILURES) as err:  # the message says which run
                 raise type(err)(f"run {workdir.name}: {err}") from err
             if stopped:  # the signal stops the grid too

@@ -156,7 +156,10 @@ def train_and_evaluate(
 
     Returns:
       Dict with the last train and eval metrics, ``"step"`` (the last step trained) and
-      ``"eval_step"`` (the step the eval metrics are of; earlier after a stop mid-way).
+      ``"eval_step"`` (the step the eval metrics are of; earlier after a stop mid-way);
+      ``"stopped_by"``: the stop signal that ended the run before its last step;
+      ``"late_signal"``: one that came too late for that (in the last chunk or the last
+      save), so the run finished (a caller running more, like an experiment grid, stops).
     """
     if stop_at is not None:  # a float died in the batcher after training, -1 did nothing
         check_int("stop_at", stop_at, minimum=0)
@@ -167,7 +170,11 @@ def train_and_evaluate(
     _agreed(_lock, lock)  # a refusal stops every process, not process 0 alone
     try:
         with _stop_signals() as stop:
-            return _train(settings, workdir, stop_at, progress, stop)
+            last = _train(settings, workdir, stop_at, progress, stop)
+        late = stop.agreed or stop.requested
+        if late and "stopped_by" not in last:  # the run finished: its caller is told
+            last["late_signal"] = late
+        return last
     finally:
         lock.release()
 
