@@ -88,6 +88,42 @@ def test_a_run_stopped_by_a_signal_in_a_worker_starts_no_further_run(monkeypatch
     assert trained == ["r0"]
 
 
+def test_ctrl_c_in_the_parent_of_the_workers_lets_their_runs_stop(monkeypatch, tmp_path,
+                                                                   capsys):  # fmt: skip
+    """One Ctrl-C under --jobs 2 (the workers stopped and saved) ended the parent with a
+    KeyboardInterrupt traceback and exit 130, as a crash; it now waits for the runs under way,
+    starts no other, and the grid ends as a stopped one. A second Ctrl-C stops at once."""
+    import concurrent.futures  # noqa: PLC0415
+
+    class Threads(concurrent.futures.ThreadPoolExecutor):  # the pool's part, in threads
+        def __init__(self, jobs, mp_context=None, max_tasks_per_child=None):
+            super().__init__(jobs)
+
+    wait, calls = concurrent.futures.wait, []
+
+    def interrupted_wait(*args, **kwargs):
+        calls.append(1)
+        if len(calls) in interrupts:
+            raise KeyboardInterrupt
+        return wait(*args, **kwargs)
+
+    trained = []
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Threads)
+    monkeypatch.setattr(concurrent.futures, "wait", interrupted_wait)
+    monkeypatch.setattr(harness, "_train_logged", lambda c, w, log: trained.append(w.name))
+    cfg = harness.load_config(CONFIG, {})
+    interrupts = {1}
+    try:
+        harness.train_in_processes([(tmp_path / f"r{i}", cfg) for i in range(4)], jobs=2)
+    except KeyboardInterrupt:  # not raised on: pytest would end the whole session
+        pytest.fail("one Ctrl-C reached the grid's caller as a KeyboardInterrupt")
+    assert sorted(trained) == ["r0", "r1"] and "no further run starts" in capsys.readouterr().out
+    interrupts, trained[:] = {1, 2}, []
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        harness.train_in_processes([(tmp_path / f"r{i}", cfg) for i in range(4)], jobs=2)
+
+
 def test_read_run_skips_a_line_cut_short_by_a_crash(tmp_path):
     # The writer starts a fresh line after a cut one and read_jsonl skips it; read_run raised
     # a JSONDecodeError on it at the end of a grid.

@@ -213,14 +213,23 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
     with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=context,
                                                 max_tasks_per_child=1) as pool:  # fmt: skip
         futures: dict = {}
+        interrupted = False
         while waiting or futures:
             while waiting and len(futures) < max(1, jobs):
                 workdir, cfg = waiting.pop(0)
                 workdir.parent.mkdir(parents=True, exist_ok=True)
                 log = workdir.parent / f"{workdir.name}.log"
                 futures[pool.submit(_train_logged, cfg, workdir, log)] = (workdir.name, log)
-            done, _ = concurrent.futures.wait(futures,
-                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            try:
+                done, _ = concurrent.futures.wait(futures,
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+            except KeyboardInterrupt:  # Ctrl-C reaches the workers too: their runs save and stop
+                if interrupted:
+                    raise  # a second Ctrl-C: stop at once
+                interrupted, waiting = True, []
+                print("Ctrl-C: the runs under way save and stop; no further run starts (Ctrl-C "
+                      "again to stop at once).", flush=True)
+                continue
             for fut in done:
                 name, log = futures.pop(fut)
                 try:
