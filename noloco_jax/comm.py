@@ -478,19 +478,22 @@ def _butterfly_sum(
     """Butterfly sum of each flat buffer over the group, in the buffers' dtypes.
 
     Partial sums travel, so each step sends what the previous one summed: one
-    ``ppermute`` of one message holding all buffers per step. Step b's sums of 2**b
-    values travel divided by 2**b, so a 16-bit wire carries a partial mean, not a sum
-    past its range (float16 ends at 65504). The scaling is exact and the wire rounds
-    the same bits (float32 and bfloat16: bit for bit as a sum would travel, but for
-    partial sums below 2**-126 * 2**b, whose subnormal mean XLA:CPU flushes to 0), and
-    float16 partial means below its smallest normal number (6.1e-5) can lose their
-    last subnormal bit (at most 1.5e-8).
+    ``ppermute`` of one message holding all buffers per step. On a wire of a smaller
+    range than its buffer (float16 ends at 65504), step b's sums of 2**b values travel
+    divided by 2**b: a partial mean, not a sum past the wire's range. The scaling is
+    exact, but float16 partial means below its smallest normal number (6.1e-5) can lose
+    their last subnormal bit (at most 1.5e-8). Wires of the buffer's range (float32,
+    bfloat16) send the sums as they are: scaled, a sum below 2**-126 * 2**b became a
+    subnormal mean that XLA:CPU flushes to 0 (the group's members then disagreed), and
+    the scaling cost a pass over the buffer each way.
     """
     acc = list(buffers)
+    narrow = [jnp.finfo(w).maxexp < jnp.finfo(a.dtype).maxexp for a, w in zip(acc, wires)]
     for b, perm in enumerate(_exchange_perms(partition)):
-        scale = float(2**b)
-        received = lax.ppermute(_encode([a / scale for a in acc], wires), axis_name, perm)
-        acc = [a + r * scale for a, r in zip(acc, _decode(received, acc, wires))]
+        scale = [float(2**b) if n else 1.0 for n in narrow]
+        sent = [a / s if s != 1 else a for a, s in zip(acc, scale)]
+        received = _decode(lax.ppermute(_encode(sent, wires), axis_name, perm), acc, wires)
+        acc = [a + (r * s if s != 1 else r) for a, r, s in zip(acc, received, scale)]
     return acc
 
 

@@ -193,6 +193,30 @@ def test_group_mean_of_float16_near_its_range_is_finite(n, leaf_dtype, wire, wei
                                rtol=2e-3)  # fmt: skip
 
 
+@pytest.mark.parametrize("wire", [None, jnp.bfloat16])
+def test_butterfly_members_agree_where_a_partial_sum_is_near_float32s_smallest_normal(wire):
+    """A float32 or bfloat16 wire sends the partial sums unscaled: halved (4ee75da), a sum of
+    3 * 2**-127 travelled as a subnormal that XLA:CPU flushes to 0, and members 2 and 3 of
+    the group got another mean than members 0 and 1."""
+    u = 2.0**-127
+    x = jnp.asarray([7 * u, -4 * u, 2.0**-120, 2.0**-120], jnp.float32)[:, None]
+    pool = np.array([[[0, 1, 2, 3]]])
+    mean = jax.jit(jax.vmap(lambda v: comm.group_mean(v, "r", pool, 0, wire), axis_name="r"))(x)
+    np.testing.assert_array_equal(mean, np.full((4, 1), (3 * u + 2.0**-119) / 4, np.float32))
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_float32_butterfly_does_one_add_per_step_and_element(n):
+    """XLA's cost analysis: log2(n) adds and the mean's multiply per element; the partial
+    means of 4ee75da (for float16's range) added a divide and a multiply per step."""
+    pool = comm.partition_pool(8, n, seed=0)
+    f = jax.jit(jax.vmap(lambda t, i: comm.group_mean(t, "r", pool, i), in_axes=(0, None),
+                         axis_name="r"))  # fmt: skip
+    x = jnp.ones((8, 4096))
+    flops = f.lower(x, jnp.int32(0)).compile().cost_analysis()["flops"]
+    assert flops <= (np.log2(n) + 1) * x.size + 8, (flops, x.size)
+
+
 def test_exchange_steps():
     assert [comm.exchange_steps(n) for n in (2, 3, 4, 6, 8)] == [1, 2, 2, 5, 3]
 
