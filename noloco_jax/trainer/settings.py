@@ -488,22 +488,11 @@ def warnings_for(s: TrainSettings) -> list[str]:
                                          defaults.default("routing_pool_size")):
         out.append("config.routing / routing_pool_size are ignored without pipeline stages "
                    "(config.num_stages=1).")
-    if s.skip.num_stages == 0 and (s.skip.path_length or s.skip.full_every):
-        out.append("config.skip.path_length / full_every are ignored without "
-                   "config.skip.num_stages (stage skipping is off).")
-    if s.skip.swaps and (s.skip.num_stages == 0 or s.skip.path_length < 3):
-        out.append("config.skip.swaps=True does nothing: a swap needs stage skipping "
-                   "(config.skip.num_stages) and two stages after stage 0 (path_length >= 3).")
+    out += _skip_warnings(s.skip)
     named = (s.log.wandb_project != defaults.default("log.wandb_project"), s.log.wandb_run_name)
     if not s.log.wandb and any(named):
         out.append("config.log.wandb_project / wandb_run_name are ignored without "
                    "config.log.wandb=True (nothing is sent to Weights & Biases).")
-    k = s.skip
-    if k.num_stages and k.path_length == 1 and k.full_every == 0:
-        rest = "stage 1 is" if k.num_stages == 2 else f"stages 1 to {k.num_stages - 1} are"
-        out.append(f"config.skip.path_length=1 with full_every=0: every sequence runs stage 0 "
-                   f"alone, so {rest} never trained (evaluation runs them at their initial "
-                   f"weights). Raise path_length or set skip.full_every.")
     if s.method in ROUND_METHODS and s.outer.learning_rate == 0:
         out.append("config.outer.learning_rate=0: the slow weights never move and every sync "
                    "puts the replicas back on them, so the run learns nothing.")
@@ -530,6 +519,23 @@ def warnings_for(s: TrainSettings) -> list[str]:
     if window is not None and window[0] >= s.num_steps:
         out.append(f"config.profile_steps={s.profile_steps!r} starts at or after num_steps="
                    f"{s.num_steps}: no trace will be written.")
+    return out
+
+
+def _skip_warnings(k: SkipSettings) -> list[str]:
+    """Stage-skipping settings that do nothing, or leave stages untrained."""
+    out = []
+    if k.num_stages == 0 and (k.path_length or k.full_every):
+        out.append("config.skip.path_length / full_every are ignored without "
+                   "config.skip.num_stages (stage skipping is off).")
+    if k.swaps and (k.num_stages == 0 or k.path_length < 3):
+        out.append("config.skip.swaps=True does nothing: a swap needs stage skipping "
+                   "(config.skip.num_stages) and two stages after stage 0 (path_length >= 3).")
+    if k.num_stages and k.path_length == 1 and k.full_every == 0:
+        rest = "stage 1 is" if k.num_stages == 2 else f"stages 1 to {k.num_stages - 1} are"
+        out.append(f"config.skip.path_length=1 with full_every=0: every sequence runs stage 0 "
+                   f"alone, so {rest} never trained (evaluation runs them at their initial "
+                   f"weights). Raise path_length or set skip.full_every.")
     return out
 
 
