@@ -132,6 +132,14 @@ def check_bool(field: str, value: Any) -> None:
     require(isinstance(value, bool), field, f"must be True or False, got {value!r}.")
 
 
+def check_documents(field: str, docs: Any) -> None:
+    """``docs`` is a sequence of documents, not one str or bytes (iterated, each character
+    was taken for a document of its own); ``TypeError`` naming ``field`` otherwise."""
+    if isinstance(docs, (str, bytes)):
+        raise TypeError(f"{field} must be a sequence of documents (e.g. a list of str), got one "
+                        f"{type(docs).__name__}; pass [{field}] for a single document.")
+
+
 def check_utf8_path(field: str, path: Any) -> None:
     """A path whose name is UTF-8 text: orbax, tensorstore and array_record take no other.
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from noloco_jax.data.sources import texts_digest
 from noloco_jax.data.token_files import TokenFile, write_tokens
-from noloco_jax.errors import check_bool, check_int
+from noloco_jax.errors import check_bool, check_documents, check_int
 
 __all__ = ["tokenize_documents", "load_token_stream", "ReplicaBatcher", "eval_windows"]
 
@@ -29,9 +29,7 @@ __all__ = ["tokenize_documents", "load_token_stream", "ReplicaBatcher", "eval_wi
 def tokenize_documents(docs: Sequence[str], tokenizer: Any) -> np.ndarray:
     """One int32 stream: each document's ids followed by ``tokenizer.eos_id`` (and preceded by
     ``tokenizer.bos_ids``, else ``tokenizer.bos_id`` where it is not None: Hugging Face Llamas)."""
-    if isinstance(docs, (str, bytes)):  # iterated, each character was a document of its own
-        raise TypeError(f"docs must be a sequence of documents (e.g. a list of str), got one "
-                        f"{type(docs).__name__}; pass [docs] for a single document.")
+    check_documents("docs", docs)
     bos = getattr(tokenizer, "bos_ids", None)
     if bos is None:
         bos = () if getattr(tokenizer, "bos_id", None) is None else (tokenizer.bos_id,)

@@ -12,6 +12,8 @@ from typing import Iterable, Protocol
 
 import numpy as np
 
+from noloco_jax.errors import check_documents
+
 __all__ = [
     "Tokenizer",
     "ByteTokenizer",
@@ -226,9 +228,7 @@ def train_sentencepiece(
     Raises:
       TypeError: ``texts`` is one str or bytes (its characters were taken for documents).
     """
-    if isinstance(texts, (str, bytes)):  # iterated, each character was a document of its own
-        raise TypeError(f"texts must be a sequence of documents (e.g. a list of str), got one "
-                        f"{type(texts).__name__}; pass [texts] for a single document.")
+    check_documents("texts", texts)
     model_path = pathlib.Path(model_path)
     if model_path.exists():
         tokenizer = SentencePieceTokenizer(model_path)
