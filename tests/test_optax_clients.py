@@ -181,7 +181,8 @@ def test_flax_nnx_on_a_mesh_equals_the_vmap_recipe(backend):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got, want)
 
 
-def test_flax_nnx_without_the_state_axes_is_refused():
+def _nnx_built_with_out_axes_0():
+    """N replicas and their nnx.Optimizer built under nnx.vmap(out_axes=0): a counter each."""
     tx = local_steps(optax.adam(1e-2), noloco_outer(), sync_every=3)
 
     @nnx.vmap(in_axes=0, out_axes=0)
@@ -189,7 +190,11 @@ def test_flax_nnx_without_the_state_axes_is_refused():
         m = _Linear(nnx.Rngs(key))
         return m, nnx.Optimizer(m, tx, wrt=nnx.Param)
 
-    model, opt = make(jax.random.split(jax.random.key(0), N))
+    return make(jax.random.split(jax.random.key(0), N))
+
+
+def test_flax_nnx_without_the_state_axes_is_refused():
+    model, opt = _nnx_built_with_out_axes_0()
     step = nnx.vmap(_nnx_step, in_axes=(0, 0, 0), axis_name="replica")
     with pytest.raises(ValueError, match="nnx_state_axes"):
         step(model, opt, jnp.ones((N, 5, 3)))
@@ -198,14 +203,7 @@ def test_flax_nnx_without_the_state_axes_is_refused():
 def test_flax_nnx_optimizer_built_without_the_state_axes_names_out_axes():
     """An nnx.Optimizer built with out_axes=0 and stepped with in_axes=nnx_state_axes():
     the error told the user to pass in_axes=nnx_state_axes(), which they already did."""
-    tx = local_steps(optax.adam(1e-2), noloco_outer(), sync_every=3)
-
-    @nnx.vmap(in_axes=0, out_axes=0)
-    def make(key):
-        m = _Linear(nnx.Rngs(key))
-        return m, nnx.Optimizer(m, tx, wrt=nnx.Param)
-
-    model, opt = make(jax.random.split(jax.random.key(0), N))
+    model, opt = _nnx_built_with_out_axes_0()
     step = nnx.vmap(_nnx_step, in_axes=(0, replicas.nnx_state_axes(), 0), axis_name="replica")
     with pytest.raises(ValueError, match=r"out_axes=replicas\.nnx_state_axes\(\)"):
         step(model, opt, jnp.ones((N, 5, 3)))

@@ -128,26 +128,32 @@ def test_a_dry_run_refuses_a_run_trained_with_another_config(monkeypatch, tmp_pa
         harness.run_grid(CONFIG, [harness.Run("a", {"outer.gamma": 0.5})], dry, runs_subdir="g")
 
 
+def _stopped_at_a_then_run_at_b(monkeypatch, runs, opts, first_train):
+    """The grid stopped (KeyboardInterrupt) by ``first_train`` at commit a, then run to its
+    end at commit b; returns the second session's results."""
+    a, b = ({"commit": c * 40, "dirty": False, "diff_sha256": None} for c in "ab")
+    monkeypatch.setattr(provenance, "git_state", lambda root: a)
+    monkeypatch.setattr(harness, "_train", first_train)
+    with pytest.raises(KeyboardInterrupt):
+        harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+    monkeypatch.setattr(provenance, "git_state", lambda root: b)
+    monkeypatch.setattr(harness, "_train", _fake_train([]))
+    return harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+
+
 def test_a_run_that_never_trained_takes_the_version_that_trains_it(monkeypatch, tmp_path):
     """run_info.json is written for every run before the first trains: a grid stopped in its
     first run and re-run from commit B recorded runs B trained entirely as commit A's (with B
     only as resumed_at), and make_results saw mixed commits."""
-    a, b = ({"commit": c * 40, "dirty": False, "diff_sha256": None} for c in "ab")
     runs = [harness.Run(f"r{i}", {"seed": i}) for i in range(2)]
     opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path / "out")
 
     def stopped(config, workdir):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(provenance, "git_state", lambda root: a)
-    monkeypatch.setattr(harness, "_train", stopped)
-    with pytest.raises(KeyboardInterrupt):
-        harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
-    monkeypatch.setattr(provenance, "git_state", lambda root: b)
-    monkeypatch.setattr(harness, "_train", _fake_train([]))
-    results = harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
+    results = _stopped_at_a_then_run_at_b(monkeypatch, runs, opts, stopped)
     for name in ("r0", "r1"):
-        assert results[name]["run_info"]["commit"] == b["commit"]
+        assert results[name]["run_info"]["commit"] == "b" * 40
         assert "resumed_at" not in results[name]["run_info"]
     harness.write_outputs(opts, "rep", {}, "md", runs=results)
     saved = json.loads((tmp_path / "out" / "rep.json").read_text())
@@ -159,7 +165,6 @@ def test_a_run_stopped_before_its_first_checkpoint_takes_the_version_that_restar
     """A run killed before its first checkpoint (every killed smoke run) starts again at step
     0 and its earlier records are dropped, yet it was recorded as the killed commit's, resumed
     by the new one, and make_results saw mixed commits."""
-    a, b = ({"commit": c * 40, "dirty": False, "diff_sha256": None} for c in "ab")
     runs = [harness.Run("r0", {"seed": 0})]
     opts = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=tmp_path / "out")
 
@@ -168,14 +173,8 @@ def test_a_run_stopped_before_its_first_checkpoint_takes_the_version_that_restar
         (workdir / "metrics.jsonl").write_text('{"step": -1, "kind": "session"}\n')
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(provenance, "git_state", lambda root: a)
-    monkeypatch.setattr(harness, "_train", killed)
-    with pytest.raises(KeyboardInterrupt):
-        harness.run_grid(CONFIG, runs, opts, runs_subdir="g")
-    monkeypatch.setattr(provenance, "git_state", lambda root: b)
-    monkeypatch.setattr(harness, "_train", _fake_train([]))
-    info = harness.run_grid(CONFIG, runs, opts, runs_subdir="g")["r0"]["run_info"]
-    assert info["commit"] == b["commit"] and "resumed_at" not in info
+    info = _stopped_at_a_then_run_at_b(monkeypatch, runs, opts, killed)["r0"]["run_info"]
+    assert info["commit"] == "b" * 40 and "resumed_at" not in info
 
 
 def test_a_run_another_grid_is_training_keeps_its_record(monkeypatch, tmp_path):
