@@ -17,7 +17,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from noloco_jax.experiments import harness
 from noloco_jax.experiments.harness import ROOT, SCRATCH  # noqa: F401  (ROOT: for the scripts)
+
+md_table = harness.md_table  # the benchmark pages' tables, written as the results pages'
 
 
 def block(x: Any) -> Any:
@@ -114,14 +117,6 @@ def write(name: str, results: dict, markdown: str, out_dir: pathlib.Path = SCRAT
     (out_dir / f"{name}.md").write_text(markdown)
     print(markdown)
     print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.md')}", flush=True)
-
-
-def md_table(header: list[str], rows: list[list[Any]]) -> str:
-    def fmt(v: Any) -> str:  # a "|" in a cell ("max |loss, grad diff|") would split it: escaped
-        return (f"{v:.4g}" if isinstance(v, float) else str(v)).replace("|", "\\|")
-
-    lines = ["| " + " | ".join(map(fmt, header)) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]) + "\n"
 
 
 class TrainerChunk:
