@@ -83,9 +83,7 @@ def _data_text(data: dict) -> str:
 
 def reference_period(results: dict) -> int:
     """DiLoCo's H in these results (4 in the smoke version): the steps the metric reads."""
-    diloco = [run for name, run in results.items()
-              if not name.startswith("_") and parse_name(name)[0] == "diloco"]  # fmt: skip
-    return sync_period(diloco[0]) if diloco else int(METHODS["diloco"]["outer.sync_every"])
+    return _method_period(results, "diloco")
 
 
 def metrics(results: dict, key: str = plan.PRIMARY) -> dict[tuple[str, int], dict[int, float]]:
