@@ -69,3 +69,24 @@ def test_given_weights_reach_each_device_as_its_part(built):
         np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(w, got.shape))
     with pytest.raises(ValueError, match="give params exactly when no init"):
         first_state(target, tx, s.num_replicas)()
+
+
+def test_a_run_with_another_optimizer_reuses_the_compiled_initialisation(
+        built, corpus_dir, data_dir, monkeypatch):  # fmt: skip
+    """The random initialisation is its own program, per model and placement: a second run
+    that changes only the optimizer (a notebook's next cell) neither traces nor compiles it
+    again, and starts from the same weights."""
+    s, run, _ = built
+    first = run.fresh()
+    traced = []
+    init_params = models.init_params
+    monkeypatch.setattr(models, "init_params", lambda *a: traced.append(a) or init_params(*a))
+    s2 = tiny_settings(corpus_dir, data_dir, num_replicas=2, backend="shard_map", mesh=SPLIT,
+                       optim={"learning_rate": 1e-3, "warmup_steps": 2})  # fmt: skip
+    assert s2.optim != s.optim
+    run2, _ = build.build_run(s2)
+    traced.clear()  # build_run reads the params' shapes (an abstract trace)
+    second = run2.fresh()
+    assert traced == []
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

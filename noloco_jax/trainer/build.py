@@ -37,7 +37,7 @@ from noloco_jax.trainer import aot, grads, memory
 from noloco_jax.trainer import optimizer as optim_lib
 from noloco_jax.trainer.evaluate import make_evaluator
 from noloco_jax.trainer.settings import ROUND_METHODS, TrainSettings
-from noloco_jax.trainer.state import first_state
+from noloco_jax.trainer.state import first_state, model_init
 from noloco_jax.trainer.step import TrainState, make_program, make_window_program
 
 __all__ = ["DataBundle", "KEEP_COMPILED", "Run", "build_run", "check_memory", "make_programs",
@@ -333,7 +333,7 @@ class _Programs:
         reps, step_kwargs = topology(s, cfg, graphdef, build_tx)
         tx = build_tx()
         target = aot.abstract_state(reps, tx, params0)
-        init = None if _given(params0) else (lambda: models.init_params(cfg, s.seed)[1])
+        init = None if _given(params0) else model_init(cfg, s.seed)
         inner, sync = run_programs(s, reps, step_kwargs, spec)
         evaluate = _reuse(_EVALUATORS, _evaluator_key(s, data, cfg),
                           lambda: make_evaluator(reps, graphdef, data.eval_windows))
