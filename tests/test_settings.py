@@ -173,8 +173,25 @@ def test_a_rate_or_norm_that_is_zero_in_float32_is_refused(field, allowed):
         with pytest.raises(ValueError, match=rf"config\.optim\.{field}: must be {allowed}>= "
                                              r"1\.18e-38"):
             settings_lib.from_config(_tiny(**{f"optim.{field}": value}))
-    assert getattr(settings_lib.from_config(_tiny(**{f"optim.{field}": 2.0**-126})).optim,
-                   field) == 2.0**-126  # fmt: skip
+    ok = _tiny(**{f"optim.{field}": 2.0**-126, "optim.min_lr_ratio": 1.0})
+    assert getattr(settings_lib.from_config(ok).optim, field) == 2.0**-126
+
+
+@pytest.mark.parametrize("lr, ratio", [(2.0**-126, 0.1), (2e-38, 0.5), (1e-30, 1e-9)])
+def test_a_schedule_floor_that_is_zero_in_float32_is_refused(lr, ratio):
+    """optim.learning_rate = 2e-38 with min_lr_ratio = 0.5 passed the learning_rate >= 1.18e-38
+    check, but the cosine decayed it to 1e-38, subnormal and 0 in the float32 step: the late
+    steps trained nothing, without a word."""
+    with pytest.raises(ValueError, match=r"config\.optim\.min_lr_ratio: config\.optim\."
+                                         r"learning_rate \* config\.optim\.min_lr_ratio must be "
+                                         r"0 or >= 1\.18e-38"):
+        settings_lib.from_config(_tiny(**{"optim.learning_rate": lr, "optim.min_lr_ratio": ratio}))
+    for ok in (0.0, 1.0):  # decaying to 0 on purpose, or a constant rate after the warmup
+        cfg = _tiny(**{"optim.learning_rate": lr, "optim.min_lr_ratio": ok})
+        assert settings_lib.from_config(cfg).optim.min_lr_ratio == ok
+    low = settings_lib.from_config(_tiny(**{"optim.learning_rate": 2.0**-125,
+                                            "optim.min_lr_ratio": 0.5}))  # fmt: skip
+    assert low.optim.learning_rate * low.optim.min_lr_ratio == 2.0**-126
 
 
 @pytest.mark.parametrize("field", ["num_steps", "outer.sync_every", "fault.inject_nan_step",

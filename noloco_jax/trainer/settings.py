@@ -648,6 +648,14 @@ def _validate_optim(o: OptimSettings, num_steps: int) -> None:
         require(value == 0 or value >= FLOAT32_TINY, f"config.optim.{name}",
                 f"must be {allowed}>= {FLOAT32_TINY:.3g} (it is float32 in the step, where a "
                 f"smaller value is 0), got {value!r}.")  # fmt: skip
+    # The cosine decays to learning_rate * min_lr_ratio; below the smallest normal that floor
+    # is 0 in float32 and the late steps train nothing. min_lr_ratio = 0 decays to 0 on purpose.
+    floor = o.learning_rate * o.min_lr_ratio
+    require(o.min_lr_ratio == 0 or floor >= FLOAT32_TINY, "config.optim.min_lr_ratio",
+            f"config.optim.learning_rate * config.optim.min_lr_ratio must be 0 or >= "
+            f"{FLOAT32_TINY:.3g} (the schedule decays to it in float32, where a smaller value "
+            f"is 0), got {o.learning_rate!r} * {o.min_lr_ratio!r} = {floor!r}; raise either, or "
+            f"set min_lr_ratio=0 to decay to 0.")  # fmt: skip
 
 
 def _check_micro_batches(s: TrainSettings) -> None:
