@@ -255,6 +255,14 @@ BAD_CALLS = [
     ("latency_ms", lambda: netsim.Link.from_gbit_ms(1.0, -1.0)),
     ("num_bytes", lambda: LINK.message_time(-1.0)),
     ("num_bytes", lambda: LINK.message_time(float("nan"))),
+    # netsim.message_time itself gave -0.99 s for -1e9 bytes, a negative time for a negative
+    # bandwidth, inf for an array's zero bandwidth and a ZeroDivisionError for a number's
+    ("num_bytes", lambda: netsim.message_time(-1e9, 0.01, 1e9)),
+    ("latency_s", lambda: netsim.message_time(1e6, -0.01, 1e9)),
+    ("bytes_per_second", lambda: netsim.message_time(1e6, 0.01, 0.0)),
+    ("bytes_per_second", lambda: netsim.message_time(1e6, 0.01, -1e9)),
+    ("latency_s", lambda: netsim.message_time(1e6, np.array([0.01, -1.0]), np.full(2, 1e9))),
+    ("bytes_per_second", lambda: netsim.message_time(1e6, np.zeros(2), np.array([1e9, 0.0]))),
     ("num_bytes", lambda: netsim.ring_allreduce_time(-1.0, 8, LINK)),
     ("num_replicas", lambda: netsim.ring_allreduce_time(1.0, 1, LINK)),
     ("num_bytes", lambda: netsim.tree_allreduce_time(-1.0, 8, LINK)),

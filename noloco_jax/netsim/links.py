@@ -33,8 +33,28 @@ def message_time(num_bytes: float, latency_s: Seconds, bytes_per_second: Seconds
 
     Returns:
       ``latency_s + num_bytes / bytes_per_second``, with the shape of the links.
+
+    Raises:
+      ValueError: ``num_bytes`` or a latency is not a finite number >= 0, or a bandwidth is
+        not a finite number > 0.
     """
+    _checks.non_negative("num_bytes", num_bytes)
+    if np.ndim(latency_s) == 0 and np.ndim(bytes_per_second) == 0:
+        _checks.non_negative("latency_s", latency_s)
+        _checks.positive("bytes_per_second", bytes_per_second)
+    else:
+        _check_all(latency_s, bytes_per_second)
     return latency_s + num_bytes / bytes_per_second
+
+
+def _check_all(latency_s: np.ndarray, bytes_per_second: np.ndarray) -> None:
+    """A ValueError unless every latency is finite and >= 0 and every bandwidth finite and > 0."""
+    lat, bw = np.asarray(latency_s, dtype=float), np.asarray(bytes_per_second, dtype=float)
+    if not np.all((lat >= 0) & np.isfinite(lat)):
+        raise ValueError(f"latency_s must be finite and >= 0 everywhere, got {latency_s!r}.")
+    if not np.all((bw > 0) & np.isfinite(bw)):
+        raise ValueError(f"bytes_per_second must be finite and > 0 everywhere, got "
+                         f"{bytes_per_second!r}.")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -135,8 +135,9 @@ class Network:
     def cost_matrix(self, num_bytes: float) -> np.ndarray:
         """(N, N) link times for a message of ``num_bytes`` (zero diagonal)."""
         num_bytes = _checks.non_negative("num_bytes", num_bytes)
-        with np.errstate(divide="ignore", invalid="ignore"):  # the diagonal (any value) is unused
-            cost = message_time(num_bytes, self.latency_s, self.bytes_per_second)
+        eye = np.eye(self.num_nodes, dtype=bool)  # the diagonal (any value) is unused
+        cost = message_time(num_bytes, np.where(eye, 0.0, self.latency_s),
+                            np.where(eye, 1.0, self.bytes_per_second))  # fmt: skip
         cost = cost + self.overhead_s
         np.fill_diagonal(cost, 0.0)
         return cost
