@@ -99,6 +99,19 @@ def test_sync_fragment_schedule():
     assert due == [-1, 0, -1, 1, -1, 2, -1, 3] * 2
 
 
+@pytest.mark.parametrize("sync_every, p_count, message", [
+    (8, 0, r"^p_count: must be an integer >= 1, got 0"),
+    (8, -2, r"^p_count: must be an integer >= 1, got -2"),
+    (8, 3, r"^sync_every=8 must be a multiple of the number of fragments p_count=3"),
+    (0, 1, r"^sync_every: must be an integer >= 1, got 0"),
+])
+def test_sync_fragment_refuses_a_count_outside_its_range(sync_every, p_count, message):
+    """p_count=0 or sync_every=0 stopped in a ZeroDivisionError; p_count=-2 or 3 (with H=8)
+    gave a wrong schedule without a word."""
+    with pytest.raises(ValueError, match=message):
+        frag.sync_fragment(4, sync_every, p_count)
+
+
 @pytest.mark.parametrize("outer", [noloco_outer(seed=2), diloco_outer()])
 def test_one_fragment_is_todays_update(outer):
     tx0 = local_steps(optax.adam(0.05), outer, H)

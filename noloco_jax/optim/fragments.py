@@ -236,7 +236,13 @@ def sync_fragment(count: Any, sync_every: int, p_count: int) -> Any:
     """Which fragment ends its round at step ``count`` (1-based), or -1 for none.
 
     Fragment p syncs when ``count mod H == (p + 1) H / P (mod H)``.
+
+    Raises:
+      UserError (a ``ValueError``): ``sync_every`` is not an integer >= 1, or ``p_count`` not
+        an integer >= 1 that divides it.
     """
+    errors.check_int("sync_every", sync_every)
+    check_fragments(p_count, sync_every, field="p_count")
     stride = sync_every // p_count
     due = count % stride == 0
     return jax.numpy.where(due, ((count // stride) - 1) % p_count, -1)
