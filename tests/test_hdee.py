@@ -114,6 +114,14 @@ def test_the_three_ensembles_cost_the_same_compute():
             ex.plan_ensemble(kind, lopsided, 150, 75)
 
 
+@pytest.mark.parametrize("steps", [-1, 0, 1.5, True])
+def test_an_expert_plan_needs_a_step_count_of_at_least_one(steps):
+    """ExpertPlan(steps=-1) was accepted and compute() counted it as negative compute."""
+    with pytest.raises(ValueError, match=rf"^steps: must be an integer >= 1, got {steps!r}"):
+        ex.ExpertPlan("a", "easy", "M", steps)
+    assert ex.ExpertPlan("a", "easy", "M", 1).steps == 1
+
+
 def _group(streams, steps, seed=0):
     graphdef, params = models.init_params(CFG, 0)
     stacked = jax.tree.map(lambda x: jnp.stack([x] * len(streams)), params)

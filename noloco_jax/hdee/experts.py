@@ -47,6 +47,9 @@ class ExpertPlan:
     size: str
     steps: int
 
+    def __post_init__(self) -> None:
+        errors.check_int("steps", self.steps)  # compute() counted steps=-1 as negative compute
+
 
 def size_config(base: models.LlamaConfig, size: str, mlp_widths: dict[str, int]) -> models.LlamaConfig:
     """``base`` with the MLP width of ``size``; everything else is shared."""
