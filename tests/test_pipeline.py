@@ -300,6 +300,10 @@ def test_bad_stage_counts_and_meshes():
     with pytest.raises(ValueError, match=r"num_stages=3 must divide the model's 2 layers; "
                                          r"allowed: \[1, 2\]"):
         pl.stage_layer_ids(2, 3)
+    for layers in (0, -2, 2.0):  # 0 and -2 gave every stage an empty list of layers
+        with pytest.raises(ValueError, match=rf"^num_layers: must be an integer >= 1, got "
+                                             rf"{layers!r}"):  # fmt: skip
+            pl.stage_layer_ids(layers, 2)
     with pytest.raises(ValueError, match="needs 32 devices"):
         pl.make_pipeline_mesh(8, 4)
     # 0 died with an IndexError, 2.0 with a TypeError, (-1, -2) in JAX unnamed, True made 1 x 2

@@ -47,6 +47,7 @@ def check_stages(num_layers: int, num_stages: int, field: str = "num_stages") ->
 
 def stage_layer_ids(num_layers: int, num_stages: int) -> list[np.ndarray]:
     """Block indices of each stage: ``[s * L/S, (s + 1) * L/S)``."""
+    errors.check_int("num_layers", num_layers)  # 0 or -2 gave every stage no layers
     check_stages(num_layers, num_stages)
     per = num_layers // num_stages
     return [np.arange(s * per, (s + 1) * per, dtype=np.int32) for s in range(num_stages)]
