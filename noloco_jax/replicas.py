@@ -128,13 +128,44 @@ def select_replica(tree: PyTree, index: int, single_replica_like: PyTree) -> PyT
 
 
 def _pick(x: Any, index: Any) -> Any:
-    """``x[index]``; a replica axis placed on a mesh (``reps.put``, ``reps.map``) is gathered
-    first: indexing it raised JAX's ShardingTypeError ("out sharding could not be resolved").
-    A split inside the replica (``mesh.fsdp``, ``mesh.tensor``) stays as placed."""
+    """``x[index]``; a replica axis placed on a mesh (``reps.put``, ``reps.map``) is picked
+    from by ``_pick_placed``: indexing it raised JAX's ShardingTypeError ("out sharding could
+    not be resolved"). A split inside the replica (``mesh.fsdp``, ``mesh.tensor``) stays as
+    placed."""
     sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
+    if sharding is not None and sharding.spec and sharding.spec[0] is not None:
+        return _pick_placed(x, index, sharding)
     if sharding is not None and any(s is not None for s in sharding.spec):
         x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, P()))
     return x[index]
+
+
+def _pick_placed(x: jax.Array, index: Any, sharding: Any) -> jax.Array:
+    """``x[index]`` of a replica axis split over the mesh, moving one replica's bytes: each
+    replica sends its bits where it is ``index`` and zeros elsewhere, summed as integers (exact:
+    a gather of every replica first moved N replicas' bytes to pick one)."""
+    spec, n = sharding.spec, x.shape[0]
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    names = {a for s in spec if s is not None for a in (s if isinstance(s, tuple) else (s,))}
+    i = jnp.clip(jnp.where(index < 0, index + n, index), 0, n - 1)  # as x[index] clamps
+    boolean = x.dtype == jnp.bool_
+
+    def pick(local: jax.Array) -> jax.Array:  # local: [n / replicas, ...]
+        first = jax.lax.axis_index(axes) * local.shape[0]
+        row = jax.lax.dynamic_index_in_dim(local, jnp.clip(i - first, 0, local.shape[0] - 1),
+                                           keepdims=False)  # fmt: skip
+        bits = row.astype(jnp.uint8) if boolean else jax.lax.bitcast_convert_type(
+            row, _uint_of(row.dtype))
+        mine = (i >= first) & (i < first + local.shape[0])
+        return jax.lax.psum(jnp.where(mine, bits, jnp.zeros_like(bits)), axes)
+
+    bits = jax.shard_map(pick, mesh=sharding.mesh, in_specs=P(*spec), out_specs=P(*spec[1:]),
+                         axis_names=names)(x)  # fmt: skip
+    return bits.astype(jnp.bool_) if boolean else jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
+def _uint_of(dtype: Any) -> Any:
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize]
 
 
 def nnx_state_axes() -> Any:

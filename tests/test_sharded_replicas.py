@@ -302,6 +302,31 @@ def test_select_replica_of_a_placed_tree_keeps_the_split(mesh_shape):
         assert picks[0]["embedding"].addressable_shards[0].data.shape == (4, 2)
 
 
+@pytest.mark.parametrize("mesh_shape", [None, {"fsdp": 2}])
+def test_select_replica_of_a_placed_tree_moves_one_replica(mesh_shape):
+    """select_replica gathered every replica onto every device to pick one (an all-gather
+    of [N, ...]): it now moves one replica's bytes, with the same bits (-0.0, NaN, bool, bf16)
+    for an index given as an int or traced, negative or past the end (clamped, as x[i])."""
+    emb = np.arange(128.0, dtype=np.float32).reshape(4, 8, 4)
+    emb[2, 0, :2] = -0.0, np.nan
+    tree = {"embedding": jnp.asarray(emb), "step": jnp.int32(7),
+            "flag": jnp.array([[1, 0], [0, 1], [1, 1], [0, 0]], bool),
+            "half": jnp.array([[1, -0.0], [2, 3], [-0.0, 4], [5, 6]], jnp.bfloat16)}  # fmt: skip
+    like = jax.tree.map(lambda x: x[0] if x.ndim else x, tree)
+    placed = replicas.make_replicas(4, backend="shard_map", mesh_shape=mesh_shape).put(tree)
+    static = jax.jit(lambda t: replicas.select_replica(t, 2, like))
+    traced = jax.jit(lambda t, i: replicas.select_replica(t, i, like))
+    for got, want in ((replicas.select_replica(placed, -2, like), 2), (static(placed), 2),
+                      (traced(placed, 1), 1), (traced(placed, -1), 3), (traced(placed, 9), 3)):
+        for key, x in tree.items():
+            x, y = np.asarray(x if key == "step" else x[want]), np.asarray(got[key])
+            assert (y.dtype, y.tobytes()) == (x.dtype, x.tobytes()), (key, want)
+    local = placed["embedding"].addressable_shards[0].data[0]  # one replica's part on a device
+    moved = [op for op in hlo.collective_ops(hlo.compiled_text(static, placed))
+             if op.kind != "all-reduce" or op.bytes > 4]  # the bool/bf16 leaves move less
+    assert [(op.kind, op.bytes) for op in moved] == [("all-reduce", local.nbytes)]
+
+
 def test_put_names_the_leaf_a_split_does_not_divide():
     """reps.put of a vocabulary of 65 over tensor=2 failed with JAX's IndivisibleError, which
     names a shape (2, 65, 64) but not the leaf, the setting or the fix. The fix named was
