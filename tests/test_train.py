@@ -196,14 +196,16 @@ def test_vocab_smaller_than_the_tokenizer_is_refused(tmp_path, corpus_dir, data_
 
 
 def test_a_padded_vocabulary_trains_exports_and_resumes_only_as_itself(tmp_path, corpus_dir,
-                                                                       data_dir):  # fmt: skip
+                                                                       data_dir, monkeypatch):  # fmt: skip
     """model.vocab_size above the tokenizer's (a table padded to a multiple of 128, as
     nanoGPT pads GPT-2's 50,257 to 50,304) was refused as a mismatch."""
     from noloco_jax.models import hf  # noqa: PLC0415
     from noloco_jax.trainer import build  # noqa: PLC0415
+    from noloco_jax.trainer import hf_init  # noqa: PLC0415
     from noloco_jax.trainer.hf_init import export_run  # noqa: PLC0415
     from noloco_jax.trainer.loop import load_run  # noqa: PLC0415
 
+    load = hf_init.load_llama
     short = dict(num_steps=4, eval_every=2, checkpoint_every=4)
     s = tiny_settings(corpus_dir, data_dir, model={"preset": "nano", "vocab_size": 384}, **short)
     last = train_and_evaluate(s, tmp_path / "run", progress=False)
@@ -235,6 +237,12 @@ def test_a_padded_vocabulary_trains_exports_and_resumes_only_as_itself(tmp_path,
     remat = variant(s, model={"remat": True})
     assert train_and_evaluate(remat, tmp_path / "tuned", progress=False)["step"] == 4
     load_run(remat, tmp_path / "tuned")
+    # Exporting the init_from run read the Hugging Face weights twice (load_run, then again
+    # only for the model's config); once now, the config read from config.json alone.
+    reads = []
+    monkeypatch.setattr(hf_init, "load_llama", lambda *a, **k: reads.append(a) or load(*a, **k))
+    export_run(s, tmp_path / "tuned", tmp_path / "export_tuned")
+    assert len(reads) == 1
     (out / "config.json").write_text(json.dumps({**exported, "rms_norm_eps": 0.5}))
     changed = r"init_from's config.json changed since the checkpoint was written \(norm_eps: "
     with pytest.raises(ValueError, match=rf"cannot resume: config.model.{changed}1e-06 -> 0.5"):

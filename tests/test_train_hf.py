@@ -168,7 +168,7 @@ def test_export_run_checks_replica_before_reading_the_run(tmp_path, monkeypatch)
     data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16, eos_id=0))
     run = (None, jax.tree.map(lambda *x: np.stack(x), *reps), data)
     monkeypatch.setattr(loop, "load_run", lambda s, workdir: run)
-    monkeypatch.setattr(build, "prepare_model", lambda s, v, abstract=False: (cfg, None, None))
+    monkeypatch.setattr(build, "model_config", lambda s, v: cfg)
     s = types.SimpleNamespace(num_replicas=2)
     for replica in (True, False, 1.0, -1, 2):
         with pytest.raises(ValueError, match=r"replica must be None or an int in \[0, 2\)"):
@@ -193,7 +193,7 @@ def test_export_run_of_one_replica_split_over_devices(tmp_path, monkeypatch):
     assert not params["embedding"][...].sharding.is_fully_replicated  # spread over the mesh
     data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16, eos_id=0))
     monkeypatch.setattr(loop, "load_run", lambda s, workdir: (None, params, data))
-    monkeypatch.setattr(build, "prepare_model", lambda s, v, abstract=False: (cfg, None, None))
+    monkeypatch.setattr(build, "model_config", lambda s, v: cfg)
     out = export_run(types.SimpleNamespace(num_replicas=2), tmp_path / "run", tmp_path / "out",
                      replica=1)  # fmt: skip
     exported = hf.load_llama(out)[2]
@@ -213,7 +213,7 @@ def test_export_run_refuses_non_finite_weights(tmp_path, monkeypatch):
     params = jax.tree.map(lambda a, b: np.stack([a, np.full_like(b, np.nan)]), *reps)
     data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16, eos_id=0))
     monkeypatch.setattr(loop, "load_run", lambda s, workdir: (None, params, data))
-    monkeypatch.setattr(build, "prepare_model", lambda s, v, abstract=False: (cfg, None, None))
+    monkeypatch.setattr(build, "model_config", lambda s, v: cfg)
     s = types.SimpleNamespace(num_replicas=2)
     for replica in (None, 1):
         with pytest.raises(ValueError, match=r"replica\(s\) \[1\] are non-finite"):

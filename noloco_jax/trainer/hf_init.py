@@ -78,7 +78,7 @@ def export_run(
       ValueError: ``replica`` is not None or an int in [0, num_replicas), or the weights to
         export are non-finite.
     """
-    from noloco_jax.trainer.build import prepare_model  # noqa: PLC0415
+    from noloco_jax.trainer.build import model_config  # noqa: PLC0415
     from noloco_jax.trainer.loop import load_run  # noqa: PLC0415
 
     index = isinstance(replica, numbers.Integral) and not isinstance(replica, bool)
@@ -87,7 +87,8 @@ def export_run(
                          f"{replica!r}.")  # checked before the run is read
     _, params, data = load_run(s, workdir)
     _check_finite(params, replica)
-    cfg = prepare_model(s, data.tokenizer.vocab_size, abstract=True)[0]
+    # config.json only: prepare_model read an init_from model's weights again (load_run has)
+    cfg = model_config(s, data.tokenizer.vocab_size)
     # One replica is read on the host: indexing an array split over a mesh (mesh.fsdp > 1)
     # died in JAX's explicit-sharding gather ("out sharding could not be resolved").
     single = jax.tree.map(lambda x: x.mean(0) if replica is None else to_host(x)[replica],
