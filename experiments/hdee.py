@@ -313,6 +313,16 @@ def report(results: dict, c, opts: harness.Options) -> str:
     )
 
 
+def check_saved_runs(results: Any, path: Any) -> None:
+    """Refuses (``--report_only``) an hdee.json without a seed's runs: the report died in a
+    KeyError on it (or on a json without the domains' difficulties)."""
+    seeds = results.get("seeds") if isinstance(results, dict) else None
+    if not (isinstance(seeds, dict) and seeds and isinstance(results.get("difficulty"), dict)):
+        raise UserError(f"--report_only: {path} holds no hdee runs (no 'seeds' with "
+                        f"'difficulty'): nothing to report; run the experiment without "
+                        f"--report_only first.")
+
+
 def check_saved_settings(results: dict, c: Any, path: Any) -> None:
     """Refuses (``--report_only``) an hdee.json made with other settings than ``c``: the report
     states c's steps, batch and difficulty measure next to the saved numbers, and records c."""
@@ -332,6 +342,7 @@ def main(argv: Sequence[str]) -> None:
     c = _settings(opts.smoke)
     if opts.report_only:  # re-write the report from a finished run's hdee.json
         results = options.read_json("out_dir", opts.out_dir / "hdee.json")
+        check_saved_runs(results, opts.out_dir / "hdee.json")
         check_saved_settings(results, c, opts.out_dir / "hdee.json")
         harness.write_outputs(opts, "hdee", results, report(results, c, opts), config=c)
         return

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -275,6 +276,20 @@ def test_hdee_report_prints_a_small_chance_probability_as_it_is_not_as_zero():
     changed = [(a, b) for a, b in zip(page, md.splitlines()) if a != b]
     assert len(page) == len(md.splitlines()) and len(changed) == 1
     assert "sweep would have P = 0.00." in changed[0][0]  # the one line the P fix changes
+
+
+def test_hdee_report_only_of_a_json_without_runs_names_it(tmp_path):
+    """--report_only of an hdee.json holding no seed's runs died in a KeyError traceback
+    ('difficulty', or 'zlib'); it is a UserError naming the file (the CLI exits 2)."""
+    from experiments import hdee
+    from noloco_jax.errors import UserError  # noqa: PLC0415
+
+    path = tmp_path / "hdee.json"
+    for saved in ({}, {"difficulty": {}, "seeds": {}}, []):
+        path.write_text(json.dumps(saved))
+        with pytest.raises(UserError, match=f"--report_only: {re.escape(str(path))} holds no "):
+            run_main(hdee, "--smoke", "--report_only", "--out_dir", str(tmp_path))
+    assert not (tmp_path / "hdee.md").exists()
 
 
 @pytest.mark.slow  # 40 s to 2 min (CPU load): a few dozen small programs to compile (3 sizes x group shapes)
