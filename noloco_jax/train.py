@@ -166,18 +166,24 @@ def _first_process() -> bool:
 
 
 def _saved_run_length(workdir: Any) -> tuple[int, int] | None:
-    """(optim.warmup_steps, num_steps) of ``workdir``'s newest checkpoint; None if unreadable."""
+    """(optim.warmup_steps, num_steps) of the checkpoint the trainer resumes from: the newest
+    readable one (a damaged newer one is set aside, as the trainer does); None if none."""
     directory = pathlib.Path(str(workdir or "")).expanduser() / "checkpoints"
     if not str(workdir or "").strip() or not directory.is_dir():
         return None
     from noloco_jax import errors  # noqa: PLC0415
     from noloco_jax.trainer.checkpoint import Checkpointer  # noqa: PLC0415
+    from noloco_jax.trainer.loop import _checked_meta  # noqa: PLC0415
 
-    ckpt = Checkpointer(directory)
+    ckpt, meta = Checkpointer(directory), {}
     try:
-        step = ckpt.latest_step()
-        meta = {} if step is None else ckpt.read_meta(step)
-    except (errors.CorruptCheckpointError, errors.CheckpointRestoreError):
+        for step in reversed(ckpt.all_steps()):
+            try:  # the newest alone: with it damaged, the warmup was fitted afresh and the
+                meta = _checked_meta(ckpt, step)  # resume from the previous one refused
+                break
+            except errors.CorruptCheckpointError:
+                continue  # the trainer sets it aside and restores the previous one
+    except errors.CheckpointRestoreError:
         return None  # the trainer reports it when it restores
     finally:
         ckpt.close()

@@ -646,6 +646,20 @@ def test_a_resumed_or_extended_run_keeps_its_fitted_warmup(finished_run, capsys)
     assert train._saved_run_length("") is None
 
 
+def test_the_fitted_warmup_is_read_from_the_checkpoint_the_resume_restores(finished_run,
+                                                                            tmp_path):  # fmt: skip
+    """A damaged newest checkpoint (the trainer sets it aside and resumes from the previous
+    one) gave no saved warmup: an extension fitted the warmup afresh (1 -> 3 at 30 steps) and
+    its resume was refused as a change of settings."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(finished_run.workdir / "checkpoints", checkpoints)
+    shutil.copytree(checkpoints / "4", checkpoints / "8")
+    (checkpoints / "8" / "meta" / "metadata").write_text(json.dumps({"batcher": {}}))
+    assert train._saved_run_length(tmp_path / "run") == (1, 4)
+    (checkpoints / "4" / "meta" / "metadata").write_text("[]")  # none readable: fit afresh
+    assert train._saved_run_length(tmp_path / "run") is None
+
+
 def test_a_full_disk_while_logging_is_a_short_run_failure_and_the_log_stays_readable(
         finished_run, tmp_path, capsys, monkeypatch):  # fmt: skip
     """No space left while metrics.jsonl was written: an OSError traceback. Now exit 1 with one
