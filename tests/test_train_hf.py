@@ -180,10 +180,11 @@ def test_export_run_checks_replica_before_reading_the_run(tmp_path, monkeypatch)
 
 def test_export_run_of_one_replica_split_over_devices(tmp_path, monkeypatch):
     """mesh.fsdp=2: export_run(replica=1) died in JAX's explicit-sharding gather ("out
-    sharding could not be resolved"); the replica is exported as it is."""
+    sharding could not be resolved"); the replica is exported as it is, copied to the host
+    from its own shards (every replica was copied to the host to keep one)."""
     from noloco_jax import replicas  # noqa: PLC0415
     from noloco_jax.models import hf  # noqa: PLC0415
-    from noloco_jax.trainer import build, loop  # noqa: PLC0415
+    from noloco_jax.trainer import build, hf_init, loop  # noqa: PLC0415
 
     cfg = models.LlamaConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
                              mlp_hidden_size=8)  # fmt: skip
@@ -194,11 +195,15 @@ def test_export_run_of_one_replica_split_over_devices(tmp_path, monkeypatch):
     data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=16, eos_id=0))
     monkeypatch.setattr(loop, "load_run", lambda s, workdir: (None, params, data))
     monkeypatch.setattr(build, "model_config", lambda s, v: cfg)
+    whole = []  # weights copied to the host with every replica (to keep one of them)
+    monkeypatch.setattr(hf_init, "to_host",  # (the finiteness check copies N flags: fine)
+                        lambda x: (x.ndim > 1 and whole.append(x.shape)) or np.asarray(x))
     out = export_run(types.SimpleNamespace(num_replicas=2), tmp_path / "run", tmp_path / "out",
                      replica=1)  # fmt: skip
     exported = hf.load_llama(out)[2]
     for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(reps[1])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert whole == []  # replica 1's shards alone were read
 
 
 def test_export_run_refuses_non_finite_weights(tmp_path, monkeypatch):

@@ -89,13 +89,29 @@ def export_run(
     _check_finite(params, replica)
     # config.json only: prepare_model read an init_from model's weights again (load_run has)
     cfg = model_config(s, data.tokenizer.vocab_size)
-    # One replica is read on the host: indexing an array split over a mesh (mesh.fsdp > 1)
-    # died in JAX's explicit-sharding gather ("out sharding could not be resolved").
-    single = jax.tree.map(lambda x: x.mean(0) if replica is None else to_host(x)[replica],
-                          params)  # fmt: skip
+    # One replica is read on the host, from its own shards: indexing an array split over a
+    # mesh (mesh.fsdp > 1) died in JAX's explicit-sharding gather ("out sharding could not be
+    # resolved").
+    pick = lambda x: x.mean(0) if replica is None else _replica_on_host(x, replica)  # noqa: E731
+    single = jax.tree.map(pick, params)
     tok = data.tokenizer  # its special ids, or generation in transformers stops at Llama's
     return save_llama(out, cfg, single, eos_token_id=tok.eos_id,
                       bos_token_id=getattr(tok, "bos_id", None))
+
+
+def _replica_on_host(x: Any, i: int) -> np.ndarray:
+    """Replica ``i`` of ``x`` on the host, copied from the shards that hold it (each part
+    once): ``to_host(x)[i]`` copied every replica to the host to keep one."""
+    if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+        return to_host(x)[i]
+    out, copied = np.empty(x.shape[1:], x.dtype), set()
+    for shard in x.addressable_shards:
+        first, stop, _ = shard.index[0].indices(x.shape[0])
+        part = repr(shard.index[1:])
+        if first <= i < stop and part not in copied:
+            out[shard.index[1:]] = np.asarray(shard.data[i - first])
+            copied.add(part)
+    return out
 
 
 def _check_finite(params: Any, replica: int | None) -> None:
