@@ -4,6 +4,7 @@ code is bit-identical."""
 
 import json
 import pathlib
+import re
 import subprocess
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from absl import flags
 from absl.testing import flagsaver
 
+from noloco_jax import errors
 from noloco_jax.experiments import harness, provenance
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -425,6 +427,24 @@ def test_part_flag_is_checked():
     for bad in ("3/2", "0/2", "x", "1/2/3"):
         with pytest.raises(app.UsageError, match="--part"):
             parse("--part", bad)
+
+
+def test_report_only_of_a_smoke_json_without_run_info_says_so(tmp_path):
+    """A smoke json whose runs lack run_info (saved before runs recorded it) was read with the
+    full plan's H: table2's report died in a ValueError traceback ("only 0 evaluations fall on
+    a multiple of 20"). The smoke version refuses it naming the run and the folder; the full
+    version still reads it (make_results flags it)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    evals = [{"step": s, "val_ppl": 5.0} for s in range(0, 13, 2)]
+    (out / "g.json").write_text(json.dumps({"a": {"train": [], "eval": evals}}))
+    runs = [harness.Run("a", {"seed": 1})]
+    smoke = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=out, report_only=True, smoke=True)
+    with pytest.raises(errors.UserError, match=rf"run a saved in {re.escape(str(out))} have no "
+                                               rf"run_info"):  # fmt: skip
+        harness.run_grid(CONFIG, runs, smoke, runs_subdir="g")
+    full = harness.Options(jobs=1, runs_dir=tmp_path, out_dir=out, report_only=True)
+    assert harness.run_grid(CONFIG, runs, full, runs_subdir="g")["a"]["eval"] == evals
 
 
 def test_a_field_the_old_config_lacks_differs_unless_it_is_the_default():

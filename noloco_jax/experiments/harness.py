@@ -267,12 +267,20 @@ def _saved_metrics(out_dir: pathlib.Path, names: list[str], runs: list[Run]) -> 
     return found
 
 
-def _check_saved_configs(found: dict, planned: list, out_dir: pathlib.Path) -> None:
+def _check_saved_configs(found: dict, planned: list, out_dir: pathlib.Path,
+                         smoke: bool = False) -> None:  # fmt: skip
     """Refuses saved metrics (``--report_only``) of a run recorded with another config than
     the grid's (a changed plan, a smoke run's json, other data); a run saved without its
-    config (made before run_info) is left to make_results, which flags it."""
+    config (made before run_info) is left to make_results, which flags it, except in the
+    smoke version: its report read it with the full plan's settings (table2: H = 20 for the
+    smoke H = 2) and died in a ValueError traceback."""
     for run, _, cfg, _ in planned:
         saved = (found[run.name].get("run_info") or {}).get("config")
+        if not saved and smoke:
+            raise errors.UserError(
+                f"--report_only: the metrics of run {run.name} saved in {out_dir} have no "
+                f"run_info (config), so the smoke report would read them with the full plan's "
+                f"settings; train the smoke grid again (seconds), without --report_only.")
         if not saved:
             continue
         diff = provenance.config_differences(saved, provenance.run_info(cfg, ROOT, {})["config"])
@@ -397,7 +405,8 @@ def run_grid(
     """
     if opts.report_only:
         found = _saved_metrics(opts.out_dir, [name or runs_subdir, runs_subdir], runs)
-        _check_saved_configs(found, plan_grid(config, runs, opts, runs_subdir), opts.out_dir)
+        _check_saved_configs(found, plan_grid(config, runs, opts, runs_subdir), opts.out_dir,
+                             opts.smoke)  # fmt: skip
         return found
     planned = plan_grid(config, runs, opts, runs_subdir)
     selected = {run.name for run, *_ in _part(planned, opts.part)}
