@@ -124,6 +124,53 @@ def test_ctrl_c_in_the_parent_of_the_workers_lets_their_runs_stop(monkeypatch, t
         harness.train_in_processes([(tmp_path / f"r{i}", cfg) for i in range(4)], jobs=2)
 
 
+def test_a_sigterm_of_the_parent_of_the_workers_stops_their_runs(monkeypatch, tmp_path, capsys):
+    """``kill PID`` of the grid's parent under --jobs 2 ended the parent alone: its workers,
+    which a plain SIGTERM does not reach as Ctrl-C does, trained on. It is now passed on to
+    them, as Ctrl-C is, and starts no other run; a second SIGTERM is passed on too, then acts
+    as it would without the grid."""
+    import concurrent.futures  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    terminated, outside = [], []
+
+    class Worker:
+        def terminate(self):
+            terminated.append(1)
+
+    class Threads(concurrent.futures.ThreadPoolExecutor):  # the pool's part, in threads
+        def __init__(self, jobs, mp_context=None, max_tasks_per_child=None):
+            super().__init__(jobs)
+            self._processes = {1: Worker(), 2: Worker()}
+
+    wait, calls = concurrent.futures.wait, []
+
+    def signalled_wait(*args, **kwargs):
+        calls.append(1)
+        for _ in range(signals if len(calls) == 1 else 0):
+            signal.raise_signal(signal.SIGTERM)
+        return wait(*args, **kwargs)
+
+    trained = []
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Threads)
+    monkeypatch.setattr(concurrent.futures, "wait", signalled_wait)
+    monkeypatch.setattr(harness, "_train_logged", lambda c, w, log: trained.append(w.name))
+    # Without the grid's handler a SIGTERM lands here (it would end pytest).
+    previous = signal.signal(signal.SIGTERM, lambda *a: outside.append(1))
+    try:
+        cfg = harness.load_config(CONFIG, {})
+        signals = 1
+        harness.train_in_processes([(tmp_path / f"r{i}", cfg) for i in range(4)], jobs=2)
+        assert sorted(trained) == ["r0", "r1"] and len(terminated) == 2 and not outside
+        assert "no further run starts" in capsys.readouterr().out
+        signals, terminated[:], trained[:] = 2, [], []
+        calls.clear()
+        harness.train_in_processes([(tmp_path / f"r{i}", cfg) for i in range(4)], jobs=2)
+        assert len(terminated) == 4 and outside == [1]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_read_run_skips_a_line_cut_short_by_a_crash(tmp_path):
     # The writer starts a fresh line after a cut one and read_jsonl skips it; read_run raised
     # a JSONDecodeError on it at the end of a grid.

@@ -26,6 +26,7 @@ an ``Options`` (``experiments.options``), and notebooks build one directly.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -33,8 +34,10 @@ import json
 import multiprocessing
 import os
 import pathlib
+import signal
+import threading
 import uuid
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from ml_collections import config_dict
 
@@ -201,8 +204,9 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
                        jobs: int) -> None:  # fmt: skip
     """Trains ``jobs`` runs at a time, each in a fresh process (a spawned worker per run).
 
-    A run is handed to a worker only when one is free, so a stop (Ctrl-C, a run stopped by a
-    signal, a failed run) starts no further run; the runs under way finish or stop first.
+    A run is handed to a worker only when one is free, so a stop (Ctrl-C, a SIGTERM of this
+    process, a run stopped by a signal, a failed run) starts no further run; the runs under
+    way finish or stop first.
 
     Args:
       todo: (workdir, config) of each run; a run's output goes to ``<workdir>.log``.
@@ -211,7 +215,8 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
     context = multiprocessing.get_context("spawn")
     waiting = list(todo)
     with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=context,
-                                                max_tasks_per_child=1) as pool:  # fmt: skip
+                                                max_tasks_per_child=1) as pool, \
+            _sigterm_to_workers(pool, waiting.clear):  # fmt: skip
         futures: dict = {}
         interrupted = False
         while waiting or futures:
@@ -243,6 +248,39 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
                 print(f"{'stopped' if stopped else 'finished'} {name}", flush=True)
                 if stopped:  # a signal stopped the run: it stops the grid too
                     waiting.clear()
+
+
+@contextlib.contextmanager
+def _sigterm_to_workers(pool: Any, stop: Callable[[], None]) -> Iterator[None]:
+    """A SIGTERM of this process (``kill PID``, a scheduler) is passed on to the workers, as
+    a Ctrl-C reaches them through the terminal: their runs save and stop, and ``stop()`` starts
+    no further run. A second SIGTERM is passed on too, then acts as it would without this
+    handler. Installed only in the main thread, not over a handler set outside Python, and
+    restored on exit.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is None):  # fmt: skip
+        yield
+        return
+    seen = []
+
+    def handle(signum: int, frame: Any) -> None:
+        for worker in list((getattr(pool, "_processes", None) or {}).values()):
+            worker.terminate()  # SIGTERM
+        if seen:  # the second: stop at once
+            signal.signal(signum, previous)
+            signal.raise_signal(signum)
+            return
+        seen.append(signum)
+        stop()
+        print("SIGTERM: the runs under way save and stop; no further run starts (SIGTERM "
+              "again to stop at once).", flush=True)
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class GridIncomplete(RuntimeError):
