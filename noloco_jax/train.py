@@ -20,6 +20,7 @@ import pathlib
 import re
 import sys
 import textwrap
+import threading
 from typing import Any, Sequence
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]  # the default --config is in _REPO/configs
@@ -38,6 +39,8 @@ _DEBUG_ARGS = ("--debug", "-debug", "--debug=true", "--debug=True", "--debug=1")
 # Flags of this program, in --help order (absl's own flags: --helpfull).
 _PROJECT_FLAGS = ("config", "workdir", "progress", "debug", "coordinator_address",
                   "num_processes", "process_id", "distributed")  # fmt: skip
+_START_WAIT_S = 60  # a process that stopped before it joined waits this long for the others
+_join_tried = threading.Event()  # this process has tried to join the others (once is enough)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -97,10 +100,15 @@ def main(argv: list[str]) -> None:
     from noloco_jax.trainer.loop import train_and_evaluate  # noqa: PLC0415
 
     config = flags.FLAGS.config
-    _check_trainer_config(config)
-    _fit_warmup(config, explicit="config.optim.warmup_steps" in flags.FLAGS,
-                saved=_saved_run_length(flags.FLAGS.workdir))
-    settings = from_config(config)
+    try:
+        _check_trainer_config(config)
+        _fit_warmup(config, explicit="config.optim.warmup_steps" in flags.FLAGS,
+                    saved=_saved_run_length(flags.FLAGS.workdir))
+        settings = from_config(config)
+    except _user_errors() as err:
+        _start_together(err)
+        raise
+    _start_together(None)
     last = train_and_evaluate(settings, flags.FLAGS.workdir, progress=flags.FLAGS.progress)
     if _first_process():
         print(json.dumps(dict(last), indent=1, sort_keys=True))
@@ -159,10 +167,11 @@ def _fit_warmup(config: Any, explicit: bool, saved: Any = None) -> None:
 
 
 def _first_process() -> bool:
-    """Whether this is process 0 of the run (the one that prints for all)."""
-    import jax  # noqa: PLC0415
+    """Whether this is process 0 of the run (the one that prints for all). Starts no JAX
+    backend: before ``_start_together`` that would wait for every process to start one."""
+    from jax._src import distributed  # noqa: PLC0415
 
-    return jax.process_index() == 0
+    return distributed.global_state.process_id == 0
 
 
 def _saved_run_length(workdir: Any) -> tuple[int, int] | None:
@@ -194,17 +203,23 @@ def _saved_run_length(workdir: Any) -> tuple[int, int] | None:
 
 def _maybe_initialize_distributed() -> None:
     """Joins a multi-process run before JAX touches any device."""
-    f = flags.FLAGS
+    kwargs = _distributed_args(flags.FLAGS)
+    if kwargs is not None:
+        import jax  # noqa: PLC0415
+
+        _join_tried.set()
+        jax.distributed.initialize(**kwargs)
+
+
+def _distributed_args(f: Any) -> dict[str, Any] | None:
+    """``jax.distributed.initialize``'s arguments from the flags ``f``; None for one process."""
     if f.coordinator_address is None and not f.distributed:
         if f.num_processes is not None or f.process_id is not None:  # else each trains alone
             raise ValueError("--num_processes and --process_id need --coordinator_address=HOST:PORT "
                              "(or --distributed to read the cluster from the environment).")
-        return
-    import jax  # noqa: PLC0415
-
+        return None
     if f.coordinator_address is None:  # Slurm, TPU pods, GCE: the rest read from the environment
-        jax.distributed.initialize(num_processes=f.num_processes, process_id=f.process_id)
-        return
+        return dict(num_processes=f.num_processes, process_id=f.process_id)
     host, _, port = f.coordinator_address.rpartition(":")
     ipv6_unbracketed = ":" in host and not (host.startswith("[") and host.endswith("]"))
     if not host or ipv6_unbracketed or not port.isdigit() or not 0 < int(port) < 65536:
@@ -215,11 +230,67 @@ def _maybe_initialize_distributed() -> None:
     if not 0 <= f.process_id < f.num_processes:
         raise ValueError(
             f"--process_id={f.process_id} must be in [0, --num_processes={f.num_processes}).")
-    jax.distributed.initialize(
-        coordinator_address=f.coordinator_address,
-        num_processes=f.num_processes,
-        process_id=f.process_id,
-    )
+    return dict(coordinator_address=f.coordinator_address, num_processes=f.num_processes,
+                process_id=f.process_id)  # fmt: skip
+
+
+def _start_together(error: BaseException | None) -> None:
+    """Every process of a multi-process run says whether it can start (``error``: why not)
+    and hears the others; one that cannot stops them all now, with its message.
+
+    Raises:
+      ValueError: naming the first other process that cannot start and its error.
+    """
+    if not _joined_others():
+        return
+    from jax._src import distributed  # noqa: PLC0415  (its key-value store and barriers)
+
+    state, wait_ms = distributed.global_state, 300_000  # as jax.distributed.initialize waits
+    said = "" if error is None else (str(error).strip() or type(error).__name__)
+    state.client.key_value_set(f"noloco_jax/start/{state.process_id}", said)
+    state.client.wait_at_barrier("noloco_jax/start/said", wait_ms)
+    others = {p: state.client.blocking_key_value_get(f"noloco_jax/start/{p}", wait_ms)
+              for p in range(state.num_processes) if p != state.process_id}  # fmt: skip
+    stopped = [(p, message) for p, message in others.items() if message]
+    if error is None and not stopped:
+        return
+    # All leave together (process 0 holds the store the others read): nobody is stuck yet.
+    distributed.shutdown()
+    if error is None:
+        raise ValueError(f"process {stopped[0][0]} of the {state.num_processes} stopped before "
+                         f"the run started: {stopped[0][1]}")
+
+
+def _tell_others(argv: Sequence[str], error: BaseException) -> None:
+    """A user error before this process joined the others (a bad flag on one process): join
+    now, at most ``_START_WAIT_S`` seconds, to tell them (they would wait for this process in
+    ``jax.distributed.initialize`` for 300 s and then abort without saying why)."""
+    f = flags.FlagValues()  # only the flags that say how to join, whatever else failed
+    flags.DEFINE_string("coordinator_address", None, "", flag_values=f)
+    flags.DEFINE_integer("num_processes", None, "", flag_values=f)
+    flags.DEFINE_integer("process_id", None, "", flag_values=f)
+    flags.DEFINE_bool("distributed", False, "", flag_values=f)
+    try:
+        f(list(argv), known_only=True)
+        kwargs = _distributed_args(f)
+    except (flags.Error, ValueError):
+        return
+    if kwargs is None or _join_tried.is_set():  # it joined (and said so), or cannot
+        return
+    import jax  # noqa: PLC0415
+
+    _join_tried.set()
+    sys.stderr.flush()
+    give_up = threading.Timer(_START_WAIT_S, os._exit, (USAGE_ERROR_EXIT,))
+    give_up.daemon = True
+    give_up.start()
+    try:
+        jax.distributed.initialize(**kwargs)
+    except Exception:  # noqa: BLE001 - no cluster found (--distributed): no one to tell
+        return
+    finally:
+        give_up.cancel()
+    _start_together(error)
 
 
 # ---------------------------------------------------------------- flag parsing and errors
@@ -474,9 +545,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
             return 0  # absl exits 1 after its full help
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except _user_errors() as err:
+        if not debug:
+            _report(err)
+        _tell_others(argv, err)
         if debug:
             raise
-        _report(err)
         return USAGE_ERROR_EXIT
     except _run_failures() as err:  # the run or its machine failed; the message says what
         if debug:  # was kept, so a traceback adds nothing

@@ -258,3 +258,35 @@ def test_processes_with_unequal_device_counts_are_refused_clearly(tmp_path, corp
     assert "hold different numbers of devices (process 0: 3, process 1: 1)" in text, text[-3000:]
     assert "cannot reshape" not in text
     assert procs[1].returncode != 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stops", [0, 1])
+def test_a_flag_error_on_one_process_stops_the_others_at_once(tmp_path, corpus_and_data, stops):
+    """A misspelt flag on one process exited it (2) before it joined the others, which waited
+    silently in jax.distributed.initialize for 300 s and then aborted. It now joins to tell
+    them: every process exits 2 within seconds, the others naming it and its error."""
+    port = _free_port()
+    good, bad = "--config.num_replicas=4", "--config.num_replica=4"
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    start = time.monotonic()
+    # No warmup flag: the process that goes on prints the warmup note first (JAX's backend,
+    # started to ask which process prints, would wait for the one that stopped).
+    procs = [subprocess.Popen([a for a in _cmd(*corpus_and_data, tmp_path / "run",
+                                               "--config.num_steps=2", bad if i == stops else good,
+                                               *_distributed(2, i, port)) if "warmup" not in a],
+                              env=_env(2), stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for i, log in enumerate(logs)]  # fmt: skip
+    while any(p.poll() is None for p in procs) and time.monotonic() - start < 40:
+        time.sleep(0.2)  # (_wait_all would stop the others once one has failed)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    texts = [log.read_text() for log in logs]
+    assert [p.returncode for p in procs] == [2, 2], "\n".join(t[-2000:] for t in texts)
+    assert "unknown config field --config.num_replica;" in texts[stops]
+    assert "note: optim.warmup_steps=50 does not fit" in texts[0] or stops == 0
+    assert (f"process {stops} of the 2 stopped before the run started: unknown config field "
+            f"--config.num_replica;") in texts[1 - stops]  # fmt: skip
+    assert "Traceback" not in "".join(texts)
