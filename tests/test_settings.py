@@ -4,11 +4,13 @@ import importlib.util
 import pathlib
 import re
 
+import jax
 import numpy as np
 import pytest
 
 from noloco_jax import defaults
 from noloco_jax.trainer import settings as settings_lib
+from noloco_jax.trainer.optimizer import learning_rate_schedule
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted(
@@ -173,7 +175,8 @@ def test_a_rate_or_norm_that_is_zero_in_float32_is_refused(field, allowed):
         with pytest.raises(ValueError, match=rf"config\.optim\.{field}: must be {allowed}>= "
                                              r"1\.18e-38"):
             settings_lib.from_config(_tiny(**{f"optim.{field}": value}))
-    ok = _tiny(**{f"optim.{field}": 2.0**-126, "optim.min_lr_ratio": 1.0})
+    ok = _tiny(**{f"optim.{field}": 2.0**-126, "optim.min_lr_ratio": 1.0,
+                  "optim.warmup_steps": 0})
     assert getattr(settings_lib.from_config(ok).optim, field) == 2.0**-126
 
 
@@ -187,11 +190,34 @@ def test_a_schedule_floor_that_is_zero_in_float32_is_refused(lr, ratio):
                                          r"0 or >= 1\.18e-38"):
         settings_lib.from_config(_tiny(**{"optim.learning_rate": lr, "optim.min_lr_ratio": ratio}))
     for ok in (0.0, 1.0):  # decaying to 0 on purpose, or a constant rate after the warmup
-        cfg = _tiny(**{"optim.learning_rate": lr, "optim.min_lr_ratio": ok})
+        cfg = _tiny(**{"optim.learning_rate": lr, "optim.min_lr_ratio": ok,
+                       "optim.warmup_steps": 0})
         assert settings_lib.from_config(cfg).optim.min_lr_ratio == ok
     low = settings_lib.from_config(_tiny(**{"optim.learning_rate": 2.0**-125,
-                                            "optim.min_lr_ratio": 0.5}))  # fmt: skip
+                                            "optim.min_lr_ratio": 0.5,
+                                            "optim.warmup_steps": 0}))  # fmt: skip
     assert low.optim.learning_rate * low.optim.min_lr_ratio == 2.0**-126
+
+
+@pytest.mark.parametrize("lr, warmup", [(1e-37, 50), (2.0**-126, 10), (2.0**-120, 65)])
+def test_a_first_warmup_rate_that_is_zero_in_float32_is_refused(lr, warmup):
+    """optim.learning_rate = 1e-37 with min_lr_ratio = 1 and warmup_steps = 50 passed the rate
+    and floor checks, but the warmup's first rate 1e-37 / 50 is subnormal, 0 in float32; under
+    jit every warmup step got 0 and trained nothing, without a word."""
+    with pytest.raises(ValueError, match=r"config\.optim\.warmup_steps: config\.optim\."
+                                         r"learning_rate / config\.optim\.warmup_steps \(the "
+                                         r"first warmup step's rate\) must be >= 1\.18e-38"):
+        settings_lib.from_config(_tiny(**{"optim.learning_rate": lr, "optim.min_lr_ratio": 1.0,
+                                          "optim.warmup_steps": warmup}))  # fmt: skip
+    for ok in (0, 1):  # no warmup, or a warmup whose first rate is learning_rate itself
+        cfg = _tiny(**{"optim.learning_rate": lr, "optim.min_lr_ratio": 1.0,
+                       "optim.warmup_steps": ok})
+        assert settings_lib.from_config(cfg).optim.warmup_steps == ok
+    edge = settings_lib.from_config(_tiny(**{"optim.learning_rate": 2.0**-120,
+                                             "optim.min_lr_ratio": 1.0,
+                                             "optim.warmup_steps": 64}))  # fmt: skip
+    schedule = jax.jit(learning_rate_schedule(edge.optim, edge.num_steps))
+    assert float(schedule(0)) == 2.0**-126  # the smallest accepted first rate is not 0
 
 
 @pytest.mark.parametrize("field", ["num_steps", "outer.sync_every", "fault.inject_nan_step",

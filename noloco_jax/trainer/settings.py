@@ -656,6 +656,14 @@ def _validate_optim(o: OptimSettings, num_steps: int) -> None:
             f"{FLOAT32_TINY:.3g} (the schedule decays to it in float32, where a smaller value "
             f"is 0), got {o.learning_rate!r} * {o.min_lr_ratio!r} = {floor!r}; raise either, or "
             f"set min_lr_ratio=0 to decay to 0.")  # fmt: skip
+    # The warmup's first rate is learning_rate / warmup_steps; below the smallest normal it is
+    # 0 in float32 (and jit on CPU folds it into every warmup step: all of them trained nothing).
+    first = o.learning_rate / max(o.warmup_steps, 1)
+    require(first >= FLOAT32_TINY, "config.optim.warmup_steps",
+            f"config.optim.learning_rate / config.optim.warmup_steps (the first warmup step's "
+            f"rate) must be >= {FLOAT32_TINY:.3g} (it is float32 in the step, where a smaller "
+            f"value is 0), got {o.learning_rate!r} / {o.warmup_steps!r} = {first!r}; raise "
+            f"learning_rate or lower warmup_steps.")  # fmt: skip
 
 
 def _check_micro_batches(s: TrainSettings) -> None:
