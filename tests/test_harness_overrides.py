@@ -171,6 +171,99 @@ def test_a_sigterm_of_the_parent_of_the_workers_stops_their_runs(monkeypatch, tm
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_ctrl_c_that_reaches_a_worker_still_starting_counts_it_as_stopped(monkeypatch, tmp_path,
+                                                                          capsys):  # fmt: skip
+    """Ctrl-C under --jobs 2 that reached a worker still importing (before the trainer's
+    handler) interrupted it or killed it (the pool broke), and the grid ended in a traceback:
+    the worker's KeyboardInterrupt, or RuntimeError('run r0 failed; see log'). Such a worker now
+    counts as stopped; without a Ctrl-C it still fails the grid."""
+    import concurrent.futures  # noqa: PLC0415
+
+    class Threads(concurrent.futures.ThreadPoolExecutor):  # the pool's part, in threads
+        def __init__(self, jobs, mp_context=None, max_tasks_per_child=None):
+            super().__init__(jobs)
+
+    wait, calls = concurrent.futures.wait, []
+
+    def interrupted_wait(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1 and interrupt:
+            raise KeyboardInterrupt
+        return wait(*args, **kwargs)
+
+    def train_logged(config, workdir, log):
+        trained.append(workdir.name)
+        raise failure  # interrupted while importing, or killed (the pool breaks)
+
+    trained = []
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Threads)
+    monkeypatch.setattr(concurrent.futures, "wait", interrupted_wait)
+    monkeypatch.setattr(harness, "_train_logged", train_logged)
+    cfg = harness.load_config(CONFIG, {})
+    todo = [(tmp_path / f"r{i}", cfg) for i in range(4)]
+    for failure in (KeyboardInterrupt(), concurrent.futures.process.BrokenProcessPool()):
+        interrupt, trained[:] = True, []
+        calls.clear()
+        try:
+            harness.train_in_processes(todo, jobs=2)
+        except KeyboardInterrupt:  # not raised on: pytest would end the whole session
+            pytest.fail("a worker's KeyboardInterrupt reached the grid's caller")
+        assert sorted(trained) == ["r0", "r1"] and "stopped r0" in capsys.readouterr().out
+    interrupt = False  # a worker that fails on its own still fails the grid
+    with pytest.raises(RuntimeError, match="run r[01] failed"):
+        harness.train_in_processes(todo, jobs=2)
+
+
+def test_a_sigterm_that_kills_a_worker_still_starting_counts_it_as_stopped(monkeypatch, tmp_path,
+                                                                           capsys):  # fmt: skip
+    """``kill PID`` of the grid's parent under --jobs 2 passed the SIGTERM to a worker still
+    importing (before the trainer's handler), which died, and the grid raised
+    RuntimeError('run r0 failed; see log') from BrokenProcessPool. Such a worker now counts as
+    stopped; without a SIGTERM a broken pool still fails the grid."""
+    import concurrent.futures  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    class Worker:
+        def terminate(self):
+            pass
+
+    class Threads(concurrent.futures.ThreadPoolExecutor):  # the pool's part, in threads
+        def __init__(self, jobs, mp_context=None, max_tasks_per_child=None):
+            super().__init__(jobs)
+            self._processes = {1: Worker(), 2: Worker()}
+
+    wait, calls = concurrent.futures.wait, []
+
+    def signalled_wait(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1 and signalled:
+            signal.raise_signal(signal.SIGTERM)
+        return wait(*args, **kwargs)
+
+    def train_logged(config, workdir, log):
+        trained.append(workdir.name)
+        raise concurrent.futures.process.BrokenProcessPool("terminated abruptly")
+
+    trained, outside = [], []
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Threads)
+    monkeypatch.setattr(concurrent.futures, "wait", signalled_wait)
+    monkeypatch.setattr(harness, "_train_logged", train_logged)
+    previous = signal.signal(signal.SIGTERM, lambda *a: outside.append(1))
+    try:
+        cfg = harness.load_config(CONFIG, {})
+        todo = [(tmp_path / f"r{i}", cfg) for i in range(4)]
+        signalled = True
+        harness.train_in_processes(todo, jobs=2)
+        assert sorted(trained) == ["r0", "r1"] and not outside
+        assert "stopped r0" in capsys.readouterr().out
+        signalled, trained[:] = False, []
+        calls.clear()
+        with pytest.raises(RuntimeError, match="run r[01] failed"):
+            harness.train_in_processes(todo, jobs=2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_read_run_skips_a_line_cut_short_by_a_crash(tmp_path):
     # The writer starts a fresh line after a cut one and read_jsonl skips it; read_run raised
     # a JSONDecodeError on it at the end of a grid.

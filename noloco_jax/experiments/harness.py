@@ -213,10 +213,15 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
       jobs: runs at a time.
     """
     context = multiprocessing.get_context("spawn")
-    waiting = list(todo)
+    waiting, terminated = list(todo), []
+
+    def stop() -> None:
+        terminated.append(True)
+        waiting.clear()
+
     with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=context,
                                                 max_tasks_per_child=1) as pool, \
-            _sigterm_to_workers(pool, waiting.clear):  # fmt: skip
+            _sigterm_to_workers(pool, stop):  # fmt: skip
         futures: dict = {}
         interrupted = False
         while waiting or futures:
@@ -238,7 +243,7 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
             for fut in done:
                 name, log = futures.pop(fut)
                 try:
-                    stopped = fut.result()
+                    stopped = _result(fut, interrupted or bool(terminated))
                 except errors.UserError as err:  # a bad setting or input: the message says all
                     raise errors.UserError(f"run {name}: {err}") from None
                 except RUN_FAILURES as err:  # diverged, a save that failed: the message says
@@ -248,6 +253,18 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
                 print(f"{'stopped' if stopped else 'finished'} {name}", flush=True)
                 if stopped:  # a signal stopped the run: it stops the grid too
                     waiting.clear()
+
+
+def _result(fut: concurrent.futures.Future, stopping: bool) -> str | None:
+    """``fut``'s stop signal (``_train_logged``); while the grid stops, a worker that the signal
+    reached before the trainer's handler (still starting: a KeyboardInterrupt, or killed, which
+    breaks the pool) counts as stopped, not as a failed run."""
+    try:
+        return fut.result()
+    except (KeyboardInterrupt, concurrent.futures.BrokenExecutor):
+        if not stopping:
+            raise
+        return "stopped while starting"
 
 
 @contextlib.contextmanager
