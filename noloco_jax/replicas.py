@@ -134,7 +134,8 @@ def _pick(x: Any, index: Any) -> Any:
     placed."""
     sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
     if sharding is not None and sharding.spec and sharding.spec[0] is not None:
-        return _pick_placed(x, index, sharding)
+        if x.dtype == jnp.bool_ or _uint_of(x.dtype) is not None:
+            return _pick_placed(x, index, sharding)
     if sharding is not None and any(s is not None for s in sharding.spec):
         x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, P()))
     return x[index]
@@ -165,7 +166,14 @@ def _pick_placed(x: jax.Array, index: Any, sharding: Any) -> jax.Array:
 
 
 def _uint_of(dtype: Any) -> Any:
-    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize]
+    """The unsigned integer type as wide as ``dtype``, or None where its bits cannot be moved
+    as one (PRNG keys, complex and 4-bit types: ``_pick`` gathers those first)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return None
+    info = jnp.finfo(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype)
+    return {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}.get(info.bits)
 
 
 def nnx_state_axes() -> Any:

@@ -583,3 +583,20 @@ def test_a_replica_axis_named_like_an_intra_replica_axis_is_refused(axis_name):
                                          rf"replica \(mesh_shape="):  # fmt: skip
         replicas.make_replicas(2, axis_name=axis_name, mesh_shape={"fsdp": 2, "tensor": 2})
     assert replicas.make_replicas(2, axis_name=axis_name).mesh.axis_names == (axis_name,)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, {"fsdp": 2}])
+def test_select_replica_of_a_placed_tree_of_keys_complex_and_int4(mesh_shape):
+    """Picking by moving a replica's bits as unsigned integers failed for leaves with no such
+    integer (a TypeError for PRNG keys and complex, a shard_map ValueError for int4); these
+    are gathered first again, the same values as x[i]."""
+    tree = {"key": jax.random.split(jax.random.key(0), 4),
+            "c64": jnp.arange(8, dtype=jnp.complex64).reshape(4, 2) * (1 + 2j),
+            "i4": jnp.arange(-4, 4, dtype=jnp.int4).reshape(4, 2)}  # fmt: skip
+    like = jax.tree.map(lambda x: x[0], tree)
+    placed = replicas.make_replicas(4, backend="shard_map", mesh_shape=mesh_shape).put(tree)
+    got = replicas.select_replica(placed, 2, like)
+    np.testing.assert_array_equal(jax.random.key_data(got["key"]),
+                                  jax.random.key_data(tree["key"][2]))  # fmt: skip
+    for key in ("c64", "i4"):
+        assert (got[key].dtype, got[key].tolist()) == (tree[key].dtype, tree[key][2].tolist())
