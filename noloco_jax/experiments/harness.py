@@ -187,11 +187,27 @@ def _train_logged(config: config_dict.ConfigDict, workdir: pathlib.Path,
                   log: pathlib.Path) -> str | None:  # fmt: skip
     """One run in a worker process of its own, everything it prints into ``log``; returns
     the stop signal that ended it early, if any."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the run handles its own (_worker_start)
+    if _stopped_early:
+        return _stopped_early[0]  # the grid's parent stopped before this run began
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow loads
     with open(log, "w") as f:
         os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
     return _stop_signal(_train(config, workdir))
+
+
+_stopped_early: list[str] = []  # in a worker: a SIGTERM that came before its run began
+
+
+def _worker_start() -> None:
+    """A worker's first act: a SIGTERM while it waits for a run is noted, not fatal.
+
+    The grid's parent passes its SIGTERM to every worker, and the pool keeps a spare one
+    started after each run ends: that one died of it, which broke the pool, so the runs under
+    way were sent a second SIGTERM (stopped without saving) and reported as failed.
+    """
+    signal.signal(signal.SIGTERM, lambda signum, frame: _stopped_early.append("SIGTERM"))
 
 
 def _stop_signal(last: dict[str, Any] | None) -> str | None:
@@ -220,7 +236,8 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
         waiting.clear()
 
     with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=context,
-                                                max_tasks_per_child=1) as pool, \
+                                                max_tasks_per_child=1,
+                                                initializer=_worker_start) as pool, \
             _sigterm_to_workers(pool, stop):  # fmt: skip
         futures: dict = {}
         interrupted = False
