@@ -22,7 +22,7 @@ __all__ = ["first_state", "model_init"]
 
 
 def first_state(target: TrainState, tx: Any, num_replicas: int,
-                init: Callable[[], Any] | None = None) -> Callable[..., TrainState]:  # fmt: skip
+                init: Callable[[Any], Any] | None = None) -> Callable[..., TrainState]:  # fmt: skip
     """The compiled program that makes every replica's step-0 state (identical replicas) in place.
 
     Args:
@@ -36,7 +36,7 @@ def first_state(target: TrainState, tx: Any, num_replicas: int,
 
     Returns:
       ``make(params=None)``: the state, placed as ``target``. ``params``: one replica's
-      initial params instead of ``init()`` (e.g. read from a Hugging Face checkpoint); each
+      initial params instead of ``init``'s (e.g. read from a Hugging Face checkpoint); each
       device receives only its part of them.
     """
 
