@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import pathlib
 
@@ -12,6 +13,29 @@ from noloco_jax.experiments import harness
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 CONFIG = ROOT / "configs" / "tiny_noloco.py"
+
+
+class _Threads(concurrent.futures.ThreadPoolExecutor):
+    """The process pool's part, in threads (``harness.train_in_processes``' stand-in)."""
+
+    def __init__(self, jobs, mp_context=None, max_tasks_per_child=None, initializer=None):
+        super().__init__(jobs)
+
+
+def _threads_with_workers(terminated: list) -> type:
+    """``_Threads`` with two stand-in worker processes whose ``terminate()`` (the SIGTERM the
+    grid passes on) appends to ``terminated``."""
+
+    class Worker:
+        def terminate(self):
+            terminated.append(1)
+
+    class Threads(_Threads):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._processes = {1: Worker(), 2: Worker()}
+
+    return Threads
 
 
 def test_overrides_are_typed_like_the_cli():
@@ -69,11 +93,6 @@ def test_a_run_refused_in_a_worker_is_a_user_error_naming_the_run(tmp_path):
 def test_a_run_stopped_by_a_signal_in_a_worker_starts_no_further_run(monkeypatch, tmp_path):
     """--jobs > 1 handed every run to the pool at once, so after Ctrl-C (each worker's run
     stopped and saved) the pool went on to train every run still queued."""
-    import concurrent.futures  # noqa: PLC0415
-
-    class Threads(concurrent.futures.ThreadPoolExecutor):  # the pool's part, in threads
-        def __init__(self, jobs, mp_context=None, max_tasks_per_child=None, initializer=None):
-            super().__init__(jobs)
 
     trained = []
 
@@ -81,7 +100,7 @@ def test_a_run_stopped_by_a_signal_in_a_worker_starts_no_further_run(monkeypatch
         trained.append(workdir.name)
         return "SIGINT"
 
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Threads)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _Threads)
     monkeypatch.setattr(harness, "_train_logged", train_logged)
     cfg = harness.load_config(CONFIG, {})
     harness.train_in_processes([(tmp_path / f"r{i}", cfg) for i in range(3)], jobs=1)
@@ -93,11 +112,6 @@ def test_ctrl_c_in_the_parent_of_the_workers_lets_their_runs_stop(monkeypatch, t
     """One Ctrl-C under --jobs 2 (the workers stopped and saved) ended the parent with a
     KeyboardInterrupt traceback and exit 130, as a crash; it now waits for the runs under way,
     starts no other, and the grid ends as a stopped one. A second Ctrl-C stops at once."""
-    import concurrent.futures  # noqa: PLC0415
-
-    class Threads(concurrent.futures.ThreadPoolExecutor):  # the pool's part, in threads
-        def __init__(self, jobs, mp_context=None, max_tasks_per_child=None, initializer=None):
-            super().__init__(jobs)
 
     wait, calls = concurrent.futures.wait, []
 
@@ -108,7 +122,7 @@ def test_ctrl_c_in_the_parent_of_the_workers_lets_their_runs_stop(monkeypatch, t
         return wait(*args, **kwargs)
 
     trained = []
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Threads)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _Threads)
     monkeypatch.setattr(concurrent.futures, "wait", interrupted_wait)
     monkeypatch.setattr(harness, "_train_logged", lambda c, w, log: trained.append(w.name))
     cfg = harness.load_config(CONFIG, {})
@@ -129,20 +143,9 @@ def test_a_sigterm_of_the_parent_of_the_workers_stops_their_runs(monkeypatch, tm
     which a plain SIGTERM does not reach as Ctrl-C does, trained on. It is now passed on to
     them, as Ctrl-C is, and starts no other run; a second SIGTERM is passed on too, then acts
     as it would without the grid."""
-    import concurrent.futures  # noqa: PLC0415
     import signal  # noqa: PLC0415
 
     terminated, outside = [], []
-
-    class Worker:
-        def terminate(self):
-            terminated.append(1)
-
-    class Threads(concurrent.futures.ThreadPoolExecutor):  # the pool's part, in threads
-        def __init__(self, jobs, mp_context=None, max_tasks_per_child=None, initializer=None):
-            super().__init__(jobs)
-            self._processes = {1: Worker(), 2: Worker()}
-
     wait, calls = concurrent.futures.wait, []
 
     def signalled_wait(*args, **kwargs):
@@ -152,7 +155,8 @@ def test_a_sigterm_of_the_parent_of_the_workers_stops_their_runs(monkeypatch, tm
         return wait(*args, **kwargs)
 
     trained = []
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Threads)
+    workers = _threads_with_workers(terminated)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", workers)
     monkeypatch.setattr(concurrent.futures, "wait", signalled_wait)
     monkeypatch.setattr(harness, "_train_logged", lambda c, w, log: trained.append(w.name))
     # Without the grid's handler a SIGTERM lands here (it would end pytest).
@@ -177,11 +181,6 @@ def test_ctrl_c_that_reaches_a_worker_still_starting_counts_it_as_stopped(monkey
     handler) interrupted it or killed it (the pool broke), and the grid ended in a traceback:
     the worker's KeyboardInterrupt, or RuntimeError('run r0 failed; see log'). Such a worker now
     counts as stopped; without a Ctrl-C it still fails the grid."""
-    import concurrent.futures  # noqa: PLC0415
-
-    class Threads(concurrent.futures.ThreadPoolExecutor):  # the pool's part, in threads
-        def __init__(self, jobs, mp_context=None, max_tasks_per_child=None, initializer=None):
-            super().__init__(jobs)
 
     wait, calls = concurrent.futures.wait, []
 
@@ -196,7 +195,7 @@ def test_ctrl_c_that_reaches_a_worker_still_starting_counts_it_as_stopped(monkey
         raise failure  # interrupted while importing, or killed (the pool breaks)
 
     trained = []
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Threads)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _Threads)
     monkeypatch.setattr(concurrent.futures, "wait", interrupted_wait)
     monkeypatch.setattr(harness, "_train_logged", train_logged)
     cfg = harness.load_config(CONFIG, {})
@@ -220,17 +219,7 @@ def test_a_sigterm_that_kills_a_worker_still_starting_counts_it_as_stopped(monke
     importing (before the trainer's handler), which died, and the grid raised
     RuntimeError('run r0 failed; see log') from BrokenProcessPool. Such a worker now counts as
     stopped; without a SIGTERM a broken pool still fails the grid."""
-    import concurrent.futures  # noqa: PLC0415
     import signal  # noqa: PLC0415
-
-    class Worker:
-        def terminate(self):
-            pass
-
-    class Threads(concurrent.futures.ThreadPoolExecutor):  # the pool's part, in threads
-        def __init__(self, jobs, mp_context=None, max_tasks_per_child=None, initializer=None):
-            super().__init__(jobs)
-            self._processes = {1: Worker(), 2: Worker()}
 
     wait, calls = concurrent.futures.wait, []
 
@@ -245,7 +234,7 @@ def test_a_sigterm_that_kills_a_worker_still_starting_counts_it_as_stopped(monke
         raise concurrent.futures.process.BrokenProcessPool("terminated abruptly")
 
     trained, outside = [], []
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Threads)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _threads_with_workers([]))
     monkeypatch.setattr(concurrent.futures, "wait", signalled_wait)
     monkeypatch.setattr(harness, "_train_logged", train_logged)
     previous = signal.signal(signal.SIGTERM, lambda *a: outside.append(1))
@@ -293,7 +282,6 @@ def test_a_sigterm_of_the_grid_with_a_spare_worker_lets_the_run_under_way_stop(
     """After a run ends the pool starts a spare worker; the grid's SIGTERM, passed on to it,
     killed it, which broke the pool: the run under way was sent a second SIGTERM (stopped
     without saving) and the grid died with 'run r1 failed'. The spare now only notes it."""
-    import concurrent.futures  # noqa: PLC0415
     import signal  # noqa: PLC0415
     import time  # noqa: PLC0415
 
