@@ -229,10 +229,10 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
       jobs: runs at a time.
     """
     context = multiprocessing.get_context("spawn")
-    waiting, terminated = list(todo), []
+    waiting, stopping = list(todo), []
 
-    def stop() -> None:
-        terminated.append(True)
+    def stop() -> None:  # Ctrl-C or SIGTERM: the runs under way save and stop
+        stopping.append(True)
         waiting.clear()
 
     with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=context,
@@ -253,14 +253,15 @@ def train_in_processes(todo: list[tuple[pathlib.Path, config_dict.ConfigDict]],
             except KeyboardInterrupt:  # Ctrl-C reaches the workers too: their runs save and stop
                 if interrupted:
                     raise  # a second Ctrl-C: stop at once
-                interrupted, waiting = True, []
+                interrupted = True
+                stop()
                 print("Ctrl-C: the runs under way save and stop; no further run starts (Ctrl-C "
                       "again to stop at once).", flush=True)
                 continue
             for fut in done:
                 name, log = futures.pop(fut)
                 try:
-                    stopped = _result(fut, interrupted or bool(terminated))
+                    stopped = _result(fut, bool(stopping))
                 except errors.UserError as err:  # a bad setting or input: the message says all
                     raise errors.UserError(f"run {name}: {err}") from None
                 except RUN_FAILURES as err:  # diverged, a save that failed: the message says
