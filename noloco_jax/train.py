@@ -77,14 +77,20 @@ def _define_flags() -> None:
         "workdir", "runs/tiny_noloco", "Checkpoints and metrics go here; an existing run resumes.")
     flags.DEFINE_bool("progress", True, "Show a progress bar.")
     flags.DEFINE_bool("debug", False, "Show the traceback of a user error too.")
+    _define_join_flags(flags.FLAGS)
+
+
+def _define_join_flags(f: flags.FlagValues) -> None:
+    """The flags that say how this process joins the others of a multi-process run."""
     flags.DEFINE_string(
         "coordinator_address", None,
         "host:port of process 0 for multi-process training (jax.distributed); unset = one "
-        "process (or auto-detected on Slurm/TPU pods with --distributed).")  # fmt: skip
-    flags.DEFINE_integer("num_processes", None, "Processes in the run.")
-    flags.DEFINE_integer("process_id", None, "This process's index.")
-    flags.DEFINE_bool(
-        "distributed", False, "Call jax.distributed.initialize() with cluster auto-detection.")
+        "process (or auto-detected on Slurm/TPU pods with --distributed).", flag_values=f)
+    flags.DEFINE_integer("num_processes", None, "Processes in the run.", flag_values=f)
+    flags.DEFINE_integer("process_id", None, "This process's index.", flag_values=f)
+    flags.DEFINE_bool("distributed", False,
+                      "Call jax.distributed.initialize() with cluster auto-detection.",
+                      flag_values=f)  # fmt: skip
 
 
 def main(argv: list[str]) -> None:
@@ -266,10 +272,7 @@ def _tell_others(argv: Sequence[str], error: BaseException) -> None:
     now, at most ``_START_WAIT_S`` seconds, to tell them (they would wait for this process in
     ``jax.distributed.initialize`` for 300 s and then abort without saying why)."""
     f = flags.FlagValues()  # only the flags that say how to join, whatever else failed
-    flags.DEFINE_string("coordinator_address", None, "", flag_values=f)
-    flags.DEFINE_integer("num_processes", None, "", flag_values=f)
-    flags.DEFINE_integer("process_id", None, "", flag_values=f)
-    flags.DEFINE_bool("distributed", False, "", flag_values=f)
+    _define_join_flags(f)
     try:
         f(list(argv), known_only=True)
         kwargs = _distributed_args(f)
