@@ -62,11 +62,8 @@ def model_init(cfg: Any, seed: int) -> Callable[[Any], Any]:
     The random initialisation is its own program, compiled once per model config and placement
     and reused by every run (any seed, optimizer or method) in the process.
     """
-    return lambda shardings: _init_program(cfg, shardings)(np.uint32(seed))
-
-
-def _init_program(cfg: Any, shardings: Any) -> Callable:
-    return _init_jit(cfg, jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))
+    return lambda shardings: _init_jit(cfg, jax.tree.structure(shardings),
+                                       tuple(jax.tree.leaves(shardings)))(np.uint32(seed))
 
 
 @functools.lru_cache(maxsize=8)  # as many as the trainer keeps of its other programs
