@@ -220,6 +220,16 @@ def test_a_first_warmup_rate_that_is_zero_in_float32_is_refused(lr, warmup):
     assert float(schedule(0)) == 2.0**-126  # the smallest accepted first rate is not 0
 
 
+@pytest.mark.parametrize("field", ["learning_rate", "gamma"])
+def test_an_outer_rate_that_is_zero_in_float32_is_refused(field):
+    """outer.learning_rate = 1e-40 passed (it is >= 0) and was 0 in the float32 sync step: the
+    slow weights never moved, without the warning that outer.learning_rate = 0 gets."""
+    with pytest.raises(ValueError, match=rf"config\.outer\.{field}: must be 0 or >= 1\.18e-38"):
+        settings_lib.from_config(_tiny(**{f"outer.{field}": 1e-40}))
+    for ok in (0.0, 2.0**-126):
+        assert getattr(settings_lib.from_config(_tiny(**{f"outer.{field}": ok})).outer, field) == ok
+
+
 @pytest.mark.parametrize("field", ["num_steps", "outer.sync_every", "fault.inject_nan_step",
                                    "skip.full_every", "log_every"])
 def test_step_counts_past_int32_are_refused(field):

@@ -685,6 +685,11 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     check_momentum("config.outer.momentum", o.momentum)
     if o.gamma is not None:
         check_rate("config.outer.gamma", o.gamma)
+    for name in ("learning_rate", "gamma"):  # float32 in the sync step, as the inner rates
+        value = getattr(o, name)
+        require(not value or value >= FLOAT32_TINY, f"config.outer.{name}",
+                f"must be 0 or >= {FLOAT32_TINY:.3g} (it is float32 in the sync step, where a "
+                f"smaller value is 0), got {value!r}.")  # fmt: skip
     check_choice("config.outer.exchange_dtype", o.exchange_dtype, EXCHANGE_DTYPES)
     check_choice("config.outer.slow_dtype", o.slow_dtype, SLOW_DTYPES)
     check_error_feedback(o.error_feedback, o.exchange_dtype, field="config.outer.error_feedback",
