@@ -90,3 +90,14 @@ def test_a_run_with_another_optimizer_reuses_the_compiled_initialisation(
     assert traced == []
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_runs_that_differ_only_in_log_every_share_their_programs(built, corpus_dir, data_dir):
+    """log_every only sets how many steps one call of the inner program runs (its batch's
+    length): a run that changed it (a notebook's next cell) compiled every program again."""
+    s, run, _ = built
+    s2 = tiny_settings(corpus_dir, data_dir, num_replicas=2, backend="shard_map", mesh=SPLIT,
+                       log_every=4)  # fmt: skip
+    run2, _ = build.build_run(s2)
+    assert run2.inner is run.inner and run2.sync is run.sync and run2.calls is run.calls
+    assert (run.block, run2.block) == (2, 4)

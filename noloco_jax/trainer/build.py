@@ -368,8 +368,10 @@ _HOST_DATA = ("source", "path", "tfds_name", "data_dir", "encoding", "tokenizer"
               "tokenizer_vocab_size", "validation_fraction", "eval_windows")  # fmt: skip
 
 
+# log_every sets how many steps one call of the inner program runs; the program reads that from
+# its batch's shape (each length compiles once), so runs differing only in it share programs.
 _HOST_RUN = ("eval_every", "checkpoint_every", "keep_checkpoints", "profile_steps", "log",
-             "allow_resize")  # fmt: skip
+             "allow_resize", "log_every")  # fmt: skip
 
 
 # The evaluator reads the topology and the model (with data.seq_len, which bounds its
