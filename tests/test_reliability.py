@@ -94,7 +94,7 @@ def test_bf16_adam_moments_of_an_older_checkpoint_are_widened_on_restore(tmp_pat
     o = settings_lib.OptimSettings()
     params = {"w": jax.random.normal(jax.random.key(0), (65536,), jnp.bfloat16)}
     old = optax.adam(learning_rate_schedule(o, 10), b1=o.b1, b2=o.b2, eps=o.eps)
-    old_state = old.update(params, old.init(params), params)[1]
+    old_state = jax.jit(lambda p: old.update(p, old.init(p), p)[1])(params)  # one compile
     ckpt = Checkpointer(tmp_path)
     ckpt.save(1, {"params": params, "opt": old_state}, {})
     ckpt.close()
