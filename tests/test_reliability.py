@@ -820,12 +820,19 @@ def test_without_guard_nan_shows_in_the_loss_and_keeps_the_finite_checkpoint(
 
 # --- 6. preemption ----------------------------------------------------------------------
 
+def _long_settings(corpus_dir, data_dir):
+    """A run too long to end by itself, stopped by a signal (``_LONG_RUN``). A sync every 2
+    steps: its first chunk (2 steps, one inner and one sync step) compiles both its programs,
+    so the chunk after the signal compiles nothing, and a resume compiles no third."""
+    return tiny_settings(corpus_dir, data_dir, num_steps=100000, checkpoint_every=1000,
+                         eval_every=1000, outer={"sync_every": 2})  # fmt: skip
+
+
 _LONG_RUN = r"""
 import sys
-from tests.test_train import tiny_settings
+from tests.test_reliability import _long_settings
 from noloco_jax.trainer import loop
-s = tiny_settings(sys.argv[1], sys.argv[2], num_steps=100000, checkpoint_every=1000,
-                  eval_every=1000)
+s = _long_settings(sys.argv[1], sys.argv[2])
 loop.train_and_evaluate(s, sys.argv[3], progress=False)
 print("returned normally", flush=True)
 """
@@ -947,8 +954,7 @@ def test_signal_saves_at_the_step_boundary_and_exits_0(tmp_path, corpus_dir, dat
     last_logged = max(r["step"] for r in read_jsonl(run / "metrics.jsonl", "train"))
     assert Checkpointer(run / "checkpoints").latest_step() == last_logged
     if sig == signal.SIGTERM:  # preemption (issue 22): the restart continues bit for bit
-        s = tiny_settings(corpus_dir, data_dir, num_steps=100000, checkpoint_every=1000,
-                          eval_every=1000)  # fmt: skip
+        s = _long_settings(corpus_dir, data_dir)
         straight = tmp_path / "straight"
         train_and_evaluate(s, run, stop_at=last_logged + 4, progress=False)
         train_and_evaluate(s, straight, stop_at=last_logged + 4, progress=False)
