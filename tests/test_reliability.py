@@ -675,7 +675,9 @@ def test_values_that_cannot_learn_are_refused(corpus_dir, data_dir, field, value
 
 def test_every_replica_caught_stops_the_run(tmp_path, corpus_dir, data_dir):  # noqa: F811
     # lr = 1e30 is finite (validation passes) but blows every replica up between syncs.
-    s = _settings(corpus_dir, data_dir, optim={"learning_rate": 1e30, "warmup_steps": 0})
+    # log_every=1: one inner program (1 step) besides the sync's, where 2 compiled two.
+    s = _settings(corpus_dir, data_dir, optim={"learning_rate": 1e30, "warmup_steps": 0},
+                  log_every=1)  # fmt: skip
     with pytest.raises(TrainingDivergedError, match="every replica's weights were non-finite"):
         train_and_evaluate(s, tmp_path, progress=False)
     assert Checkpointer(tmp_path / "checkpoints").latest_step() is None  # nothing bad saved
@@ -696,7 +698,8 @@ def test_a_lone_replica_gone_nan_is_never_checkpointed(tmp_path, corpus_dir, dat
 
 def test_random_routing_spreads_a_nan_replica_and_the_error_says_so(tmp_path, corpus_dir,
                                                                      data_dir):  # noqa: F811
-    s = _settings(corpus_dir, data_dir, num_stages=2, routing="random",
+    # log_every=1 (as above): the inner program of one step only; the sync still at step 4.
+    s = _settings(corpus_dir, data_dir, num_stages=2, routing="random", log_every=1,
                   fault={"inject_nan_step": 1, "inject_nan_replica": 1})  # fmt: skip
     with pytest.raises(TrainingDivergedError, match=r"every replica's weights were non-finite"
                        r".*config\.routing='fixed' keeps replicas apart"):  # fmt: skip
