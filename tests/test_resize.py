@@ -135,10 +135,10 @@ def base_run(tmp_path_factory):
     return tmp
 
 
-def _resume(base, tmp_path, n):
+def _resume(base, tmp_path, n, **over):
     workdir = tmp_path / f"n{n}"
     shutil.copytree(base / "run", workdir)
-    s = _settings(base, num_replicas=n, allow_resize=True)
+    s = _settings(base, num_replicas=n, allow_resize=True, **over)
     last = train_and_evaluate(s, workdir, progress=False)
     evals = [r for r in read_jsonl(workdir / "metrics.jsonl", "eval") if r["step"] == 8]
     events = read_jsonl(workdir / "metrics.jsonl", "event")
@@ -170,10 +170,14 @@ def test_merge_to_half_the_replicas(base_run, tmp_path):
     assert again["step"] == 12 and (workdir / "metrics.jsonl").read_text() == before_files
 
 
+# A clone keeps each replica's batch of 2 sequences: 16 in all, the settings (and programs) of
+# test_clone_to_twice_the_replicas, and another global batch than the run's 8.
+CLONE = {"num_replicas": 8, "global_batch_size": 16}
+
+
 def test_counts_go_on_across_a_resize_with_another_batch(base_run, tmp_path):
     shutil.copytree(base_run / "run", tmp_path / "run")
-    s = _settings(base_run, num_replicas=2, global_batch_size=4, allow_resize=True,
-                  checkpoint_every=2)  # fmt: skip
+    s = _settings(base_run, **CLONE, allow_resize=True, checkpoint_every=2)
     stopped = train_and_evaluate(s, tmp_path / "run", stop_at=10, progress=False)
     evals = read_jsonl(tmp_path / "run" / "metrics.jsonl", "eval")
     assert (stopped["step"], stopped["eval_step"]) == (10, evals[-1]["step"])  # says which eval
@@ -181,14 +185,14 @@ def test_counts_go_on_across_a_resize_with_another_batch(base_run, tmp_path):
     train_and_evaluate(s, tmp_path / "run", progress=False)  # a plain resume at step 10
     seen = {r["step"]: r["tokens_seen"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl",
                                                              "train")}  # fmt: skip
-    assert seen[8] == 8 * 8 * 32 and seen[12] == seen[8] + 4 * 4 * 32  # 8 then 4 sequences
+    assert seen[8] == 8 * 8 * 32 and seen[12] == seen[8] + 4 * 16 * 32  # 8 then 16 sequences
     sent = [r["bytes_sent_per_replica"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl",
                                                            "train")]  # fmt: skip
     assert sent == sorted(sent)
 
 
 def test_clone_to_twice_the_replicas(base_run, tmp_path):
-    last, (before, after), _ = _resume(base_run, tmp_path, 8)
+    last, (before, after), _ = _resume(base_run, tmp_path, 8, global_batch_size=16)
     assert after["val_loss"] == pytest.approx(before["val_loss"], rel=1e-5)
     assert after["val_ppl_avg_model"] == pytest.approx(before["val_ppl_avg_model"], rel=1e-5)
     d = after["distance_to_mean_per_replica"]
