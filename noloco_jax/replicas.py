@@ -21,6 +21,7 @@ per-replica leaves are split over the mesh axis, one replica per device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping
 
@@ -141,6 +142,7 @@ def _pick(x: Any, index: Any) -> Any:
     return x[index]
 
 
+@functools.partial(jax.jit, static_argnums=2)  # one program per shape, dtype and placement
 def _pick_placed(x: jax.Array, index: Any, sharding: Any) -> jax.Array:
     """``x[index]`` of a replica axis split over the mesh, moving one replica's bytes: each
     replica sends its bits where it is ``index`` and zeros elsewhere, summed as integers (exact:

@@ -327,6 +327,28 @@ def test_select_replica_of_a_placed_tree_moves_one_replica(mesh_shape):
     assert [(op.kind, op.bytes) for op in moved] == [("all-reduce", local.nbytes)]
 
 
+@pytest.mark.parametrize("mesh_shape", [None, {"fsdp": 2}])
+def test_select_replica_of_a_placed_tree_compiles_once(mesh_shape):
+    """An eager select_replica of a placed tree ran a new shard_map closure per leaf and call,
+    so every call compiled its small programs again: another index or another tree of the
+    same leaves now compiles nothing."""
+    tree = {"w": jnp.arange(32.0).reshape(4, 8), "b": jnp.arange(12, dtype=jnp.int32).reshape(4, 3)}
+    like = jax.tree.map(lambda x: x[0], tree)
+    placed = replicas.make_replicas(4, backend="shard_map", mesh_shape=mesh_shape).put(tree)
+    other = jax.block_until_ready(jax.tree.map(lambda x: x + 1, placed))  # the same leaves' types
+    replicas.select_replica(placed, 0, like)
+    compiles = []
+    listener = lambda event, *_, **__: compiles.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for index in (1, -1, 3):
+            got = jax.block_until_ready(replicas.select_replica(other, index, like))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert [e for e in compiles if e.endswith("backend_compile_duration")] == []
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(25.0, 33.0))
+
+
 def test_put_names_the_leaf_a_split_does_not_divide():
     """reps.put of a vocabulary of 65 over tensor=2 failed with JAX's IndivisibleError, which
     names a shape (2, 65, 64) but not the leaf, the setting or the fix. The fix named was
