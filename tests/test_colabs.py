@@ -13,7 +13,6 @@ import sys
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from pydoc_data.topics import topics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "colabs").glob("*.ipynb"))
@@ -40,15 +39,13 @@ EXECUTED = [pytest.param(p, marks=pytest.mark.slow) if p.stem == "table2_miniatu
 
 
 @pytest.mark.parametrize("path", EXECUTED, ids=lambda p: p.stem)
-def test_colab_executes_with_smoke_settings(path, tmp_path, monkeypatch):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i, (_, text) in enumerate(sorted(topics.items())[:40]):
-        (corpus / f"{i:02d}.txt").write_text(text, encoding="utf-8")
+def test_colab_executes_with_smoke_settings(path, tmp_path, monkeypatch, corpus_dir, data_dir):
+    # One corpus and data dir for the file's notebooks: the first to run prepares the TFDS
+    # dataset (TensorFlow's import and the writing, ~10 s), the others read it back.
     monkeypatch.setenv("NOLOCO_COLAB_SMOKE", "1")
-    monkeypatch.setenv("NOLOCO_COLAB_DATA", str(corpus))
+    monkeypatch.setenv("NOLOCO_COLAB_DATA", str(corpus_dir))
     monkeypatch.setenv("NOLOCO_COLAB_WORKDIR", str(tmp_path / "work"))
-    monkeypatch.setenv("NOLOCO_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("NOLOCO_DATA_DIR", str(data_dir))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
