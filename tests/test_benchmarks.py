@@ -9,7 +9,7 @@ import sys
 import pytest
 from absl import flags
 
-from tests.helpers import run_forked
+from tests.helpers import run_forked_code
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -19,18 +19,34 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXTRA_FLAGS = {"compile_scale": ["--ns=8,16"]}
 
 
+# The command lines of the tests below that check what a script refuses (or that two import
+# together): {name: (script, args)}, each run by ``smoke_runs`` with an --out_dir of its own
+# where it takes one.
+REFUSALS = {
+    "import_together": ("-c", ["import experiments.bench.micro_batches as a, "
+                               "experiments.bench.sharded_memory as b; assert a.SIZES is b.SIZES"]),
+    "sizes_micro_batches": ("experiments.bench.micro_batches", ["--sizes=tiny", "--out_dir"]),
+    "sizes_sharded_memory": ("experiments.bench.sharded_memory", ["--sizes=tiny", "--out_dir"]),
+    "negative_peak": ("experiments.bench.gpu", ["--smoke", "--peak_tflops=-989", "--out_dir"]),
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def smoke_runs(request, tmp_path_factory):
     """{script: (its --out_dir, [exit status, stderr, stdout])} of every selected case of
     test_benchmark_smoke, each ``python -m experiments.bench.<script> --smoke`` run in a child
-    forked from one process that imported JAX once (``helpers.run_forked``): each script's
-    imports only, not an interpreter's with JAX's, per case."""
+    forked from one process that imported JAX once (``helpers.run_forked_code``): each script's
+    imports only, not an interpreter's with JAX's, per case. Then the same of every case of
+    REFUSALS, by its name."""
     scripts = [item.callspec.params["script"] for item in request.session.items
                if item.originalname == "test_benchmark_smoke"]  # fmt: skip
-    dirs = {s: tmp_path_factory.mktemp(f"bench_{s}") for s in scripts}
+    dirs = {s: tmp_path_factory.mktemp(f"bench_{s}") for s in [*scripts, *REFUSALS]}
     cases = [(f"experiments.bench.{s}", ["--smoke", *EXTRA_FLAGS.get(s, []), "--out_dir",
                                          str(dirs[s])]) for s in scripts]  # fmt: skip
-    return dict(zip(scripts, zip(dirs.values(), run_forked(cases, ROOT, timeout=1800))))
+    cases += [(script, [*args, str(dirs[name])] if args[-1] == "--out_dir" else args)
+              for name, (script, args) in REFUSALS.items()]  # fmt: skip
+    return dict(zip([*scripts, *REFUSALS],
+                    zip(dirs.values(), run_forked_code(cases, ROOT, timeout=1800))))
 
 
 @pytest.mark.parametrize("script", [
@@ -140,34 +156,22 @@ def test_gpu_peak_flops_tell_pcie_and_nvl_cards_from_sxm():
     assert gpu.peak_flops("cpu", 0.0) is None and gpu.peak_flops("cpu", 100.0) == 100e12
 
 
-def test_the_memory_benchmarks_share_their_flags_and_import_together():
+def test_the_memory_benchmarks_share_their_flags_and_import_together(smoke_runs):
     """Each defined --sizes and --usable: importing both in one process died with absl's
     DuplicateFlagError, and the two definitions could drift apart."""
-    both = ("import experiments.bench.micro_batches as a, experiments.bench.sharded_memory as b; "
-            "assert a.SIZES is b.SIZES")
-    out = subprocess.run(
-        [sys.executable, "-c", both],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
+    _, (code, stderr, _) = smoke_runs["import_together"]  # python -c, in a forked child
+    assert code == 0, stderr[-2000:]
 
 
 @pytest.mark.parametrize("script", ["micro_batches", "sharded_memory"])
-def test_memory_benchmarks_refuse_sizes_without_a_paper_batch(script, tmp_path):
+def test_memory_benchmarks_refuse_sizes_without_a_paper_batch(script, smoke_runs):
     """--sizes took any preset, then PAPER_BATCH[size] raised KeyError (after compiling)."""
-    out = subprocess.run(
-        [sys.executable, "-m", f"experiments.bench.{script}", "--sizes=tiny", "--out_dir",
-         str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert out.returncode != 0 and "KeyError" not in out.stderr, out.stderr[-2000:]
-    assert "--sizes" in out.stderr and "['small', 'medium', 'large', 'nano']" in out.stderr
+    _, (code, stderr, _) = smoke_runs[f"sizes_{script}"]  # python -m, in a forked child
+    assert code != 0 and "KeyError" not in stderr, stderr[-2000:]
+    assert "--sizes" in stderr and "['small', 'medium', 'large', 'nano']" in stderr
 
 
-def test_gpu_benchmark_refuses_a_negative_peak(tmp_path):
+def test_gpu_benchmark_refuses_a_negative_peak(smoke_runs):
     """--peak_tflops=-989 was taken, ignored, and the peak looked up from the device."""
-    out = subprocess.run(
-        [sys.executable, "-m", "experiments.bench.gpu", "--smoke", "--peak_tflops=-989",
-         "--out_dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert out.returncode != 0 and "--peak_tflops" in out.stderr, out.stderr[-2000:]
+    _, (code, stderr, _) = smoke_runs["negative_peak"]  # python -m, in a forked child
+    assert code != 0 and "--peak_tflops" in stderr, stderr[-2000:]
