@@ -4,7 +4,6 @@ script of experiments/ starts as ``python -m experiments.NAME`` with working ``-
 import importlib
 import json
 import math
-import os
 import pathlib
 import re
 import shutil
@@ -22,7 +21,7 @@ from noloco_jax.experiments import harness
 # at import, and a flag defined inside a flagsaver is deleted when the context exits, so a later
 # training run in the same worker failed with AttributeError (seen when xdist ordered it so).
 from noloco_jax.data import sources  # noqa: F401
-from tests.helpers import run_forked
+from tests.helpers import run_forked_code
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -385,12 +384,11 @@ print(json.dumps(found))
 """
 
 
-def test_every_script_is_a_module_with_main_usage_and_flags():
+def test_every_script_is_a_module_with_main_usage_and_flags(user_error_runs):
     assert len(SCRIPTS) >= 20 and "experiments.bench.overhead" in SCRIPTS
-    proc = subprocess.run([sys.executable, "-c", _EACH_ALONE, *SCRIPTS], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.splitlines()[-1])
+    code, stderr, stdout = user_error_runs[_AT["each_alone"]]  # python -c _EACH_ALONE *SCRIPTS
+    assert code == 0, stderr[-3000:]
+    found = json.loads(stdout.splitlines()[-1])
     assert sorted(found) == SCRIPTS
     for name, script in found.items():
         assert script["main"], name
@@ -489,28 +487,32 @@ USER_ERRORS = [
 ]
 
 
-def test_smoke_with_publish_is_refused_before_any_script_runs():
-    """It overwrote experiments/results/network_model.* and two figures with smoke numbers.
-    Checked on the flags alone (a subprocess, so no script's flags stay in this process, and
-    no script's main runs: a regression cannot overwrite the published pages)."""
-    code = ("from absl import flags\nfrom experiments import options\n"
+_PUBLISH = ("from absl import flags\nfrom experiments import options\n"
             "for name in options.OUT_FLAGS:\n    flags.declare_key_flag(name)\n"
             "flags.FLAGS(['prog', '--smoke', '--publish'])\noptions._check_shared_flags()\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
-    assert proc.returncode != 0 and "--smoke with --publish would overwrite" in proc.stderr
 
 
-def test_out_and_runs_dirs_expand_a_tilde(tmp_path):
+def test_smoke_with_publish_is_refused_before_any_script_runs(user_error_runs):
+    """It overwrote experiments/results/network_model.* and two figures with smoke numbers.
+    Checked on the flags alone (a process of its own, so no script's flags stay in this one,
+    and no script's main runs: a regression cannot overwrite the published pages)."""
+    code, stderr, _ = user_error_runs[_AT["publish"]]  # python -c _PUBLISH, a forked child
+    assert code != 0 and "--smoke with --publish would overwrite" in stderr
+
+
+# HOME is the folder given: the child's own environment, as a shell would set it.
+_TILDE = ("import os, sys\nos.environ['HOME'] = sys.argv[1]\n"
+          "from absl import flags\nfrom experiments import options\n"
+          "flags.FLAGS(['prog', '--out_dir=~/pages', '--runs_dir=~/runs'])\n"
+          "print(options.out_dir(), options.grid_options().runs_dir)\n")
+
+
+def test_out_and_runs_dirs_expand_a_tilde(user_error_runs, tilde_home):
     """--out_dir=~/pages: no shell expands a tilde after '=', so the pages went into a folder
     named '~' under the current directory (as --workdir did before 6018be7)."""
-    code = ("from absl import flags\nfrom experiments import options\n"
-            "flags.FLAGS(['prog', '--out_dir=~/pages', '--runs_dir=~/runs'])\n"
-            "print(options.out_dir(), options.grid_options().runs_dir)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "HOME": str(tmp_path)})  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [str(tmp_path / "pages"), str(tmp_path / "runs")]
+    code, stderr, stdout = user_error_runs[_AT["tilde"]]  # python -c _TILDE HOME, forked
+    assert code == 0, stderr
+    assert stdout.split() == [str(tilde_home / "pages"), str(tilde_home / "runs")]
 
 
 _COMMANDS = """
@@ -525,19 +527,21 @@ print(json.dumps([options.command('experiments.bench.compile_scale'),
 """
 
 
-def test_report_command_keeps_result_flags_and_leaves_out_where_to_write():
+COMMAND_ARGV = ["--ns=8,16", "--label=new code", "--shard-map", "--smoke", "--out_dir=/tmp/mine",
+                "--runs_dir=/tmp/runs", "--data_dir=/tmp/tfds", "--jobs=1", "--part=1/2",
+                "--dry_run", "--report_only", "--verbosity=1", "--no_traffic=false",
+                "--data_path=my corpus", "--splits=2x2", "--replicas=8,16,32,64"]  # fmt: skip
+
+
+def test_report_command_keeps_result_flags_and_leaves_out_where_to_write(user_error_runs):
     """A report's command carried --smoke only: a page made with --ns or --replicas showed a
     command that makes another table. Now every flag given that changes the numbers, as
     --name=value, --smoke first then by name; flags that say where to write or how to spread
     the runs stay out (no machine's paths on the published pages), as do defaults given."""
-    argv = ["--ns=8,16", "--label=new code", "--shard-map", "--smoke", "--out_dir=/tmp/mine",
-            "--runs_dir=/tmp/runs", "--data_dir=/tmp/tfds", "--jobs=1", "--part=1/2",
-            "--dry_run", "--report_only", "--verbosity=1", "--no_traffic=false",
-            "--data_path=my corpus", "--splits=2x2", "--replicas=8,16,32,64"]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", _COMMANDS, json.dumps(argv)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    scale, table2, split = json.loads(proc.stdout.strip().splitlines()[-1])
+    # python -c _COMMANDS COMMAND_ARGV, in a forked child (user_error_runs)
+    code, stderr, stdout = user_error_runs[_AT["commands"]]
+    assert code == 0, stderr[-3000:]
+    scale, table2, split = json.loads(stdout.strip().splitlines()[-1])
     rest = "--splits=2x2"  # the flags of every script this process imported
     assert scale == ("python -m experiments.bench.compile_scale --smoke --data_path='my corpus' "
                      f"--label='new code' --ns=8,16 --shard_map {rest}")
@@ -548,11 +552,28 @@ def test_report_command_keeps_result_flags_and_leaves_out_where_to_write():
 
 
 @pytest.fixture(scope="module")
-def user_error_runs():
-    """[exit status, stderr, stdout] of each case of USER_ERRORS, then of HELP[1:]."""
+def tilde_home(tmp_path_factory):
+    """The HOME of test_out_and_runs_dirs_expand_a_tilde's child."""
+    return tmp_path_factory.mktemp("home")
+
+
+# The cases of user_error_runs after USER_ERRORS and HELP[1:], by name: the tests of this file
+# that run a command of their own in a fresh process (python -m, or python -c some code).
+_OWN = ("publish", "tilde", "commands", "fig3b_review", "each_alone")
+_AT = {name: len(USER_ERRORS) + len(HELP) - 1 + i for i, name in enumerate(_OWN)}
+
+
+@pytest.fixture(scope="module")
+def user_error_runs(tilde_home):
+    """[exit status, stderr, stdout] of each case of USER_ERRORS, then of HELP[1:], then of
+    the commands of ``_AT``, each in a child forked from one process that imported JAX once
+    (``helpers.run_forked_code``)."""
     cases = [[script, args] for script, args, _ in USER_ERRORS]
     cases += [[script, [ask]] for script, ask in HELP[1:]]
-    return run_forked(cases, ROOT, timeout=300)
+    cases += [["-c", [_PUBLISH]], ["-c", [_TILDE, str(tilde_home)]],  # in the order of _OWN
+              ["-c", [_COMMANDS, json.dumps(COMMAND_ARGV)]], ["experiments.fig3b_review", []],
+              ["-c", [_EACH_ALONE, *SCRIPTS]]]
+    return run_forked_code(cases, ROOT, timeout=300)
 
 
 @pytest.mark.parametrize("case", range(len(USER_ERRORS)),
@@ -641,8 +662,9 @@ def test_pilot_cost_smoke(tmp_path):
     assert "python -m experiments.pilot_cost --smoke" in (tmp_path / "pilot_cost.md").read_text()
 
 
-def test_fig3b_review_reads_the_published_table2_runs():
-    out = _script("fig3b_review")  # its own process: scripts may share flag names
+def test_fig3b_review_reads_the_published_table2_runs(user_error_runs):
+    code, stderr, out = user_error_runs[_AT["fig3b_review"]]  # its own process (forked):
+    assert code == 0, stderr[-3000:]  # scripts may share flag names
     assert "| noloco_n8_s0 | 38 |" in out and "13 NoLoCo runs: partial r" in out
 
 
