@@ -159,14 +159,13 @@ def main(argv: Sequence[str]) -> None:
         ns = [int(v) for v in NS_FLAG.value]
     if shard_map:  # one simulated CPU device per replica, set before JAX starts its backend
         jax.config.update("jax_num_cpu_devices", max(ns))
-    cfg = models.get_preset("nano", vocab_size=256)
-    _, params = models.init_params(cfg, 0)
-    params0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    tx = local_steps(optax.adam(1e-3), noloco_outer(), 10)
     baseline = None
-    if BASELINE.value:
+    if BASELINE.value:  # a bad file is refused before anything compiles
         old = options.read_json("baseline", BASELINE.value)
         baseline = {r["N"]: r for r in _baseline_rows(old)}
+    cfg = models.get_preset("nano", vocab_size=256)
+    params0 = jax.eval_shape(lambda: models.init_params(cfg, 0)[1])  # shapes only
+    tx = local_steps(optax.adam(1e-3), noloco_outer(), 10)
     results = {"env": common.environment(), "label": label, "rows": [],
                "load_before": os.getloadavg()[0]}  # fmt: skip
     rows = []
