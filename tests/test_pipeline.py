@@ -93,20 +93,33 @@ def _sequence_loss(params, graphdef, tokens, path, r, b):
     return models.cross_entropy(logits, tokens[r, b][None, 1:]).mean()
 
 
-def test_routed_forward_backward_equals_explicit_loop_over_paths(setup):
+@pytest.fixture(scope="module")
+def simulated(setup):
+    """(losses [N], their sum's gradient) of ``routed_losses`` with ``setup``'s routing: one
+    program that the tests comparing other paths against the simulation share."""
     graphdef, params, tokens, _, _, perms = setup
-    paths = pl.sequence_paths(np.asarray(perms))
 
-    def looped(p):
-        return sum(_sequence_loss(p, graphdef, tokens, paths[r, b], r, b)
-                   for r in range(N) for b in range(B)) / B  # fmt: skip
+    def total(p):
+        losses = pl.routed_losses(p, tokens, perms, graphdef=graphdef, num_stages=S)
+        return losses.sum(), losses
 
-    def routed(p):
-        return pl.routed_losses(p, tokens, perms, graphdef=graphdef, num_stages=S).sum()
+    (_, losses), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(params)
+    return losses, grads
 
-    # Compiled (one program each) rather than op by op: same arithmetic, far faster.
-    (l_routed, g_routed), (l_looped, g_looped) = (
-        jax.jit(jax.value_and_grad(f))(params) for f in (routed, looped))
+
+def test_routed_forward_backward_equals_explicit_loop_over_paths(setup, simulated):
+    graphdef, params, tokens, _, _, perms = setup
+    paths = pl.sequence_paths(np.asarray(perms)).reshape(N * B, S)
+    rows, cols = np.divmod(np.arange(N * B), B)  # sequence (r, b) of each path
+
+    def looped(p):  # each of the N * B sequences on its own path, by _sequence_loss
+        one = lambda path, r, b: _sequence_loss(p, graphdef, tokens, path, r, b)  # noqa: E731
+        return jax.vmap(one)(paths, rows, cols).sum() / B
+
+    # Compiled (one program) rather than op by op, and vmapped over the sequences rather than
+    # unrolled (12 copies of the model took ~20 s to compile): same arithmetic per sequence.
+    l_looped, g_looped = jax.jit(jax.value_and_grad(looped))(params)
+    l_routed, g_routed = simulated[0].sum(), simulated[1]
     np.testing.assert_allclose(l_routed, l_looped, rtol=1e-5)
     assert_trees_close(g_routed, g_looped, rtol=1e-4, atol=1e-7)
 
@@ -214,17 +227,15 @@ def test_a_pool_for_another_number_of_replicas_is_refused(setup, on_mesh, gather
 
 
 @pytest.mark.parametrize("on_mesh, gather", [(False, False), (False, True), (True, False)])
-def test_per_replica_routing_equals_the_gather_simulation(setup, on_mesh, gather):
+def test_per_replica_routing_equals_the_gather_simulation(setup, simulated, on_mesh, gather):
     """routed_loss (ppermute or gather over replicas, vmap) and routed_loss_on_mesh equal
     routed_losses."""
     graphdef, params, tokens, pool, idx, perms = setup
-    sim = lambda p: pl.routed_losses(p, tokens, perms, graphdef=graphdef, num_stages=S)  # noqa
     reps = _mesh_reps() if on_mesh else replicas.Replicas(N)
     losses, grads = _routed_grads(reps, graphdef, pool, idx, on_mesh, gather)(
         reps.put(params), reps.put(tokens))
-    np.testing.assert_allclose(losses, jax.jit(sim)(params), rtol=1e-6)
-    want = jax.jit(jax.grad(lambda p: sim(p).sum()))(params)
-    assert_trees_close(grads, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(losses, simulated[0], rtol=1e-6)
+    assert_trees_close(grads, simulated[1], rtol=1e-5, atol=1e-7)
 
 
 def test_training_with_noloco_per_stage_matches_on_mesh_and_in_simulation(setup):
