@@ -75,11 +75,23 @@ def test_groups_for_round_is_deterministic_and_redrawn():
     assert any(not np.array_equal(a, b) for a, b in zip(rounds, other_seed))
 
 
+def _drawn_groups(n_rounds, n_replicas, n, seed, pool_size=None):
+    """``groups_for_round(r, ...)`` of rounds 0 .. n_rounds - 1: its pool entries, drawn by
+    ``pool_index`` in one vmapped call (not a dispatch per round), checked against
+    ``groups_for_round`` itself on the first 20 rounds."""
+    pool = comm.partition_pool(n_replicas, n, seed, pool_size)
+    draw = jax.jit(jax.vmap(lambda r: comm.pool_index(r, len(pool), seed)))
+    drawn = pool[np.asarray(draw(jnp.arange(n_rounds, dtype=jnp.uint32)))]
+    for r in range(min(n_rounds, 20)):
+        np.testing.assert_array_equal(
+            drawn[r], groups_for_round(r, n_replicas, n, seed=seed, pool_size=pool_size))
+    return drawn
+
+
 def test_partner_is_uniform_over_the_other_replicas():
     n_replicas, n_rounds = 8, 2800
     counts = np.zeros(n_replicas)
-    for r in range(n_rounds):
-        groups = groups_for_round(r, n_replicas, 2, seed=0)
+    for groups in _drawn_groups(n_rounds, n_replicas, 2, seed=0):
         for g in groups:
             if 0 in g:
                 counts[g[g != 0][0]] += 1
@@ -92,8 +104,8 @@ def test_partner_is_uniform_over_the_other_replicas():
 def _meeting_shares(n_replicas, n, pool_size=None, n_rounds=600):
     """Share of rounds each pair of replicas shares a group: min, mean, max over pairs."""
     together = np.zeros((n_replicas, n_replicas))
-    for r in range(n_rounds):
-        for g in groups_for_round(r, n_replicas, n, seed=0, pool_size=pool_size):
+    for groups in _drawn_groups(n_rounds, n_replicas, n, seed=0, pool_size=pool_size):
+        for g in groups:
             together[np.ix_(g, g)] += 1
     shares = together[~np.eye(n_replicas, dtype=bool)] / n_rounds
     return [round(float(f(shares)), 2) for f in (np.min, np.mean, np.max)]
@@ -119,10 +131,10 @@ def _numpy_group_mean(x, groups):
 def test_group_mean_matches_numpy(n_replicas, n):
     x = jax.random.normal(jax.random.key(0), (n_replicas, 5))
     pool = comm.partition_pool(n_replicas, n, seed=1)
+    run = jax.jit(jax.vmap(lambda v, i: comm.group_mean(v, "r", pool, i), in_axes=(0, None),
+                           axis_name="r"))  # one program for every pool index  # fmt: skip
     for idx in range(min(len(pool), 4)):
-        mean = jax.vmap(
-            lambda v, i=idx: comm.group_mean(v, "r", pool, jnp.int32(i)), axis_name="r"
-        )(x)
+        mean = run(x, jnp.int32(idx))
         np.testing.assert_allclose(mean, _numpy_group_mean(np.asarray(x), pool[idx]), rtol=1e-6)
 
 
@@ -346,7 +358,7 @@ def test_means_take_a_bool_presence_under_strict_dtype_promotion(mean):
           "group_int8": lambda v, w: comm.group_mean(v, "r", pool, 0, "int8", w),
           "all": lambda v, w: comm.all_replica_mean(v, "r", w),
           "wire": lambda v, w: comm.all_replica_mean_wire(v, "r", "int8", w)[0]}[mean]
-    run = jax.vmap(fn, axis_name="r")
+    run = jax.jit(jax.vmap(fn, axis_name="r"))  # traced under each promotion mode: one compile
     want = run(x, mask)
     with jax.numpy_dtype_promotion("strict"):
         np.testing.assert_array_equal(run(x, mask), want)
@@ -519,12 +531,13 @@ def test_packed_group_mean_equals_leaf_by_leaf_bit_for_bit(n_replicas, n, exchan
     def both(tree, weight, index):
         def one(t, w):
             packed = comm.group_mean(t, "r", pool, index, exchange_dtype, w)
-            refs = [_reference_group_mean(t, "r", p, exchange_dtype, w) for p in pool]
+            refs = [_reference_group_mean(t, "r", p, exchange_dtype, w) for p in pool[:checked]]
             return packed, jax.lax.switch(index, [lambda r=r: r for r in refs])
 
         return jax.vmap(one, axis_name="r")(tree, weight)
 
-    for idx in range(min(len(pool), 3)):
+    checked = min(len(pool), 3)  # the pool entries compared (the reference of no other compiles)
+    for idx in range(checked):
         packed, ref = both(tree, weight, jnp.int32(idx))
         assert jax.tree.map(lambda x: x.dtype, packed) == jax.tree.map(lambda x: x.dtype, ref)
         for got, want in zip(jax.tree.leaves(packed), jax.tree.leaves(ref)):
