@@ -1,5 +1,6 @@
 """8-bit exchange for NoLoCo and DiLoCo: bytes from HLO, one mean per group, error feedback."""
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -93,7 +94,8 @@ def test_the_group_agrees_on_one_mean_close_to_the_exact_one(n, num):
     pool = comm.partition_pool(num, n, 0)
     run = jax.vmap(lambda t: comm.group_mean(t, "replica", pool, 0, "int8"), axis_name="replica")
     got = jax.jit(run).lower(values).compile(compiler_options=OPTIMIZED)(values)
-    exact = jax.vmap(lambda t: comm.group_mean(t, "replica", pool, 0), axis_name="replica")(values)
+    exact = jax.jit(jax.vmap(lambda t: comm.group_mean(t, "replica", pool, 0),
+                             axis_name="replica"))(values)  # fmt: skip
     for g in pool[0]:
         for leaf in jax.tree.leaves(got):
             for member in g[1:]:
@@ -122,8 +124,8 @@ def test_absent_replicas_with_8_bit_exchange():
     values = jax.tree.map(lambda x: x.at[1].set(jnp.nan), values)
     pool = comm.partition_pool(N, 2, 0)
     weight = jnp.array([1.0, 0.0, 1.0, 1.0])
-    got = jax.vmap(lambda t, w: comm.group_mean(t, "replica", pool, 0, "int8", w),
-                   axis_name="replica")(values, weight)  # fmt: skip
+    got = jax.jit(jax.vmap(lambda t, w: comm.group_mean(t, "replica", pool, 0, "int8", w),
+                           axis_name="replica"))(values, weight)  # fmt: skip
     partner = [int(b) for a, b in pool[0] if a == 1] + [int(a) for a, b in pool[0] if b == 1]
     for x, v in zip(jax.tree.leaves(got), jax.tree.leaves(values)):
         assert np.isfinite(np.asarray(x[partner[0]])).all()  # NaN reached no one
@@ -167,6 +169,15 @@ def test_error_feedback_keeps_the_residual_bounded_and_the_average_unbiased():
     assert mean_fb < 0.25 * mean_plain, (mean_fb, mean_plain)
 
 
+@functools.cache
+def _int8_exchange(num, n):
+    """(pool, jitted vmap of group_mean_codec's (mean, sent) over int8, weights an argument):
+    one program for the cases of one group size."""
+    pool = comm.partition_pool(num, n, 0)
+    exchange = lambda t, w: comm.group_mean_codec(t, "r", pool, 0, "int8", w)[:2]  # noqa: E731
+    return pool, jax.jit(jax.vmap(exchange, axis_name="r"))
+
+
 @pytest.mark.parametrize("absent", [(), (1, 4)])
 @pytest.mark.parametrize("n", [2, 3, 4, 8])  # pairs, cyclic shifts, butterflies of 2 and 3 steps
 def test_what_error_feedback_keeps_is_what_the_group_sum_lost(n, absent):
@@ -176,13 +187,12 @@ def test_what_error_feedback_keeps_is_what_the_group_sum_lost(n, absent):
     too (they were left out, so with n = 4 and 8 error feedback let phi drift).
     """
     num = 8 if n != 3 else 6
-    pool = comm.partition_pool(num, n, 0)
+    pool, exchange = _int8_exchange(num, n)
     rng = np.random.default_rng(n)
     x = rng.standard_normal((num, 1024)).astype(np.float32)
     weight = np.ones(num, np.float32)
     weight[list(absent)] = 0.0
-    exchange = lambda t, w: comm.group_mean_codec(t, "r", pool, 0, "int8", w)[:2]  # noqa: E731
-    mean, sent = jax.vmap(exchange, axis_name="r")(jnp.asarray(x), jnp.asarray(weight))
+    mean, sent = exchange(jnp.asarray(x), jnp.asarray(weight))
     mean, sent = np.asarray(mean, np.float64), np.asarray(sent, np.float64)
     for group in pool[0]:
         here = [int(i) for i in group if weight[i] > 0]
