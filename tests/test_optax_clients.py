@@ -1,6 +1,7 @@
 """The optimizer core as an optax user drives it: the documented paths, Flax NNX, optax's
 wrappers, schedules, low-precision params and the traps each of them used to hide."""
 
+import functools
 import importlib
 
 import jax
@@ -146,10 +147,10 @@ def test_flax_nnx_recipe_keeps_counters_shared_and_trains():
     assert opt.opt_state.count[...].shape == () and int(opt.opt_state.count[...]) == 3
 
 
-@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
-def test_flax_nnx_on_a_mesh_equals_the_vmap_recipe(backend):
-    """The README's mesh recipe: each replica built on its own device, a pure step over
-    nnx.split state; one replica per device gives the nnx.vmap recipe's numbers."""
+@pytest.fixture(scope="module")
+def nnx_vmap_recipe():
+    """(tx, batches [6, N, 5, 3], nnx.state((model, optimizer)) after a step on each batch) of
+    the nnx.vmap recipe with NoLoCo (sync_every=3): the reference of both backends' cases."""
     tx = local_steps(optax.adam(1e-2), noloco_outer(), sync_every=3)
     xs = jax.random.normal(jax.random.key(1), (6, N, 5, 3))
     model, opt = _nnx_replicas(tx)  # the nnx.vmap recipe
@@ -157,6 +158,14 @@ def test_flax_nnx_on_a_mesh_equals_the_vmap_recipe(backend):
                              axis_name="replica"))  # fmt: skip
     for x in xs:
         vstep(model, opt, x)
+    return tx, xs, nnx.state((model, opt))
+
+
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_flax_nnx_on_a_mesh_equals_the_vmap_recipe(nnx_vmap_recipe, backend):
+    """The README's mesh recipe: each replica built on its own device, a pure step over
+    nnx.split state; one replica per device gives the nnx.vmap recipe's numbers."""
+    tx, xs, want = nnx_vmap_recipe
 
     reps = replicas.make_replicas(N, backend=backend)
 
@@ -177,7 +186,7 @@ def test_flax_nnx_on_a_mesh_equals_the_vmap_recipe(backend):
         state, _ = step(state, reps.put(x))
     mesh_model, mesh_opt = nnx.merge(graphdef, state)
     assert mesh_opt.opt_state.count[...].shape == () and step._cache_size() == 1
-    got, want = nnx.state((mesh_model, mesh_opt)), nnx.state((model, opt))
+    got = nnx.state((mesh_model, mesh_opt))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got, want)
 
 
@@ -274,7 +283,9 @@ def test_a_pool_of_one_partition_is_refused():
 # ------------------------------------------------------------------ 3, 7. the guard
 
 
+@functools.cache
 def _guarded(sync_every=2, momentum=0.5):
+    """The guarded NoLoCo optimizer (one object per settings, so the tests share its step)."""
     return local_steps(
         optax.adam(0.1),
         noloco_outer(learning_rate=0.5, momentum=momentum),
@@ -283,10 +294,16 @@ def _guarded(sync_every=2, momentum=0.5):
     )
 
 
+@functools.cache
+def _step2(tx):
+    """``tx``'s jitted step over 2 vmapped replicas, compiled once for the tests that use it."""
+    return jax.jit(replicas.make_replicas(2, backend="vmap").map(step_fn(tx)))
+
+
 def _run(tx, grads_seq, params):
     reps = replicas.make_replicas(2, backend="vmap")
     state = reps.init(tx, params)
-    step = jax.jit(reps.map(step_fn(tx)))
+    step = _step2(tx)
     for g in grads_seq:
         params, state = step(params, state, g)
     return params, state
@@ -325,8 +342,7 @@ def _restore(params, state):
 
 
 def _run_from(tx, params, state, grads_seq):
-    reps = replicas.Replicas(2)
-    step = jax.jit(reps.map(step_fn(tx)))
+    step = _step2(tx)  # replicas.Replicas(2)'s step, as make_replicas(2, "vmap") is
     for g in grads_seq:
         params, state = step(params, state, g)
     return params, state
