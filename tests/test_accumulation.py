@@ -66,14 +66,15 @@ def test_slice_i_holds_rows_i_i_plus_k_and_so_on():
 
 def test_bfloat16_params_get_bfloat16_gradients_summed_in_float32(model):
     graphdef, params, tokens = model
-    low = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    # Host-side (numpy) casts, slices and sums: each eager op compiled a program of its own.
+    low = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), params)
     _, g = jax.jit(grads.accumulated(grads.plain(graphdef), 4))(low, tokens, STEP)
     assert {x.dtype for x in jax.tree.leaves(g)} == {jnp.dtype(jnp.bfloat16)}
     # The reference: the four slices' bf16 gradients, summed in float32, then rounded once.
-    slices = [tokens[i::4] for i in range(4)]
+    slices = [np.asarray(tokens)[i::4] for i in range(4)]
     plain = jax.jit(grads.plain(graphdef))  # one program for the four equal-shaped slices
-    per = [plain(low, s, STEP)[1] for s in slices]
-    want = jax.tree.map(lambda *xs: (sum(x.astype(jnp.float32) for x in xs) / 4).astype(
+    per = [jax.tree.map(np.asarray, plain(low, s, STEP)[1]) for s in slices]
+    want = jax.tree.map(lambda *xs: (sum(x.astype(np.float32) for x in xs) / 4).astype(
         jnp.bfloat16), *per)  # fmt: skip
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
