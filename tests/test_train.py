@@ -53,7 +53,9 @@ def _losses(workdir):
     return [by_step[s] for s in sorted(by_step)]
 
 
-SYNC_EVERY = {"noloco": 6, "diloco": 4, "dp": 1, "local": 1}
+# DiLoCo syncs every 2 steps: each 2-step chunk is an inner step and the sync step, two programs
+# to compile (every 4 compiled a 2-step inner program too).
+SYNC_EVERY = {"noloco": 6, "diloco": 2, "dp": 1, "local": 1}
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +197,25 @@ def test_vocab_smaller_than_the_tokenizer_is_refused(tmp_path, corpus_dir, data_
         train_and_evaluate(s, tmp_path, progress=False)
 
 
+@pytest.fixture(scope="module")
+def padded_run(tmp_path_factory, corpus_dir, data_dir):
+    """(settings, workdir, last metrics) of a 4-step NoLoCo run with a padded vocabulary (384
+    ids for the byte tokenizer's 256) and AdamW's weight decay masked off the norms, trained
+    to step 2, then resumed to step 4 (evaluations and checkpoints every 2 steps).
+
+    One run for the padded-vocabulary and the masked-decay tests, which only read it.
+    """
+    s = tiny_settings(corpus_dir, data_dir, num_steps=4, eval_every=2, checkpoint_every=2,
+                      model={"preset": "nano", "vocab_size": 384},
+                      optim={"weight_decay": 0.1, "decay_norms": False})  # fmt: skip
+    workdir = tmp_path_factory.mktemp("padded")
+    train_and_evaluate(s, workdir, stop_at=2, progress=False)
+    return s, workdir, train_and_evaluate(s, workdir, progress=False)
+
+
 def test_a_padded_vocabulary_trains_exports_and_resumes_only_as_itself(tmp_path, corpus_dir,
-                                                                       data_dir, monkeypatch):  # fmt: skip
+                                                                       data_dir, monkeypatch,
+                                                                       padded_run):  # fmt: skip
     """model.vocab_size above the tokenizer's (a table padded to a multiple of 128, as
     nanoGPT pads GPT-2's 50,257 to 50,304) was refused as a mismatch."""
     from noloco_jax.models import hf  # noqa: PLC0415
@@ -207,8 +226,8 @@ def test_a_padded_vocabulary_trains_exports_and_resumes_only_as_itself(tmp_path,
 
     load = hf_init.load_llama
     short = dict(num_steps=4, eval_every=2, checkpoint_every=4)
-    s = tiny_settings(corpus_dir, data_dir, model={"preset": "nano", "vocab_size": 384}, **short)
-    last = train_and_evaluate(s, tmp_path / "run", progress=False)
+    s, run, last = padded_run
+    run = copy_run(run, tmp_path / "run")  # a refused resume below
     assert last["step"] == 4 and np.isfinite(last["train_loss"]) and np.isfinite(last["val_loss"])
     _, params, data = load_run(s, tmp_path / "run")
     assert data.tokenizer.vocab_size == 256
@@ -227,7 +246,9 @@ def test_a_padded_vocabulary_trains_exports_and_resumes_only_as_itself(tmp_path,
         train_and_evaluate(variant(s, model={"vocab_size": 0}), tmp_path / "run", progress=False)
     # A padded Hugging Face checkpoint (384 ids for a 256-id tokenizer) is a valid start (one
     # trains in test_train_hf.py::test_a_padded_hf_checkpoint_trains_and_exports_its_padded_table).
-    s = tiny_settings(corpus_dir, data_dir, model={"init_from": str(out)}, **short)
+    # Local steps only: one inner program to compile (no sync); the method plays no part here.
+    s = tiny_settings(corpus_dir, data_dir, method="local", model={"init_from": str(out)},
+                      **short)  # fmt: skip
     assert build.model_config(s, data.tokenizer.vocab_size).vocab_size == 384
     # Only init_from's path is a setting: a resume (or a load) after its config.json changed
     # ran the restored weights under the new RMSNorm epsilon, silently.
@@ -427,15 +448,13 @@ def test_stop_at_must_be_an_integer_of_at_least_0(tmp_path, corpus_dir, data_dir
     assert not (tmp_path / "metrics.jsonl").exists()  # refused before anything was written
 
 
-def test_a_weight_decay_masked_off_the_norms_trains_and_resumes(tmp_path, corpus_dir, data_dir):
+def test_a_weight_decay_masked_off_the_norms_trains_and_resumes(padded_run):
     """optim.decay_norms=False: AdamW's masked state goes through a round, the checkpoint and
-    a resume from it (the decay itself: test_settings)."""
-    s = tiny_settings(corpus_dir, data_dir, num_steps=4, eval_every=4, checkpoint_every=2,
-                      optim={"weight_decay": 0.1, "decay_norms": False})  # fmt: skip
-    train_and_evaluate(s, tmp_path, stop_at=2, progress=False)
-    train_and_evaluate(s, tmp_path, progress=False)
-    steps = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl", "train")]
-    assert steps == [2, 4] and np.isfinite(read_jsonl(tmp_path / "metrics.jsonl", "eval")[-1][
+    a resume from it (``padded_run`` stops at step 2 and resumes; the decay itself:
+    test_settings)."""
+    _, workdir, _ = padded_run
+    steps = [r["step"] for r in read_jsonl(workdir / "metrics.jsonl", "train")]
+    assert steps == [2, 4] and np.isfinite(read_jsonl(workdir / "metrics.jsonl", "eval")[-1][
         "val_ppl"])  # fmt: skip
 
 
@@ -443,10 +462,11 @@ def test_a_weight_decay_masked_off_the_norms_trains_and_resumes(tmp_path, corpus
 
 
 def _master_settings(corpus_dir, data_dir, slow_dtype="float32", **overrides):
-    """bf16 params, 8 steps, a sync every 4 (the resume at step 4 lands on a sync)."""
+    """bf16 params, 8 steps, a sync every 2 (the resume at step 4 lands on a sync; each
+    2-step chunk is one inner step and the sync step: two programs to compile, not three)."""
     return tiny_settings(corpus_dir, data_dir, num_steps=8, eval_every=4, checkpoint_every=4,
                          model={"preset": "nano", "param_dtype": "bfloat16"},
-                         outer={"sync_every": 4, "slow_dtype": slow_dtype}, **overrides)
+                         outer={"sync_every": 2, "slow_dtype": slow_dtype}, **overrides)
 
 
 @pytest.fixture(scope="module")
