@@ -68,8 +68,10 @@ def test_without_guard_nan_spreads(tmp_path, corpus_dir, data_dir):  # noqa: F81
 
 @pytest.mark.parametrize("method", ["noloco", "diloco"])
 def test_dropout_trains_without_blocking(tmp_path, corpus_dir, data_dir, method):  # noqa: F811
-    s = tiny_settings(corpus_dir, data_dir, method=method, num_steps=8,
-                      outer={"sync_every": 2}, fault={"dropout_prob": 0.3})  # fmt: skip
+    # Evaluated at steps 0 and 8, saved at 8 (host-only fields: the same programs).
+    s = tiny_settings(corpus_dir, data_dir, method=method, num_steps=8, eval_every=8,
+                      checkpoint_every=8, outer={"sync_every": 2},
+                      fault={"dropout_prob": 0.3})  # fmt: skip
     last = train_and_evaluate(s, tmp_path, progress=False)
     assert np.isfinite(last["val_ppl"]) and last["step"] == 8
 
