@@ -3,6 +3,7 @@
 import bz2
 import gzip
 import io
+import json
 import lzma
 import os
 import pathlib
@@ -254,20 +255,53 @@ def test_a_data_dir_with_a_tilde_is_the_home_directory(tmp_path, monkeypatch, te
     assert sources.default_data_dir() == tmp_path / "home" / "env"
 
 
+# One fresh interpreter imports the package once, then forks three children that prepare the
+# corpus at the same time (each child prints its corpus or its traceback; the parent prints
+# each child's exit status, stdout and stderr as one JSON line).
+CONCURRENT = """
+import json, os, sys, tempfile, traceback
+from noloco_jax import data
+assert 'tensorflow' not in sys.modules, 'TF imported'
+children = []
+for _ in range(3):
+    out, err = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        code = 0
+        try:
+            c = data.load_corpus('files', path=sys.argv[1], data_dir=sys.argv[2])
+            print(c.name, len(c.train), len(c.validation))
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    children.append((pid, out, err))
+results = []
+for pid, out, err in children:
+    _, status = os.waitpid(pid, 0)
+    out.seek(0)
+    err.seek(0)
+    results.append([os.waitstatus_to_exitcode(status), out.read(), err.read()])
+print(json.dumps(results))
+"""
+
+
 def test_concurrent_first_runs_prepare_the_dataset_once(text_dir, tmp_path):
     # Two processes (e.g. an experiment's parallel runs on a fresh machine) prepare the same
     # corpus at the same time: both must get it, neither may fail on the other's rename.
-    code = ("import sys; from noloco_jax import data; "
-            "c = data.load_corpus('files', path=sys.argv[1], data_dir=sys.argv[2]); "
-            "print(c.name, len(c.train), len(c.validation))")  # fmt: skip
+    # Three processes forked from one that imported the package (not TensorFlow) start together.
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(text_dir), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(3)]  # fmt: skip
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], [err[-500:] for _, err in outs]
-    assert len({out.strip().splitlines()[-1] for out, _ in outs}) == 1  # same corpus everywhere
-    name = outs[0][0].strip().splitlines()[-1].split()[0]
+    proc = subprocess.run([sys.executable, "-c", CONCURRENT, str(text_dir), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    outs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [code for code, _, _ in outs] == [0, 0, 0], [err[-500:] for _, _, err in outs]
+    assert len({out.strip().splitlines()[-1] for _, out, _ in outs}) == 1  # same corpus in each
+    name = outs[0][1].strip().splitlines()[-1].split()[0]
     assert sources._is_stored(tmp_path, name)
 
 
