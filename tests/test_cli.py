@@ -1,7 +1,8 @@
 """The command line: --help, and every bad input of README's table as a short error, exit 2.
 
 The CLI runs in this process (``noloco_jax.train.cli(argv)``) so that the bad-input rows cost
-no interpreter start; one subprocess checks the real exit status and that no traceback shows.
+no interpreter start; children forked from one subprocess check the real exit status and that
+no traceback shows.
 None of these runs trains except the one finished run the resume rows share.
 """
 
@@ -14,7 +15,6 @@ import os
 import pathlib
 import re
 import shutil
-import subprocess
 import sys
 import time
 import types
@@ -27,6 +27,7 @@ from noloco_jax import models, train
 from noloco_jax.data import sources
 from noloco_jax.models import hf
 from noloco_jax.trainer import settings as settings_lib
+from tests.helpers import run_forked
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -64,11 +65,22 @@ def test_helpfull_exits_0(capsys):
     assert "--verbosity" in capsys.readouterr().out  # absl's own flags too
 
 
-def test_help_subprocess_exit_status_is_0():
-    out = subprocess.run([sys.executable, "-m", "noloco_jax.train", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "--config.outer.sync_every=50" in out.stdout
+@pytest.fixture(scope="module")
+def module_runs(tmp_path_factory):
+    """[exit status, stderr, stdout] of ``python -m noloco_jax.train`` with ``--help``, with a
+    mistyped field, and with that and ``--debug``: children forked one after another from one
+    process that imported JAX once (``helpers.run_forked``), each exiting with its status."""
+    workdir = tmp_path_factory.mktemp("user_error")
+    bad = [f"--workdir={workdir}", "--config.num_replica=3"]
+    cases = [("noloco_jax.train", ["--help"]), ("noloco_jax.train", bad),
+             ("noloco_jax.train", bad + ["--debug"])]  # fmt: skip
+    return dict(zip(["help", "user_error", "debug"], run_forked(cases, ROOT, timeout=300)))
+
+
+def test_help_subprocess_exit_status_is_0(module_runs):
+    code, err, out = module_runs["help"]
+    assert code == 0, err[-2000:]
+    assert "--config.outer.sync_every=50" in out
 
 
 # ---------------------------------------------------------------- bad input
@@ -449,16 +461,13 @@ def test_config_file_checks_apply_to_the_space_separated_form(name, text, patter
     assert_user_error(code, err, rf"--config={re.escape(str(path))}: {pattern}")
 
 
-def test_user_error_subprocess_exit_2_without_traceback(tmp_path):
-    argv = [sys.executable, "-m", "noloco_jax.train", f"--workdir={tmp_path}",
-            "--config.num_replica=3"]  # fmt: skip
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 2
-    assert "did you mean --config.num_replicas?" in out.stderr
-    debug = subprocess.run(argv + ["--debug"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)  # fmt: skip
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
+def test_user_error_subprocess_exit_2_without_traceback(module_runs):
+    code, err, _ = module_runs["user_error"]
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 2
+    assert "did you mean --config.num_replicas?" in err
+    debug_code, debug_err, _ = module_runs["debug"]
+    assert debug_code != 0 and "Traceback" in debug_err
 
 
 @pytest.mark.parametrize("relative", [False, True])
