@@ -142,7 +142,7 @@ def test_replica_spread_of_empty_weights_is_zero():
 
     from noloco_jax import replica_spread  # noqa: PLC0415
 
-    spread = jax.vmap(lambda q: replica_spread(q, "r"), axis_name="r")
+    spread = jax.jit(jax.vmap(lambda q: replica_spread(q, "r"), axis_name="r"))  # as it runs
     assert spread({"w": np.zeros((2, 0), np.float32)}).tolist() == [0.0, 0.0]
     tree = {"w": np.zeros((2, 0), np.float32), "v": np.array([[0.0], [2.0]], np.float32)}
     assert spread(tree).tolist() == [1.0, 1.0]
@@ -155,7 +155,7 @@ def test_replica_spread_counts_the_imaginary_part_of_complex_weights():
 
     from noloco_jax import replica_spread  # noqa: PLC0415
 
-    spread = jax.vmap(lambda q: replica_spread(q, "r"), axis_name="r")
+    spread = jax.jit(jax.vmap(lambda q: replica_spread(q, "r"), axis_name="r"))  # as it runs
     assert spread(np.array([[1j], [-1j]], np.complex64)).tolist() == [1.0, 1.0]
     tree = {"z": np.array([[1 + 1j], [-1 - 1j]], np.complex64),
             "v": np.array([[0.0], [2.0]], np.float32)}
