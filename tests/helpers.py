@@ -114,10 +114,13 @@ for script, args in json.loads(sys.argv[1]):
     if pid == 0:
         os.dup2(err.fileno(), 2)
         os.dup2(out.fileno(), 1)
-        sys.argv = [script, *args]
+        sys.argv = [script, *args[1:]] if script == "-c" else [script, *args]
         code = 0
         try:
-            runpy.run_module(script, run_name="__main__", alter_sys=True)
+            if script == "-c":  # ("-c", [code, *args]): python -c code *args
+                exec(compile(args[0], "<string>", "exec"), {"__name__": "__main__"})
+            else:
+                runpy.run_module(script, run_name="__main__", alter_sys=True)
         except SystemExit as done:
             code = 0 if done.code is None else done.code if isinstance(done.code, int) else 1
         except BaseException:
@@ -137,37 +140,11 @@ print(json.dumps(results))
 
 def run_forked(cases: list[tuple[str, list[str]]], cwd: pathlib.Path, timeout: float
                ) -> list[list]:  # fmt: skip
-    """[exit status, stderr, stdout] of each ``python -m script *args`` of ``cases``, run one
-    after another in children forked from one process that imported JAX once (``FORKED``)."""
+    """[exit status, stderr, stdout] of each ``python -m script *args`` of ``cases`` (or
+    ``python -c code *args`` for a case ``("-c", [code, *args])``), run one after another in
+    children forked from one process that imported JAX once (``FORKED``)."""
     proc = subprocess.run([sys.executable, "-c", FORKED, json.dumps([list(c) for c in cases])],
                           cwd=cwd, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
-
-# FORKED where a case may also be code: ("-c", [code, *args]) runs as ``python -c code *args``.
-_RUN_MODULE = """\
-        sys.argv = [script, *args]
-        code = 0
-        try:
-            runpy.run_module(script, run_name="__main__", alter_sys=True)"""
-_RUN_MODULE_OR_CODE = """\
-        sys.argv = [script, *args[1:]] if script == "-c" else [script, *args]
-        code = 0
-        try:
-            if script == "-c":
-                exec(compile(args[0], "<string>", "exec"), {"__name__": "__main__"})
-            else:
-                runpy.run_module(script, run_name="__main__", alter_sys=True)"""
-FORKED_CODE = FORKED.replace(_RUN_MODULE, _RUN_MODULE_OR_CODE)
-assert FORKED_CODE != FORKED
-
-
-def run_forked_code(cases: list[tuple[str, list[str]]], cwd: pathlib.Path, timeout: float
-                    ) -> list[list]:  # fmt: skip
-    """``run_forked``, where a case may also be ``("-c", [code, *args])``: ``python -c code
-    *args`` in its forked child."""
-    proc = subprocess.run([sys.executable, "-c", FORKED_CODE, json.dumps([list(c) for c in cases])],
-                          cwd=cwd, capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])

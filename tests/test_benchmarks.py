@@ -9,7 +9,7 @@ import sys
 import pytest
 from absl import flags
 
-from tests.helpers import run_forked_code
+from tests.helpers import run_forked
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ REFUSALS = {
 def smoke_runs(request, tmp_path_factory):
     """{script: (its --out_dir, [exit status, stderr, stdout])} of every selected case of
     test_benchmark_smoke, each ``python -m experiments.bench.<script> --smoke`` run in a child
-    forked from one process that imported JAX once (``helpers.run_forked_code``): each script's
+    forked from one process that imported JAX once (``helpers.run_forked``): each script's
     imports only, not an interpreter's with JAX's, per case. Then the same of every case of
     REFUSALS, by its name."""
     scripts = [item.callspec.params["script"] for item in request.session.items
@@ -46,7 +46,7 @@ def smoke_runs(request, tmp_path_factory):
     cases += [(script, [*args, str(dirs[name])] if args[-1] == "--out_dir" else args)
               for name, (script, args) in REFUSALS.items()]  # fmt: skip
     return dict(zip([*scripts, *REFUSALS],
-                    zip(dirs.values(), run_forked_code(cases, ROOT, timeout=1800))))
+                    zip(dirs.values(), run_forked(cases, ROOT, timeout=1800))))
 
 
 @pytest.mark.parametrize("script", [

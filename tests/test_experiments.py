@@ -21,7 +21,7 @@ from noloco_jax.experiments import harness
 # at import, and a flag defined inside a flagsaver is deleted when the context exits, so a later
 # training run in the same worker failed with AttributeError (seen when xdist ordered it so).
 from noloco_jax.data import sources  # noqa: F401
-from tests.helpers import run_forked_code
+from tests.helpers import run_forked
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -567,13 +567,13 @@ _AT = {name: len(USER_ERRORS) + len(HELP) - 1 + i for i, name in enumerate(_OWN)
 def user_error_runs(tilde_home):
     """[exit status, stderr, stdout] of each case of USER_ERRORS, then of HELP[1:], then of
     the commands of ``_AT``, each in a child forked from one process that imported JAX once
-    (``helpers.run_forked_code``)."""
+    (``helpers.run_forked``)."""
     cases = [[script, args] for script, args, _ in USER_ERRORS]
     cases += [[script, [ask]] for script, ask in HELP[1:]]
     cases += [["-c", [_PUBLISH]], ["-c", [_TILDE, str(tilde_home)]],  # in the order of _OWN
               ["-c", [_COMMANDS, json.dumps(COMMAND_ARGV)]], ["experiments.fig3b_review", []],
               ["-c", [_EACH_ALONE, *SCRIPTS]]]
-    return run_forked_code(cases, ROOT, timeout=300)
+    return run_forked(cases, ROOT, timeout=300)
 
 
 @pytest.mark.parametrize("case", range(len(USER_ERRORS)),
