@@ -2,15 +2,13 @@
 
 import json
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from experiments.hdee_stability import compare
 from noloco_jax.errors import UserError
+from tests.helpers import run_forked_code
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -59,29 +57,50 @@ def test_compare_refuses_runs_of_other_seeds_or_domains():
         compare(fewer, AFTER)
 
 
-def test_cli_prints_table_and_missing_file_exits_2(tmp_path):
-    (tmp_path / "a.json").write_text(json.dumps(BEFORE))
-    (tmp_path / "b.json").write_text(json.dumps(AFTER))
-    cmd = [sys.executable, "-m", "experiments.hdee_stability", f"--before={tmp_path / 'a.json'}"]
-    ok = subprocess.run([*cmd, f"--after={tmp_path / 'b.json'}"], cwd=ROOT, capture_output=True,
-                        text=True)  # fmt: skip
-    assert ok.returncode == 0, ok.stderr
-    assert "1 / 2" in ok.stdout and "1 / 1" in ok.stdout
-    bad = subprocess.run([*cmd, f"--after={tmp_path / 'none.json'}"], cwd=ROOT,
-                         capture_output=True, text=True)  # fmt: skip
-    assert bad.returncode == 2 and "--after: no file" in bad.stderr
-    assert "Traceback" not in bad.stderr
+# From another directory, with the checkout on sys.path as PYTHONPATH would put it: the
+# default --after must not be relative to the working directory.
+_ELSEWHERE = """import os, runpy, sys
+os.chdir(sys.argv.pop(1))
+sys.path.insert(0, sys.argv.pop(1))
+sys.argv[0] = "experiments.hdee_stability"
+runpy.run_module("experiments.hdee_stability", run_name="__main__", alter_sys=True)
+"""
 
 
-def test_the_default_after_is_the_published_run_from_any_directory(tmp_path):
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """[exit status, stderr, stdout] of the script's three command lines, by name, each in its
+    own process forked from one that imported JAX once (``helpers.run_forked_code``): "ok"
+    (BEFORE against AFTER), "missing" (an --after with no file), both run from the checkout,
+    and "elsewhere" (the published run against the default --after, run from another
+    directory)."""
+    d = tmp_path_factory.mktemp("cli")
+    (d / "a.json").write_text(json.dumps(BEFORE))
+    (d / "b.json").write_text(json.dumps(AFTER))
+    (d / "elsewhere").mkdir()
+    script, before = "experiments.hdee_stability", f"--before={d / 'a.json'}"
+    published = ROOT / "experiments" / "results" / "hdee.json"
+    cases = {"ok": (script, [before, f"--after={d / 'b.json'}"]),
+             "missing": (script, [before, f"--after={d / 'none.json'}"]),
+             "elsewhere": ("-c", [_ELSEWHERE, str(d / "elsewhere"), str(ROOT),
+                                  f"--before={published}"])}  # fmt: skip
+    return dict(zip(cases, run_forked_code(list(cases.values()), ROOT, timeout=300)))
+
+
+def test_cli_prints_table_and_missing_file_exits_2(cli):
+    code, err, out = cli["ok"]
+    assert code == 0, err
+    assert "1 / 2" in out and "1 / 1" in out
+    code, err, _ = cli["missing"]
+    assert code == 2 and "--after: no file" in err
+    assert "Traceback" not in err
+
+
+def test_the_default_after_is_the_published_run_from_any_directory(cli):
     """--after defaulted to the relative experiments/results/hdee.json: "no file" outside the
     checkout's root."""
-    published = ROOT / "experiments" / "results" / "hdee.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-m", "experiments.hdee_stability",
-                          f"--before={published}"], cwd=tmp_path, capture_output=True, text=True,
-                         env=env)  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    code, err, _ = cli["elsewhere"]
+    assert code == 0, err
 
 
 def test_a_json_flag_expands_a_tilde(tmp_path, monkeypatch):
