@@ -80,7 +80,8 @@ def test_full_path_equals_the_ordinary_loss():
 
 
 def test_skip_training_run(tmp_path, corpus_dir, data_dir):  # noqa: F811
-    s = tiny_settings(corpus_dir, data_dir, num_steps=8,
+    # Syncing every 2 steps: the 1-step inner program and the sync program, no 2-step one.
+    s = tiny_settings(corpus_dir, data_dir, num_steps=8, outer={"sync_every": 2},
                       skip={"num_stages": 2, "path_length": 1, "full_every": 4})  # fmt: skip
     last = train_and_evaluate(s, tmp_path, progress=False)
     assert np.isfinite(last["val_ppl"]) and last["val_ppl"] < 250
