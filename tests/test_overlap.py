@@ -126,11 +126,17 @@ def test_without_the_merge_the_reference_would_differ():
     assert np.abs(want - other).max() > 1e-2
 
 
+@pytest.fixture(scope="module")
+def today():
+    """(state, params after each step) of 2H + 1 steps of local_steps without a delay argument
+    (today's update), trained once and only read."""
+    return _train(local_steps(optax.adam(0.05), noloco_outer(seed=2), H), 2 * H + 1)
+
+
 @pytest.mark.parametrize("mixing", [0.0, 0.3, 1.0])
-def test_no_delay_is_todays_update_bit_for_bit(mixing):
-    base = local_steps(optax.adam(0.05), noloco_outer(seed=2), H)
+def test_no_delay_is_todays_update_bit_for_bit(mixing, today):
     zero = local_steps(optax.adam(0.05), noloco_outer(seed=2), H, delay=0, mixing=mixing)
-    sa, a = _train(base, 2 * H + 1)
+    sa, a = today
     sb, b = _train(zero, 2 * H + 1)
     assert sb.anchor is None
     for x, y in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb))):
