@@ -8,7 +8,7 @@ import pytest
 
 from experiments.hdee_stability import compare
 from noloco_jax.errors import UserError
-from tests.helpers import run_forked_code
+from tests.helpers import run_forked
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ runpy.run_module("experiments.hdee_stability", run_name="__main__", alter_sys=Tr
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
     """[exit status, stderr, stdout] of the script's three command lines, by name, each in its
-    own process forked from one that imported JAX once (``helpers.run_forked_code``): "ok"
+    own process forked from one that imported JAX once (``helpers.run_forked``): "ok"
     (BEFORE against AFTER), "missing" (an --after with no file), both run from the checkout,
     and "elsewhere" (the published run against the default --after, run from another
     directory)."""
@@ -84,7 +84,7 @@ def cli(tmp_path_factory):
              "missing": (script, [before, f"--after={d / 'none.json'}"]),
              "elsewhere": ("-c", [_ELSEWHERE, str(d / "elsewhere"), str(ROOT),
                                   f"--before={published}"])}  # fmt: skip
-    return dict(zip(cases, run_forked_code(list(cases.values()), ROOT, timeout=300)))
+    return dict(zip(cases, run_forked(list(cases.values()), ROOT, timeout=300)))
 
 
 def test_cli_prints_table_and_missing_file_exits_2(cli):
