@@ -1,5 +1,7 @@
 """Streaming fragments of local_steps: one fragment per sync, each with its own outer state."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from tests.helpers import step_fn
 N, H, L = 4, 4, 4
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one compile per leading axis, not per op
 def _params(num=None):
     lead = () if num is None else (num,)
     k = jax.random.split(jax.random.key(0), 3)
@@ -23,6 +26,7 @@ def _params(num=None):
     }
 
 
+@jax.jit  # t is traced: one compile for every step
 def _grads(t):
     return jax.tree.map(lambda x: jnp.sin(x * (t + 1.0)), _params(N))
 
@@ -248,7 +252,9 @@ def test_guard_with_fragments_keeps_the_caught_fragment_state():
     for t in range(H):  # both fragments sync once
         params, state = step(params, state, _grads(t))
     before = jax.tree.map(np.asarray, state.outer_state[0].sgd_state[0].trace)
-    bad = jax.tree.map(lambda x: x.at[1].set(jnp.nan), _grads(H))
+    bad = jax.tree.map(np.array, _grads(H))  # replica 1's gradient NaN, set on the host
+    for x in jax.tree.leaves(bad):
+        x[1] = np.nan
     params, state = step(params, state, bad)  # step H+1: inner
     params, state = step(params, state, _grads(H + 1))  # step H+2: fragment 0 syncs
     after = jax.tree.map(np.asarray, state.outer_state[0].sgd_state[0].trace)
