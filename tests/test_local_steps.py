@@ -86,7 +86,8 @@ def test_inner_state_is_local_and_not_reset():
     tx = local_steps(optax.adam(0.01), noloco_outer(), 2)
     _, state, _, _ = run_steps(tx, params0, grads, num_replicas)
     # Adam's first moment after 4 steps from zero: sum_t 0.1 * 0.9^(4-t) g_t, per replica.
-    mu = jax.tree.map(lambda *g: sum(0.1 * 0.9 ** (3 - t) * gt for t, gt in enumerate(g)), *grads)
+    mu = jax.tree.map(lambda *g: sum(0.1 * 0.9 ** (3 - t) * np.asarray(gt)  # on the host
+                                     for t, gt in enumerate(g)), *grads)  # fmt: skip
     assert_trees_close(state.local_opt_state[0].mu, mu, rtol=1e-5, atol=1e-6)
 
 
@@ -303,9 +304,9 @@ def test_data_parallel_averages_gradients_every_step():
     params0 = random_tree(jax.random.key(6))
     grads = _grads(num_replicas, 3, seed=6)
     p, _, _, _ = run_steps(data_parallel(optax.sgd(0.1)), params0, grads, num_replicas)
-    expected = params0
-    for g in grads:
-        expected = jax.tree.map(lambda e, gg: e - 0.1 * gg.mean(0), expected, g)
+    expected = jax.tree.map(np.asarray, params0)
+    for g in grads:  # the reference on the host (numpy)
+        expected = jax.tree.map(lambda e, gg: e - 0.1 * np.asarray(gg).mean(0), expected, g)
     assert_trees_close(p, replicas.replicate(expected, num_replicas), rtol=1e-6, atol=1e-6)
     alone = data_parallel(optax.sgd(0.1), axis_name=None)
     single = jax.tree.map(lambda x: x[0], grads[0])
