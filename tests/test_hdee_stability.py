@@ -57,11 +57,12 @@ def test_compare_refuses_runs_of_other_seeds_or_domains():
         compare(fewer, AFTER)
 
 
-# From another directory, with the checkout on sys.path as PYTHONPATH would put it: the
-# default --after must not be relative to the working directory.
+# From another directory, the package found in the checkout (imported before the change of
+# directory, as PYTHONPATH would find it): the default --after must not be relative to the
+# working directory.
 _ELSEWHERE = """import os, runpy, sys
+import experiments
 os.chdir(sys.argv.pop(1))
-sys.path.insert(0, sys.argv.pop(1))
 sys.argv[0] = "experiments.hdee_stability"
 runpy.run_module("experiments.hdee_stability", run_name="__main__", alter_sys=True)
 """
@@ -82,8 +83,7 @@ def cli(tmp_path_factory):
     published = ROOT / "experiments" / "results" / "hdee.json"
     cases = {"ok": (script, [before, f"--after={d / 'b.json'}"]),
              "missing": (script, [before, f"--after={d / 'none.json'}"]),
-             "elsewhere": ("-c", [_ELSEWHERE, str(d / "elsewhere"), str(ROOT),
-                                  f"--before={published}"])}  # fmt: skip
+             "elsewhere": ("-c", [_ELSEWHERE, str(d / "elsewhere"), f"--before={published}"])}
     return dict(zip(cases, run_forked(list(cases.values()), ROOT, timeout=300)))
 
 
