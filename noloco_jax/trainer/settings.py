@@ -644,10 +644,7 @@ def _validate_optim(o: OptimSettings, num_steps: int) -> None:
     # Rates and norms are float32 in the compiled step, where a positive value below the
     # smallest normal is 0: the run logged learning_rate 0.0 and trained nothing.
     for name, allowed in (("learning_rate", ""), ("clip_norm", "0 (no clipping) or ")):
-        value = getattr(o, name)
-        require(value == 0 or value >= FLOAT32_TINY, f"config.optim.{name}",
-                f"must be {allowed}>= {FLOAT32_TINY:.3g} (it is float32 in the step, where a "
-                f"smaller value is 0), got {value!r}.")  # fmt: skip
+        _check_float32_normal(f"config.optim.{name}", getattr(o, name), allowed, "the step")
     # The cosine decays to learning_rate * min_lr_ratio; below the smallest normal that floor
     # is 0 in float32 and the late steps train nothing. min_lr_ratio = 0 decays to 0 on purpose.
     floor = o.learning_rate * o.min_lr_ratio
@@ -664,6 +661,14 @@ def _validate_optim(o: OptimSettings, num_steps: int) -> None:
             f"rate) must be >= {FLOAT32_TINY:.3g} (it is float32 in the step, where a smaller "
             f"value is 0), got {o.learning_rate!r} / {o.warmup_steps!r} = {first!r}; raise "
             f"learning_rate or lower warmup_steps.")  # fmt: skip
+
+
+def _check_float32_normal(field: str, value: float, allowed: str, where: str) -> None:
+    """``value`` is 0 or at least float32's smallest normal: it is float32 in ``where``, where
+    a smaller positive value is 0. ``allowed`` names the 0 case in the message ("0 or ")."""
+    require(value == 0 or value >= FLOAT32_TINY, field,
+            f"must be {allowed}>= {FLOAT32_TINY:.3g} (it is float32 in {where}, where a smaller "
+            f"value is 0), got {value!r}.")  # fmt: skip
 
 
 def _check_micro_batches(s: TrainSettings) -> None:
@@ -686,10 +691,9 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     if o.gamma is not None:
         check_rate("config.outer.gamma", o.gamma)
     for name in ("learning_rate", "gamma"):  # float32 in the sync step, as the inner rates
-        value = getattr(o, name)
-        require(not value or value >= FLOAT32_TINY, f"config.outer.{name}",
-                f"must be 0 or >= {FLOAT32_TINY:.3g} (it is float32 in the sync step, where a "
-                f"smaller value is 0), got {value!r}.")  # fmt: skip
+        if getattr(o, name) is not None:
+            _check_float32_normal(f"config.outer.{name}", getattr(o, name), "0 or ",
+                                  "the sync step")  # fmt: skip
     check_choice("config.outer.exchange_dtype", o.exchange_dtype, EXCHANGE_DTYPES)
     check_choice("config.outer.slow_dtype", o.slow_dtype, SLOW_DTYPES)
     check_error_feedback(o.error_feedback, o.exchange_dtype, field="config.outer.error_feedback",
