@@ -507,8 +507,7 @@ def warnings_for(s: TrainSettings) -> list[str]:
                    f"sequence(s) per slice, which mesh.fsdp={fsdp} does not divide: every device "
                    f"of a replica computes whole slices; choose micro_batches so that fsdp divides "
                    f"global_batch_size / num_replicas / micro_batches.")  # fmt: skip
-    out += (_lone_replica_warnings(s) + _no_rounds_warnings(s) + _drill_warnings(s)
-            + _slow_dtype_warnings(s))  # fmt: skip
+    out += _unused_warnings(s)
     if not s.optim.decay_norms and s.optim.weight_decay == 0:
         out.append("config.optim.decay_norms=False does nothing without weight decay "
                    "(config.optim.weight_decay=0); set weight_decay > 0 for it to act.")
@@ -560,51 +559,36 @@ _EXCHANGE_FIELDS = ("outer.exchange_dtype", "outer.error_feedback", "outer.gamma
                     "outer.group_size", "fault.dropout_prob", "fault.resync_absent")
 
 
-def _drill_warnings(s: TrainSettings) -> list[str]:
-    """A NaN drill (``fault.inject_nan_step``) the run never reaches: it fired never, silently."""
-    step = s.fault.inject_nan_step
-    if step < s.num_steps:
-        return []
-    return [f"config.fault.inject_nan_step={step} >= num_steps={s.num_steps}: no NaN will be "
-            f"injected (steps are 0-based); use a step in [0, {s.num_steps - 1}]."]
-
-
 def _changed_fields(s: TrainSettings, fields: Any) -> list[str]:
     """``config.<field>=<value>`` for each dotted ``section.name`` of ``fields`` off its default."""
     values = {f: getattr(getattr(s, f.split(".")[0]), f.split(".")[1]) for f in fields}
     return [f"config.{f}={v!r}" for f, v in values.items() if v != defaults.default(f)]
 
 
-def _lone_replica_warnings(s: TrainSettings) -> list[str]:
-    """NoLoCo / DiLoCo with one replica: exchange settings that do nothing (silent before)."""
-    if s.num_replicas > 1 or s.method not in ROUND_METHODS:
-        return []
-    given = _changed_fields(s, _EXCHANGE_FIELDS)
-    if not given:
-        return []
-    return [f"{', '.join(given)} ignored with num_replicas=1: a lone replica exchanges nothing "
-            f"(no partner, no drop-out, no 8-bit message); use num_replicas >= 2 to train "
-            f"with {'them' if len(given) > 1 else 'it'}."]
-
-
-def _no_rounds_warnings(s: TrainSettings) -> list[str]:
-    """'dp' and 'local' have no outer rounds: outer.* changed from its defaults does nothing."""
-    if s.method in ROUND_METHODS:
-        return []
-    given = _changed_fields(s, [f"outer.{f.name}" for f in dataclasses.fields(s.outer)])
-    if not given:
-        return []
-    return [f"{', '.join(given)} ignored with method={s.method!r}: it has no outer rounds "
-            f"(outer.* acts on 'noloco' and 'diloco' only)."]
-
-
-def _slow_dtype_warnings(s: TrainSettings) -> list[str]:
-    """Master weights as wide as the params: the run is the one without them (bit for bit)."""
-    if s.method not in ROUND_METHODS or s.outer.slow_dtype != s.model.param_dtype:
-        return []
-    return [f"config.outer.slow_dtype={s.outer.slow_dtype!r} does nothing with "
-            f"config.model.param_dtype={s.model.param_dtype!r}: the slow weights are already "
-            f"that wide (master weights are for model.param_dtype='bfloat16')."]
+def _unused_warnings(s: TrainSettings) -> list[str]:
+    """Settings the run never acts on (each was silent before): exchange settings of a lone
+    replica, outer.* without outer rounds, a NaN drill past the last step, and master weights
+    (``outer.slow_dtype``) as wide as the params, which is the run without them, bit for bit."""
+    out, rounds = [], s.method in ROUND_METHODS
+    lone = _changed_fields(s, _EXCHANGE_FIELDS) if rounds and s.num_replicas <= 1 else []
+    if lone:
+        out.append(f"{', '.join(lone)} ignored with num_replicas=1: a lone replica exchanges "
+                   f"nothing (no partner, no drop-out, no 8-bit message); use num_replicas >= 2 "
+                   f"to train with {'them' if len(lone) > 1 else 'it'}.")  # fmt: skip
+    fields = [f"outer.{f.name}" for f in dataclasses.fields(s.outer)]
+    roundless = [] if rounds else _changed_fields(s, fields)
+    if roundless:
+        out.append(f"{', '.join(roundless)} ignored with method={s.method!r}: it has no outer "
+                   f"rounds (outer.* acts on 'noloco' and 'diloco' only).")
+    step = s.fault.inject_nan_step
+    if step >= s.num_steps:
+        out.append(f"config.fault.inject_nan_step={step} >= num_steps={s.num_steps}: no NaN will "
+                   f"be injected (steps are 0-based); use a step in [0, {s.num_steps - 1}].")
+    if rounds and s.outer.slow_dtype == s.model.param_dtype:
+        out.append(f"config.outer.slow_dtype={s.outer.slow_dtype!r} does nothing with "
+                   f"config.model.param_dtype={s.model.param_dtype!r}: the slow weights are "
+                   f"already that wide (master weights are for model.param_dtype='bfloat16').")
+    return out
 
 
 def _validate_skip(k: SkipSettings, pipeline_stages: int) -> None:
