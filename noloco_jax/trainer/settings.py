@@ -476,18 +476,16 @@ def packs_replica(method: str, exchange_dtype: str) -> bool:
 def warnings_for(s: TrainSettings) -> list[str]:
     """Valid but suspicious settings, one line each (the trainer prints them at start)."""
     out = _unsynced_warnings(s)
-    if s.num_stages > 1 and s.routing == "random" and s.routing_pool_size == 1:
-        out.append("config.routing_pool_size=1: the pool holds only the identity, so "
-                   "routing='random' is fixed routing.")
-    if (s.num_stages > 1 and s.routing == "fixed"
-            and s.routing_pool_size != defaults.default("routing_pool_size")):
-        out.append(f"config.routing_pool_size={s.routing_pool_size} is ignored with "
-                   f"routing='fixed': every stage boundary keeps the identity.")
-    routing = (s.routing, s.routing_pool_size)
-    if s.num_stages == 1 and routing != (defaults.default("routing"),
-                                         defaults.default("routing_pool_size")):
+    pool, default_pool = s.routing_pool_size, defaults.default("routing_pool_size")
+    if s.num_stages == 1 and (s.routing, pool) != (defaults.default("routing"), default_pool):
         out.append("config.routing / routing_pool_size are ignored without pipeline stages "
                    "(config.num_stages=1).")
+    elif s.num_stages > 1 and s.routing == "random" and pool == 1:
+        out.append("config.routing_pool_size=1: the pool holds only the identity, so "
+                   "routing='random' is fixed routing.")
+    elif s.num_stages > 1 and s.routing == "fixed" and pool != default_pool:
+        out.append(f"config.routing_pool_size={pool} is ignored with routing='fixed': every "
+                   f"stage boundary keeps the identity.")
     out += _skip_warnings(s.skip)
     named = (s.log.wandb_project != defaults.default("log.wandb_project"), s.log.wandb_run_name)
     if not s.log.wandb and any(named):
