@@ -227,12 +227,12 @@ def validate(s: TrainSettings) -> TrainSettings:
     _validate_optim(s.optim, s.num_steps)
     _check_micro_batches(s)
     _validate_outer(s.outer, s.method, s.num_replicas)
-    require(s.outer.fragments == 1 or (s.num_stages == 1 and s.method in ROUND_METHODS),
-            "config.outer.fragments", "streaming fragments need method noloco or diloco and "
-            "num_stages=1.")  # fmt: skip
-    require(s.outer.delay == 0 or (s.num_stages == 1 and s.method in ROUND_METHODS),
-            "config.outer.delay", f"the overlapped exchange needs method noloco or diloco and "
-            f"num_stages=1, got method={s.method!r}, num_stages={s.num_stages}.")  # fmt: skip
+    flat_rounds = s.num_stages == 1 and s.method in ROUND_METHODS  # fragments and delay need it
+    require(s.outer.fragments == 1 or flat_rounds, "config.outer.fragments",
+            "streaming fragments need method noloco or diloco and num_stages=1.")
+    require(s.outer.delay == 0 or flat_rounds, "config.outer.delay", f"the overlapped exchange "
+            f"needs method noloco or diloco and num_stages=1, got method={s.method!r}, "
+            f"num_stages={s.num_stages}.")  # fmt: skip
     if s.method in ROUND_METHODS:
         check_log_and_sync_every(s)
         check_delay_windows(s)
@@ -266,15 +266,13 @@ def validate(s: TrainSettings) -> TrainSettings:
     return s
 
 
-# Free text, which no other check reads: a plain dict's model.init_from=5 was accepted and
-# failed later in the run (the fields with choices or formats have checks of their own).
+# Free text, which no other check reads (model.init_from=5 was accepted and failed later).
 _TEXT_FIELDS = ("data.path", "data.tfds_name", "data.data_dir", "data.tokenizer_path",
                 "model.init_from", "log.wandb_project", "log.wandb_run_name")
 
 
 def _check_bools(s: TrainSettings) -> None:
-    """Every ``bool`` field is True or False (not 0, 1 or "yes"), every free-text one a string
-    (or a path object)."""
+    """Every ``bool`` field is True or False (not 0, 1 or "yes"), each free-text one str or path."""
     for prefix, obj in [("", s), *((f"{n}.", getattr(s, n)) for n in _SECTIONS)]:
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
@@ -299,11 +297,10 @@ def _validate_run(s: TrainSettings) -> None:
     _check_seed("config.seed", s.seed)
     for name in ("fsdp", "tensor"):
         check_int(f"config.mesh.{name}", getattr(s.mesh, name))
-    split = s.mesh.fsdp * s.mesh.tensor
-    require(split == 1 or (s.num_stages == 1 and s.backend != "vmap"), "config.mesh",
-            f"fsdp={s.mesh.fsdp} x tensor={s.mesh.tensor} splits a replica over devices, which "
-            f"needs backend 'auto' or 'shard_map' and num_stages=1, got backend={s.backend!r}, "
-            f"num_stages={s.num_stages}.")  # fmt: skip
+    require(s.mesh.fsdp * s.mesh.tensor == 1 or (s.num_stages == 1 and s.backend != "vmap"),
+            "config.mesh", f"fsdp={s.mesh.fsdp} x tensor={s.mesh.tensor} splits a replica over "
+            f"devices, which needs backend 'auto' or 'shard_map' and num_stages=1, got "
+            f"backend={s.backend!r}, num_stages={s.num_stages}.")  # fmt: skip
     require(s.global_batch_size % s.num_replicas == 0, "config.global_batch_size",
             f"{s.global_batch_size} is not divisible by num_replicas={s.num_replicas}.")
     for name in ("eval_every", "checkpoint_every"):
@@ -617,26 +614,21 @@ def _validate_optim(o: OptimSettings, num_steps: int) -> None:
         check_number(f"config.optim.{name}", getattr(o, name), 0, 1, open_high=True)
     for name in ("eps", "weight_decay", "clip_norm"):
         check_number(f"config.optim.{name}", getattr(o, name))
-    # Adam divides by sqrt(v) + eps: with eps = 0 a parameter whose gradient is 0
-    # (an unused embedding row) gets 0 / 0 = NaN on the first step. The moments are float32,
-    # where an eps below the smallest normal number (1.2e-38) is 0 (XLA flushes subnormals).
+    # With eps = 0 a parameter whose gradient is 0 (an unused embedding row) gets 0 / 0 = NaN.
     require(o.eps >= FLOAT32_TINY, "config.optim.eps", f"must be >= {FLOAT32_TINY:.3g} (Adam "
             f"divides by sqrt(v) + eps in float32, where a smaller eps is 0), got {o.eps!r}; the "
             f"usual value is 1e-8.")  # fmt: skip
-    # Rates and norms are float32 in the compiled step, where a positive value below the
-    # smallest normal is 0: the run logged learning_rate 0.0 and trained nothing.
+    # A smaller rate is 0 in the float32 step: the run logged learning_rate 0.0, trained nothing.
     for name, allowed in (("learning_rate", ""), ("clip_norm", "0 (no clipping) or ")):
         _check_float32_normal(f"config.optim.{name}", getattr(o, name), allowed, "the step")
-    # The cosine decays to learning_rate * min_lr_ratio; below the smallest normal that floor
-    # is 0 in float32 and the late steps train nothing. min_lr_ratio = 0 decays to 0 on purpose.
+    # A zero floor leaves the late steps untrained; min_lr_ratio = 0 decays to 0 on purpose.
     floor = o.learning_rate * o.min_lr_ratio
     require(o.min_lr_ratio == 0 or floor >= FLOAT32_TINY, "config.optim.min_lr_ratio",
             f"config.optim.learning_rate * config.optim.min_lr_ratio must be 0 or >= "
             f"{FLOAT32_TINY:.3g} (the schedule decays to it in float32, where a smaller value "
             f"is 0), got {o.learning_rate!r} * {o.min_lr_ratio!r} = {floor!r}; raise either, or "
             f"set min_lr_ratio=0 to decay to 0.")  # fmt: skip
-    # The warmup's first rate is learning_rate / warmup_steps; below the smallest normal it is
-    # 0 in float32 (and jit on CPU folds it into every warmup step: all of them trained nothing).
+    # A zero first rate: jit on CPU folded it into every warmup step, all of them trained nothing.
     first = o.learning_rate / max(o.warmup_steps, 1)
     require(first >= FLOAT32_TINY, "config.optim.warmup_steps",
             f"config.optim.learning_rate / config.optim.warmup_steps (the first warmup step's "
