@@ -665,9 +665,9 @@ def _validate_outer(o: OuterSettings, method: str, num_replicas: int) -> None:
     if o.gamma is not None:
         check_rate("config.outer.gamma", o.gamma)
     for name in ("learning_rate", "gamma"):  # float32 in the sync step, as the inner rates
-        if getattr(o, name) is not None:
-            _check_float32_normal(f"config.outer.{name}", getattr(o, name), "0 or ",
-                                  "the sync step")  # fmt: skip
+        value = getattr(o, name)
+        if value is not None:
+            _check_float32_normal(f"config.outer.{name}", value, "0 or ", "the sync step")
     check_choice("config.outer.exchange_dtype", o.exchange_dtype, EXCHANGE_DTYPES)
     check_choice("config.outer.slow_dtype", o.slow_dtype, SLOW_DTYPES)
     check_error_feedback(o.error_feedback, o.exchange_dtype, field="config.outer.error_feedback",
@@ -712,11 +712,8 @@ _PATH_FIELDS = ("data.path", "data.tokenizer_path", "model.init_from")
 
 
 def _dotted_pair(saved: dict, current: dict) -> tuple[dict, dict]:
-    """Both settings as dotted dicts; a field the checkpoint predates counts as its default.
-
-    "corpus/", "./corpus", "$PWD/corpus" and "~/corpus" (run from home) name the same corpus,
-    also when $PWD goes through a symbolic link.
-    """
+    """Both settings as dotted dicts, paths resolved ("corpus/", "./corpus" and "~/corpus" are
+    one corpus); a field the checkpoint predates counts as its default."""
     known = defaults.dotted(TrainSettings().to_dict())
     a, b = {**known, **defaults.dotted(saved)}, defaults.dotted(current)
     for d in (a, b):
