@@ -237,9 +237,9 @@ def validate(s: TrainSettings) -> TrainSettings:
         check_log_and_sync_every(s)
         check_delay_windows(s)
     _validate_fault(s.fault, s.num_replicas)
+    # (outer.error_feedback needs an 8-bit outer.exchange_dtype, which this refuses first.)
     for field, unused in (("fault.dropout_prob", s.fault.dropout_prob != 0),
                           ("outer.exchange_dtype", s.outer.exchange_dtype != ""),
-                          ("outer.error_feedback", s.outer.error_feedback),
                           ("outer.nesterov", s.outer.nesterov)):  # fmt: skip
         require(not unused or s.method in ROUND_METHODS, f"config.{field}",
                 f"acts on the outer rounds of method noloco or diloco only, got "
