@@ -424,9 +424,8 @@ def _validate_data(s: TrainSettings) -> None:
     require(is_text_encoding(d.encoding), "config.data.encoding",
             f"must be a text encoding Python knows (e.g. 'utf-8', 'latin-1'), got "
             f"{d.encoding!r}.")  # fmt: skip
-    check_int("config.data.seq_len", d.seq_len)
-    check_int("config.data.eval_windows", d.eval_windows)
-    check_int("config.data.tokenizer_vocab_size", d.tokenizer_vocab_size, minimum=0)
+    for name, minimum in (("seq_len", 1), ("eval_windows", 1), ("tokenizer_vocab_size", 0)):
+        check_int(f"config.data.{name}", getattr(d, name), minimum)
     require(d.tokenizer != "byte" or d.tokenizer_vocab_size in (0, 256),
             "config.data.tokenizer_vocab_size", f"the byte tokenizer has exactly 256 ids, got "
             f"{d.tokenizer_vocab_size}; leave it 0, or set config.data.tokenizer='sentencepiece' "
