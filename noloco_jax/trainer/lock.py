@@ -42,7 +42,12 @@ class WorkdirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self._refuse(fd)
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise WorkdirLockedError(
+                f"--workdir {str(self.path.parent)!r} is in use by another trainer "
+                f"(pid {holder}); wait for it to finish, stop it, or use another --workdir."
+            ) from None
         except OSError as err:  # no flock on this filesystem (e.g. Lustre without -o flock)
             os.close(fd)
             warnings.warn(f"--workdir {str(self.path.parent)!r} cannot be locked ({err}); "
@@ -51,14 +56,6 @@ class WorkdirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
-
-    def _refuse(self, fd: int) -> None:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise WorkdirLockedError(
-            f"--workdir {str(self.path.parent)!r} is in use by another trainer "
-            f"(pid {holder}); wait for it to finish, stop it, or use another --workdir."
-        ) from None
 
     def release(self) -> None:
         if self._fd is None:
