@@ -13,8 +13,6 @@ from noloco_jax.errors import UserError, check_choice, check_int
 __all__ = ["state_bytes_per_device", "available_bytes", "check_fits"]
 
 _GIB = 1024**3
-_CPU_SHARED = ("CPU devices share this memory, so spreading the state over more of them "
-               "(shard_map, mesh splits, stages) does not shrink it. Use")
 
 
 def state_bytes_per_device(abstract_params: Any, tx: Any, *, num_replicas: int,
@@ -98,9 +96,9 @@ def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str,
     if free is None or need <= free:  # None: unknown; XLA reports running out itself
         return
     model = f"model.init_from={init_from!r}" if init_from else f"model.preset={preset!r}"
-    # CPU devices share the host's memory: spreading the state over more of them (shard_map,
-    # a split, stages) leaves the host's total as it is.
-    spread = ("" if device.platform == "cpu" else
+    spread = ("CPU devices share this memory, so spreading the state over more of them "
+              "(shard_map, mesh splits, stages) does not shrink it. Use"
+              if device.platform == "cpu" else
               "Put fewer replicas on each device (backend='shard_map' with one device per "
               "replica), split each replica over several devices (config.mesh.fsdp, "
               "config.mesh.tensor), split layers over pipeline stages on a replica x stage "
@@ -108,6 +106,6 @@ def check_fits(per_device: int, devices_used: int, *, preset: str, backend: str,
     raise UserError(
         f"the training state needs at least {need / _GIB:.1f} GiB ({per_device / _GIB:.1f} GiB "
         f"per device, {model}, backend={backend!r}) but {where} has "
-        f"{free / _GIB:.1f} GiB free. {spread or _CPU_SHARED} fewer replicas, a smaller "
+        f"{free / _GIB:.1f} GiB free. {spread} fewer replicas, a smaller "
         f"model.preset or model.param_dtype='bfloat16'."
     )
