@@ -22,9 +22,7 @@ from noloco_jax.optim.trees import is_float
 
 __all__ = ["check_stages", "stage_layer_ids", "leaf_owner", "clip_by_stage_norm"]
 
-FIRST_STAGE_LEAVES = ("embedding",)
-LAST_STAGE_LEAVES = ("final_norm", "lm_head")
-BLOCK_LEAVES = ("blocks",)
+_OWNERS = {"blocks": "blocks", "embedding": "first", "final_norm": "last", "lm_head": "last"}
 
 
 def check_stages(num_layers: int, num_stages: int, field: str = "num_stages") -> None:
@@ -56,13 +54,9 @@ def stage_layer_ids(num_layers: int, num_stages: int) -> list[np.ndarray]:
 def leaf_owner(path: tuple) -> str:
     """"blocks" (split over stages by layer), "first" or "last" stage."""
     name = str(getattr(path[0], "key", getattr(path[0], "name", path[0])))
-    if name in BLOCK_LEAVES:
-        return "blocks"
-    if name in FIRST_STAGE_LEAVES:
-        return "first"
-    if name in LAST_STAGE_LEAVES:
-        return "last"
-    raise ValueError(f"parameter {jax.tree_util.keystr(path)} belongs to no pipeline stage.")
+    if name not in _OWNERS:
+        raise ValueError(f"parameter {jax.tree_util.keystr(path)} belongs to no pipeline stage.")
+    return _OWNERS[name]
 
 
 def _stage_sq_norms(
