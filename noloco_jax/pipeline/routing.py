@@ -82,8 +82,7 @@ def route_indices(
     errors.check_int("pool_size", pool_size)
     errors.check_int("seed", seed, 0, 2**32 - 1, "2**32 - 1")
     key = jax.random.fold_in(jax.random.key(seed), jnp.asarray(step, jnp.uint32))
-    shape = (num_boundaries, num_microbatches)
-    return jax.random.randint(key, shape, 0, pool_size, dtype=jnp.int32)
+    return jax.random.randint(key, (num_boundaries, num_microbatches), 0, pool_size, jnp.int32)
 
 
 def route_perms(pool: np.ndarray, indices: jax.Array) -> jax.Array:
@@ -111,6 +110,5 @@ def sequence_paths(perms: np.ndarray) -> np.ndarray:
     paths = np.empty((n, num_mb, num_boundaries + 1), np.int64)
     paths[:, :, 0] = np.arange(n)[:, None]
     for s in range(num_boundaries):
-        for b in range(num_mb):
-            paths[:, b, s + 1] = perms[s, b][paths[:, b, s]]
+        paths[:, :, s + 1] = perms[s][np.arange(num_mb), paths[:, :, s]]
     return paths
