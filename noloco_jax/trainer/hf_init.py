@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import pathlib
 from typing import Any
 
 import jax
 import numpy as np
 
+from noloco_jax.errors import _is_int
 from noloco_jax.models import LlamaConfig, init_params
 from noloco_jax.models.hf import load_llama, read_config, save_llama
 from noloco_jax.replicas import to_host
@@ -81,17 +81,13 @@ def export_run(
     from noloco_jax.trainer.build import model_config  # noqa: PLC0415
     from noloco_jax.trainer.loop import load_run  # noqa: PLC0415
 
-    index = isinstance(replica, numbers.Integral) and not isinstance(replica, bool)
-    if replica is not None and not (index and 0 <= replica < s.num_replicas):
+    if replica is not None and not (_is_int(replica) and 0 <= replica < s.num_replicas):
         raise ValueError(f"replica must be None or an int in [0, {s.num_replicas}), got "
                          f"{replica!r}.")  # checked before the run is read
     _, params, data = load_run(s, workdir)
     _check_finite(params, replica)
     # config.json only: prepare_model read an init_from model's weights again (load_run has)
     cfg = model_config(s, data.tokenizer.vocab_size)
-    # One replica is read on the host, from its own shards: indexing an array split over a
-    # mesh (mesh.fsdp > 1) died in JAX's explicit-sharding gather ("out sharding could not be
-    # resolved").
     pick = lambda x: x.mean(0) if replica is None else _replica_on_host(x, replica)  # noqa: E731
     single = jax.tree.map(pick, params)
     tok = data.tokenizer  # its special ids, or generation in transformers stops at Llama's
