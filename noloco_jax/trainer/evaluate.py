@@ -49,8 +49,7 @@ def _vocab_size(graphdef: Any) -> int | None:
 
 
 def _check_windows(windows: np.ndarray, vocab_size: int | None) -> int:
-    """How many validation windows there are; at least one (eval_layout's max() of no
-    divisors said only "empty sequence"), every id in [0, vocab_size)."""
+    """How many validation windows there are: at least one, every id in [0, vocab_size)."""
     if len(windows) == 0:
         raise ValueError(
             f"make_evaluator needs at least one validation window, got windows of shape "
