@@ -39,17 +39,9 @@ def eval_layout(num_windows: int, limit: int = 16) -> tuple[int, int]:
     return (best, num_windows) if best >= most // 2 else (limit, -(-num_windows // limit) * limit)
 
 
-def _vocab_size(graphdef: Any) -> int | None:
-    """The model's vocabulary size, from the ``LlamaConfig`` its graphdef holds (a static
-    attribute); None when it holds none."""
-    for _, attr in getattr(graphdef, "attributes", ()):
-        if isinstance(getattr(attr, "value", None), LlamaConfig):
-            return attr.value.vocab_size
-    return None
-
-
-def _check_windows(windows: np.ndarray, vocab_size: int | None) -> int:
-    """How many validation windows there are: at least one, every id in [0, vocab_size)."""
+def _check_windows(windows: np.ndarray, graphdef: Any) -> int:
+    """How many validation windows there are: at least one, every id in [0, vocab_size) of the
+    ``LlamaConfig`` the graphdef holds (a static attribute), if it holds one."""
     if len(windows) == 0:
         raise ValueError(
             f"make_evaluator needs at least one validation window, got windows of shape "
@@ -59,6 +51,8 @@ def _check_windows(windows: np.ndarray, vocab_size: int | None) -> int:
     if windows.min() < 0:  # the gathers wrap -1 to the last id: a finite, wrong loss
         raise ValueError(f"make_evaluator's windows must hold token ids >= 0, got "
                          f"{int(windows.min())}.")  # fmt: skip
+    vocab_size = next((attr.value.vocab_size for _, attr in getattr(graphdef, "attributes", ())
+                       if isinstance(getattr(attr, "value", None), LlamaConfig)), None)
     if vocab_size is not None and windows.max() >= vocab_size:  # the gathers gave NaN
         raise ValueError(f"make_evaluator's windows hold token id {int(windows.max())}, outside "
                          f"the model's vocabulary: ids must be in [0, {vocab_size}); tokenize "
@@ -95,7 +89,7 @@ def make_evaluator(reps: replicas.Replicas, graphdef: Any, windows: np.ndarray) 
     if reps.manual_axes - {reps.axis_name}:  # stages split by hand: evaluate a host copy
         on_host = make_evaluator(replicas.Replicas(reps.num_replicas), graphdef, windows)
         return lambda params: on_host(jax.tree.map(replicas.to_host, params))  # all processes
-    n, num = reps.num_replicas, _check_windows(windows, _vocab_size(graphdef))
+    n, num = reps.num_replicas, _check_windows(windows, graphdef)
     batch, padded = eval_layout(num)
     windows = np.concatenate([windows, windows[: padded - num]])  # padding dropped below
     per_replica, spread, averaged = _programs(reps, graphdef, batch, num)
