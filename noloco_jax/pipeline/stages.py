@@ -75,15 +75,12 @@ def _stage_sq_norms(
             continue
         g = g.astype(jnp.float32)
         owner = leaf_owner(path)
-        if owner == "blocks":
+        if owner == "blocks":  # on the mesh, the local slice is this stage's blocks
             per_layer = jnp.sum(jnp.square(g).reshape(g.shape[0], -1), axis=1)
-            if stage is None:
-                total = total + per_layer.reshape(num_stages, -1).sum(1)
-            else:  # the local slice is this stage's blocks
-                total = total + mine * per_layer.sum()
-            continue
-        target = 0 if owner == "first" else num_stages - 1
-        sq = jax.nn.one_hot(target, num_stages, dtype=jnp.float32) * jnp.sum(jnp.square(g))
+            sq = per_layer.reshape(num_stages, -1).sum(1) if stage is None else per_layer.sum()
+        else:
+            target = 0 if owner == "first" else num_stages - 1
+            sq = jax.nn.one_hot(target, num_stages, dtype=jnp.float32) * jnp.sum(jnp.square(g))
         total = total + (sq if stage is None else mine * sq)
     return total if stage is None else jax.lax.psum(total, stage_axis)
 
