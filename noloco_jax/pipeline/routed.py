@@ -161,15 +161,12 @@ def make_pipeline_mesh(num_replicas: int, num_stages: int,
     errors.check_int("num_stages", num_stages)
     devices = list(jax.devices() if devices is None else devices)
     need, dims = num_replicas * num_stages, (num_replicas, num_stages)
+    layout = f"a {num_replicas} x {num_stages} (replica x stage) mesh"
     if len(devices) < need:
-        raise ValueError(
-            f"a {num_replicas} x {num_stages} (replica x stage) mesh needs {need} devices, "
-            f"{len(devices)} are visible (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count"
-            f"={need})."
-        )
+        raise ValueError(f"{layout} needs {need} devices, {len(devices)} are visible (on CPU: "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={need}).")  # fmt: skip
     chosen, grid = replicas._chosen_devices(
-        devices, dims, f"a {num_replicas} x {num_stages} (replica x stage) mesh on {need} of the "
-                       f"{len(devices)} devices leaves")  # fmt: skip
+        devices, dims, f"{layout} on {need} of the {len(devices)} devices leaves")
     grid = replicas._whole_replicas_per_process(chosen, dims) if grid is None else grid
     if grid is None:
         return jax.make_mesh(dims, (REPLICA, STAGE), devices=list(chosen))
