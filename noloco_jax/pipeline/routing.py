@@ -75,9 +75,8 @@ def route_indices(
 ) -> jax.Array:  # fmt: skip
     """Pool indices for one training step, int32 [S - 1, B] (traced, device-uniform).
 
-    ``pool_size`` is the pool's length, an integer >= 1 (with 0 or less every index was 0, the
-    identity: fixed routing). ``seed`` is an integer in [0, 2**32 - 1], as the trainer's: the
-    key keeps 32 bits, so -1 drew seed 2**32 - 1's routes and 2**32 seed 0's.
+    ``pool_size`` is the pool's length, an integer >= 1; ``seed`` an integer in [0, 2**32 - 1],
+    as the trainer's (the key keeps 32 bits).
     """
     errors.check_int("pool_size", pool_size)
     errors.check_int("seed", seed, 0, 2**32 - 1, "2**32 - 1")

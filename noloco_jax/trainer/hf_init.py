@@ -111,11 +111,8 @@ def _replica_on_host(x: Any, i: int) -> np.ndarray:
 
 
 def _check_finite(params: Any, replica: int | None) -> None:
-    """Refuses to export non-finite weights (a NaN replica made the averaged model all NaN).
-
-    A replica the non-finite guard had not repaired by the run's last step (it ends after its
-    last sync) keeps NaN fast weights in the checkpoint; the export wrote them silently.
-    """
+    """Refuses to export non-finite weights: the NaN fast weights of a replica the non-finite
+    guard had not repaired by the run's last step (they also make the averaged model NaN)."""
     from noloco_jax.trainer.health import per_replica_finite  # noqa: PLC0415
 
     ok = np.stack([to_host(v) for v in per_replica_finite(params)]).all(0)
