@@ -41,8 +41,7 @@ REPLICA, STAGE = "replica", "stage"
 def _route(x_BxD: jax.Array, idx_B: jax.Array, pool: np.ndarray, axes: Any,
            pairs: Callable[[np.ndarray], list]) -> jax.Array:  # fmt: skip
     """Sends micro-batch b along ``pairs(pool[idx_B[b]])`` (a static permutation per branch)."""
-    branches = [functools.partial(lambda p, v: lax.ppermute(v, axes, p), pairs(perm))
-                for perm in pool]  # fmt: skip
+    branches = [functools.partial(lax.ppermute, axis_name=axes, perm=pairs(perm)) for perm in pool]
     return jnp.stack([lax.switch(idx_B[b], branches, x_BxD[b]) for b in range(x_BxD.shape[0])])
 
 
