@@ -40,7 +40,7 @@ _DEBUG_ARGS = ("--debug", "-debug", "--debug=true", "--debug=True", "--debug=1")
 _PROJECT_FLAGS = ("config", "workdir", "progress", "debug", "coordinator_address",
                   "num_processes", "process_id", "distributed")  # fmt: skip
 _START_WAIT_S = 60  # a process that stopped before it joined waits this long for the others
-_join_tried = threading.Event()  # this process has tried to join the others (once is enough)
+_join_tried = threading.Event()  # this cli() call has tried to join the others (once is enough)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -530,6 +530,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
       could not be written, a diverged run, ...). A bug raises its exception.
     """
     argv = list(sys.argv if argv is None else argv)
+    _join_tried.clear()  # a call of its own: an earlier call's join told other processes
     debug = any(a in _DEBUG_ARGS for a in argv[1:])
     if not any(re.match(r"^--?config(=|$)", a) for a in argv[1:]):
         argv.insert(1, f"--config={_REPO / 'configs' / 'tiny_noloco.py'}")

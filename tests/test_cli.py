@@ -578,6 +578,23 @@ def test_process_flags_without_a_coordinator_are_user_errors(capsys, tmp_path, f
     assert_user_error(code, err, pattern)
 
 
+def test_each_cli_call_joins_to_tell_the_others_of_a_flag_error(capsys, monkeypatch, tmp_path):
+    """A second cli() in one process after a first had joined the others did not join to tell
+    them of its own misspelt flag (the flag saying it had tried was never cleared): they
+    waited 300 s in jax.distributed.initialize and aborted without saying why."""
+    import jax  # noqa: PLC0415
+
+    joins = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joins.append(kw))
+    monkeypatch.setattr(train, "_start_together", lambda error: None)  # no one to tell here
+    argv = ["noloco-train", f"--workdir={tmp_path}", "--coordinator_address=localhost:1",
+            "--num_processes=2", "--process_id=0", "--config.num_stepz=5"]
+    for calls in (1, 2):
+        code, err = run_cli(argv, capsys)
+        assert_user_error(code, err, r"num_stepz")
+        assert len(joins) == calls  # the second call joined too
+
+
 # ---------------------------------------------------------------- an existing run
 
 
