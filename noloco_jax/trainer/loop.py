@@ -7,6 +7,7 @@ boundaries, until the run ends or a stop signal arrives.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -210,7 +211,14 @@ def _check_start(settings: TrainSettings, workdir: str | pathlib.Path, stop_at: 
                  ) -> pathlib.Path:  # fmt: skip
     """This process's checks of the run's input before anything runs; returns the workdir."""
     validate(settings)  # settings built as a dataclass, not by from_config, were not checked
-    _check_dtype_promotion()
+    # optax's Adam (its bias correction b1**count, a Python float and an int32) raised under
+    # 'strict', after the data was prepared; the context manager's value is this one too.
+    if jax.config.jax_numpy_dtype_promotion == "strict":
+        raise UserError(
+            "jax_numpy_dtype_promotion: the trainer needs 'standard', got 'strict' (optax's "
+            "Adam raises under it). Train outside jax.numpy_dtype_promotion('strict'), or call "
+            "jax.config.update('jax_numpy_dtype_promotion', 'standard') (and unset "
+            "$JAX_NUMPY_DTYPE_PROMOTION).")  # fmt: skip
     workdir = _writable_workdir(workdir)
     _check_outside_corpus(settings, workdir)
     check_sinks(settings)
@@ -252,17 +260,6 @@ def _lock(lock: WorkdirLock) -> None:
         lock.acquire()
 
 
-def _check_dtype_promotion() -> None:
-    """Refuses ``jax_numpy_dtype_promotion='strict'``: optax's Adam (its bias correction
-    ``b1**count``, a Python float and an int32) raised under it, after the data was prepared."""
-    if jax.config.jax_numpy_dtype_promotion == "strict":  # the context manager's value too
-        raise UserError(
-            "jax_numpy_dtype_promotion: the trainer needs 'standard', got 'strict' (optax's "
-            "Adam raises under it). Train outside jax.numpy_dtype_promotion('strict'), or call "
-            "jax.config.update('jax_numpy_dtype_promotion', 'standard') (and unset "
-            "$JAX_NUMPY_DTYPE_PROMOTION).")  # fmt: skip
-
-
 def _check_equal_processes() -> None:
     """Refuses processes that hold different numbers of devices, before the first collective.
 
@@ -273,9 +270,7 @@ def _check_equal_processes() -> None:
     """
     if jax.process_count() == 1:
         return
-    counts: dict[int, int] = {}
-    for d in jax.devices():
-        counts[d.process_index] = counts.get(d.process_index, 0) + 1
+    counts = collections.Counter(d.process_index for d in jax.devices())
     if len(set(counts.values())) > 1:
         shown = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items())[:8])
         raise UserError(
@@ -434,12 +429,11 @@ def _already_finished(workdir: pathlib.Path, step: int, verbose: bool) -> dict[s
     """The last train and eval records of a finished run, printed in one line."""
     last: dict[str, Any] = {}
     path = workdir / "metrics.jsonl"
-    if path.exists():
-        for record in read_jsonl(path):
-            if record.get("kind") in ("train", "eval") and record["step"] <= step:
-                last.update({k: v for k, v in record.items() if k != "kind"})
-                if record["kind"] == "eval":  # as the run itself returns
-                    last["eval_step"] = record["step"]
+    for record in read_jsonl(path) if path.exists() else ():
+        if record.get("kind") in ("train", "eval") and record["step"] <= step:
+            last.update({k: v for k, v in record.items() if k != "kind"})
+            if record["kind"] == "eval":  # as the run itself returns
+                last["eval_step"] = record["step"]
     last["step"] = step
     if verbose:
         shown = [f"{k} {last[k]:.4g}" for k in _FINAL_METRICS if isinstance(last.get(k), float)]
@@ -524,10 +518,9 @@ def _evaluate(ses: _Session, state: TrainState, step: int, resized_from: int | N
                      else metrics)  # fmt: skip
     last = ses.last
     last.update(metrics, eval_step=step)  # a stop between evaluations: train "step" is later
-    line = (
-        f"step {step:6d}  val ppl {metrics['val_ppl']:8.3f} (pooled over replicas)  "
-        f"averaged model {metrics['val_ppl_avg_model']:8.3f}  spread {metrics['replica_spread']:.2e}"
-    )
+    line = (f"step {step:6d}  val ppl {metrics['val_ppl']:8.3f} (pooled over replicas)  "
+            f"averaged model {metrics['val_ppl_avg_model']:8.3f}  "
+            f"spread {metrics['replica_spread']:.2e}")  # fmt: skip
     if "train_loss" in last:
         line += f"  train loss {last['train_loss']:.3f}  {last['tokens_per_sec']:.0f} tok/s"
     ses.bar.write(line)
@@ -673,6 +666,16 @@ def _train_metrics(run: Run, state: TrainState, step: int, k: int, losses: np.nd
     losses = np.asarray(losses, np.float64)  # means of float32 losses, without float32 rounding
     finite = np.isfinite(losses)
     guarded = guard_acts(s)
+    # Tokens seen and bytes sent per replica by ``step``, counted on from the last resize.
+    since, tokens, sent = run.counted or (0, 0, 0.0)
+    copies = s.num_stages if s.num_stages > 1 and stage_mesh(s) else 1
+
+    def sent_by(steps: int) -> float:
+        return optim_lib.bytes_sent(s.method, s.outer, run.params0, num_replicas=s.num_replicas,
+                                    steps=steps, fault=s.fault, stage_copies=copies,
+                                    devices_per_replica=s.mesh.fsdp * s.mesh.tensor)  # fmt: skip
+
+    before = sent_by(since)  # a run never resized: exactly the direct count
     return {
         # With the guard: the mean over finite replica losses (a replica the guard is
         # resetting is counted apart). Without: a NaN replica makes the loss NaN (both).
@@ -685,25 +688,10 @@ def _train_metrics(run: Run, state: TrainState, step: int, k: int, losses: np.nd
         "nonfinite_resets": health.nonfinite_resets(state),
         "learning_rate": float(optim_lib.learning_rate_schedule(s.optim, s.num_steps)(step - 1)),
         "tokens_per_sec": n_tokens / seconds,
-        **_counts(run, step),
+        "tokens_seen": tokens + (step - since) * s.global_batch_size * s.data.seq_len,
+        "bytes_sent_per_replica": sent_by(step) if sent == before
+        else sent + sent_by(step) - before,
     }
-
-
-def _counts(run: Run, step: int) -> dict[str, Any]:
-    """Tokens seen and bytes sent per replica by ``step``, counted on from the last resize."""
-    s = run.settings
-    since, tokens, sent = run.counted or (0, 0, 0.0)
-    copies = s.num_stages if s.num_stages > 1 and stage_mesh(s) else 1
-
-    def sent_by(steps: int) -> float:
-        return optim_lib.bytes_sent(s.method, s.outer, run.params0, num_replicas=s.num_replicas,
-                                    steps=steps, fault=s.fault, stage_copies=copies,
-                                    devices_per_replica=s.mesh.fsdp * s.mesh.tensor)  # fmt: skip
-
-    before = sent_by(since)  # a run never resized: exactly the direct count
-    return {"tokens_seen": tokens + (step - since) * s.global_batch_size * s.data.seq_len,
-            "bytes_sent_per_replica": sent_by(step) if sent == before
-            else sent + sent_by(step) - before}
 
 
 def _report_reset(writer: MetricWriter, step: int, total: float, bar: Progress) -> None:
