@@ -192,12 +192,10 @@ def _check_same_settings(settings: TrainSettings) -> None:
     checkpoint recorded process 0's."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
     fields = {k: v for k, v in defaults.dotted(settings.to_dict()).items()
               if not k.startswith(_PER_HOST)}  # fmt: skip
     mine = np.asarray([zlib.crc32(repr(v).encode()) for v in fields.values()], np.uint32)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+    every = _gathered(mine)
     differ = [name for name, column in zip(fields, every.T) if len(set(column.tolist())) > 1]
     if differ:
         shown = ", ".join(f"config.{name}" for name in differ[:5])
@@ -241,17 +239,22 @@ def _agreed(fn: Callable[..., Any], *args: Any) -> Any:
         if jax.process_count() == 1:
             raise
         error, result = err, None
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils  # noqa: PLC0415
-
-        flags = multihost_utils.process_allgather(np.asarray([error is not None], np.int32))
-        failed = np.flatnonzero(np.ravel(flags))
-        if error is None and failed.size:
-            raise UserError(f"process {int(failed[0])} of the run stopped with an error while "
-                            f"preparing it; its log names the error and the fix.")
+    failed = np.flatnonzero(_gathered(np.asarray([error is not None], np.int32)))
+    if error is None and failed.size:
+        raise UserError(f"process {int(failed[0])} of the run stopped with an error while "
+                        f"preparing it; its log names the error and the fix.")
     if error is not None:
         raise error
     return result
+
+
+def _gathered(x: np.ndarray) -> np.ndarray:
+    """Every process's ``x``, one row each (no collective in a single-process run)."""
+    if jax.process_count() == 1:
+        return x[None]
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return np.asarray(multihost_utils.process_allgather(x)).reshape(-1, x.size)
 
 
 def _lock(lock: WorkdirLock) -> None:
@@ -465,11 +468,8 @@ def _stop_agreed(stop: types.SimpleNamespace) -> str | None:
     entered the collective save) on its own while another went on into the next chunk left
     both in mismatched collectives, and the run crashed without its checkpoint.
     """
-    signum = 0 if stop.requested is None else int(signal.Signals[stop.requested])
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils  # noqa: PLC0415
-
-        signum = int(np.max(multihost_utils.process_allgather(np.asarray([signum], np.int32))))
+    mine = 0 if stop.requested is None else int(signal.Signals[stop.requested])
+    signum = int(np.max(_gathered(np.asarray([mine], np.int32))))
     stop.agreed = signal.Signals(signum).name if signum else None
     return stop.agreed
 
