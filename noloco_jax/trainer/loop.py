@@ -46,13 +46,11 @@ def _restore_or_init(
 ) -> tuple[TrainState, int]:
     """The newest readable checkpoint (restored onto ``target``), or the fresh state.
 
-    A checkpoint whose data is damaged (checksums differ, metadata without the
-    settings, unreadable bytes) is reported, set aside as ``<step>.corrupt``
-    (never deleted, never overwritten) and the previous one is used. An error
-    of the machine (memory, permission, I/O) stops the run and touches nothing
-    (``CheckpointRestoreError``). Settings that differ from the checkpoint's
-    stop the run with an error. When checkpoints existed but none is readable,
-    the run stops instead of silently starting again from step 0.
+    A checkpoint whose data is damaged (checksums, metadata, bytes) is reported, set aside as
+    ``<step>.corrupt`` (never deleted or overwritten) and the previous one is used. An error of
+    the machine (``CheckpointRestoreError``) or settings that differ stop the run and touch
+    nothing. When checkpoints existed but none is readable, the run stops instead of silently
+    starting again from step 0.
     """
     for step in reversed(ckpt.all_steps()):
         try:
@@ -225,12 +223,8 @@ def _check_start(settings: TrainSettings, workdir: str | pathlib.Path, stop_at: 
 
 
 def _agreed(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on every process; a user error on one process stops them all.
-
-    Input one process alone sees as wrong (a corpus path or workdir missing on its host)
-    exited that process with the message while the others waited in their next collective
-    until the runtime's timeout and died with a traceback (a Gloo deadline, 30 s on CPU).
-    """
+    """``fn(*args)`` on every process; a user error on one process stops them all (alone, it
+    left the others waiting in their next collective until the runtime's timeout)."""
     error = None
     try:
         result = fn(*args)
@@ -264,13 +258,9 @@ def _lock(lock: WorkdirLock) -> None:
 
 
 def _check_equal_processes() -> None:
-    """Refuses processes that hold different numbers of devices, before the first collective.
-
-    JAX's multi-process helpers (``process_allgather``, ``sync_global_devices``), which orbax
-    and the trainer use, lay the devices out as processes x devices per process: with 3 + 1
-    devices every process died in orbax's first barrier with "cannot reshape array of size 4
-    into shape (2,3)".
-    """
+    """Refuses processes that hold different numbers of devices, before the first collective:
+    JAX's multi-process helpers (orbax's and the trainer's) lay the devices out as processes x
+    devices per process, and died in orbax's first barrier ("cannot reshape array")."""
     if jax.process_count() == 1:
         return
     counts = collections.Counter(d.process_index for d in jax.devices())
@@ -461,12 +451,9 @@ def _close_quietly(ckpt: Checkpointer | None, writer: MetricWriter, bar: Any) ->
 
 
 def _stop_agreed(stop: types.SimpleNamespace) -> str | None:
-    """The stop signal's name if any process has received one, else None; every process of
-    a multi-process run gets the same answer at the same point of the loop.
-
-    Preemption notices reach the hosts at different moments: a process that stopped (and
-    entered the collective save) on its own while another went on into the next chunk left
-    both in mismatched collectives, and the run crashed without its checkpoint.
+    """The stop signal's name if any process has received one, else None, the same on every
+    process at the same point of the loop: preemption notices reach hosts at different moments,
+    and one process entering the collective save alone crashed the run without its checkpoint.
     """
     mine = 0 if stop.requested is None else int(signal.Signals[stop.requested])
     signum = int(np.max(_gathered(np.asarray([mine], np.int32))))
