@@ -61,7 +61,12 @@ def _restore_or_init(
             restored = (ckpt.restore(step, target)[0] if old_n is None
                         else restore_resized(ckpt, step, target, old_n, run.reps))
         except CorruptCheckpointError as err:
-            _set_aside(ckpt, writer, step, err)
+            moved = ckpt.quarantine(step)
+            message = (f"checkpoint at step {step} is unreadable ({type(err).__name__}: "
+                       f"{str(err)[:200]}); moved to {moved.name}, trying the previous one")
+            if writer.enabled:  # process 0 speaks for all
+                print(f"WARNING: {message}", flush=True)
+            writer.write(step, "event", {"event": "corrupt_checkpoint", "detail": message})
             continue
         run.resized_from = old_n  # reported once training goes on (_report_resize)
         run.counted = _counted_at(meta, step, run) if old_n or "counted" in meta else None
@@ -113,15 +118,6 @@ def _checked_meta(ckpt: Checkpointer, step: int) -> dict:
     return meta
 
 
-def _set_aside(ckpt: Checkpointer, writer: MetricWriter, step: int, err: Exception) -> None:
-    moved = ckpt.quarantine(step)
-    message = (f"checkpoint at step {step} is unreadable ({type(err).__name__}: "
-               f"{str(err)[:200]}); moved to {moved.name}, trying the previous one")
-    if writer.enabled:  # process 0 speaks for all
-        print(f"WARNING: {message}", flush=True)
-    writer.write(step, "event", {"event": "corrupt_checkpoint", "detail": message})
-
-
 def _next_tokens(run: Run, start: int, count: int) -> Any:
     """Batches for steps [start, start + count): [N, count, B, T + 1], placed for the backend."""
     if jax.process_count() > 1 and run.reps.mesh is not None:  # read this process's replicas
@@ -166,7 +162,8 @@ def train_and_evaluate(
     _check_same_settings(settings)
     workdir = _agreed(_check_start, settings, workdir, stop_at)
     lock = WorkdirLock(workdir)
-    _agreed(_lock, lock)  # a refusal stops every process, not process 0 alone
+    # Process 0 takes the lock for all; a refusal stops every process, not process 0 alone.
+    _agreed(lock.acquire if jax.process_index() == 0 else lambda: None)
     try:
         with _stop_signals() as stop:
             last = _train(settings, workdir, stop_at, progress, stop)
@@ -249,12 +246,6 @@ def _gathered(x: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
     return np.asarray(multihost_utils.process_allgather(x)).reshape(-1, x.size)
-
-
-def _lock(lock: WorkdirLock) -> None:
-    """Process 0 takes the lock; in a multi-process run it stands for all."""
-    if jax.process_index() == 0:
-        lock.acquire()
 
 
 def _check_equal_processes() -> None:
