@@ -432,9 +432,7 @@ _FINAL_METRICS = ("val_ppl", "val_ppl_avg_model", "val_ppl_ensemble", "replica_s
 
 def _close_quietly(ckpt: Checkpointer | None, writer: MetricWriter, bar: Any) -> None:
     """Releases everything while another error is on its way up."""
-    for close in (getattr(thing, "close", None) for thing in (ckpt, writer, bar)):
-        if close is None:
-            continue
+    for close in filter(None, (getattr(thing, "close", None) for thing in (ckpt, writer, bar))):
         try:
             close()
         except Exception as err:  # noqa: BLE001 - the error in flight matters more
