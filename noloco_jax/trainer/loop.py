@@ -363,10 +363,9 @@ def _after_chunk(ses: _Session, state: TrainState, synced: list | None, step: in
     one that comes after it stops the loop at the next chunk's end.
     """
     s = ses.run.settings
-    resets_before = ses.last.get("nonfinite_resets", 0.0)
     ses.writer.write(step, "train", metrics)
     _report_saves(ses)  # the saves that finished during this chunk
-    if metrics["nonfinite_resets"] > resets_before:
+    if metrics["nonfinite_resets"] > ses.last.get("nonfinite_resets", 0.0):  # before update
         _report_reset(ses.writer, step, metrics["nonfinite_resets"], ses.bar)
     ses.last.update(metrics, step=step)
     # A failed asynchronous save stops the run now, before a divergence stop names it as kept.
