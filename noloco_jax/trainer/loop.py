@@ -491,13 +491,12 @@ def _evaluate(ses: _Session, state: TrainState, step: int, resized_from: int | N
     metrics = ses.run.evaluate(state.params)
     ses.writer.write(step, "eval", {**metrics, "resized_from": resized_from} if resized_from
                      else metrics)  # fmt: skip
-    last = ses.last
-    last.update(metrics, eval_step=step)  # a stop between evaluations: train "step" is later
+    ses.last.update(metrics, eval_step=step)  # a stop between evaluations: train "step" is later
     line = (f"step {step:6d}  val ppl {metrics['val_ppl']:8.3f} (pooled over replicas)  "
             f"averaged model {metrics['val_ppl_avg_model']:8.3f}  "
             f"spread {metrics['replica_spread']:.2e}")  # fmt: skip
-    if "train_loss" in last:
-        line += f"  train loss {last['train_loss']:.3f}  {last['tokens_per_sec']:.0f} tok/s"
+    if "train_loss" in ses.last:
+        line += f"  train loss {ses.last['train_loss']:.3f}  {ses.last['tokens_per_sec']:.0f} tok/s"
     ses.bar.write(line)
 
 
