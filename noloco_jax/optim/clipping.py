@@ -36,7 +36,8 @@ def clip_by_global_norm_fused(max_norm: float) -> optax.GradientTransformation:
     most ``max_norm``, equal up to rounding otherwise; the norm of 16-bit updates is
     summed in float32, where optax sums it in their dtype), written as one scalar
     factor times the updates, which saves a pass over the gradients per step
-    (experiments/BENCHMARKS.md, "Compiler notes").
+    (experiments/BENCHMARKS.md, "Compiler notes"). As in optax, a norm above about
+    1.8e19 overflows float32's sum of squares and the update is zero, not clipped.
 
     Args:
       max_norm: the largest global norm let through (> 0); a number, or a JAX array
