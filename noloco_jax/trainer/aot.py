@@ -19,8 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from noloco_jax import models, replicas
-from noloco_jax.trainer.settings import ROUND_METHODS
+from noloco_jax import replicas
 from noloco_jax.trainer.step import TrainState
 
 __all__ = ["StepMemory", "abstract_state", "compile_program", "memory_of", "step_memory",
@@ -158,19 +157,18 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
     if program not in ("sync", "inner"):
         raise ValueError(f"program must be 'sync' or 'inner', got {program!r}.")
     s = settings
-    cfg, graphdef, params = _abstract_model(s, vocab_size)
+    cfg, graphdef, params = build.abstract_model(s, vocab_size)
+    build.check_split(s, params)
     spec, build_tx = build.optimizer_factory(s, params)
-    reps, step_kwargs = build.topology(s, cfg, graphdef, build_tx)
-    inner, sync = build.run_programs(s, reps, step_kwargs, spec)
-    rounds = s.method in ROUND_METHODS
-    delay = s.outer.delay if rounds else 0
+    reps, step_kwargs, inner, sync = build.run_programs(s, cfg, graphdef, build_tx, spec)
+    period, steps, delay = build.schedule(s)
     run = sync if program == "sync" and sync is not None else inner
     if delay and run is sync:  # the trainer's sync program: fragment 0's overlap window, with
         # the state leaves it does not read kept as arguments (they stay on the device)
         run = jax.jit(sync[0].__wrapped__, donate_argnums=0, keep_unused=True)
-    period = s.outer.sync_every // s.outer.fragments
-    steps = 1 if run is not inner else (math.gcd(s.log_every, period) if rounds else s.log_every)
-    if delay and run is inner:  # inner blocks stop where a window of delay + 1 steps starts
+    if run is not inner:
+        steps = 1
+    elif delay:  # inner blocks stop where a window of delay + 1 steps starts
         steps = max(1, min(steps, period - delay - 1))
     tokens = jax.ShapeDtypeStruct((s.num_replicas, steps, s.batch_per_replica, s.data.seq_len + 1),
                                   jnp.int32)  # fmt: skip
@@ -179,18 +177,6 @@ def compile_program(settings: Any, vocab_size: int, *, program: str = "sync") ->
         tokens = (tokens,) * (delay + 1)
     state = abstract_state(reps, step_kwargs["tx"], params)
     return run.lower(state, tokens).compile()
-
-
-def _abstract_model(s: Any, vocab_size: int) -> tuple[Any, Any, Any]:
-    """(config, graphdef, abstract params) of the model, refusing what the trainer refuses:
-    a model vocabulary smaller than ``vocab_size`` (``build.model_vocab``), a mesh split that
-    does not divide its dims."""
-    from noloco_jax.trainer import build  # noqa: PLC0415 (build imports aot)
-
-    cfg = build.model_config(s, vocab_size)
-    graphdef, params = jax.eval_shape(lambda: models.init_params(cfg, s.seed))
-    build.check_split(s, params)
-    return cfg, graphdef, params
 
 
 def step_memory(settings: Any, vocab_size: int, *, program: str = "sync") -> StepMemory:

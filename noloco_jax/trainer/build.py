@@ -40,8 +40,9 @@ from noloco_jax.trainer.settings import ROUND_METHODS, TrainSettings
 from noloco_jax.trainer.state import first_state, model_init
 from noloco_jax.trainer.step import TrainState, make_program, make_window_program
 
-__all__ = ["DataBundle", "KEEP_COMPILED", "Run", "build_run", "check_memory", "make_programs",
-           "model_config", "nan_drill", "prepare_data", "prepare_model", "stage_mesh", "topology"]
+__all__ = ["DataBundle", "KEEP_COMPILED", "Run", "abstract_model", "build_run", "check_memory",
+           "make_programs", "model_config", "nan_drill", "prepare_data", "prepare_model",
+           "schedule", "stage_mesh", "topology"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,10 +152,16 @@ def prepare_model(s: TrainSettings, vocab_size: int, abstract: bool = False
         from noloco_jax.trainer.hf_init import prepare_hf_model  # noqa: PLC0415
 
         return prepare_hf_model(s, vocab_size)
-    cfg = model_config(s, vocab_size)
     if abstract:
-        return cfg, *jax.eval_shape(functools.partial(models.init_params, cfg, s.seed))
+        return abstract_model(s, vocab_size)
+    cfg = model_config(s, vocab_size)
     return cfg, *models.init_params(cfg, s.seed)
+
+
+def abstract_model(s: TrainSettings, vocab_size: int) -> tuple[models.LlamaConfig, Any, Any]:
+    """Model config, graphdef and the params' shapes (nothing is allocated or read)."""
+    cfg = model_config(s, vocab_size)
+    return cfg, *jax.eval_shape(functools.partial(models.init_params, cfg, s.seed))
 
 
 def check_split(s: TrainSettings, params: Any) -> None:
@@ -272,12 +279,23 @@ def optimizer_factory(s: TrainSettings, params: Any) -> tuple[Any, Callable]:
     )  # fmt: skip
 
 
-def run_programs(s: TrainSettings, reps: replicas.Replicas, step_kwargs: dict, spec: Any
-                 ) -> tuple[Callable, Any]:  # fmt: skip
-    """``make_programs`` as the settings ask: rounds, fragments and the overlap delay."""
-    rounds = s.method in ROUND_METHODS
-    return make_programs(reps, step_kwargs, rounds, fragments=spec is not None,
-                         delay=s.outer.delay if rounds else 0, num_fragments=s.outer.fragments)
+def run_programs(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable, spec: Any
+                 ) -> tuple[replicas.Replicas, dict, Callable, Any]:  # fmt: skip
+    """The run's ``topology``, its step's arguments and its two programs (``make_programs``)."""
+    reps, step_kwargs = topology(s, cfg, graphdef, build_tx)
+    inner, sync = make_programs(reps, step_kwargs, s.method in ROUND_METHODS,
+                                fragments=spec is not None, delay=schedule(s)[2],
+                                num_fragments=s.outer.fragments)  # fmt: skip
+    return reps, step_kwargs, inner, sync
+
+
+def schedule(s: TrainSettings) -> tuple[int | None, int, int]:
+    """(period, block, delay): the steps between sync steps (None without rounds), per call of
+    ``inner`` (the sync steps fall on block ends) and from an exchange's start to its merge."""
+    if s.method not in ROUND_METHODS:
+        return None, s.log_every, 0
+    period = s.outer.sync_every // s.outer.fragments
+    return period, math.gcd(s.log_every, period), s.outer.delay
 
 
 def build_run(s: TrainSettings) -> tuple[Run, TrainState]:
@@ -290,9 +308,7 @@ def build_run(s: TrainSettings) -> tuple[Run, TrainState]:
     programs = _reuse(_COMPILED, _program_key(s, data, cfg),
                       lambda: _Programs.make(s, cfg, graphdef, build_tx, spec, data, params0))
     fresh = functools.partial(programs.first_state, params0 if _given(params0) else None)
-    rounds = s.method in ROUND_METHODS
-    period = s.outer.sync_every // s.outer.fragments if rounds else None
-    block = math.gcd(s.log_every, period) if rounds else s.log_every
+    period, block, delay = schedule(s)
     meta = {
         "settings": s.to_dict(),
         "batcher": data.batcher.state(),
@@ -303,7 +319,7 @@ def build_run(s: TrainSettings) -> tuple[Run, TrainState]:
         meta["init_model"] = dataclasses.asdict(cfg)
     return Run(s, data, programs.reps, params0, graphdef, programs.inner, programs.sync, block,
                 period, programs.evaluate, meta, fresh, calls=programs.calls,
-                delay=s.outer.delay if rounds else 0), programs.target  # fmt: skip
+                delay=delay), programs.target  # fmt: skip
 
 
 # A process keeps the programs of its last few runs: a run with the same settings and data (a
@@ -330,11 +346,10 @@ class _Programs:
     @classmethod
     def make(cls, s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable, spec: Any,
              data: DataBundle, params0: Any) -> "_Programs":  # fmt: skip
-        reps, step_kwargs = topology(s, cfg, graphdef, build_tx)
+        reps, step_kwargs, inner, sync = run_programs(s, cfg, graphdef, build_tx, spec)
         tx = build_tx()
         target = aot.abstract_state(reps, tx, params0)
         init = None if _given(params0) else model_init(cfg, s.seed)
-        inner, sync = run_programs(s, reps, step_kwargs, spec)
         evaluate = _reuse(_EVALUATORS, _evaluator_key(s, data, cfg),
                           lambda: make_evaluator(reps, graphdef, data.eval_windows))
         return cls(reps, inner, sync, evaluate, target,
@@ -362,16 +377,14 @@ def _reuse(cache: collections.OrderedDict, key: tuple, make: Callable[[], Any]) 
 
 
 # Fields the programs never read: the data reach them only through the vocabulary and the
-# evaluation windows (both in the key), and these top-level fields are host bookkeeping.
-# A field not listed here (a new one included) is part of the key.
-_HOST_DATA = ("source", "path", "tfds_name", "data_dir", "encoding", "tokenizer", "tokenizer_path",
-              "tokenizer_vocab_size", "validation_fraction", "eval_windows")  # fmt: skip
-
-
-# log_every sets how many steps one call of the inner program runs; the program reads that from
-# its batch's shape (each length compiles once), so runs differing only in it share programs.
-_HOST_RUN = ("eval_every", "checkpoint_every", "keep_checkpoints", "profile_steps", "log",
-             "allow_resize", "log_every")  # fmt: skip
+# evaluation windows (both in the key), and these top-level fields (and groups) are host
+# bookkeeping. log_every sets how many steps one call of the inner program runs; the program
+# reads that from its batch's shape (each length compiles once), so runs differing only in it
+# share programs. A field not listed here (a new one included) is part of the key.
+_HOST = ("eval_every", "checkpoint_every", "keep_checkpoints", "profile_steps", "log",
+         "allow_resize", "log_every", "data.source", "data.path", "data.tfds_name",
+         "data.data_dir", "data.encoding", "data.tokenizer", "data.tokenizer_path",
+         "data.tokenizer_vocab_size", "data.validation_fraction", "data.eval_windows")  # fmt: skip
 
 
 # The evaluator reads the topology and the model (with data.seq_len, which bounds its
@@ -382,23 +395,21 @@ _EVALUATOR_FIELDS = ("num_replicas", "backend", "num_stages", "data.seq_len")
 def _program_key(s: TrainSettings, data: DataBundle, cfg: models.LlamaConfig) -> tuple:
     """What the compiled programs depend on: the settings less host-only fields, the data and
     the model config (an ``init_from`` config.json may change under the same settings)."""
-    d = s.to_dict()
-    for name in _HOST_RUN:
-        d.pop(name)
-    for name in _HOST_DATA:
-        d["data"].pop(name)
-    return repr(sorted(defaults.dotted(d).items())), repr(cfg), *_data_key(data)
+    return _key(s, data, cfg, lambda k: k not in _HOST and k.split(".")[0] not in _HOST)
 
 
 def _evaluator_key(s: TrainSettings, data: DataBundle, cfg: models.LlamaConfig) -> tuple:
     """What the evaluator depends on: the model, the topology and the data, not the optimizer."""
-    own = {k: v for k, v in defaults.dotted(s.to_dict()).items()
-           if k.startswith(("model.", "mesh.")) or k in _EVALUATOR_FIELDS}  # fmt: skip
-    return repr(sorted(own.items())), repr(cfg), *_data_key(data)
+    return _key(s, data, cfg,
+                lambda k: k.startswith(("model.", "mesh.")) or k in _EVALUATOR_FIELDS)  # fmt: skip
 
 
-def _data_key(data: DataBundle) -> tuple[int, bytes]:
-    return int(data.tokenizer.vocab_size), hashlib.sha256(data.eval_windows.tobytes()).digest()
+def _key(s: TrainSettings, data: DataBundle, cfg: models.LlamaConfig,
+         read: Callable[[str], bool]) -> tuple:  # fmt: skip
+    """The settings' fields that ``read`` takes (dotted names), the model config and the data."""
+    own = sorted((k, v) for k, v in defaults.dotted(s.to_dict()).items() if read(k))
+    return (repr(own), repr(cfg), int(data.tokenizer.vocab_size),
+            hashlib.sha256(data.eval_windows.tobytes()).digest())  # fmt: skip
 
 
 def topology(s: TrainSettings, cfg: Any, graphdef: Any, build_tx: Callable
@@ -485,8 +496,7 @@ def make_programs(reps: replicas.Replicas, step_kwargs: dict, rounds: bool, frag
 
 def check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
     """Refuses a state that cannot fit, from shapes only (nothing is allocated)."""
-    cfg = model_config(s, vocab_size)
-    abstract = jax.eval_shape(lambda: models.init_params(cfg, s.seed)[1])
+    abstract = abstract_model(s, vocab_size)[2]
     backend, stages = s.backend, 1
     if s.num_stages > 1:  # stages split a replica only on the (replica, stage) mesh
         backend = "shard_map" if stage_mesh(s) else "vmap"
