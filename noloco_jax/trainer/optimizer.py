@@ -87,15 +87,11 @@ def _not_norm_scales(params: Any) -> Any:
                                             params)  # fmt: skip
 
 
-def _exchange_dtype(name: str) -> Any:
-    if name in ("int8", "float8_e4m3fn"):  # 8-bit formats of noloco_jax.quantize
-        return name
-    return {"": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
-
-
-def _slow_dtype(name: str) -> Any:
-    """``outer.slow_dtype``: None (the params' own dtype) or float32 master weights."""
-    return {"": None, "float32": jnp.float32}[name]
+# outer.exchange_dtype and outer.slow_dtype as the optimizers take them ("": the params' own
+# dtype; the 8-bit formats of noloco_jax.quantize by name; float32 slow weights: master weights).
+_EXCHANGE_DTYPES = {"": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "int8": "int8",
+                    "float8_e4m3fn": "float8_e4m3fn"}  # fmt: skip
+_SLOW_DTYPES = {"": None, "float32": jnp.float32}
 
 
 def build_optimizer(
@@ -138,24 +134,21 @@ def build_optimizer(
                                          guard_axis_name=guard_axis, fragments=fragment_spec,
                                          delay=outer.delay, mixing=outer.mixing,
                                          resync_caught=method == "diloco" and fault.resync_absent,
-                                         slow_dtype=_slow_dtype(outer.slow_dtype),
+                                         slow_dtype=_SLOW_DTYPES[outer.slow_dtype],
                                          check_phase="count"))  # fmt: skip
 
 
 def _outer_step(method: str, outer: OuterSettings, axis: str | None, fault: FaultSettings
                 ) -> optax.GradientTransformation:  # fmt: skip
     """DiLoCo's or NoLoCo's outer step, from the settings."""
+    common = dict(axis_name=axis, seed=outer.seed, nesterov=outer.nesterov,
+                  exchange_dtype=_EXCHANGE_DTYPES[outer.exchange_dtype],
+                  dropout_prob=fault.dropout_prob, error_feedback=outer.error_feedback)  # fmt: skip
     if method == "diloco":
-        return diloco_outer(outer.learning_rate, outer.momentum, outer.nesterov, axis_name=axis,
-                            dropout_prob=fault.dropout_prob, seed=outer.seed,
-                            exchange_dtype=_exchange_dtype(outer.exchange_dtype),
-                            error_feedback=outer.error_feedback,
-                            resync_absent=fault.resync_absent)  # fmt: skip
+        return diloco_outer(outer.learning_rate, outer.momentum,
+                            resync_absent=fault.resync_absent, **common)  # fmt: skip
     return noloco_outer(outer.learning_rate, outer.momentum, gamma=outer.gamma,
-                        group_size=outer.group_size, axis_name=axis, seed=outer.seed,
-                        exchange_dtype=_exchange_dtype(outer.exchange_dtype),
-                        dropout_prob=fault.dropout_prob, nesterov=outer.nesterov,
-                        error_feedback=outer.error_feedback)  # fmt: skip
+                        group_size=outer.group_size, **common)  # fmt: skip
 
 
 def bytes_sent(
@@ -187,10 +180,10 @@ def bytes_sent(
         once = functools.partial(bytes_sent, method, outer, num_replicas=num_replicas,
                                  steps=steps, fault=fault,
                                  devices_per_replica=devices_per_replica)  # fmt: skip
-        local = _stage_local(params, stage_copies)
         if method == "noloco":  # one message per kind of leaf (split over stages or not)
-            return stage_copies * sum(once(_kind(local, split)) for split in (True, False))
-        return stage_copies * once(local)  # DiLoCo, dp: one message of the whole local tree
+            return stage_copies * sum(once(_stage_local(params, stage_copies, (split,)))
+                                      for split in (True, False))  # fmt: skip
+        return stage_copies * once(_stage_local(params, stage_copies))  # DiLoCo, dp: one message
     if num_replicas <= 1 or method == "local":
         return 0.0
     if method == "dp":
@@ -213,8 +206,8 @@ def _sync_bytes(method: str, outer: OuterSettings, num_replicas: int, fault: Fau
                 tree: Any) -> float:  # fmt: skip
     """Bytes one replica sends in one exchange of ``tree`` (the params or a fragment)."""
     presence = bool(fault.nonfinite_guard or fault.dropout_prob > 0)  # a NumPy bool is refused
-    wire = _exchange_dtype(outer.exchange_dtype)
-    slow = _slow_dtype(outer.slow_dtype)
+    wire = _EXCHANGE_DTYPES[outer.exchange_dtype]
+    slow = _SLOW_DTYPES[outer.slow_dtype]
     if slow is not None:  # the outer step exchanges the slow weights: "" sends them as held,
         # and a float32 wire on float32 slow weights is DiLoCo's plain all-reduce
         tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, slow) if is_float(x) else x,
@@ -227,18 +220,16 @@ def _sync_bytes(method: str, outer: OuterSettings, num_replicas: int, fault: Fau
         gamma_equals_beta=bool(outer.gamma is None or outer.gamma == outer.learning_rate))
 
 
-def _stage_local(params: Any, num_stages: int) -> Any:
-    """One stage device's leaves: its 1/S of the blocks, the other leaves whole."""
+def _stage_local(params: Any, num_stages: int, keep: tuple[bool, ...] = (True, False)) -> Any:
+    """One stage device's leaves: its 1/S of the blocks, the other leaves whole; ``keep``: the
+    kinds kept (True: the leaves split over the stages, False: the others), the rest None."""
 
     def cut(path: tuple, x: Any) -> Any:
-        if not stage_leaf_axes(path, x):
+        split = bool(stage_leaf_axes(path, x))
+        if split not in keep:
+            return None
+        if not split:
             return x
         return jax.ShapeDtypeStruct((x.shape[0] // num_stages, *x.shape[1:]), x.dtype)
 
     return jax.tree_util.tree_map_with_path(cut, params)
-
-
-def _kind(tree: Any, split: bool) -> Any:
-    """The leaves split over the stages (``split``), or the others; the rest become None."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: x if bool(stage_leaf_axes(path, x)) == split else None, tree)
