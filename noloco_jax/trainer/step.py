@@ -26,7 +26,6 @@ __all__ = [
     "train_step",
     "run_steps",
     "make_program",
-    "run_window",
     "make_window_program",
     "eval_token_losses",
     "eval_window_losses",
@@ -91,9 +90,8 @@ def train_step(
     """
     params = state.params if corrupt is None else corrupt(state.params, state.step)
     loss, grads = grads_fn(params, tokens_BxT1, state.step)
-    phase = {} if sync_step is None else {"sync_step": sync_step}
-    if merge_step is not None:
-        phase["merge_step"] = merge_step
+    phase = {k: v for k, v in (("sync_step", sync_step), ("merge_step", merge_step))
+             if v is not None}  # fmt: skip
     updates, opt_state = tx.update(grads, state.opt_state, params, **phase)
     params = optax.apply_updates(params, updates)
     merges = merge_step is not None and merge_step is not False  # fragment 0 == False
@@ -135,26 +133,6 @@ def make_program(reps: Any, *, sync_step: bool | None, donate: bool = True, **st
                    donate_argnums=0 if donate else ())
 
 
-def run_window(
-    state: TrainState,
-    tokens: tuple[jax.Array, ...],
-    *,
-    step_fns: tuple[Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]], ...],
-) -> tuple[TrainState, jax.Array]:
-    """The steps of one overlap window, unrolled: ``step_fns[k]`` on ``tokens[k]`` ([1, B, T + 1]).
-
-    Unrolled, so the exchange the first step starts may run during the steps before the merge.
-
-    Returns:
-      The new state and the K losses.
-    """
-    losses = []
-    for step_fn, tokens_1xBxT1 in zip(step_fns, tokens, strict=True):
-        state, loss = step_fn(state, tokens_1xBxT1[0])
-        losses.append(loss)
-    return state, jnp.stack(losses)
-
-
 def make_window_program(reps: Any, *, delay: int, fragment: int | None = None,
                         donate: bool = True, **step_kwargs: Any) -> Callable:  # fmt: skip
     """``program(state, tokens)``: one round's overlap window of ``local_steps(..., delay)``.
@@ -173,10 +151,16 @@ def make_window_program(reps: Any, *, delay: int, fragment: int | None = None,
     """
     flag = True if fragment is None else fragment
     phases = [(flag, False)] + [(False, False)] * (delay - 1) + [(False, flag)]
-    step_fns = tuple(functools.partial(train_step, sync_step=a, merge_step=b, **step_kwargs)
-                     for a, b in phases)  # fmt: skip
-    return jax.jit(reps.map(functools.partial(run_window, step_fns=step_fns)),
-                   donate_argnums=0 if donate else ())
+
+    def window(state: TrainState, tokens: tuple[jax.Array, ...]) -> tuple[TrainState, jax.Array]:
+        losses = []  # unrolled, so the exchange may run during the steps before the merge
+        for (sync_step, merge_step), tokens_1xBxT1 in zip(phases, tokens, strict=True):
+            state, loss = train_step(state, tokens_1xBxT1[0], sync_step=sync_step,
+                                     merge_step=merge_step, **step_kwargs)  # fmt: skip
+            losses.append(loss)
+        return state, jnp.stack(losses)
+
+    return jax.jit(reps.map(window), donate_argnums=0 if donate else ())
 
 
 def eval_token_losses(
