@@ -70,17 +70,14 @@ def accumulated(grads_fn: GradsFn, micro_batches: int) -> GradsFn:
             return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, (loss, grads)), None
 
         # zeros_like keeps the params' replica axis (under shard_map), as the sums must.
-        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, _wide(p.dtype)), params)
+        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)),
+                             params)  # fmt: skip
         loss0 = jnp.zeros_like(jax.tree.leaves(params)[0], jnp.float32, shape=())
         (loss, grads), _ = lax.scan(add, (loss0, zeros), slices)
         grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads, params)
         return loss / micro_batches, grads
 
     return fn
-
-
-def _wide(dtype: Any) -> Any:
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def skipping(graphdef: Any, cfg: SkipConfig) -> GradsFn:
@@ -97,7 +94,7 @@ def _route_idx(step: jax.Array, tokens: jax.Array, pool: np.ndarray, num_stages:
                fixed: bool) -> jax.Array:  # fmt: skip
     """Pool index of each boundary and micro-batch (a row of ``tokens``), [S - 1, B]."""
     if fixed:  # pool row 0 is the identity
-        return jax.numpy.zeros((num_stages - 1, tokens.shape[0]), jax.numpy.int32)
+        return jnp.zeros((num_stages - 1, tokens.shape[0]), jnp.int32)
     return pl.route_indices(step, num_boundaries=num_stages - 1, num_microbatches=tokens.shape[0],
                             pool_size=len(pool), seed=seed)  # fmt: skip
 
