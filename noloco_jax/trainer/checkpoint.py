@@ -51,11 +51,9 @@ def is_environment_error(err: BaseException) -> bool:
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, (MemoryError, PermissionError)):
-            return True
-        if isinstance(err, OSError) and err.errno in _ENV_ERRNOS:
-            return True
-        if any(marker in str(err) for marker in _ENV_MARKERS):
+        if (isinstance(err, (MemoryError, PermissionError))
+                or (isinstance(err, OSError) and err.errno in _ENV_ERRNOS)
+                or any(marker in str(err) for marker in _ENV_MARKERS)):  # fmt: skip
             return True
         err = err.__cause__ or err.__context__
     return False
@@ -90,11 +88,8 @@ def fingerprint(tree: Any) -> dict[str, str]:
       ``{path: "xxxxxxxx-xxxxxxxx"}`` (two hex uint32 sums per leaf).
     """
     sums = jax.tree_util.tree_flatten_with_path(_fingerprints(tree))[0]
-    out = {}
-    for path, value in sums:
-        a, b = (int(v) for v in np.asarray(to_host(value)).reshape(-1)[:2])
-        out[jax.tree_util.keystr(path)] = f"{a:08x}-{b:08x}"
-    return out
+    return {jax.tree_util.keystr(path): "{:08x}-{:08x}".format(*to_host(value))
+            for path, value in sums}  # fmt: skip
 
 
 class Checkpointer:
@@ -288,14 +283,11 @@ class Checkpointer:
     def close(self) -> None:
         """Waits for the last save, then releases orbax's threads even when it failed."""
         error = None
-        try:
-            self._manager.wait_until_finished()
-        except Exception as err:  # noqa: BLE001
-            error = err
-        try:
-            self._manager.close()
-        except Exception as err:  # noqa: BLE001
-            error = error or err
+        for call in (self._manager.wait_until_finished, self._manager.close):
+            try:
+                call()
+            except Exception as err:  # noqa: BLE001
+                error = error or err
         if error is not None:
             raise self._save_error(None, error) from error
 
