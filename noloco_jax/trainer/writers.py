@@ -105,9 +105,10 @@ class MetricWriter:
         """Closes every sink; raises ``MetricsWriteError`` when the disk refuses what they still
         held (full), as ``write`` does (it was an OSError traceback at the end of a run)."""
         error = None
-        for close in self._closers():
+        sinks, self._sinks = self._sinks, []
+        for sink in [*sinks, *(f for f in (self._jsonl, self._tb) if f is not None)]:
             try:
-                close()
+                sink.close()
             except OSError as err:
                 error = error or err
         if error is not None:
@@ -116,11 +117,6 @@ class MetricWriter:
                 f"({type(error).__name__}: {error}); the last records may be missing; the "
                 f"checkpoints already written are intact. {_remedy(error)}."
             ) from error
-
-    def _closers(self) -> list[Callable[[], None]]:
-        closers = [sink.close for sink in self._sinks]
-        self._sinks = []
-        return closers + [f.close for f in (self._jsonl, self._tb) if f is not None]
 
 
 class Progress:
@@ -145,14 +141,12 @@ class Progress:
 
     def __init__(self, enabled: bool, total: int, initial: int, file: Any = None,
                  silent: bool = False) -> None:  # fmt: skip
-        self._bar = None
         self._silent = silent
         self._compiling = True
         self._file = file
         self._total = total
-        if enabled:
-            self._bar = self._new(initial, desc=self.COMPILING,
-                                  bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}]")
+        self._bar = None if not enabled else self._new(
+            initial, desc=self.COMPILING, bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}]")
 
     def _new(self, initial: int, **kwargs: Any) -> Any:
         """A fresh bar at ``initial``: its clock starts now (``leave=False``: it clears when
