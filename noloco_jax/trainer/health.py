@@ -27,10 +27,8 @@ __all__ = ["Escalation", "MAX_CONSECUTIVE_RESETS", "check_counter", "check_phase
 def check_counter(state: TrainState, step: int) -> None:
     """Raises ``ValueError`` when a restored optimizer counter is not the run's ``step``."""
     found = find_local_steps_state(state.opt_state)
-    if found is None:
-        return
-    counts = replicas.to_host(found.count)
-    if not (np.asarray(counts) == step).all():
+    counts = None if found is None else replicas.to_host(found.count)
+    if counts is not None and not (counts == step).all():
         raise ValueError(f"the optimizer's step counter {counts} does not match the run's step "
                          f"{step}; the checkpoint's optimizer state is inconsistent.")  # fmt: skip
 
@@ -38,7 +36,7 @@ def check_counter(state: TrainState, step: int) -> None:
 def check_phase_errors(state: TrainState, step: int) -> None:
     """Every step's phase (inner, sync) as the host ran it agreed with the optimizer's counter."""
     found = find_local_steps_state(state.opt_state)
-    if found is not None and np.asarray(replicas.to_host(found.phase_errors)).any():
+    if found is not None and replicas.to_host(found.phase_errors).any():
         raise RuntimeError(f"internal error: by step {step} the trainer ran a sync step where the "
                            f"optimizer's counter has none, or the reverse (phase_errors > 0).")
 
@@ -116,7 +114,6 @@ class Escalation:
 
     def _fail(self, step: int, what: str) -> None:
         s = self._settings
-        o = s.optim
         kept = self._ckpt.latest_step()
         kept_text = (f"the last checkpoint (step {kept}) is kept" if kept is not None
                      else "no checkpoint was written")  # fmt: skip
@@ -131,8 +128,8 @@ class Escalation:
                      "config.routing='fixed' keeps replicas apart")  # fmt: skip
         raise TrainingDivergedError(
             f"training diverged: {what}; the run cannot learn and was stopped, {kept_text}. "
-            f"Lower config.optim.learning_rate (now {o.learning_rate}), raise optim.eps "
-            f"(now {o.eps}) or clip harder{guard}."
+            f"Lower config.optim.learning_rate (now {s.optim.learning_rate}), raise optim.eps "
+            f"(now {s.optim.eps}) or clip harder{guard}."
         )
 
 
@@ -158,7 +155,7 @@ def _per_replica(counts: Any, num_replicas: int) -> np.ndarray:
 
 def _finite_replicas(tree: Any) -> np.ndarray:
     """[N] bool on the host: replica i's float leaves of ``tree`` are all finite."""
-    return np.stack([np.asarray(replicas.to_host(v)) for v in per_replica_finite(tree)]).all(0)
+    return np.stack([replicas.to_host(v) for v in per_replica_finite(tree)]).all(0)
 
 
 @jax.jit
