@@ -2,15 +2,14 @@
 
 N -> N / k (k an integer): replicas ``k i .. k i + k - 1`` merge into new replica ``i``: every
 per-replica float leaf (fast weights theta, slow weights phi, outer momentum, Adam moments) is
-their mean, over the finite values (a replica whose weights broke, which the non-finite guard
-would reset at its next sync, does not spread NaN to its partners); a per-replica integer
-scalar (a counter such as Adam's step count, equal on every replica unless the non-finite
-guard restarted one) takes the largest, so merged moments are
-not bias-corrected as if they were young; other integer leaves (a PRNG key) take the first
-replica's. N -> k N: replica ``i`` is cloned into ``k i .. k i + k - 1``.
-Shared leaves (the step and round counters, no replica axis) are kept. Which leaves carry the
-replica axis comes from ``replicas.replica_axes``, never from field names, so any replicated
-optimizer state works.
+their mean, over the finite values (a replica whose weights broke, which the non-finite guard would
+reset at its next sync, does not spread NaN to its partners); a per-replica integer scalar (a
+counter such as Adam's step count, equal on every replica unless the non-finite guard restarted
+one) takes the largest, so merged moments are not bias-corrected as if they were young; other
+integer leaves (a PRNG key) take the first replica's. N -> k N: replica ``i`` is cloned into
+``k i .. k i + k - 1``. Shared leaves (the step and round counters, no replica axis) are kept.
+Which leaves carry the replica axis comes from ``replicas.replica_axes``, never from field names,
+so any replicated optimizer state works.
 
 Both keep the replica mean of every float leaf, so the averaged model is unchanged. After
 the resize the run continues as if it had started with the new N: the data batcher deals the
@@ -72,24 +71,21 @@ def check_resume(saved_meta: dict, current_meta: dict, allow_resize: bool) -> in
     check_init_model(saved_meta, current_meta, "resume")
     saved, current = saved_meta["settings"], current_meta["settings"]
     old_n, new_n = saved["num_replicas"], current["num_replicas"]
-    if old_n == new_n or not allow_resize:
-        try:
-            check_resume_compatible(saved, current)
-        except ValueError as err:
-            if old_n == new_n:
-                raise
-            raise ValueError(f"{err} To merge or clone replicas ({old_n} -> {new_n}), set "
-                             f"--config.allow_resize=True.") from None  # fmt: skip
-        ReplicaBatcher.check_compatible(saved_meta["batcher"], current_meta["batcher"])
-        return None
-    if max(old_n, new_n) % min(old_n, new_n):
+    resize = old_n != new_n and allow_resize
+    if resize and max(old_n, new_n) % min(old_n, new_n):
         raise ValueError(f"config.allow_resize: the checkpoint has {old_n} replicas; resuming "
                          f"with {new_n} needs one count to divide the other.")  # fmt: skip
-    # Compare everything but the fields a resize changes (taken from the current run).
-    check_resume_compatible(_with(saved, current, RESIZE_FIELDS), current)
-    batcher = current_meta["batcher"]
-    ReplicaBatcher.check_compatible(_with(saved_meta["batcher"], batcher, _BATCHER_FIELDS), batcher)
-    return old_n
+    # A resize compares everything but the fields it changes (taken from the current run).
+    try:
+        check_resume_compatible(_with(saved, current, RESIZE_FIELDS if resize else ()), current)
+    except ValueError as err:
+        if old_n == new_n or resize:
+            raise
+        raise ValueError(f"{err} To merge or clone replicas ({old_n} -> {new_n}), set "
+                         f"--config.allow_resize=True.") from None  # fmt: skip
+    batcher, fields = current_meta["batcher"], _BATCHER_FIELDS if resize else ()
+    ReplicaBatcher.check_compatible(_with(saved_meta["batcher"], batcher, fields), batcher)
+    return old_n if resize else None
 
 
 # Model config fields that come from settings, not the config.json: the settings check them
