@@ -10,9 +10,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from noloco_jax.optim.trees import is_float
+from noloco_jax.replicas import to_host
 from noloco_jax.trainer.settings import TrainSettings, parse_profile_steps
 
 __all__ = ["WandbSink", "Profiler", "check_sinks", "compile_seconds", "make_sinks",
@@ -200,6 +200,4 @@ def distance_to_mean(params: Any) -> list[float]:
     Returns:
       N floats.
     """
-    from noloco_jax import replicas  # noqa: PLC0415
-
-    return [float(v) for v in np.asarray(replicas.to_host(_distances(params)))]
+    return [float(v) for v in to_host(_distances(params))]
