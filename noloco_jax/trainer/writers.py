@@ -62,8 +62,7 @@ class MetricWriter:
 
     def resume_at(self, step: int) -> None:
         """The run goes on from ``step``: TensorBoard hides what earlier sessions logged after
-        it (a run resumed from a checkpoint older than its last records repeats those steps).
-        """
+        it (a run resumed from a checkpoint older than its last records repeats those steps)."""
         self._purge_step = step + 1 if step else 0  # a fresh start: nothing before counts
         self._mark_session()
         if self._tb is not None:  # opened already (a damaged checkpoint was reported)
@@ -75,31 +74,28 @@ class MetricWriter:
         if not self.enabled:
             return
         try:  # a full disk was an OSError traceback
-            self._write(step, kind, values)
+            if self._jsonl is None:
+                self._open()
+            clean = {k: _jsonable(v) for k, v in values.items()}
+            self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
+            self._jsonl.flush()
+            if self._tb is not None:
+                for k, v in clean.items():
+                    # A per-replica list goes as <kind>/<name>/r<i>, as W&B has it.
+                    named = ({f"{kind}/{k}/r{i}": x for i, x in enumerate(v)}
+                             if isinstance(v, list) else {f"{kind}/{k}": v})  # fmt: skip
+                    for tag, x in named.items():
+                        if isinstance(x, (int, float)) and math.isfinite(x):
+                            self._tb.add_scalar(tag, x, step)
+                self._tb.flush()
+            for sink in self._sinks:
+                sink.write(step, kind, clean)
         except OSError as err:
             raise MetricsWriteError(
                 f"could not write the metrics of step {step} under {self.workdir} "
                 f"({type(err).__name__}: {err}); the run stopped; the checkpoints already "
                 f"written are intact. {_remedy(err)} and run again to resume."
             ) from err
-
-    def _write(self, step: int, kind: str, values: dict[str, Any]) -> None:
-        if self._jsonl is None:
-            self._open()
-        clean = {k: _jsonable(v) for k, v in values.items()}
-        self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
-        self._jsonl.flush()
-        if self._tb is not None:
-            for k, v in clean.items():
-                # A per-replica list goes as <kind>/<name>/r<i>, as W&B has it.
-                named = ({f"{kind}/{k}/r{i}": x for i, x in enumerate(v)}
-                         if isinstance(v, list) else {f"{kind}/{k}": v})  # fmt: skip
-                for tag, x in named.items():
-                    if isinstance(x, (int, float)) and math.isfinite(x):
-                        self._tb.add_scalar(tag, x, step)
-            self._tb.flush()
-        for sink in self._sinks:
-            sink.write(step, kind, clean)
 
     def close(self) -> None:
         """Closes every sink; raises ``MetricsWriteError`` when the disk refuses what they still
@@ -149,8 +145,7 @@ class Progress:
             initial, desc=self.COMPILING, bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}]")
 
     def _new(self, initial: int, **kwargs: Any) -> Any:
-        """A fresh bar at ``initial``: its clock starts now (``leave=False``: it clears when
-        replaced)."""
+        """A fresh bar at ``initial``: its clock starts now, and it clears when replaced."""
         from tqdm.auto import tqdm  # noqa: PLC0415
 
         return tqdm(total=self._total, initial=initial, unit="step", dynamic_ncols=True,
