@@ -134,7 +134,7 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: Any, meta: dict, *, force: bool = True) -> None:
+    def save(self, step: int, state: Any, meta: dict) -> None:
         """Starts an asynchronous save; raises ``CheckpointSaveError`` if it cannot start.
 
         Errors of the asynchronous part surface in ``check`` or ``close``.
@@ -142,14 +142,9 @@ class Checkpointer:
         self.wait()  # orbax would wait for the previous save anyway; its error names its step
         meta = {**meta, "checksums": fingerprint(state)}
         self._pending = step
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         try:
-            self._manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-                ),
-                force=force,
-            )
+            self._manager.save(step, args=args, force=True)
         except Exception as err:  # noqa: BLE001 - any failure to write is reported the same way
             raise self._save_error(step, err) from err
 
