@@ -165,8 +165,8 @@ class Checkpointer:
         step = self._pending if step is None else step
         # Orbax's list and the disk: the list has already dropped the step the save would
         # replace, and the disk may be gone (a file where the directory was).
-        on_disk = self.directory.iterdir() if self.directory.is_dir() else ()
-        known = {int(p.name) for p in on_disk if p.name.isdigit()} | set(self.all_steps())
+        on_disk = {int(p.name) for p in self.directory.glob("*") if p.name.isdigit()}
+        known = on_disk | set(self.all_steps())
         good = sorted(known - {step})
         kept = (f"the checkpoint of step {good[-1]} is intact" if good else
                 "there is no earlier checkpoint")  # was "the run stopped and no earlier checkpoint"
@@ -264,10 +264,8 @@ class Checkpointer:
         return sum(f.stat().st_size for f in (self.directory / str(step)).rglob("*") if f.is_file())
 
     def set_aside(self) -> list[pathlib.Path]:
-        """Step directories set aside as corrupt by earlier runs."""
-        if not self.directory.is_dir():
-            return []
-        return sorted(p for p in self.directory.iterdir() if ".corrupt" in p.name)
+        """Step directories set aside as corrupt by earlier runs (none if there is no directory)."""
+        return sorted(self.directory.glob("*.corrupt*"))
 
     def wait(self) -> None:
         try:
