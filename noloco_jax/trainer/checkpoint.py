@@ -14,7 +14,7 @@ import gc
 import logging
 import pathlib
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -143,10 +143,7 @@ class Checkpointer:
         meta = {**meta, "checksums": fingerprint(state)}
         self._pending = step
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        try:
-            self._manager.save(step, args=args, force=True)
-        except Exception as err:  # noqa: BLE001 - any failure to write is reported the same way
-            raise self._save_error(step, err) from err
+        self._reported(lambda: self._manager.save(step, args=args, force=True))
 
     def check(self) -> None:
         """Raises ``CheckpointSaveError`` if a finished asynchronous save failed.
@@ -156,18 +153,21 @@ class Checkpointer:
         """
         if not self.saving():
             self.wait()
-        try:
-            self._manager.check_for_errors()
-        except Exception as err:  # noqa: BLE001
-            raise self._save_error(None, err) from err
+        self._reported(self._manager.check_for_errors)
 
-    def _save_error(self, step: int | None, err: Exception) -> CheckpointSaveError:
-        step = self._pending if step is None else step
+    def _reported(self, call: Callable[[], Any]) -> None:
+        """Runs ``call``; any failure to write is raised as a ``CheckpointSaveError``."""
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001 - any failure to write is reported the same way
+            raise self._save_error(err) from err
+
+    def _save_error(self, err: Exception) -> CheckpointSaveError:
+        step = self._pending
         # Orbax's list and the disk: the list has already dropped the step the save would
         # replace, and the disk may be gone (a file where the directory was).
         on_disk = {int(p.name) for p in self.directory.glob("*") if p.name.isdigit()}
-        known = on_disk | set(self.all_steps())
-        good = sorted(known - {step})
+        good = sorted((on_disk | set(self.all_steps())) - {step})
         kept = (f"the checkpoint of step {good[-1]} is intact" if good else
                 "there is no earlier checkpoint")  # was "the run stopped and no earlier checkpoint"
         again = "to resume" if good else "(it starts from step 0)"
@@ -268,10 +268,7 @@ class Checkpointer:
         return sorted(self.directory.glob("*.corrupt*"))
 
     def wait(self) -> None:
-        try:
-            self._manager.wait_until_finished()
-        except Exception as err:  # noqa: BLE001
-            raise self._save_error(None, err) from err
+        self._reported(self._manager.wait_until_finished)
 
     def close(self) -> None:
         """Waits for the last save, then releases orbax's threads even when it failed."""
@@ -282,7 +279,7 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001
                 error = error or err
         if error is not None:
-            raise self._save_error(None, error) from error
+            raise self._save_error(error) from error
 
 
 def _barrier(name: str) -> None:
