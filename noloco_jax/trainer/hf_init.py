@@ -113,9 +113,9 @@ def _replica_on_host(x: Any, i: int) -> np.ndarray:
 def _check_finite(params: Any, replica: int | None) -> None:
     """Refuses to export non-finite weights: the NaN fast weights of a replica the non-finite
     guard had not repaired by the run's last step (they also make the averaged model NaN)."""
-    from noloco_jax.trainer.health import per_replica_finite  # noqa: PLC0415
+    from noloco_jax.trainer.health import _finite_replicas  # noqa: PLC0415
 
-    ok = np.stack([to_host(v) for v in per_replica_finite(params)]).all(0)
+    ok = _finite_replicas(params)
     bad = np.flatnonzero(~ok).tolist() if replica is None else [replica] * (not ok[replica])
     if bad:
         raise ValueError(f"replica={replica!r}: the weights of replica(s) {bad} are non-finite "
