@@ -73,15 +73,11 @@ class StepMemory(NamedTuple):
         return self.argument + self.temp + self.output - self.alias
 
 
-def _name(key: Any) -> str:
-    return str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key))))
-
-
 def _category(path: tuple, x: Any) -> str:
     """The ``StepMemory`` field of an input leaf; ``path`` starts at (state, tokens)."""
-    if _name(path[0]) != "0":  # the tokens
+    if replicas._key_name(path[0]) != "0":  # the tokens
         return "tokens"
-    field, rest = _name(path[1]), {_name(k) for k in path[2:]}
+    field, rest = replicas._key_name(path[1]), {replicas._key_name(k) for k in path[2:]}
     if field == "params":
         return "params"
     if field == "opt_state" and rest & _OUTER_FIELDS:
