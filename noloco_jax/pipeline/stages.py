@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from noloco_jax import errors
+from noloco_jax import errors, replicas
 from noloco_jax.optim.clipping import check_max_norm
 from noloco_jax.optim.trees import is_float
 
@@ -53,7 +53,7 @@ def stage_layer_ids(num_layers: int, num_stages: int) -> list[np.ndarray]:
 
 def leaf_owner(path: tuple) -> str:
     """"blocks" (split over stages by layer), "first" or "last" stage."""
-    name = str(getattr(path[0], "key", getattr(path[0], "name", path[0])))
+    name = replicas._key_name(path[0])
     if name not in _OWNERS:
         raise ValueError(f"parameter {jax.tree_util.keystr(path)} belongs to no pipeline stage.")
     return _OWNERS[name]
