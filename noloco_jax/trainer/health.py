@@ -76,12 +76,11 @@ class Escalation:
             self.streak = np.where(caught, self.streak + 1, 0)
             worst = np.maximum(worst, self.streak)
         if every:
-            self._fail(stop, f"every replica's weights were non-finite at the sync(s) up to "
-                             f"step {stop}")  # fmt: skip
+            self._fail(f"every replica's weights were non-finite at the sync(s) up to step {stop}")
         if (worst >= MAX_CONSECUTIVE_RESETS).any():
             i = int(np.argmax(worst))
-            self._fail(stop, f"replica {i}'s weights were non-finite at {int(worst[i])} "
-                             f"consecutive syncs")  # fmt: skip
+            self._fail(f"replica {i}'s weights were non-finite at {int(worst[i])} consecutive "
+                       f"syncs")  # fmt: skip
 
     def check_savable(self, state: TrainState, step: int) -> None:
         """Raises instead of checkpointing weights the guard will not put back."""
@@ -90,8 +89,8 @@ class Escalation:
         ok = _finite_replicas(tree)
         if not ok.all():
             which = "slow weights" if tree is not state.params else "weights"
-            self._fail(step, f"the {which} of replica(s) {np.flatnonzero(~ok).tolist()} are "
-                             f"non-finite at step {step}")  # fmt: skip
+            self._fail(f"the {which} of replica(s) {np.flatnonzero(~ok).tolist()} are "
+                       f"non-finite at step {step}")  # fmt: skip
 
     def unrepaired(self, state: TrainState, step: int) -> str | None:
         """A warning when, at the run's last step, some replica's fast weights are non-finite:
@@ -112,7 +111,7 @@ class Escalation:
                 f"{extend}. A run whose num_steps is a multiple of outer.sync_every ends on a "
                 f"sync, which repairs them.")
 
-    def _fail(self, step: int, what: str) -> None:
+    def _fail(self, what: str) -> None:
         s = self._settings
         kept = self._ckpt.latest_step()
         kept_text = (f"the last checkpoint (step {kept}) is kept" if kept is not None
