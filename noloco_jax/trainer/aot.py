@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from noloco_jax import replicas
 from noloco_jax.trainer.step import TrainState
@@ -114,12 +113,10 @@ def _placed(reps: replicas.Replicas, single: Any, lead: bool) -> Any:
 
     def place(path: tuple, x: Any) -> jax.ShapeDtypeStruct:
         shared = not lead and replicas.is_shared_leaf(x, path)
-        local = jax.ShapeDtypeStruct(x.shape[1:] if lead else x.shape, x.dtype)
-        shape = local.shape if shared else (n, *local.shape)
-        if reps.mesh is None:
-            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=device)
-        spec = P() if shared else reps.spec(path, local, full_rank=True)
-        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(reps.mesh, spec))
+        local = x.shape[1:] if lead else x.shape
+        out = jax.ShapeDtypeStruct(local if shared else (n, *local), x.dtype)
+        sharding = device if reps.mesh is None else reps._sharding(path, out)
+        return jax.ShapeDtypeStruct(out.shape, x.dtype, sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(place, single)
 
