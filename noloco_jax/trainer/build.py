@@ -497,18 +497,17 @@ def make_programs(reps: replicas.Replicas, step_kwargs: dict, rounds: bool, frag
 def check_memory(s: TrainSettings, vocab_size: int, tx: Any) -> None:
     """Refuses a state that cannot fit, from shapes only (nothing is allocated)."""
     abstract = abstract_model(s, vocab_size)[2]
-    backend, stages = s.backend, 1
+    backend, stages, split = s.backend, 1, s.mesh.fsdp * s.mesh.tensor
     if s.num_stages > 1:  # stages split a replica only on the (replica, stage) mesh
         backend = "shard_map" if stage_mesh(s) else "vmap"
         stages = s.num_stages if backend == "shard_map" else 1
     elif backend == "auto":  # make_replicas' rule: a split replica always needs its devices
-        split = s.mesh.fsdp * s.mesh.tensor
         spans = split > 1 or 1 < s.num_replicas <= jax.device_count()
         backend = "shard_map" if spans else "vmap"
     per_device = memory.state_bytes_per_device(abstract, tx, num_replicas=s.num_replicas,
                                                backend=backend, num_stages=stages)
-    per_device //= s.mesh.fsdp * s.mesh.tensor  # a replica split over F x T devices
-    used = (1 if backend == "vmap" else s.num_replicas) * stages * s.mesh.fsdp * s.mesh.tensor
+    per_device //= split  # a replica split over F x T devices
+    used = (1 if backend == "vmap" else s.num_replicas) * stages * split
     # This host's share: with several processes (hosts) each holds its own devices' state.
     memory.check_fits(per_device, min(used, jax.local_device_count()), preset=s.model.preset,
                       backend=backend, init_from=s.model.init_from)  # fmt: skip
