@@ -339,6 +339,31 @@ def test_metadata_without_settings_is_corrupt_and_no_silent_restart(tmp_path, fi
         train_and_evaluate(s, run, progress=False)  # a second attempt refuses too
 
 
+def test_a_checkpoint_directory_that_cannot_be_listed_is_not_read_as_none_set_aside(
+        tmp_path, monkeypatch):  # fmt: skip
+    """set_aside decides whether a run without readable checkpoints may start again from step
+    0: pathlib's glob yields nothing for a directory it may not list, which read as 'none set
+    aside' (a silent restart); the listing's PermissionError goes up instead."""
+    ckpt = Checkpointer(tmp_path / "ck")
+    (tmp_path / "ck" / "3.corrupt").mkdir()
+    assert [p.name for p in ckpt.set_aside()] == ["3.corrupt"]
+
+    def denied(list_dir):
+        def call(path=".", *args):
+            if isinstance(path, (str, os.PathLike)) and pathlib.Path(path) == tmp_path / "ck":
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return list_dir(path, *args)
+
+        return call
+
+    with monkeypatch.context() as m:  # as for another user's directory (root reads them all)
+        m.setattr(os, "scandir", denied(os.scandir))
+        m.setattr(os, "listdir", denied(os.listdir))
+        with pytest.raises(PermissionError):
+            ckpt.set_aside()  # was [] on main
+    ckpt.close()
+
+
 # --- 5. restore errors of the machine are not corruption --------------------------------
 
 

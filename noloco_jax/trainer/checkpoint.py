@@ -264,8 +264,11 @@ class Checkpointer:
         return sum(f.stat().st_size for f in (self.directory / str(step)).rglob("*") if f.is_file())
 
     def set_aside(self) -> list[pathlib.Path]:
-        """Step directories set aside as corrupt by earlier runs (none if there is no directory)."""
-        return sorted(self.directory.glob("*.corrupt*"))
+        """Step directories set aside as corrupt by earlier runs (none if there is no directory);
+        one that cannot be listed raises, never read as none set aside (a silent restart)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(p for p in self.directory.iterdir() if ".corrupt" in p.name)
 
     def wait(self) -> None:
         self._reported(self._manager.wait_until_finished)
