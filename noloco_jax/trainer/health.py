@@ -27,8 +27,10 @@ __all__ = ["Escalation", "MAX_CONSECUTIVE_RESETS", "check_counter", "check_phase
 def check_counter(state: TrainState, step: int) -> None:
     """Raises ``ValueError`` when a restored optimizer counter is not the run's ``step``."""
     found = find_local_steps_state(state.opt_state)
-    counts = None if found is None else replicas.to_host(found.count)
-    if counts is not None and not (counts == step).all():
+    if found is None:
+        return
+    counts = replicas.to_host(found.count)
+    if not (counts == step).all():
         raise ValueError(f"the optimizer's step counter {counts} does not match the run's step "
                          f"{step}; the checkpoint's optimizer state is inconsistent.")  # fmt: skip
 

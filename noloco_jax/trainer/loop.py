@@ -204,19 +204,23 @@ def _check_start(settings: TrainSettings, workdir: str | pathlib.Path, stop_at: 
                  ) -> pathlib.Path:  # fmt: skip
     """This process's checks of the run's input before anything runs; returns the workdir."""
     validate(settings)  # settings built as a dataclass, not by from_config, were not checked
-    # optax's Adam (its bias correction b1**count, a Python float and an int32) raised under
-    # 'strict', after the data was prepared; the context manager's value is this one too.
-    if jax.config.jax_numpy_dtype_promotion == "strict":
-        raise UserError(
-            "jax_numpy_dtype_promotion: the trainer needs 'standard', got 'strict' (optax's "
-            "Adam raises under it). Train outside jax.numpy_dtype_promotion('strict'), or call "
-            "jax.config.update('jax_numpy_dtype_promotion', 'standard') (and unset "
-            "$JAX_NUMPY_DTYPE_PROMOTION).")  # fmt: skip
+    _check_dtype_promotion()
     workdir = _writable_workdir(workdir)
     _check_outside_corpus(settings, workdir)
     check_sinks(settings)
     check_delay_windows(settings, stop_at)  # no run stops inside an overlap window
     return workdir
+
+
+def _check_dtype_promotion() -> None:
+    """Refuses ``jax_numpy_dtype_promotion='strict'``: optax's Adam (its bias correction
+    ``b1**count``, a Python float and an int32) raised under it, after the data was prepared."""
+    if jax.config.jax_numpy_dtype_promotion == "strict":  # the context manager's value too
+        raise UserError(
+            "jax_numpy_dtype_promotion: the trainer needs 'standard', got 'strict' (optax's "
+            "Adam raises under it). Train outside jax.numpy_dtype_promotion('strict'), or call "
+            "jax.config.update('jax_numpy_dtype_promotion', 'standard') (and unset "
+            "$JAX_NUMPY_DTYPE_PROMOTION).")  # fmt: skip
 
 
 def _agreed(fn: Callable[..., Any], *args: Any) -> Any:
@@ -640,16 +644,6 @@ def _train_metrics(run: Run, state: TrainState, step: int, k: int, losses: np.nd
     losses = np.asarray(losses, np.float64)  # means of float32 losses, without float32 rounding
     finite = np.isfinite(losses)
     guarded = guard_acts(s)
-    # Tokens seen and bytes sent per replica by ``step``, counted on from the last resize.
-    since, tokens, sent = run.counted or (0, 0, 0.0)
-    copies = s.num_stages if s.num_stages > 1 and stage_mesh(s) else 1
-
-    def sent_by(steps: int) -> float:
-        return optim_lib.bytes_sent(s.method, s.outer, run.params0, num_replicas=s.num_replicas,
-                                    steps=steps, fault=s.fault, stage_copies=copies,
-                                    devices_per_replica=s.mesh.fsdp * s.mesh.tensor)  # fmt: skip
-
-    before = sent_by(since)  # a run never resized: exactly the direct count
     return {
         # With the guard: the mean over finite replica losses (a replica the guard is
         # resetting is counted apart). Without: a NaN replica makes the loss NaN (both).
@@ -662,10 +656,25 @@ def _train_metrics(run: Run, state: TrainState, step: int, k: int, losses: np.nd
         "nonfinite_resets": health.nonfinite_resets(state),
         "learning_rate": float(optim_lib.learning_rate_schedule(s.optim, s.num_steps)(step - 1)),
         "tokens_per_sec": n_tokens / seconds,
-        "tokens_seen": tokens + (step - since) * s.global_batch_size * s.data.seq_len,
-        "bytes_sent_per_replica": sent_by(step) if sent == before
-        else sent + sent_by(step) - before,
+        **_counts(run, step),
     }
+
+
+def _counts(run: Run, step: int) -> dict[str, Any]:
+    """Tokens seen and bytes sent per replica by ``step``, counted on from the last resize."""
+    s = run.settings
+    since, tokens, sent = run.counted or (0, 0, 0.0)
+    copies = s.num_stages if s.num_stages > 1 and stage_mesh(s) else 1
+
+    def sent_by(steps: int) -> float:
+        return optim_lib.bytes_sent(s.method, s.outer, run.params0, num_replicas=s.num_replicas,
+                                    steps=steps, fault=s.fault, stage_copies=copies,
+                                    devices_per_replica=s.mesh.fsdp * s.mesh.tensor)  # fmt: skip
+
+    before = sent_by(since)  # a run never resized: exactly the direct count
+    return {"tokens_seen": tokens + (step - since) * s.global_batch_size * s.data.seq_len,
+            "bytes_sent_per_replica": sent_by(step) if sent == before
+            else sent + sent_by(step) - before}
 
 
 def _report_reset(writer: MetricWriter, step: int, total: float, bar: Progress) -> None:

@@ -74,28 +74,31 @@ class MetricWriter:
         if not self.enabled:
             return
         try:  # a full disk was an OSError traceback
-            if self._jsonl is None:
-                self._open()
-            clean = {k: _jsonable(v) for k, v in values.items()}
-            self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
-            self._jsonl.flush()
-            if self._tb is not None:
-                for k, v in clean.items():
-                    # A per-replica list goes as <kind>/<name>/r<i>, as W&B has it.
-                    named = ({f"{kind}/{k}/r{i}": x for i, x in enumerate(v)}
-                             if isinstance(v, list) else {f"{kind}/{k}": v})  # fmt: skip
-                    for tag, x in named.items():
-                        if isinstance(x, (int, float)) and math.isfinite(x):
-                            self._tb.add_scalar(tag, x, step)
-                self._tb.flush()
-            for sink in self._sinks:
-                sink.write(step, kind, clean)
+            self._write(step, kind, values)
         except OSError as err:
             raise MetricsWriteError(
                 f"could not write the metrics of step {step} under {self.workdir} "
                 f"({type(err).__name__}: {err}); the run stopped; the checkpoints already "
                 f"written are intact. {_remedy(err)} and run again to resume."
             ) from err
+
+    def _write(self, step: int, kind: str, values: dict[str, Any]) -> None:
+        if self._jsonl is None:
+            self._open()
+        clean = {k: _jsonable(v) for k, v in values.items()}
+        self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in clean.items():
+                # A per-replica list goes as <kind>/<name>/r<i>, as W&B has it.
+                named = ({f"{kind}/{k}/r{i}": x for i, x in enumerate(v)}
+                         if isinstance(v, list) else {f"{kind}/{k}": v})  # fmt: skip
+                for tag, x in named.items():
+                    if isinstance(x, (int, float)) and math.isfinite(x):
+                        self._tb.add_scalar(tag, x, step)
+            self._tb.flush()
+        for sink in self._sinks:
+            sink.write(step, kind, clean)
 
     def close(self) -> None:
         """Closes every sink; raises ``MetricsWriteError`` when the disk refuses what they still
