@@ -14,6 +14,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.helpers import prepare_corpus
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "colabs").glob("*.ipynb"))
 
@@ -40,8 +42,9 @@ EXECUTED = [pytest.param(p, marks=pytest.mark.slow) if p.stem == "table2_miniatu
 
 @pytest.mark.parametrize("path", EXECUTED, ids=lambda p: p.stem)
 def test_colab_executes_with_smoke_settings(path, tmp_path, monkeypatch, corpus_dir, data_dir):
-    # One corpus and data dir for the file's notebooks: the first to run prepares the TFDS
-    # dataset (TensorFlow's import and the writing, ~10 s), the others read it back.
+    # One corpus and data dir for the file's notebooks, stored here once (TensorFlow's import
+    # and the writing, ~5 s): the notebooks read it back.
+    prepare_corpus(corpus_dir, data_dir)
     monkeypatch.setenv("NOLOCO_COLAB_SMOKE", "1")
     monkeypatch.setenv("NOLOCO_COLAB_DATA", str(corpus_dir))
     monkeypatch.setenv("NOLOCO_COLAB_WORKDIR", str(tmp_path / "work"))

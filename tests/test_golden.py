@@ -42,6 +42,7 @@ import pytest
 from noloco_jax.trainer.checkpoint import Checkpointer
 from noloco_jax.trainer.loop import train_and_evaluate
 from noloco_jax.trainer.writers import read_jsonl
+from tests.helpers import prepare_corpus
 from tests.test_train import tiny_settings
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
@@ -102,6 +103,7 @@ def flag_set(request) -> str:
 @pytest.fixture(scope="module")
 def records(tmp_path_factory, corpus_dir, data_dir, flag_set) -> dict:
     out = tmp_path_factory.mktemp("golden")
+    prepare_corpus(corpus_dir, data_dir)
     env = {**os.environ, "XLA_FLAGS": _xla_flags(flag_set), "JAX_NUMPY_RANK_PROMOTION": "raise"}
     done = subprocess.run([sys.executable, "-m", "tests.test_golden", str(corpus_dir),
                            str(data_dir), str(out)], env=env, cwd=GOLDEN_DIR.parents[1],

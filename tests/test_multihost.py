@@ -21,7 +21,7 @@ import pytest
 from pydoc_data.topics import topics
 
 from tests.conftest import FAST_COMPILE_FLAGS
-from tests.helpers import logged_records
+from tests.helpers import logged_records, prepare_corpus
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -84,6 +84,7 @@ def corpus_and_data(tmp_path_factory):
     corpus.mkdir()
     for i, (_, text) in enumerate(sorted(topics.items())[:40]):
         (corpus / f"{i:02d}.txt").write_text(text, encoding="utf-8")
+    prepare_corpus(corpus, base / "data")
     return corpus, base / "data"
 
 
