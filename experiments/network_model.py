@@ -440,7 +440,7 @@ def main(argv: Sequence[str]) -> None:
                              f"report: give --params too (e.g. --params=125e6).")
     out_dir = options.out_dir()
     publishing = out_dir.resolve() == harness.RESULTS.resolve()
-    fig_dir = (options._folder("fig_dir", pathlib.Path(_FIG_DIR.value)) if _FIG_DIR.value
+    fig_dir = (options.checked_folder("fig_dir", pathlib.Path(_FIG_DIR.value)) if _FIG_DIR.value
                else harness.FIGURES if publishing else out_dir)
     run(smoke=_SMOKE.value, seed=_SEED.value, out_dir=out_dir, fig_dir=fig_dir)
 

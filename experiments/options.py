@@ -120,7 +120,7 @@ def command(module: str, *, values: Mapping[str, Any] | None = None,
     return " ".join(["python -m", module, *(w for name in order for w in words[name])])
 
 
-def _folder(flag: str, path: pathlib.Path) -> pathlib.Path:
+def checked_folder(flag: str, path: pathlib.Path) -> pathlib.Path:
     """``path`` with ``~`` expanded (no shell expands it after ``--flag=``), refused now (not
     after the runs) when it or a folder above it is a file."""
     path = path.expanduser()
@@ -136,7 +136,7 @@ def _folder(flag: str, path: pathlib.Path) -> pathlib.Path:
 def out_dir(default: pathlib.Path = harness.SCRATCH) -> pathlib.Path:
     """``--out_dir``, else experiments/results with ``--publish``, else ``default``."""
     if OUT_DIR.value:
-        return _folder("out_dir", pathlib.Path(OUT_DIR.value))
+        return checked_folder("out_dir", pathlib.Path(OUT_DIR.value))
     return harness.RESULTS if PUBLISH.value else default
 
 
@@ -162,7 +162,7 @@ def grid_options() -> harness.Options:
     return harness.Options(
         smoke=SMOKE.value,
         jobs=JOBS.value,
-        runs_dir=_folder("runs_dir", pathlib.Path(RUNS_DIR.value)) if RUNS_DIR.value
+        runs_dir=checked_folder("runs_dir", pathlib.Path(RUNS_DIR.value)) if RUNS_DIR.value
         else harness.RUNS,
         out_dir=out_dir(),
         data_path=DATA_PATH.value,

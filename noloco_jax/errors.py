@@ -24,6 +24,7 @@ __all__ = [
     "check_int",
     "check_number",
     "check_utf8_path",
+    "is_int",
     "require",
     "UserError",
     "WorkdirLockedError",
@@ -70,7 +71,8 @@ def require(ok: bool, field: str, message: str) -> None:
         raise UserError(f"{field}: {message}")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (Python or NumPy), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -86,11 +88,11 @@ def check_int(field: str, value: Any, minimum: int = 1, maximum: int | None = No
       maximum_text: how the message writes ``maximum`` (e.g. "2**32 - 1").
     """
     if maximum is None:
-        require(_is_int(value) and value >= minimum, field,
+        require(is_int(value) and value >= minimum, field,
                 f"must be an integer >= {minimum}, got {value!r}.")  # fmt: skip
     else:
         top = maximum_text or maximum
-        require(_is_int(value) and minimum <= value <= maximum, field,
+        require(is_int(value) and minimum <= value <= maximum, field,
                 f"must be an integer in [{minimum}, {top}], got {value!r}.")  # fmt: skip
     return int(value)
 

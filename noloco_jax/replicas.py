@@ -36,11 +36,13 @@ PyTree = Any
 __all__ = [
     "Replicas",
     "is_shared_leaf",
+    "key_name",
     "replica_axes",
     "replicate",
     "unreplicate",
     "select_replica",
     "make_replicas",
+    "replica_mesh",
     "nnx_state_axes",
     "to_host",
 ]
@@ -52,7 +54,8 @@ __all__ = [
 _PER_REPLICA_FIELDS = frozenset({"local_opt_state", "slow_params"})
 
 
-def _key_name(key: Any) -> str:
+def key_name(key: Any) -> str:
+    """A pytree path entry's name: the attribute, dict key or sequence index, as a string."""
     return str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key))))
 
 
@@ -74,7 +77,7 @@ def is_shared_leaf(x: Any, path: tuple = ()) -> bool:
     dtype = getattr(x, "dtype", None)
     if dtype is None or getattr(x, "ndim", 1) != 0:
         return False
-    if any(_key_name(k) in _PER_REPLICA_FIELDS for k in path):
+    if any(key_name(k) in _PER_REPLICA_FIELDS for k in path):
         return False
     return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_))
 
@@ -410,7 +413,7 @@ class Replicas:
             # of tx.init separately (5.7 s for the nano model on a replica x stage mesh). Its
             # outputs are placed as put places them: the compiler would leave the moments
             # whole on every device of a split replica.
-            places = jax.tree_util.tree_map_with_path(self._sharding, jax.eval_shape(init, params))
+            places = jax.tree_util.tree_map_with_path(self.sharding_of, jax.eval_shape(init, params))
             init = jax.jit(init, out_shardings=places)
         state = init(params)
         check_composition(state)
@@ -427,7 +430,7 @@ class Replicas:
         self._check_divides(tree)
 
         def place(path: tuple, x: Any) -> Any:
-            sharding = self._sharding(path, x)
+            sharding = self.sharding_of(path, x)
             if jax.process_count() == 1:
                 return jax.device_put(x, sharding)
             host = np.asarray(x)
@@ -446,7 +449,7 @@ class Replicas:
             lambda p, x: x if is_shared_leaf(x, p) else _drop(x, 1), tree)
         sharding.check_divides(local, dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)))
 
-    def _sharding(self, path: tuple, x: Any) -> NamedSharding:
+    def sharding_of(self, path: tuple, x: Any) -> NamedSharding:
         """Where ``put`` places a leaf of a replicated tree on the mesh.
 
         Full-rank specs, as shard_map outputs carry them: P('r') and P('r', None) are
@@ -571,22 +574,38 @@ def make_replicas(
             f"{need} devices are needed, {_visible(len(all_devices))}. Use fewer replicas or a "
             f"smaller split (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={need})."
         )
-    devs, slices = _chosen_devices(
-        all_devices, (num_replicas, *shape.values()),
-        f"num_replicas={num_replicas} x fsdp={shape['fsdp']} x tensor={shape['tensor']} = "
-        f"{need} of the {len(all_devices)} devices leave")  # fmt: skip
+    dims = (num_replicas, *shape.values())
+    layout = (f"num_replicas={num_replicas} x fsdp={shape['fsdp']} x tensor={shape['tensor']} "
+              f"= {need} of the {len(all_devices)} devices leave")  # fmt: skip
     if per_replica == 1:
+        devs, slices = _chosen_devices(all_devices, dims, layout)
         explicit = (jax.sharding.AxisType.Explicit,)
         mesh = (_topology_mesh(devs, (num_replicas,), (axis_name,), explicit) if slices is None
                 else jax.sharding.Mesh(slices.reshape(-1), (axis_name,), axis_types=explicit))
         return Replicas(num_replicas, axis_name, mesh)
     auto = jax.sharding.AxisType.Auto
-    types = (jax.sharding.AxisType.Explicit, auto, auto)
-    names, dims = (axis_name, *shape), (num_replicas, *shape.values())
-    grid = _whole_replicas_per_process(devs, dims) if slices is None else slices
-    mesh = (_topology_mesh(devs, dims, names, types) if grid is None
-            else jax.sharding.Mesh(grid, names, axis_types=types))  # fmt: skip
+    mesh = replica_mesh(all_devices, dims, (axis_name, *shape),
+                        (jax.sharding.AxisType.Explicit, auto, auto), layout)  # fmt: skip
     return Replicas(num_replicas, axis_name, mesh, leaf_axes=sharding.intra_replica_axes)
+
+
+def replica_mesh(all_devices: list, dims: tuple[int, ...], names: tuple[str, ...],
+                 types: tuple, layout: str) -> jax.sharding.Mesh:  # fmt: skip
+    """A mesh of ``dims[0]`` replicas of ``dims[1:]`` devices each, from ``all_devices``.
+
+    The replicas are dealt evenly over TPU slices; each replica's devices lie in one slice,
+    and in one process where they fit (only the exchange between replicas crosses the slower
+    links); otherwise the devices follow the topology's order.
+
+    Raises:
+      UserError: the chosen devices leave a process without any (``layout`` starts the
+        message: "<what> of the <count> devices leave(s)").
+    """
+    devs, slices = _chosen_devices(all_devices, dims, layout)
+    grid = _whole_replicas_per_process(devs, dims) if slices is None else slices
+    if grid is None:
+        return _topology_mesh(devs, dims, names, types)
+    return jax.sharding.Mesh(grid, names, axis_types=types)
 
 
 def _chosen_devices(all_devices: list, dims: tuple[int, ...], layout: str

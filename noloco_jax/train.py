@@ -188,13 +188,12 @@ def _saved_run_length(workdir: Any) -> tuple[int, int] | None:
         return None
     from noloco_jax import errors  # noqa: PLC0415
     from noloco_jax.trainer.checkpoint import Checkpointer  # noqa: PLC0415
-    from noloco_jax.trainer.loop import _checked_meta  # noqa: PLC0415
 
     ckpt, meta = Checkpointer(directory), {}
     try:
         for step in reversed(ckpt.all_steps()):
             try:  # the newest alone: with it damaged, the warmup was fitted afresh and the
-                meta = _checked_meta(ckpt, step)  # resume from the previous one refused
+                meta = ckpt.read_run_meta(step)  # resume from the previous one refused
                 break
             except errors.CorruptCheckpointError:
                 continue  # the trainer sets it aside and restores the previous one

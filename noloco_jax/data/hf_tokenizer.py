@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from noloco_jax.data.tokenizers import _well_formed, decode_ids
+from noloco_jax.data.tokenizers import decode_ids, well_formed
 from noloco_jax.errors import UserError
 
 __all__ = ["HFTokenizer"]
@@ -146,7 +146,7 @@ class HFTokenizer:
           ValueError: the tokenizer cannot encode a character of ``text`` (a Unigram or WordLevel
             model without an unk token).
         """
-        text = _well_formed(text)
+        text = well_formed(text)
         try:
             encoding = self._tok.encode(text, add_special_tokens=False)
         except Exception as err:  # tokenizers raises a bare Exception

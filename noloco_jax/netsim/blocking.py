@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from noloco_jax.netsim import _checks
+from noloco_jax.netsim import checks
 
 __all__ = ["simulate_global_blocking"]
 
@@ -35,19 +35,19 @@ def _check_blocking_args(
     num_workers: int, inner_steps: int, diloco_sync_every: int, noloco_sync_every: int,
     group_size: int, sigma2: float, mu: float,
 ) -> None:
-    _checks.int_at_least("num_workers", num_workers, 2)
-    _checks.int_at_least("inner_steps", inner_steps, 1)
+    checks.int_at_least("num_workers", num_workers, 2)
+    checks.int_at_least("inner_steps", inner_steps, 1)
     for name, h in (("diloco_sync_every", diloco_sync_every),
                     ("noloco_sync_every", noloco_sync_every)):
-        _checks.int_at_least(name, h, 1)
+        checks.int_at_least(name, h, 1)
         if inner_steps % h:
             raise ValueError(
                 f"{name} must divide inner_steps={inner_steps} (1 <= {name} <= "
                 f"{inner_steps}), got {h}."
             )
-    _checks.groups_divide("num_workers", num_workers, group_size)
-    _checks.non_negative("sigma2", sigma2)
-    _checks.finite("mu", mu)
+    checks.groups_divide("num_workers", num_workers, group_size)
+    checks.non_negative("sigma2", sigma2)
+    checks.finite("mu", mu)
 
 
 def simulate_global_blocking(
@@ -92,8 +92,8 @@ def simulate_global_blocking(
     _check_blocking_args(
         num_workers, inner_steps, diloco_sync_every, noloco_sync_every, group_size, sigma2, mu
     )
-    _checks.int_at_least("num_trials", num_trials, 1)
-    _checks.int_at_least("seed", seed, 0)  # NumPy's message named no argument
+    checks.int_at_least("num_trials", num_trials, 1)
+    checks.int_at_least("seed", seed, 0)  # NumPy's message named no argument
     step_rng, group_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     chunk = math.gcd(diloco_sync_every, noloco_sync_every)
     diloco = np.zeros((num_trials, num_workers))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from noloco_jax import comm
-from noloco_jax.netsim import _checks
+from noloco_jax.netsim import checks
 from noloco_jax.netsim.links import Link
 
 __all__ = [
@@ -41,8 +41,8 @@ def ring_allreduce_time(num_bytes: float, num_replicas: int, link: Link) -> floa
     Returns:
       Seconds.
     """
-    b = _checks.non_negative("num_bytes", num_bytes)
-    n = _checks.int_at_least("num_replicas", num_replicas, 2)
+    b = checks.non_negative("num_bytes", num_bytes)
+    n = checks.int_at_least("num_replicas", num_replicas, 2)
     hops = 2 * (n - 1)
     return hops * link.latency_s + hops / n * b / link.bytes_per_second
 
@@ -60,8 +60,8 @@ def tree_allreduce_time(num_bytes: float, num_replicas: int, link: Link) -> floa
     Returns:
       Seconds.
     """
-    b = _checks.non_negative("num_bytes", num_bytes)
-    n = _checks.int_at_least("num_replicas", num_replicas, 2)
+    b = checks.non_negative("num_bytes", num_bytes)
+    n = checks.int_at_least("num_replicas", num_replicas, 2)
     hops = 2 * math.ceil(math.log2(n))
     return hops * link.message_time(b)
 
@@ -101,6 +101,6 @@ def group_exchange_time(num_bytes_sent: float, link: Link, *, group_size: int = 
     Returns:
       Seconds.
     """
-    b = _checks.non_negative("num_bytes_sent", num_bytes_sent)
-    n = _checks.int_at_least("group_size", group_size, 2)
+    b = checks.non_negative("num_bytes_sent", num_bytes_sent)
+    n = checks.int_at_least("group_size", group_size, 2)
     return comm.exchange_steps(n) * link.latency_s + b / link.bytes_per_second

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from noloco_jax.netsim import _checks
+from noloco_jax.netsim import checks
 
 __all__ = [
     "paper_allreduce_time",
@@ -41,8 +41,8 @@ def paper_allreduce_time(num_workers: int, message_time: float) -> float:
     Returns:
       2·t_c·log2(N).
     """
-    _checks.int_at_least("num_workers", num_workers, 2)
-    return 2.0 * _checks.positive("message_time", message_time) * math.log2(num_workers)
+    checks.int_at_least("num_workers", num_workers, 2)
+    return 2.0 * checks.positive("message_time", message_time) * math.log2(num_workers)
 
 
 def paper_pairwise_time(message_time: float) -> float:
@@ -54,7 +54,7 @@ def paper_pairwise_time(message_time: float) -> float:
     Returns:
       2·t_c.
     """
-    return 2.0 * _checks.positive("message_time", message_time)
+    return 2.0 * checks.positive("message_time", message_time)
 
 
 def lognormal_params(std_ratio: float, mean: float = 1.0) -> tuple[float, float]:
@@ -67,8 +67,8 @@ def lognormal_params(std_ratio: float, mean: float = 1.0) -> tuple[float, float]
     Returns:
       (μ, σ) with σ² = ln(1 + r²) and μ = ln(t_c) − σ²/2.
     """
-    r = _checks.non_negative("std_ratio", std_ratio)
-    t_c = _checks.positive("mean", mean)
+    r = checks.non_negative("std_ratio", std_ratio)
+    t_c = checks.positive("mean", mean)
     sigma2 = math.log1p(r * r)
     return math.log(t_c) - sigma2 / 2.0, math.sqrt(sigma2)
 
@@ -83,8 +83,8 @@ def expected_max_of_two(mu: float, sigma: float) -> float:
     Returns:
       (1 + erf(σ/2))·exp(μ + σ²/2).
     """
-    _checks.finite("mu", mu)
-    s = _checks.non_negative("sigma", sigma)
+    checks.finite("mu", mu)
+    s = checks.non_negative("sigma", sigma)
     return (1.0 + math.erf(s / 2.0)) * math.exp(mu + s * s / 2.0)
 
 
@@ -102,10 +102,10 @@ def expected_max_of_two_mc(
     Returns:
       The sample mean of max(t1, t2).
     """
-    _checks.finite("mu", mu)
-    s = _checks.non_negative("sigma", sigma)
-    n = _checks.int_at_least("num_samples", num_samples, 1)
-    seed = _checks.int_at_least("seed", seed, 0)  # NumPy's message named no argument
+    checks.finite("mu", mu)
+    s = checks.non_negative("sigma", sigma)
+    n = checks.int_at_least("num_samples", num_samples, 1)
+    seed = checks.int_at_least("seed", seed, 0)  # NumPy's message named no argument
     t = np.random.default_rng(seed).lognormal(mu, s, size=(n, 2))
     return float(t.max(axis=1).mean())
 
@@ -155,11 +155,11 @@ def simulate_tree_allreduce(
       float array [num_trials] of completion times. With σ = 0 every entry is
       exactly 2·t_c·log2(N) (when t_c = 1).
     """
-    n = _checks.power_of_two("num_workers", num_workers)
-    s = _checks.non_negative("sigma", sigma)
-    trials = _checks.int_at_least("num_trials", num_trials, 1)
-    t_c = _checks.positive("mean", mean)
-    rng = np.random.default_rng(_checks.int_at_least("seed", seed, 0))
+    n = checks.power_of_two("num_workers", num_workers)
+    s = checks.non_negative("sigma", sigma)
+    trials = checks.int_at_least("num_trials", num_trials, 1)
+    t_c = checks.positive("mean", mean)
+    rng = np.random.default_rng(checks.int_at_least("seed", seed, 0))
     per_chunk = max(1, _MAX_DRAWS_PER_CHUNK // (2 * n))
     chunks = [
         _tree_chunk(rng, n, s, min(per_chunk, trials - start))

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from noloco_jax.netsim import _checks
+from noloco_jax.netsim import checks
 
 __all__ = ["Link", "message_time", "DATACENTER", "INTERNET"]
 
@@ -38,10 +38,10 @@ def message_time(num_bytes: float, latency_s: Seconds, bytes_per_second: Seconds
       ValueError: ``num_bytes`` or a latency is not a finite number >= 0, or a bandwidth is
         not a finite number > 0.
     """
-    _checks.non_negative("num_bytes", num_bytes)
+    checks.non_negative("num_bytes", num_bytes)
     if np.ndim(latency_s) == 0 and np.ndim(bytes_per_second) == 0:
-        _checks.non_negative("latency_s", latency_s)
-        _checks.positive("bytes_per_second", bytes_per_second)
+        checks.non_negative("latency_s", latency_s)
+        checks.positive("bytes_per_second", bytes_per_second)
     else:
         _check_all(latency_s, bytes_per_second)
     return latency_s + num_bytes / bytes_per_second
@@ -71,9 +71,9 @@ class Link:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "bytes_per_second", _checks.positive("bytes_per_second", self.bytes_per_second)
+            self, "bytes_per_second", checks.positive("bytes_per_second", self.bytes_per_second)
         )
-        object.__setattr__(self, "latency_s", _checks.non_negative("latency_s", self.latency_s))
+        object.__setattr__(self, "latency_s", checks.non_negative("latency_s", self.latency_s))
 
     @classmethod
     def from_gbit_ms(cls, gbit_per_s: float, latency_ms: float) -> Link:
@@ -86,13 +86,13 @@ class Link:
         Returns:
           The ``Link`` in bytes per second and seconds.
         """
-        gbit_per_s = _checks.positive("gbit_per_s", gbit_per_s)
-        latency_ms = _checks.non_negative("latency_ms", latency_ms)
+        gbit_per_s = checks.positive("gbit_per_s", gbit_per_s)
+        latency_ms = checks.non_negative("latency_ms", latency_ms)
         return cls(bytes_per_second=gbit_per_s * 1e9 / 8.0, latency_s=latency_ms / 1e3)
 
     def message_time(self, num_bytes: float) -> float:
         """Seconds to send one message of ``num_bytes`` (a finite number >= 0) over this link."""
-        num_bytes = _checks.non_negative("num_bytes", num_bytes)
+        num_bytes = checks.non_negative("num_bytes", num_bytes)
         return message_time(num_bytes, self.latency_s, self.bytes_per_second)
 
     def describe(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from noloco_jax import comm
-from noloco_jax.netsim import _checks, _wire
+from noloco_jax.netsim import checks, _wire
 from noloco_jax.netsim.collectives import (
     ALLREDUCE_ALGORITHMS,
     allreduce_time,
@@ -88,12 +88,12 @@ def sync_report(
       syncs_per_step, comm_per_step_s, compute_per_step_s and comm_fraction
       = comm / (compute + comm) per inner step.
     """
-    p = _checks.num_params(num_params)
-    n = _checks.int_at_least("num_replicas", num_replicas, 2)
-    _checks.groups_divide("num_replicas", n, group_size)
-    step_s = _checks.positive("step_time_s", step_time_s)
-    h_noloco = _checks.int_at_least("noloco_sync_every", noloco_sync_every, 1)
-    h_diloco = _checks.int_at_least("diloco_sync_every", diloco_sync_every, 1)
+    p = checks.num_params(num_params)
+    n = checks.int_at_least("num_replicas", num_replicas, 2)
+    checks.groups_divide("num_replicas", n, group_size)
+    step_s = checks.positive("step_time_s", step_time_s)
+    h_noloco = checks.int_at_least("noloco_sync_every", noloco_sync_every, 1)
+    h_diloco = checks.int_at_least("diloco_sync_every", diloco_sync_every, 1)
     bpp = _wire.bytes_per_param("bytes_per_param", bytes_per_param)
     xbpp = bpp if exchange_bytes_per_param is None else exchange_bytes_per_param
     xbpp = _wire.bytes_per_param("exchange_bytes_per_param", xbpp)

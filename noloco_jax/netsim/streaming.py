@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from noloco_jax import comm, quantize
-from noloco_jax.netsim import _checks, _wire
+from noloco_jax.netsim import checks, _wire
 from noloco_jax.netsim.collectives import group_exchange_time, ring_allreduce_time
 from noloco_jax.netsim.links import Link
 
@@ -104,14 +104,14 @@ def streaming_sync(
       exchange completely; inf without overlap, nan when even an infinite
       bandwidth cannot because of latency).
     """
-    p = _checks.num_params(num_params)
-    step_s = _checks.positive("step_time_s", step_time_s)
-    h = _checks.int_at_least("sync_every", sync_every, 1)
-    frags = _checks.int_at_least("fragments", fragments, 1)
+    p = checks.num_params(num_params)
+    step_s = checks.positive("step_time_s", step_time_s)
+    h = checks.int_at_least("sync_every", sync_every, 1)
+    frags = checks.int_at_least("fragments", fragments, 1)
     if h % frags:
         raise ValueError(f"fragments={frags} must divide sync_every={h}.")
     stride = h // frags
-    tau = _checks.int_at_least("delay_steps", delay_steps, 0)
+    tau = checks.int_at_least("delay_steps", delay_steps, 0)
     if tau >= stride:
         raise ValueError(f"delay_steps={tau} must be < sync_every / fragments = {stride}.")
     if exchange not in (*_UNQUANTIZED_BYTES, *quantize.FORMATS):
@@ -119,8 +119,8 @@ def streaming_sync(
                          f"got {exchange!r}.")  # fmt: skip
     if method not in ("noloco", "diloco"):
         raise ValueError(f"method must be 'noloco' or 'diloco', got {method!r}.")
-    n_rep = _checks.int_at_least("num_replicas", num_replicas, 2)
-    _checks.int_at_least("group_size", group_size, 2)
+    n_rep = checks.int_at_least("num_replicas", num_replicas, 2)
+    checks.int_at_least("group_size", group_size, 2)
     fragment = -(-p // frags)
     if method == "noloco":
         nbytes, sync_s, latency = _group_cost(fragment, link, exchange, group_size)

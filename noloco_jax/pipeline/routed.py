@@ -164,10 +164,6 @@ def make_pipeline_mesh(num_replicas: int, num_stages: int,
     if len(devices) < need:
         raise ValueError(f"{layout} needs {need} devices, {len(devices)} are visible (on CPU: "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={need}).")  # fmt: skip
-    chosen, grid = replicas._chosen_devices(
-        devices, dims, f"{layout} on {need} of the {len(devices)} devices leaves")
-    grid = replicas._whole_replicas_per_process(chosen, dims) if grid is None else grid
-    if grid is None:
-        return jax.make_mesh(dims, (REPLICA, STAGE), devices=list(chosen))
-    return jax.sharding.Mesh(grid, (REPLICA, STAGE),
-                             axis_types=(jax.sharding.AxisType.Explicit,) * 2)  # fmt: skip
+    return replicas.replica_mesh(devices, dims, (REPLICA, STAGE),
+                                 (jax.sharding.AxisType.Explicit,) * 2,
+                                 f"{layout} on {need} of the {len(devices)} devices leaves")  # fmt: skip

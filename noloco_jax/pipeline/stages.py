@@ -53,7 +53,7 @@ def stage_layer_ids(num_layers: int, num_stages: int) -> list[np.ndarray]:
 
 def leaf_owner(path: tuple) -> str:
     """"blocks" (split over stages by layer), "first" or "last" stage."""
-    name = replicas._key_name(path[0])
+    name = replicas.key_name(path[0])
     if name not in _OWNERS:
         raise ValueError(f"parameter {jax.tree_util.keystr(path)} belongs to no pipeline stage.")
     return _OWNERS[name]

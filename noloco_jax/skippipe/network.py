@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from noloco_jax import errors
-from noloco_jax.netsim import _checks
+from noloco_jax.netsim import checks
 from noloco_jax.netsim.links import Link, message_time
 
 __all__ = [
@@ -105,7 +105,7 @@ class Network:
         if compute.shape != (n,) or not np.all((compute > 0) & np.isfinite(compute)):
             raise ValueError(f"compute_s must be {n} finite values > 0 s, got {compute}")
         object.__setattr__(self, "compute_s", compute)
-        object.__setattr__(self, "overhead_s", _checks.non_negative("overhead_s", self.overhead_s))
+        object.__setattr__(self, "overhead_s", checks.non_negative("overhead_s", self.overhead_s))
 
     @property
     def num_nodes(self) -> int:
@@ -125,7 +125,7 @@ class Network:
 
     def link_time(self, src: int, dst: int, num_bytes: float) -> float:
         """Seconds to send ``num_bytes`` from ``src`` to ``dst`` (0 on the same node)."""
-        num_bytes = _checks.non_negative("num_bytes", num_bytes)
+        num_bytes = checks.non_negative("num_bytes", num_bytes)
         self._check_node_ids(src, dst)
         if src == dst:
             return 0.0
@@ -134,7 +134,7 @@ class Network:
 
     def cost_matrix(self, num_bytes: float) -> np.ndarray:
         """(N, N) link times for a message of ``num_bytes`` (zero diagonal)."""
-        num_bytes = _checks.non_negative("num_bytes", num_bytes)
+        num_bytes = checks.non_negative("num_bytes", num_bytes)
         eye = np.eye(self.num_nodes, dtype=bool)  # the diagonal (any value) is unused
         cost = message_time(num_bytes, np.where(eye, 0.0, self.latency_s),
                             np.where(eye, 1.0, self.bytes_per_second))  # fmt: skip
@@ -171,7 +171,7 @@ def region_link(a: str, b: str) -> Link:
 
 
 def _compute(num_nodes: int, forward_s: float, compute_spread: float, seed: int) -> np.ndarray:
-    forward_s = _checks.positive("forward_s", forward_s)
+    forward_s = checks.positive("forward_s", forward_s)
     if not 0 <= compute_spread < 1:
         raise ValueError(f"compute_spread must be in [0, 1), got {compute_spread}")
     rng = np.random.default_rng(errors.check_int("seed", seed, 0))

@@ -16,7 +16,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from noloco_jax import errors
-from noloco_jax.netsim import _checks
+from noloco_jax.netsim import checks
 from noloco_jax.skippipe.network import Network
 
 __all__ = ["default_stage_sizes", "partition_nodes", "pipeline_cost", "stage_of_nodes"]
@@ -111,7 +111,7 @@ def partition_nodes(network: Network, stage_sizes: Sequence[int], *, message_byt
     errors.check_int("restarts", restarts)
     errors.check_int("max_sweeps", max_sweeps, 0)
     errors.check_int("seed", seed, 0)  # NumPy's message named no argument
-    cost = network.cost_matrix(_checks.non_negative("message_bytes", message_bytes))
+    cost = network.cost_matrix(checks.non_negative("message_bytes", message_bytes))
     rng = np.random.default_rng(seed)
     base = np.repeat(np.arange(len(sizes)), sizes)
     best = None

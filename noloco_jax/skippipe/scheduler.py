@@ -40,7 +40,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from noloco_jax import errors
-from noloco_jax.netsim import _checks
+from noloco_jax.netsim import checks
 from noloco_jax.skippipe import simulator
 from noloco_jax.skippipe.network import Network
 from noloco_jax.skippipe.partition import Partition, stage_of_nodes
@@ -114,7 +114,7 @@ class _Problem:
 
     def walk(self, mb: int, path: Sequence[int], reserved: list | None) -> list[Interval]:
         """Task intervals of one closed path, fitted around ``reserved`` (None: alone)."""
-        tasks = simulator._tasks(path)
+        tasks = simulator.path_tasks(path)
         factor = {"forward": 1.0, "loss": simulator.LOSS_FACTOR,
                   "backward": simulator.BACKWARD_FACTOR}  # fmt: skip
         out, t, prev = [], 0.0, path[0]
@@ -271,7 +271,7 @@ def full_pipeline_chains(network: Network, partition: Partition,
     Returns:
       ``min(stage sizes)`` chains ``(stage-0 node, stage-1 node, ...)``.
     """
-    cost = network.cost_matrix(_checks.non_negative("message_bytes", message_bytes))
+    cost = network.cost_matrix(checks.non_negative("message_bytes", message_bytes))
     chains = [[n] for n in partition[0]]
     for nodes in partition[1:]:
         tails = [c[-1] for c in chains]

@@ -26,10 +26,11 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from noloco_jax import errors
-from noloco_jax.netsim import _checks
+from noloco_jax.netsim import checks
 from noloco_jax.skippipe.network import Network
 
-__all__ = ["TraceEvent", "SimResult", "simulate", "memory_from_trace"]
+__all__ = ["TraceEvent", "SimResult", "simulate", "memory_from_trace",
+           "path_tasks"]
 
 BACKWARD_FACTOR = 1.5
 LOSS_FACTOR = 0.25
@@ -63,7 +64,9 @@ class SimResult:
     max_memory: np.ndarray
 
 
-def _tasks(path: Sequence[int]) -> list[tuple[int, str]]:
+def path_tasks(path: Sequence[int]) -> list[tuple[int, str]]:
+    """(node, "forward" | "loss" | "backward") in the order one micro-batch runs them on a
+    closed path (its first node computes the loss)."""
     inner = list(path[:-1])
     return ([(n, "forward") for n in inner] + [(path[0], "loss")]
             + [(n, "backward") for n in reversed(inner)])  # fmt: skip
@@ -72,7 +75,7 @@ def _tasks(path: Sequence[int]) -> list[tuple[int, str]]:
 def _check(network: Network, paths: Sequence[Sequence[int]], memory: int,
            message_bytes: float) -> None:  # fmt: skip
     errors.check_int("memory", memory)
-    _checks.non_negative("message_bytes", message_bytes)
+    checks.non_negative("message_bytes", message_bytes)
     if not paths:
         raise ValueError("paths must hold at least one microbatch path")
     for i, p in enumerate(paths):
@@ -104,7 +107,7 @@ def simulate(network: Network, paths: Sequence[Sequence[int]], *, memory: int,
     _check(network, paths, memory, message_bytes)
     w = network.compute_s
     dur = {"forward": 1.0, "loss": LOSS_FACTOR, "backward": BACKWARD_FACTOR}
-    tasks = [_tasks(p) for p in paths]
+    tasks = [path_tasks(p) for p in paths]
     n = network.num_nodes
     queues: list[list[tuple]] = [[] for _ in range(n)]  # (arrival, kind order, mb, step)
     busy = [False] * n

@@ -74,9 +74,9 @@ class StepMemory(NamedTuple):
 
 def _category(path: tuple, x: Any) -> str:
     """The ``StepMemory`` field of an input leaf; ``path`` starts at (state, tokens)."""
-    if replicas._key_name(path[0]) != "0":  # the tokens
+    if replicas.key_name(path[0]) != "0":  # the tokens
         return "tokens"
-    field, rest = replicas._key_name(path[1]), {replicas._key_name(k) for k in path[2:]}
+    field, rest = replicas.key_name(path[1]), {replicas.key_name(k) for k in path[2:]}
     if field == "params":
         return "params"
     if field == "opt_state" and rest & _OUTER_FIELDS:
@@ -115,7 +115,7 @@ def _placed(reps: replicas.Replicas, single: Any, lead: bool) -> Any:
         shared = not lead and replicas.is_shared_leaf(x, path)
         local = x.shape[1:] if lead else x.shape
         out = jax.ShapeDtypeStruct(local if shared else (n, *local), x.dtype)
-        sharding = device if reps.mesh is None else reps._sharding(path, out)
+        sharding = device if reps.mesh is None else reps.sharding_of(path, out)
         return jax.ShapeDtypeStruct(out.shape, x.dtype, sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(place, single)

@@ -237,6 +237,17 @@ class Checkpointer:
             raise CorruptCheckpointError(f"checkpoint {step}: its metadata is not a JSON object.")
         return meta
 
+    def read_run_meta(self, step: int) -> dict:
+        """``read_meta``, refused as corrupt when it lacks what a resume reads (the settings,
+        with the replica count the arrays' shapes need, and the batcher's position)."""
+        meta = self.read_meta(step)
+        missing = [k for k in ("settings", "batcher") if not isinstance(meta.get(k), dict)]
+        if not missing and "num_replicas" not in meta["settings"]:
+            missing = ["settings.num_replicas"]
+        if missing:
+            raise CorruptCheckpointError(f"checkpoint {step}: its metadata lacks {missing}.")
+        return meta
+
     def quarantine(self, step: int) -> pathlib.Path:
         """Renames an unreadable step's directory to ``<step>.corrupt[-k]`` and forgets it.
 

@@ -21,7 +21,7 @@ from noloco_jax.trainer.settings import ROUND_METHODS, guard_acts
 from noloco_jax.trainer.step import TrainState
 
 __all__ = ["Escalation", "MAX_CONSECUTIVE_RESETS", "check_counter", "check_phase_errors",
-           "nonfinite_resets", "per_replica_finite", "per_replica_resets", "reset_counts"]
+           "finite_replicas", "nonfinite_resets", "per_replica_finite", "per_replica_resets", "reset_counts"]
 
 
 def check_counter(state: TrainState, step: int) -> None:
@@ -88,7 +88,7 @@ class Escalation:
         """Raises instead of checkpointing weights the guard will not put back."""
         found = find_local_steps_state(state.opt_state)
         tree = found.slow_params if (self.active and found is not None) else state.params
-        ok = _finite_replicas(tree)
+        ok = finite_replicas(tree)
         if not ok.all():
             which = "slow weights" if tree is not state.params else "weights"
             self._fail(f"the {which} of replica(s) {np.flatnonzero(~ok).tolist()} are "
@@ -99,7 +99,7 @@ class Escalation:
         the guard repairs them at a sync, and none is left (the last step is not a sync step)."""
         if not self.active:
             return None
-        ok = _finite_replicas(state.params)
+        ok = finite_replicas(state.params)
         if ok.all():
             return None
         # A larger num_steps resumes only with a constant schedule (check_resume_compatible).
@@ -154,7 +154,7 @@ def _per_replica(counts: Any, num_replicas: int) -> np.ndarray:
     return counts.reshape(num_replicas, -1).max(1)
 
 
-def _finite_replicas(tree: Any) -> np.ndarray:
+def finite_replicas(tree: Any) -> np.ndarray:
     """[N] bool on the host: replica i's float leaves of ``tree`` are all finite."""
     return np.stack([replicas.to_host(v) for v in per_replica_finite(tree)]).all(0)
 

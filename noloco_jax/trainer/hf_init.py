@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from noloco_jax.errors import _is_int
+from noloco_jax.errors import is_int
 from noloco_jax.models import LlamaConfig, init_params
 from noloco_jax.models.hf import load_llama, read_config, save_llama
 from noloco_jax.replicas import to_host
@@ -81,7 +81,7 @@ def export_run(
     from noloco_jax.trainer.build import model_config  # noqa: PLC0415
     from noloco_jax.trainer.loop import load_run  # noqa: PLC0415
 
-    if replica is not None and not (_is_int(replica) and 0 <= replica < s.num_replicas):
+    if replica is not None and not (is_int(replica) and 0 <= replica < s.num_replicas):
         raise ValueError(f"replica must be None or an int in [0, {s.num_replicas}), got "
                          f"{replica!r}.")  # checked before the run is read
     _, params, data = load_run(s, workdir)
@@ -113,9 +113,9 @@ def _replica_on_host(x: Any, i: int) -> np.ndarray:
 def _check_finite(params: Any, replica: int | None) -> None:
     """Refuses to export non-finite weights: the NaN fast weights of a replica the non-finite
     guard had not repaired by the run's last step (they also make the averaged model NaN)."""
-    from noloco_jax.trainer.health import _finite_replicas  # noqa: PLC0415
+    from noloco_jax.trainer.health import finite_replicas  # noqa: PLC0415
 
-    ok = _finite_replicas(params)
+    ok = finite_replicas(params)
     bad = np.flatnonzero(~ok).tolist() if replica is None else [replica] * (not ok[replica])
     if bad:
         raise ValueError(f"replica={replica!r}: the weights of replica(s) {bad} are non-finite "

@@ -54,7 +54,7 @@ def _restore_or_init(
     """
     for step in reversed(ckpt.all_steps()):
         try:
-            meta = _checked_meta(ckpt, step)
+            meta = ckpt.read_run_meta(step)
             # Settings are compared before the arrays are read: a checkpoint of another
             # topology is refused with a clear error and left untouched, never set aside.
             old_n = check_resume(meta, run.meta, run.settings.allow_resize)  # None: same N
@@ -106,16 +106,6 @@ def _report_resize(run: Run, writer: MetricWriter, step: int) -> None:
         if writer.enabled:  # process 0 speaks for all
             print(message, flush=True)
         writer.write(step, "event", {"event": "resize", "detail": message})
-
-
-def _checked_meta(ckpt: Checkpointer, step: int) -> dict:
-    meta = ckpt.read_meta(step)
-    missing = [k for k in ("settings", "batcher") if not isinstance(meta.get(k), dict)]
-    if not missing and "num_replicas" not in meta["settings"]:  # the arrays' shapes need it
-        missing = ["settings.num_replicas"]
-    if missing:
-        raise CorruptCheckpointError(f"checkpoint {step}: its metadata lacks {missing}.")
-    return meta
 
 
 def _next_tokens(run: Run, start: int, count: int) -> Any:
@@ -518,7 +508,7 @@ def load_run(settings: TrainSettings, workdir: str | pathlib.Path) -> tuple[Any,
         step = ckpt.latest_step()
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {directory}.")
-        meta = _checked_meta(ckpt, step)
+        meta = ckpt.read_run_meta(step)
         check_loadable(meta["settings"], run.meta["settings"])  # not "corrupt"
         check_init_model(meta, run.meta, "load the run")
         restored, _ = ckpt.restore(step, target)
