@@ -364,6 +364,8 @@ def _quiet_abandoned_reads() -> Iterator[list]:
     inside this block and append it to the yielded list, so that the reads are collected here.
     A read that succeeded abandons nothing, and skips the collection: a full ``gc.collect``
     takes seconds in a process that holds many compiled programs (1.5 s each in the tests).
+    Reads still in flight report later, when TensorStore finishes them or the collector closes
+    them: after a failure, the process's hook drops those reports (``_abandoned_read``).
     """
     log = logging.getLogger("asyncio")
     level, hook = log.level, sys.unraisablehook
@@ -375,8 +377,33 @@ def _quiet_abandoned_reads() -> Iterator[list]:
     finally:
         if failed:
             gc.collect()  # the abandoned tasks report (here, silently) when collected
-        sys.unraisablehook = hook
+        sys.unraisablehook = _dropping_abandoned_reads(hook) if failed else hook
         log.setLevel(level)
+
+
+def _abandoned_read(unraisable: Any) -> bool:
+    """Whether an unraisable exception reports an orbax read that a failed restore abandoned:
+    its coroutine (one shard's read) closed by the collector, or TensorStore's callback into
+    the event loop the restore had closed."""
+    if getattr(unraisable.object, "__name__", None) == "_read_array_index_and_device_put":
+        return True
+    tb = unraisable.exc_traceback
+    return (isinstance(unraisable.exc_value, RuntimeError) and tb is not None
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and tb.tb_frame.f_code.co_name == "call_soon_threadsafe")  # fmt: skip
+
+
+def _dropping_abandoned_reads(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``hook`` for every unraisable exception but the reports of abandoned reads."""
+    if getattr(hook, "drops_abandoned_reads", False):
+        return hook
+
+    def drop(unraisable: Any) -> None:
+        if not _abandoned_read(unraisable):
+            hook(unraisable)
+
+    drop.drops_abandoned_reads = True  # type: ignore[attr-defined]
+    return drop
 
 
 def _brief(err: Exception) -> str:
