@@ -14,6 +14,7 @@ traceback. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import pathlib
@@ -37,6 +38,10 @@ RUN_FAILURE_EXIT = 1
 _HELP_ARGS = ("--help", "-help", "-h", "--helpshort", "-helpshort", "-?")
 _DEBUG_ARGS = ("--debug", "-debug", "--debug=true", "--debug=True", "--debug=1")
 # Flags of this program, in --help order (absl's own flags: --helpfull).
+# Python's cyclic collector runs after this many new objects (its default: 700). Tracing and
+# compiling allocate millions, most freed by reference counting, so the default ran thousands of
+# collections a run: a tiny run (nano, 8 steps) takes 6 % less CPU. Collection is unchanged.
+GC_THRESHOLD = (50_000, 20, 20)
 _PROJECT_FLAGS = ("config", "workdir", "progress", "debug", "coordinator_address",
                   "num_processes", "process_id", "distributed")  # fmt: skip
 _START_WAIT_S = 60  # a process that stopped before it joined waits this long for the others
@@ -580,6 +585,7 @@ def _print_help() -> int:
 
 def run() -> None:
     """Console-script entry point."""
+    gc.set_threshold(*GC_THRESHOLD)  # the process is this program's
     try:
         code = cli()
     except BaseException:  # a bug (traceback) or a second Ctrl-C: the same barrier applies

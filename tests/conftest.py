@@ -70,6 +70,22 @@ def noloco_run(tmp_path_factory):
     return s, base / "run", last
 
 
+# ---------------------------------------------------------------- Python's garbage collector
+
+# Tracing and compiling allocate millions of short-lived objects, so Python's cyclic collector
+# ran thousands of times per worker, each older-generation pass over a heap of JAX's caches.
+# After collection, what is alive (the imported modules, the test functions) is frozen out of
+# those passes, and a pass runs as rarely as in ``noloco-train``. Reference counting frees what
+# it did, and cycles are still collected.
+def pytest_collection_finish(session):
+    import gc  # noqa: PLC0415
+
+    from noloco_jax.train import GC_THRESHOLD  # noqa: PLC0415
+
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
+
+
 # ---------------------------------------------------------------- pytest-xdist (CI: -n 2)
 
 # Test files in the order they are handed to the workers: the longest first (seconds on

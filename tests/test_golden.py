@@ -139,4 +139,9 @@ def test_the_pipeline_on_the_stage_mesh_trains_like_the_simulation(records):
         np.testing.assert_allclose(list(mesh[key].values()), list(sim[key].values()), rtol=1e-5)
 
 if __name__ == "__main__":  # the fixture's subprocess: CORPUS_DIR DATA_DIR OUT_DIR
+    import gc
+
+    from noloco_jax.train import GC_THRESHOLD
+
+    gc.set_threshold(*GC_THRESHOLD)  # as the suite's and noloco-train's processes
     _train_all(*map(pathlib.Path, sys.argv[1:4]))
