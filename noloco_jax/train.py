@@ -37,11 +37,11 @@ USAGE_ERROR_EXIT = 2
 RUN_FAILURE_EXIT = 1
 _HELP_ARGS = ("--help", "-help", "-h", "--helpshort", "-helpshort", "-?")
 _DEBUG_ARGS = ("--debug", "-debug", "--debug=true", "--debug=True", "--debug=1")
-# Flags of this program, in --help order (absl's own flags: --helpfull).
 # Python's cyclic collector runs after this many new objects (its default: 700). Tracing and
 # compiling allocate millions, most freed by reference counting, so the default ran thousands of
 # collections a run: a tiny run (nano, 8 steps) takes 6 % less CPU. Collection is unchanged.
 GC_THRESHOLD = (50_000, 20, 20)
+# Flags of this program, in --help order (absl's own flags: --helpfull).
 _PROJECT_FLAGS = ("config", "workdir", "progress", "debug", "coordinator_address",
                   "num_processes", "process_id", "distributed")  # fmt: skip
 _START_WAIT_S = 60  # a process that stopped before it joined waits this long for the others
