@@ -413,7 +413,8 @@ class Replicas:
             # of tx.init separately (5.7 s for the nano model on a replica x stage mesh). Its
             # outputs are placed as put places them: the compiler would leave the moments
             # whole on every device of a split replica.
-            places = jax.tree_util.tree_map_with_path(self.sharding_of, jax.eval_shape(init, params))
+            places = jax.tree_util.tree_map_with_path(self.sharding_of,
+                                                      jax.eval_shape(init, params))
             init = jax.jit(init, out_shardings=places)
         state = init(params)
         check_composition(state)

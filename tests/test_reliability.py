@@ -129,14 +129,20 @@ def test_a_prng_key_restores_onto_abstract_like(tmp_path):
     assert got["w"].dtype == jnp.bfloat16
 
 
-def test_a_truncated_checkpoint_is_one_short_error(tmp_path, capfd):
+def _truncated_checkpoint(directory: pathlib.Path) -> dict:
+    """Saves eight arrays as step 1 and cuts its largest file to 1000 bytes; returns the tree."""
     tree = {k: jnp.arange(65536, dtype=jnp.float32) * i for i, k in enumerate("abcdefgh")}
-    ckpt = Checkpointer(tmp_path)
+    ckpt = Checkpointer(directory)
     ckpt.save(1, tree, {"note": "x"})
     ckpt.close()
-    data = max((p for p in (tmp_path / "1" / "state").rglob("*") if p.is_file()),
+    data = max((p for p in (directory / "1" / "state").rglob("*") if p.is_file()),
                key=lambda p: p.stat().st_size)  # fmt: skip
     data.write_bytes(data.read_bytes()[:1000])
+    return tree
+
+
+def test_a_truncated_checkpoint_is_one_short_error(tmp_path, capfd):
+    tree = _truncated_checkpoint(tmp_path)
     capfd.readouterr()
     with pytest.raises(CorruptCheckpointError) as err:
         Checkpointer(tmp_path).restore(1, abstract_like(tree))
@@ -176,13 +182,7 @@ def test_reads_a_failed_restore_left_in_flight_report_nothing_later(tmp_path, mo
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    tree = {k: jnp.arange(65536, dtype=jnp.float32) * i for i, k in enumerate("abcdefgh")}
-    ckpt = Checkpointer(tmp_path)
-    ckpt.save(1, tree, {})
-    ckpt.close()
-    data = max((p for p in (tmp_path / "1" / "state").rglob("*") if p.is_file()),
-               key=lambda p: p.stat().st_size)  # fmt: skip
-    data.write_bytes(data.read_bytes()[:1000])
+    tree = _truncated_checkpoint(tmp_path)
     for _ in range(3):
         with pytest.raises(CorruptCheckpointError):
             Checkpointer(tmp_path).restore(1, abstract_like(tree))

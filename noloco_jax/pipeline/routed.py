@@ -164,6 +164,6 @@ def make_pipeline_mesh(num_replicas: int, num_stages: int,
     if len(devices) < need:
         raise ValueError(f"{layout} needs {need} devices, {len(devices)} are visible (on CPU: "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={need}).")  # fmt: skip
-    return replicas.replica_mesh(devices, dims, (REPLICA, STAGE),
-                                 (jax.sharding.AxisType.Explicit,) * 2,
-                                 f"{layout} on {need} of the {len(devices)} devices leaves")  # fmt: skip
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    return replicas.replica_mesh(devices, dims, (REPLICA, STAGE), explicit,
+                                 f"{layout} on {need} of the {len(devices)} devices leaves")

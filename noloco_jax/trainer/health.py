@@ -21,7 +21,8 @@ from noloco_jax.trainer.settings import ROUND_METHODS, guard_acts
 from noloco_jax.trainer.step import TrainState
 
 __all__ = ["Escalation", "MAX_CONSECUTIVE_RESETS", "check_counter", "check_phase_errors",
-           "finite_replicas", "nonfinite_resets", "per_replica_finite", "per_replica_resets", "reset_counts"]
+           "finite_replicas", "nonfinite_resets", "per_replica_finite", "per_replica_resets",
+           "reset_counts"]
 
 
 def check_counter(state: TrainState, step: int) -> None:
