@@ -57,8 +57,9 @@ def smoke_runs(request, tmp_path_factory):
     pytest.param("opt_level", marks=pytest.mark.slow),
     pytest.param("gpu_attention", marks=pytest.mark.slow),
     pytest.param("routing_compile", marks=pytest.mark.slow),
+    pytest.param("suite_time", marks=pytest.mark.slow),
 ])  # overhead and scaling time ~25 s of repetitions each; sharded_memory compiles 6 programs;
-#     opt_level trains twice in fresh processes (~45 s)
+#     opt_level trains twice in fresh processes (~45 s); suite_time runs pytest on a test file
 def test_benchmark_smoke(script, smoke_runs):
     extra = EXTRA_FLAGS.get(script, [])
     tmp_path, (code, stderr, _) = smoke_runs[script]
