@@ -5,8 +5,9 @@
 Each test process writes ``<worker>.json`` into ``$SUITE_PROFILE_DIR``: per test, its wall
 seconds, the CPU seconds of its own process and of the child processes it waited for; per test
 file and JAX function, the seconds JAX spent tracing, lowering and compiling (XLA) and how many
-programs it compiled. ``experiments/bench/suite_time.py`` runs the suite with it and writes
-the tables.
+programs it compiled. With ``$SUITE_PROFILE_IR`` set too, JAX writes every program it
+compiles as StableHLO into ``$SUITE_PROFILE_IR/<worker>/``. ``experiments/bench/suite_time.py``
+runs the suite with it and writes the tables.
 """
 
 import collections
@@ -37,6 +38,10 @@ def pytest_configure(config):
         import jax  # noqa: PLC0415
 
         jax.monitoring.register_event_duration_secs_listener(_on_event)
+        if os.environ.get("SUITE_PROFILE_IR"):
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            jax.config.update("jax_dump_ir_to", f"{os.environ['SUITE_PROFILE_IR']}/{worker}")
+            jax.config.update("jax_include_debug_info_in_dumps", False)
 
 
 @pytest.hookimpl(hookwrapper=True)

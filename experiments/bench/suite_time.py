@@ -1,6 +1,6 @@
 """Where the default test suite's time goes: per test file, per compiled function, per process.
 
-    python -m experiments.bench.suite_time [--smoke] [--workers 2] [--tests tests]
+    python -m experiments.bench.suite_time [--smoke] [--workers 2] [--tests tests] [--distinct]
 
 Runs ``python -m pytest -n WORKERS -q -p tests.suite_profile TESTS`` from the checkout (the
 README's test command plus the recording plugin) and writes what it recorded: the suite's wall
@@ -9,14 +9,22 @@ tests, the share of them JAX spent tracing, lowering and compiling programs in t
 and the CPU of the child processes tests waited for (runs through the CLI, notebooks, several
 processes); the test files and the JAX functions that cost most. Seconds of one run on a
 shared machine vary by up to 20 %; compare two commits only run side by side.
+
+``--distinct`` also keeps every compiled program's StableHLO and counts, per test process, how
+many of them differ only in their constants (numbers): programs that could be shared if those
+values were inputs instead; and which functions were compiled again with the same text (the
+same program placed on other devices, or a cache that missed). It slows the run (every
+program is written to disk).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import pathlib
+import re
 import resource
 import subprocess
 import sys
@@ -31,22 +39,27 @@ from experiments.bench import common
 
 WORKERS = flags.DEFINE_integer("workers", 2, "pytest-xdist workers (-n).", lower_bound=1)
 TESTS = flags.DEFINE_list("tests", ["tests"], "What pytest runs: folders, files or node ids.")
-for _name in (*options.OUT_FLAGS, "workers", "tests"):
+DISTINCT = flags.DEFINE_bool("distinct", False, "Count the compiled programs that differ only "
+                             "in their constants (keeps every program's StableHLO).")
+for _name in (*options.OUT_FLAGS, "workers", "tests", "distinct"):
     flags.declare_key_flag(_name)
 
 SMOKE_TESTS = ["tests/test_quantize.py"]
 TOP = 15
 
 
-def run_suite(tests: list[str], workers: int, profile_dir: pathlib.Path) -> dict:
-    """Runs pytest with the plugin; its wall seconds, its process tree's CPU and exit status."""
+def run_suite(tests: list[str], workers: int, profile_dir: pathlib.Path,
+              ir_dir: pathlib.Path | None = None) -> dict:  # fmt: skip
+    """Runs pytest with the plugin; its wall seconds, its process tree's CPU and summary."""
+    env = {**os.environ, "SUITE_PROFILE_DIR": str(profile_dir)}
+    if ir_dir:
+        env["SUITE_PROFILE_IR"] = str(ir_dir)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-n", str(workers), "-q", "-p", "no:cacheprovider",
          "-p", "tests.suite_profile", *tests],
-        cwd=common.ROOT, env={**os.environ, "SUITE_PROFILE_DIR": str(profile_dir)},
-        capture_output=True, text=True)  # fmt: skip
+        cwd=common.ROOT, env=env, capture_output=True, text=True)  # fmt: skip
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
@@ -78,6 +91,31 @@ def summarize(profile_dir: pathlib.Path) -> dict:
     return {"workers": workers, "files": files, "funs": funs}
 
 
+_NAME = re.compile(r"^module @\S+", re.M)  # the module's name: the function's
+_LOCATION = re.compile(r"loc\([^)]*\)|^#loc\d*\s*=.*$", re.M)
+_CONSTANT = re.compile(r"dense<[^>]*>|(?<![\w%#])-?\d+(\.\d+)?(e[-+]?\d+)?(?!\w)")
+
+
+def distinct_programs(ir_dir: pathlib.Path) -> dict[str, dict[str, int]]:
+    """Per test process: the programs it compiled, how many differ in their text (the module's
+    name and source locations aside), and how many with every number replaced by one symbol."""
+    counts = {}
+    for folder in sorted(p for p in ir_dir.iterdir() if p.is_dir()):
+        texts, shapes, again = set(), set(), collections.Counter()
+        files = sorted(folder.glob("*_compile.mlir"))
+        for path in files:
+            text = _LOCATION.sub("", _NAME.sub("module", path.read_text()))
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            if digest in texts:  # jax_ir0012_jit_<function>_compile.mlir
+                again[path.name.split("_", 3)[3].removesuffix("_compile.mlir")] += 1
+            texts.add(digest)
+            shapes.add(hashlib.sha256(_CONSTANT.sub("C", text).encode()).hexdigest())
+        counts[folder.name] = {"programs": len(files), "distinct": len(texts),
+                               "distinct_but_constants": len(shapes),
+                               "compiled_again": dict(again.most_common())}  # fmt: skip
+    return counts
+
+
 def _jax_seconds(c: collections.Counter) -> float:
     return c["trace"] + c["lower"] + c["xla"]
 
@@ -107,6 +145,16 @@ def markdown(suite: dict, s: dict, cmd: str) -> str:
     out += (f"\n\nThe {TOP} jitted functions (eager operations count as their own) that "
             "cost most to trace, lower and compile:\n\n") + common.md_table(
         ["function", "JAX s", "trace s", "lower s", "XLA s", "programs"], rows)
+    if "distinct" in s:
+        rows = [[w, c["programs"], c["distinct"], c["distinct_but_constants"],
+                 ", ".join(f"{k} {v}" for k, v in list(c["compiled_again"].items())[:6])]
+                for w, c in s["distinct"].items()]  # fmt: skip
+        out += ("\n\nCompiled programs (StableHLO as compiled, `--distinct`): all, the "
+                "distinct ones, and the distinct ones once every number is replaced by one "
+                "symbol (what passing those values as inputs could share); the functions "
+                "most often compiled again with the same text in the same process.\n\n"
+                ) + common.md_table(["process", "programs", "distinct",
+                                     "distinct but for constants", "compiled again"], rows)
     return out + "\n"
 
 
@@ -115,8 +163,11 @@ def main(argv: Sequence[str]) -> None:
     options.smoke_sets("tests")
     tests = SMOKE_TESTS if options.SMOKE.value else TESTS.value
     with tempfile.TemporaryDirectory() as tmp:
-        suite = run_suite(tests, WORKERS.value, pathlib.Path(tmp))
+        ir_dir = pathlib.Path(tmp, "ir") if DISTINCT.value else None
+        suite = run_suite(tests, WORKERS.value, pathlib.Path(tmp), ir_dir)
         s = summarize(pathlib.Path(tmp))
+        if ir_dir:
+            s["distinct"] = distinct_programs(ir_dir)
     cmd = options.command("experiments.bench.suite_time")
     results = {"env": common.environment(), "suite": suite,
                **{k: {name: dict(c) for name, c in v.items()} for k, v in s.items()}}
