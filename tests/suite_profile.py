@@ -54,8 +54,8 @@ def pytest_runtest_protocol(item, nextitem):
         "id": item.nodeid,
         "wall": time.perf_counter() - wall,
         "cpu": now.user + now.system - cpu.user - cpu.system,
-        "children": (now.children_user + now.children_system
-                     - cpu.children_user - cpu.children_system),
+        "children": max(0.0, now.children_user + now.children_system
+                        - cpu.children_user - cpu.children_system),
     })  # fmt: skip
     _file[0] = "<between tests>"
 

@@ -120,10 +120,11 @@ def _jax_seconds(c: collections.Counter) -> float:
     return c["trace"] + c["lower"] + c["xla"]
 
 
-def markdown(suite: dict, s: dict, cmd: str) -> str:
+def markdown(suite: dict, s: dict, cmd: str, commit: str) -> str:
     """The page: the suite, each test process, the costliest files and functions."""
     cpu = suite["user"] + suite["sys"]
-    head = (f"### Where the test suite's time goes\n\n`{cmd}`: {suite['summary']}. Wall "
+    head = (f"### Where the test suite's time goes\n\n`{cmd}` (commit {commit}): "
+            f"{suite['summary']}. Wall "
             f"{suite['wall']:.1f} s; CPU of every process it started {cpu:.1f} s "
             f"({suite['user']:.1f} user, {suite['sys']:.1f} system), "
             f"{cpu / suite['wall']:.2f} cores busy on average. 'JAX' is tracing, lowering and "
@@ -169,9 +170,11 @@ def main(argv: Sequence[str]) -> None:
         if ir_dir:
             s["distinct"] = distinct_programs(ir_dir)
     cmd = options.command("experiments.bench.suite_time")
-    results = {"env": common.environment(), "suite": suite,
+    env = common.environment()
+    results = {"env": env, "suite": suite,
                **{k: {name: dict(c) for name, c in v.items()} for k, v in s.items()}}
-    common.write("bench_suite_time", results, markdown(suite, s, cmd), options.out_dir())
+    common.write("bench_suite_time", results, markdown(suite, s, cmd, env["commit"]),
+                 options.out_dir())  # fmt: skip
 
 
 if __name__ == "__main__":
