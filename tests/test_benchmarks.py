@@ -126,6 +126,24 @@ def test_gpu_attention_counts_cudnn_fused_attention_calls():
     assert gpu_attention.cudnn_attention_calls(hlo.replace("cudnn$fmha", "other")) == 0
 
 
+def test_suite_time_counts_programs_that_differ_only_in_their_constants(tmp_path):
+    suite_time = _import_alone("experiments.bench.suite_time")
+    body = ("module @jit_{name} {{\n  func.func public @main(%arg0: tensor<4x64xf32>) -> "
+            "tensor<4x64xf32> {{\n    %c = stablehlo.constant dense<{c}> : tensor<f32> "
+            "loc(#loc3)\n    return %arg0 : tensor<4x64xf32>\n  }}\n}}\n#loc3 = loc(\"x.py\":{c})\n")
+    programs = [("step", "3.0e-03"), ("step", "3.0e-03"), ("other", "3.0e-03"), ("step", "0.1")]
+    (tmp_path / "gw0").mkdir()
+    for i, (name, c) in enumerate(programs):  # as JAX names its dumps
+        (tmp_path / "gw0" / f"jax_ir{i:04d}_jit_{name}_compile.mlir").write_text(
+            body.format(name=name, c=c))
+    (tmp_path / "gw0" / "jax_ir0004_jit_step_compile.mlir").write_text(
+        body.format(name="step", c="1").replace("4x64", "4x32"))  # another shape
+    assert suite_time.distinct_programs(tmp_path) == {"gw0": {
+        "programs": 5, "distinct": 3,  # the repeat and the renamed copy are the first
+        "distinct_but_constants": 2,  # 0.1 for 3e-3: one shape; 4x32 stays apart
+        "compiled_again": {"step": 1, "other": 1}}}
+
+
 def test_environment_records_the_commit_and_takes_it_from_the_environment(monkeypatch):
     from experiments.bench import common
 

@@ -71,8 +71,9 @@ def run_suite(tests: list[str], workers: int, profile_dir: pathlib.Path,
 
 def summarize(profile_dir: pathlib.Path) -> dict:
     """Per test process, per test file and per JAX function totals of the plugin's records."""
-    workers, files, funs = {}, collections.defaultdict(collections.Counter), \
-        collections.defaultdict(collections.Counter)  # fmt: skip
+    workers: dict[str, collections.Counter] = {}
+    files = collections.defaultdict(collections.Counter)
+    funs = collections.defaultdict(collections.Counter)
     for path in sorted(profile_dir.glob("*.json")):
         record = json.loads(path.read_text())
         w = workers[path.stem] = collections.Counter()
@@ -91,7 +92,7 @@ def summarize(profile_dir: pathlib.Path) -> dict:
     return {"workers": workers, "files": files, "funs": funs}
 
 
-_NAME = re.compile(r"^module @\S+", re.M)  # the module's name: the function's
+_NAME = re.compile(r"^module @\S+", re.M)  # jit(f)'s module is named after f
 _LOCATION = re.compile(r"loc\([^)]*\)|^#loc\d*\s*=.*$", re.M)
 _CONSTANT = re.compile(r"dense<[^>]*>|(?<![\w%#])-?\d+(\.\d+)?(e[-+]?\d+)?(?!\w)")
 
