@@ -130,7 +130,8 @@ def test_suite_time_counts_programs_that_differ_only_in_their_constants(tmp_path
     suite_time = _import_alone("experiments.bench.suite_time")
     body = ("module @jit_{name} {{\n  func.func public @main(%arg0: tensor<4x64xf32>) -> "
             "tensor<4x64xf32> {{\n    %c = stablehlo.constant dense<{c}> : tensor<f32> "
-            "loc(#loc3)\n    return %arg0 : tensor<4x64xf32>\n  }}\n}}\n#loc3 = loc(\"x.py\":{c})\n")
+            "loc(#loc3)\n    return %arg0 : tensor<4x64xf32>\n  }}\n}}\n"
+            "#loc3 = loc(\"x.py\":{c})\n")
     programs = [("step", "3.0e-03"), ("step", "3.0e-03"), ("other", "3.0e-03"), ("step", "0.1")]
     (tmp_path / "gw0").mkdir()
     for i, (name, c) in enumerate(programs):  # as JAX names its dumps
