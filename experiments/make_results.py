@@ -41,7 +41,8 @@ BENCH = ["bench_overhead", "bench_overhead_gpu_h200", "bench_clip_traffic", "ben
          "bench_micro_batches", "bench_micro_batches_gpu_h200", "bench_scaling",
          "bench_compile_scale", "bench_compile_scale_shard_map", "bench_throughput",
          "bench_throughput_gpu", "bench_throughput_gpu_bf16", "bench_gpu", "bench_gpu_attention",
-         "bench_overlap", "pilot_cost", "bench_opt_level", "bench_routing_compile"]
+         "bench_overlap", "pilot_cost", "bench_opt_level", "bench_routing_compile",
+         "bench_suite_time"]
 
 
 def _nest(markdown: str) -> str:
